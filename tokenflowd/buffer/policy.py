@@ -1,0 +1,70 @@
+"""The seam between the scheduler and a scheduling policy: plain data in, a plain-data plan out.
+
+A policy never touches requests, pages or tensors. The scheduler builds a `SchedulerView`, asks
+`policy.plan(view)`, then carries the plan out; so a policy is testable and simulable without a
+model (the simulator builds views itself).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    request_id: str
+    arrival_time: float
+    num_tokens: int  # prompt + output so far
+    num_computed_tokens: int  # waiting: what its prefix-cache hit would give it
+    pages_held: int  # waiting: the hit's pages
+    pages_reclaimed: int = 0  # waiting only: hit pages now unreferenced (counted in free_pages)
+    priority: int = 0
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens to compute before the request can sample (1 for a decode)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def pages_to_run(self, num_tokens: int, page_size: int) -> int:
+        """Free pages consumed by running `num_tokens` more tokens of this request."""
+        grow = max(0, cdiv(self.num_computed_tokens + num_tokens, page_size) - self.pages_held)
+        return grow + self.pages_reclaimed
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerView:
+    now: float
+    running: tuple[RequestView, ...]  # in arrival order
+    waiting: tuple[RequestView, ...]  # in queue order (preempted requests included)
+    free_pages: int  # free + evictable cached pages
+    total_pages: int
+    page_size: int
+    token_budget: int  # tokens one step may compute
+    max_num_seqs: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One step: which requests compute how many tokens, and which running ones give up their KV."""
+
+    scheduled: tuple[tuple[str, int], ...] = ()  # (request_id, num_tokens), num_tokens >= 1
+    preempted: tuple[str, ...] = ()
+
+
+class SchedulingPolicy(abc.ABC):
+    """Invariants a plan must keep (the scheduler checks them and skips what does not fit):
+    - sum of scheduled tokens <= view.token_budget; no request scheduled twice;
+    - a request is never both scheduled and preempted; only running requests are preempted;
+    - scheduled tokens of a request <= its tokens_left;
+    - pages consumed by the scheduled requests <= free_pages + pages freed by the preemptions;
+    - running plus admitted requests <= max_num_seqs.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def plan(self, view: SchedulerView) -> Plan: ...

@@ -1,0 +1,101 @@
+"""Frozen, validated configuration. "auto" values are resolved before freezing."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """'24MiB' -> 25165824, '4GiB', '1.5GB', '4096' -> bytes. Raises ValueError with the accepted units."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must be non-negative, got {text}")
+        return text
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"cannot parse size {text!r}: use a number with an optional unit such as 512MiB, 4GiB or 2GB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs, concrete (no "auto" left). Build with `EngineConfig.resolve`."""
+
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    dtype: str = "float32"  # torch dtype name
+    page_size: int = 16
+    num_pages: int = 0  # 0: derived from kv_cache_memory when the engine starts
+    kv_cache_memory: int | None = None  # bytes; None: gpu_memory_utilization of free GPU memory / 1 GiB on CPU
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 512  # the token budget of one step
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's context, capped by the KV pool
+    enable_prefix_caching: bool = True
+    attention_backend: str = "torch"  # torch | flashinfer
+    cuda_graphs: bool = False
+    policy: str = "fcfs"
+    seed: int = 0
+    num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("torch", "flashinfer"):
+            raise ValueError(f"attention_backend must be torch or flashinfer, got {self.attention_backend!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.device == "cpu" and (self.attention_backend == "flashinfer" or self.cuda_graphs):
+            raise ValueError("flashinfer and CUDA graphs need a CUDA device")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        attention_backend: str = "auto",
+        cuda_graphs: bool | None = None,
+        kv_cache_memory: str | int | None = None,
+        **kw,
+    ) -> "EngineConfig":
+        """Turn user-level choices ("auto", "1GiB") into a concrete, frozen config."""
+        from tokenflowd.engine import platform
+
+        device = platform.pick_device() if device == "auto" else device
+        on_gpu = device.startswith("cuda")
+        if dtype == "auto":
+            dtype = "bfloat16" if on_gpu or platform.cpu_has_fast_bf16() else "float32"
+        if attention_backend == "auto":
+            attention_backend = "flashinfer" if on_gpu and platform.has_flashinfer() else "torch"
+        if cuda_graphs is None:
+            cuda_graphs = on_gpu and attention_backend == "flashinfer"
+        if "max_num_batched_tokens" not in kw:
+            kw["max_num_batched_tokens"] = 8192 if on_gpu else 512
+        mem = None if kv_cache_memory is None else parse_size(kv_cache_memory)
+        return cls(
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            cuda_graphs=cuda_graphs,
+            kv_cache_memory=mem,
+            **kw,
+        )

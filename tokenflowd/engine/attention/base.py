@@ -1,0 +1,73 @@
+"""The attention seam. A backend reads and writes the paged KV cache; the model never sees pages.
+
+KV cache of one layer (the layout flashinfer calls NHD, K and V planes apart):
+
+    kv_cache: [2, num_pages, page_size, kv_heads, head_dim]     kv_cache[0] = K, kv_cache[1] = V
+    slot s  = page * page_size + offset                          (K plane viewed as [slots, kv_heads, head_dim])
+
+A step's tokens are flat: request i owns query rows query_start[i] : query_start[i+1]; they are the
+tokens at positions seq_lens[i] - query_len .. seq_lens[i] - 1 of its sequence, and the KV of all
+seq_lens[i] tokens lives in the pages block_tables[i] once the step has written the new ones.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """One step's batch layout, host-side, built once by the runner."""
+
+    query_start: list[int]  # [B+1] cumulative query lengths
+    seq_lens: list[int]  # [B] KV length of each request after this step
+    block_tables: list[list[int]]  # [B][pages] pages covering seq_lens[i] tokens
+    slot_mapping: torch.Tensor  # [T] int64 on the device: where each new token's K/V goes
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, i: int) -> int:
+        return self.query_start[i + 1] - self.query_start[i]
+
+
+class AttentionBackend(abc.ABC):
+    """Invariants: `prepare` runs once per step before any layer; `forward` first writes k/v of the
+    step's tokens at `slot_mapping`, then attends each query causally over its request's KV only;
+    the output has q's shape and dtype. A backend keeps no per-request state between steps."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = device
+        self.scale = head_dim**-0.5
+
+    @abc.abstractmethod
+    def prepare(self, inputs: AttentionInputs) -> object:
+        """Per-step metadata shared by every layer."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, heads, head_dim]
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, kv_heads, head_dim]
+        meta: object,
+    ) -> torch.Tensor:  # [T, heads, head_dim]
+        ...
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's new K/V into their slots (both planes are contiguous)."""
+    kvh, d = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, kvh, d).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, kvh, d).index_copy_(0, slot_mapping, v)

@@ -1,0 +1,109 @@
+"""Attention with torch's SDPA, for CPU and GPU.
+
+Torch has no paged kernel, so K/V must be gathered from pages; the backend does so only where
+it must and once per layer, page by page (not token by token):
+  - a prompt chunk with no earlier context attends to its own fresh k/v: no gather at all;
+  - decodes (one query each) are batched: their pages are gathered into one padded
+    [B, max_pages * page_size] block, masked past each seq_len;
+  - a prompt chunk that continues earlier context (chunked prefill, prefix-cache hit) gathers
+    its own pages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs, write_kv
+
+
+@dataclass
+class _Chunk:
+    start: int
+    stop: int
+    pages: torch.Tensor | None  # [n_pages] int64, None when there is no earlier context
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, causal with the context offset
+    seq_len: int
+
+
+@dataclass
+class TorchAttentionMeta:
+    slot_mapping: torch.Tensor  # [T]
+    decode_rows: torch.Tensor | None  # [Bd] query rows of decoding requests
+    decode_all: bool  # every row is a decode, in order: no row gather/scatter needed
+    decode_pages: torch.Tensor | None  # [Bd, max_pages] int64 (padded with page 0)
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_pages * page_size] bool
+    chunks: list[_Chunk]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def prepare(self, inputs: AttentionInputs) -> TorchAttentionMeta:
+        dev, ps = self.device, self.page_size
+        decode_idx = [i for i in range(inputs.num_requests) if inputs.query_len(i) == 1]
+        chunks: list[_Chunk] = []
+        for i in range(inputs.num_requests):
+            q_len, seq_len = inputs.query_len(i), inputs.seq_lens[i]
+            if q_len == 1:
+                continue
+            start = inputs.query_start[i]
+            past = seq_len - q_len
+            if past == 0:
+                chunks.append(_Chunk(start, start + q_len, None, None, seq_len))
+                continue
+            n_pages = -(-seq_len // ps)
+            pages = torch.tensor(inputs.block_tables[i][:n_pages], dtype=torch.int64, device=dev)
+            qpos = torch.arange(past, seq_len, device=dev)[:, None]
+            mask = torch.arange(seq_len, device=dev)[None, :] <= qpos
+            chunks.append(_Chunk(start, start + q_len, pages, mask, seq_len))
+        rows = pages_t = mask_t = None
+        decode_all = False
+        if decode_idx:
+            lens = [inputs.seq_lens[i] for i in decode_idx]
+            max_pages = -(-max(lens) // ps)
+            table = [inputs.block_tables[i][:max_pages] + [0] * (max_pages - len(inputs.block_tables[i][:max_pages]))
+                     for i in decode_idx]
+            pages_t = torch.tensor(table, dtype=torch.int64, device=dev)
+            lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+            mask_t = (torch.arange(max_pages * ps, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
+            rows_list = [inputs.query_start[i] for i in decode_idx]
+            decode_all = len(decode_idx) == inputs.num_requests
+            rows = torch.tensor(rows_list, dtype=torch.int64, device=dev)
+        return TorchAttentionMeta(inputs.slot_mapping, rows, decode_all, pages_t, mask_t, chunks)
+
+    def forward(self, layer, q, k, v, kv_cache, meta: TorchAttentionMeta):
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        for c in meta.chunks:
+            qc = q[c.start : c.stop].transpose(0, 1)  # [heads, q_len, d]
+            if c.pages is None:
+                kc = k[c.start : c.stop].transpose(0, 1)  # [kv_heads, q_len, d]
+                vc = v[c.start : c.stop].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True, scale=self.scale)
+            else:
+                kc, vc = self._gather(kv_cache, c.pages, c.seq_len)  # [kv_heads, seq_len, d]
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, enable_gqa=True, scale=self.scale)
+            out[c.start : c.stop] = o.transpose(0, 1)
+        if meta.decode_rows is not None:
+            qd = q if meta.decode_all else q[meta.decode_rows]  # [Bd, heads, d]
+            B, P = meta.decode_pages.shape
+            kd = kv_cache[0][meta.decode_pages].view(B, P * self.page_size, self.num_kv_heads, self.head_dim)
+            vd = kv_cache[1][meta.decode_pages].view(B, P * self.page_size, self.num_kv_heads, self.head_dim)
+            o = F.scaled_dot_product_attention(
+                qd.unsqueeze(2),  # [Bd, heads, 1, d]
+                kd.transpose(1, 2),  # [Bd, kv_heads, L, d]
+                vd.transpose(1, 2),
+                attn_mask=meta.decode_mask,
+                enable_gqa=True,
+                scale=self.scale,
+            ).squeeze(2)
+            if meta.decode_all:
+                return o
+            out[meta.decode_rows] = o
+        return out
+
+    def _gather(self, kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kvh, d = self.num_kv_heads, self.head_dim
+        kc = kv_cache[0][pages].view(-1, kvh, d)[:seq_len].transpose(0, 1)
+        vc = kv_cache[1][pages].view(-1, kvh, d)[:seq_len].transpose(0, 1)
+        return kc, vc

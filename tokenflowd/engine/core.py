@@ -1,0 +1,125 @@
+"""EngineCore: token ids in, token ids out. What one engine process runs; knows no text.
+
+    add_request(req)  ->  step() -> [EngineCoreOutput]  ...  abort(id)
+
+    step:  scheduler.schedule() -> runner.execute(batch) -> scheduler.update(batch, sampled)
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenflowd.buffer.fcfs import FCFSPolicy
+from tokenflowd.buffer.policy import SchedulingPolicy
+from tokenflowd.config import EngineConfig
+from tokenflowd.engine.kv_manager import KVCacheManager
+from tokenflowd.engine.loader import LoadedModel, load_model_source
+from tokenflowd.engine.page_pool import PagePool
+from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request
+from tokenflowd.engine.runner import ModelRunner
+from tokenflowd.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+POLICIES: dict[str, type[SchedulingPolicy]] = {"fcfs": FCFSPolicy}
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepStats:
+    num_steps: int = 0
+    num_batched_tokens: int = 0
+    last_step_time: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        loaded = loaded or load_model_source(config.model, getattr(torch, config.dtype), config.device)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = tuple(sorted(set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)))
+        self.runner = ModelRunner(config, loaded)
+        self.max_model_len = self.runner.max_model_len
+        self._init_scheduler()
+        self.stats = StepStats()
+
+    def _init_scheduler(self) -> None:
+        self.pool = PagePool(self.runner.num_pages, self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, self.config.page_size)
+        if self.config.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.config.policy!r}; choose one of {', '.join(POLICIES)}")
+        self.scheduler = Scheduler(
+            self.kv, POLICIES[self.config.policy](), self.config.max_num_batched_tokens, self.config.max_num_seqs
+        )
+
+    # -- API ----------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Validate and queue. Raises InvalidRequestError (nothing changes) when it cannot be served."""
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but this engine's context holds {self.max_model_len} "
+                f"(prompt plus at least one new token): shorten the prompt"
+            )
+        mt = req.sampling_params.max_tokens
+        if mt is not None and n + mt > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) plus max_tokens ({mt}) exceeds the context length "
+                f"{self.max_model_len}: lower max_tokens to at most {self.max_model_len - n}"
+            )
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        req.max_model_len = self.max_model_len
+        if not req.eos_token_ids:
+            req.eos_token_ids = self.eos_token_ids
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        t0 = time.perf_counter()
+        sampled = self.runner.execute(batch)
+        finished = self.scheduler.update(batch, sampled)
+        self.stats.num_steps += 1
+        self.stats.num_batched_tokens += batch.total_tokens
+        self.stats.last_step_time = time.perf_counter() - t0
+        done = {r.request_id for r in finished}
+        outs = []
+        for req, token in zip(batch.requests, sampled):
+            if token is None and req.request_id not in done:
+                continue
+            outs.append(
+                EngineCoreOutput(
+                    req.request_id,
+                    [token] if token is not None else [],
+                    req.finish_reason if req.request_id in done else None,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        return outs

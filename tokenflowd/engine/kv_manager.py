@@ -1,0 +1,76 @@
+"""Per-request page bookkeeping on top of the PagePool: prefix hits, growth, publication, release."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from tokenflowd.engine.page_pool import PagePool, chain_page_keys
+from tokenflowd.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PrefixHit(NamedTuple):
+    pages: list[int]
+    num_evictable: int  # of `pages`, how many sit unreferenced in the LRU (admission takes them off it)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+
+class KVCacheManager:
+    def __init__(self, pool: PagePool, page_size: int) -> None:
+        self.pool = pool
+        self.page_size = page_size
+
+    def prefix_hit(self, req: Request) -> PrefixHit:
+        """The longest cached run of full pages covering at most num_tokens - 1 tokens: the last
+        token is always computed so that the step that admits the request can sample from it."""
+        chain_page_keys(req.token_ids, self.page_size, req.page_hashes)
+        max_pages = (req.num_tokens - 1) // self.page_size
+        pages = self.pool.lookup(req.page_hashes[:max_pages])
+        return PrefixHit(pages, sum(self.pool.is_evictable(p) for p in pages))
+
+    def pages_needed(self, req: Request, num_new_tokens: int) -> int:
+        return max(0, cdiv(req.num_computed_tokens + num_new_tokens, self.page_size) - len(req.block_table))
+
+    def admit(self, req: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
+        """Take the prefix hit's pages and allocate room for `num_new_tokens` past it, or change nothing."""
+        assert not req.block_table and req.num_computed_tokens == 0
+        fresh = cdiv(len(hit.pages) * self.page_size + num_new_tokens, self.page_size) - len(hit.pages)
+        if fresh > self.pool.num_free - hit.num_evictable:
+            return False
+        for page in hit.pages:
+            self.pool.incref(page)
+        req.block_table = list(hit.pages)
+        req.num_computed_tokens = req.num_cached_tokens = len(hit.pages) * self.page_size
+        req.num_published_pages = len(hit.pages)
+        return self.grow(req, num_new_tokens)
+
+    def grow(self, req: Request, num_new_tokens: int) -> bool:
+        """Make the block table cover num_computed_tokens + num_new_tokens, or change nothing."""
+        need = self.pages_needed(req, num_new_tokens)
+        if need > self.pool.num_free:
+            return False
+        req.block_table.extend(self.pool.allocate() for _ in range(need))
+        return True
+
+    def commit(self, req: Request) -> None:
+        """Publish every page whose tokens are all computed (prompt or output) to the prefix cache."""
+        if not self.pool.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.page_size
+        chain_page_keys(req.token_ids, self.page_size, req.page_hashes, req.num_computed_tokens)
+        for i in range(req.num_published_pages, num_full):
+            self.pool.register(req.block_table[i], req.page_hashes[i])
+        req.num_published_pages = max(req.num_published_pages, num_full)
+
+    def free(self, req: Request) -> None:
+        """Release the request's pages, tail first, so that LRU eviction takes the tails of
+        prefixes before their heads. Its computed tokens are forgotten (recompute on resume)."""
+        for page in reversed(req.block_table):
+            self.pool.decref(page)
+        req.block_table = []
+        req.num_computed_tokens = req.num_published_pages = 0

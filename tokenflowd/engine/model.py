@@ -1,0 +1,127 @@
+"""A Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) over a flat batch of tokens.
+
+Tokens of all requests in a step are concatenated: x is [T, hidden]. Attention, the only operation
+that looks across tokens, goes through an AttentionBackend that reads and writes the paged KV cache.
+Projections are fused (q|k|v and gate|up) so a layer runs four matmuls.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tokenflowd.engine.attention.base import AttentionBackend
+from tokenflowd.engine.model_config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] fp32, with llama3-style frequency-dependent scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv.float()
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    scaled = torch.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+    return scaled.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim/2] in x's dtype. rotate_half convention.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
+        # cos/sin: [max_positions, head_dim/2] in the model dtype, indexed by position each step
+        self.register_buffer("rope_cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
+        self.layers: list[dict[str, torch.Tensor]] = []
+
+    def load_weights(self, w: dict[str, torch.Tensor]) -> None:
+        """Take Hugging Face-named weights (already in dtype/device), fusing q|k|v and gate|up."""
+        cfg = self.cfg
+
+        def take(name: str) -> torch.Tensor:
+            t = w.pop(name, None)
+            if t is None:
+                raise KeyError(f"weight {name} missing from the checkpoint")
+            return t.to(device=self.device, dtype=self.dtype)
+
+        self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            layer = {
+                "attn_norm": take(p + "input_layernorm.weight"),
+                "qkv": torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),  # [q+2kv, hidden]
+                "o": take(p + "self_attn.o_proj.weight"),  # [hidden, q]
+                "mlp_norm": take(p + "post_attention_layernorm.weight"),
+                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                "down": take(p + "mlp.down_proj.weight"),  # [hidden, inter]
+            }
+            if cfg.attention_bias:
+                layer["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.layers.append(layer)
+        self.norm = take("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else take("lm_head.weight")  # [vocab, hidden]
+        if w:
+            raise KeyError(f"unexpected weights in the checkpoint: {sorted(w)[:5]}")
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [num_pages, 2, page_size, kv_heads, head_dim]
+        attn: AttentionBackend,
+        attn_meta: object,
+    ) -> torch.Tensor:  # [T, hidden]
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, head_dim/2]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        h = F.embedding(input_ids, self.embed)
+        residual = h
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+            qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+            o = attn.forward(i, q, k, v, kv_caches[i], attn_meta)  # [T, heads, head_dim]
+            h = residual + F.linear(o.reshape(T, self.q_size), layer["o"])
+            residual = h
+            x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            h = residual + F.linear(F.silu(gate) * up, layer["down"])
+            residual = h
+        return rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> logits [N, vocab] fp32
+        return F.linear(hidden, self.lm_head).float()

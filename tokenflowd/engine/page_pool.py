@@ -1,0 +1,120 @@
+"""Page allocator with reference counts, and the prefix cache over full pages.
+
+A page is in exactly one of three states:
+
+    free      ref == 0, no key        in `_free`
+    cached    ref == 0, has a key     in `_lru` (evictable, oldest first) and `_by_key`
+    in use    ref >= 1                held by the block tables of ref requests (key optional)
+
+A full page's key chains over the previous page's key, so equal keys mean equal whole prefixes:
+
+    key(page i) = H(key(page i-1) || tokens of page i)
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from typing import Sequence
+
+
+def chain_page_keys(
+    token_ids: Sequence[int], page_size: int, keys: list[bytes], num_tokens: int | None = None
+) -> list[bytes]:
+    """Extend `keys` in place with the keys of every full page of `token_ids[:num_tokens]` not yet keyed."""
+    n = len(token_ids) if num_tokens is None else num_tokens
+    for i in range(len(keys), n // page_size):
+        prev = keys[i - 1] if i else b""
+        chunk = array("q", token_ids[i * page_size : (i + 1) * page_size]).tobytes()
+        keys.append(hashlib.blake2b(prev + chunk, digest_size=16).digest())
+    return keys
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PagePool:
+    def __init__(self, num_pages: int, enable_prefix_caching: bool = True) -> None:
+        if num_pages < 1:
+            raise ValueError("the KV pool needs at least one page")
+        self.num_pages = num_pages
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_pages
+        self._key: list[bytes | None] = [None] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._by_key: dict[bytes, int] = {}
+
+    # -- counts -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Pages an allocation can take now: free plus evictable cached ones."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free
+
+    def ref_count(self, page: int) -> int:
+        return self._ref[page]
+
+    def is_evictable(self, page: int) -> bool:
+        return page in self._lru
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """A fresh page with ref 1; evicts the least recently used cached page if none is free."""
+        if self._free:
+            page = self._free.popleft()
+        elif self._lru:
+            page, _ = self._lru.popitem(last=False)
+            del self._by_key[self._key[page]]  # type: ignore[index]
+            self._key[page] = None
+        else:
+            raise OutOfPages("no free or evictable KV page")
+        self._ref[page] = 1
+        return page
+
+    def incref(self, page: int) -> None:
+        if self._ref[page] == 0:
+            self._lru.pop(page)  # only a cached page can be revived from ref 0
+        self._ref[page] += 1
+
+    def decref(self, page: int) -> None:
+        assert self._ref[page] > 0, f"page {page} freed twice"
+        self._ref[page] -= 1
+        if self._ref[page] == 0:
+            if self._key[page] is not None:
+                self._lru[page] = None  # most recently used end
+            else:
+                self._free.append(page)
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """Pages holding the longest cached prefix of `keys` (no references taken)."""
+        pages: list[int] = []
+        if not self.enable_prefix_caching:
+            return pages
+        for key in keys:
+            page = self._by_key.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def register(self, page: int, key: bytes) -> None:
+        """Publish a full, computed page under its chained key. A key already published by another
+        page keeps that page; this one stays private and returns to the free list when released."""
+        if not self.enable_prefix_caching or self._key[page] is not None or key in self._by_key:
+            return
+        self._key[page] = key
+        self._by_key[key] = page
+
+    def cached_keys(self) -> list[bytes]:
+        """Every published key, for the router's prefix index."""
+        return list(self._by_key)

@@ -1,0 +1,129 @@
+"""The one request-state object and its sampling parameters."""
+from __future__ import annotations
+
+import enum
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = None  # None: up to the context length
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))  # NOTE: normalising in __post_init__ only
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's whole state in the engine. Tokens are one list: prompt, then output.
+
+        token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... ]
+                      <- num_prompt_tokens -> <- num_output_tokens ->
+        computed:   [=========== num_computed_tokens ===)     KV of these is in block_table's pages
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    max_model_len: int = 0
+
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
+    num_published_pages: int = 0  # leading pages of block_table already offered to the prefix cache
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    block_table: list[int] = field(default_factory=list)  # page ids, in token order
+    page_hashes: list[bytes] = field(default_factory=list)  # chained keys of full pages, lazily extended
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens this request may produce: its max_tokens, capped by the context."""
+        room = self.max_model_len - self.num_prompt_tokens
+        mt = self.sampling_params.max_tokens
+        return room if mt is None else min(mt, room)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @functools.cached_property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Read first after admission, once eos_token_ids is final."""
+        ids = set(self.sampling_params.stop_token_ids)
+        if not self.sampling_params.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return frozenset(ids)

@@ -1,0 +1,146 @@
+"""Owns the model, the KV cache tensor and the attention backend; turns a ScheduledBatch into tokens."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenflowd.config import EngineConfig
+from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
+from tokenflowd.engine.loader import LoadedModel
+from tokenflowd.engine.model import LlamaModel
+from tokenflowd.engine.model_config import ModelConfig
+from tokenflowd.engine.sampler import Sampler
+from tokenflowd.engine.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_MEMORY = 1 << 30
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    return cfg.kv_bytes_per_token * page_size * torch.empty((), dtype=dtype).element_size()
+
+
+def activation_bytes(cfg: ModelConfig, num_tokens: int, num_seqs: int, dtype: torch.dtype) -> int:
+    """A generous bound on one step's transient memory: a layer's activations for the token budget
+    (q|k|v, attention out, gate|up, the SwiGLU product, residual stream) twice over, plus fp32
+    logits of every sampled row and the sampler's sorted copy."""
+    el = torch.empty((), dtype=dtype).element_size()
+    per_token = (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + 3 * cfg.intermediate_size + 4 * cfg.hidden_size
+    return 2 * num_tokens * per_token * el + 3 * num_seqs * cfg.vocab_size * 4
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.model_config = loaded.config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.page_size = config.page_size
+        self._init_threads()
+        self._init_model(loaded)
+        self._init_kv_cache()
+        self._init_attention()
+        self.sampler = Sampler(config.seed)
+
+    # -- start-up -----------------------------------------------------------------------------
+    def _init_threads(self) -> None:
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+
+    def _init_model(self, loaded: LoadedModel) -> None:
+        cfg = loaded.config
+        max_len = min(self.config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.model = LlamaModel(cfg, max_len, self.dtype, self.device)
+        self.model.load_weights(dict(loaded.weights))
+        loaded.weights.clear()  # the model holds the (fused) tensors now
+        self.max_model_len = max_len
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_MEMORY
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = (1 - self.config.gpu_memory_utilization) * total
+        act = activation_bytes(self.model_config, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.dtype)
+        return int(free - reserve - act)
+
+    def _init_kv_cache(self) -> None:
+        cfg = self.model_config
+        pb = page_bytes(cfg, self.page_size, self.dtype)
+        num_pages = self.config.num_pages or self._kv_budget() // pb
+        if num_pages < 2:
+            raise ValueError(
+                f"the KV cache budget holds {num_pages} pages of {pb} bytes: raise --kv-cache-memory "
+                f"(at least {2 * pb} bytes) or lower the model size"
+            )
+        self.num_pages = num_pages
+        # kv_cache: [layers, 2, num_pages, page_size, kv_heads, head_dim] dtype device
+        self.kv_cache = torch.empty(
+            cfg.num_layers, 2, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.kv_layers = list(self.kv_cache.unbind(0))
+        self.max_model_len = min(self.max_model_len, num_pages * self.page_size)
+        log.info("KV cache: %d pages x %d tokens (%.1f MiB), max_model_len %d",
+                 num_pages, self.page_size, num_pages * pb / 2**20, self.max_model_len)
+
+    def _init_attention(self) -> None:
+        cfg = self.model_config
+        args = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.page_size, self.dtype, self.device)
+        if self.config.attention_backend == "flashinfer":
+            from tokenflowd.engine.attention.flashinfer_backend import FlashInferBackend
+
+            self.attn: AttentionBackend = FlashInferBackend(*args)
+        else:
+            from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
+
+            self.attn = TorchAttentionBackend(*args)
+
+    # -- one step -----------------------------------------------------------------------------
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int]]:
+        ps = self.page_size
+        ids, pos, slots = [], [], []
+        query_start, seq_lens, tables, sample_rows = [0], [], [], []
+        for req, n in zip(batch.requests, batch.num_tokens):
+            start = req.num_computed_tokens
+            p = np.arange(start, start + n)
+            table = np.asarray(req.block_table, dtype=np.int64)
+            ids.append(np.asarray(req.token_ids[start : start + n], dtype=np.int64))
+            pos.append(p)
+            slots.append(table[p // ps] * ps + p % ps)
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(req.block_table)
+            if start + n == req.num_tokens:
+                sample_rows.append(query_start[-1] - 1)
+        dev = self.device
+        input_ids = torch.from_numpy(np.concatenate(ids)).to(dev, non_blocking=True)
+        positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
+        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True)
+        return input_ids, positions, AttentionInputs(query_start, seq_lens, tables, slot_mapping), sample_rows
+
+    def compute_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Logits [S, vocab] fp32 for the S requests of the batch that sample this step, and their
+        indices in the batch (a request samples when its chunk reaches its last known token)."""
+        input_ids, positions, attn_inputs, sample_rows = self._prepare(batch)
+        meta = self.attn.prepare(attn_inputs)
+        hidden = self.model(input_ids, positions, self.kv_layers, self.attn, meta)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        sampling = [i for i, (r, n) in enumerate(zip(batch.requests, batch.num_tokens))
+                    if r.num_computed_tokens + n == r.num_tokens]
+        return logits, sampling
+
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Run one step; the sampled token of each batch request, None for a mid-prompt chunk."""
+        logits, sampling = self.compute_logits(batch)
+        out: list[int | None] = [None] * len(batch)
+        if sampling:
+            tokens = self.sampler(logits, [batch.requests[i] for i in sampling])
+            for i, t in zip(sampling, tokens):
+                out[i] = t
+        return out

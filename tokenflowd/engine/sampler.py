@@ -1,0 +1,62 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens.
+
+Rows are filtered together (one sort of the vocabulary for the rows that need top-k/top-p); the draw
+is per row only where a request brings its own seeded generator, so a seeded request samples the
+same tokens whatever else shares its batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenflowd.engine.request import Request
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        # logits: [N, vocab] fp32, row i belongs to reqs[i]
+        for i, r in enumerate(reqs):
+            if r.num_output_tokens < r.sampling_params.min_tokens and r.stop_token_ids:
+                ids = [t for t in r.stop_token_ids if t < logits.shape[1]]
+                logits[i, ids] = float("-inf")
+        greedy = [r.sampling_params.greedy for r in reqs]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist()
+        out = logits.argmax(dim=-1)
+        rows = [i for i, g in enumerate(greedy) if not g]
+        sub = [reqs[i] for i in rows]
+        probs = self._probs(logits[rows], sub)
+        # Exponential race (Gumbel-max in probability space): argmax p / E, E ~ Exp(1).
+        race = torch.empty_like(probs)
+        shared = [j for j, r in enumerate(sub) if r.generator is None]
+        if shared:
+            race[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(generator=self.generator)
+        for j, r in enumerate(sub):
+            if r.generator is not None:
+                race[j] = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
+        out[rows] = (probs / race.to(probs.device)).argmax(dim=-1)
+        return out.tolist()
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        # logits: [M, vocab] -> probabilities after temperature, top-k and top-p
+        dev = logits.device
+        temps = torch.tensor([r.sampling_params.temperature for r in reqs], device=dev)
+        logits = logits / temps[:, None]
+        top_k = [r.sampling_params.top_k for r in reqs]
+        top_p = [r.sampling_params.top_p for r in reqs]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            vocab = logits.shape[1]
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            k = torch.tensor([kk if kk else vocab for kk in top_k], device=dev)
+            rank = torch.arange(vocab, device=dev)[None, :]
+            sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            p = torch.tensor(top_p, device=dev)
+            sorted_logits = sorted_logits.masked_fill(before >= p[:, None], float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+        return logits.softmax(dim=-1)

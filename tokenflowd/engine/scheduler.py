@@ -1,0 +1,164 @@
+"""Turns the policy's plan into page allocations and a batch; applies the step's sampled tokens.
+
+    schedule() -> ScheduledBatch      (view -> policy.plan -> preempt / admit / grow)
+    update(batch, sampled)            (counters, new tokens, stop checks, page publication)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenflowd.buffer.policy import RequestView, SchedulerView, SchedulingPolicy
+from tokenflowd.engine.kv_manager import KVCacheManager
+from tokenflowd.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Requests computing this step and how many tokens each, starting at its num_computed_tokens."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, token_budget: int, max_num_seqs: int) -> None:
+        self.kv = kv
+        self.policy = policy
+        self.token_budget = token_budget
+        self.max_num_seqs = max_num_seqs
+        self.waiting: list[Request] = []  # queue order: arrival order
+        self.running: list[Request] = []  # arrival order
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- schedule -----------------------------------------------------------------------------
+    def _view(self) -> SchedulerView:
+        pool = self.kv.pool
+        running = tuple(
+            RequestView(r.request_id, r.arrival_time, r.num_tokens, r.num_computed_tokens, len(r.block_table))
+            for r in self.running
+        )
+        waiting = []
+        # Only requests that could be admitted this step need a prefix lookup.
+        for r in self.waiting[: self.max_num_seqs]:
+            hit = self.kv.prefix_hit(r)
+            waiting.append(
+                RequestView(
+                    r.request_id, r.arrival_time, r.num_tokens, hit.num_pages * self.kv.page_size,
+                    hit.num_pages, hit.num_evictable,
+                )
+            )
+        return SchedulerView(
+            now=time.monotonic(),
+            running=running,
+            waiting=tuple(waiting),
+            free_pages=pool.num_free,
+            total_pages=pool.num_pages,
+            page_size=self.kv.page_size,
+            token_budget=self.token_budget,
+            max_num_seqs=self.max_num_seqs,
+        )
+
+    def schedule(self) -> ScheduledBatch:
+        plan = self.policy.plan(self._view())
+        batch = ScheduledBatch()
+        for rid in plan.preempted:
+            req = self.requests[rid]
+            assert req.status is RequestStatus.RUNNING, f"policy preempted {rid}, which is not running"
+            self.kv.free(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_preemptions += 1
+            self.num_preemptions += 1
+            self.running.remove(req)
+            self.waiting.append(req)
+            batch.preempted.append(req)
+        if plan.preempted:
+            self.waiting.sort(key=lambda r: r.arrival_time)
+        admitted = False
+        for rid, n in plan.scheduled:
+            req = self.requests[rid]
+            if req.status is RequestStatus.RUNNING:
+                ok = self.kv.grow(req, n)
+            else:
+                ok = self.kv.admit(req, self.kv.prefix_hit(req), n)
+                if ok:
+                    req.status = RequestStatus.RUNNING
+                    self.waiting.remove(req)
+                    self.running.append(req)
+                    admitted = True
+            # A plan computed on shared prefix pages can overestimate room: what does not fit waits.
+            if ok:
+                n = min(n, req.num_tokens - req.num_computed_tokens)
+                batch.requests.append(req)
+                batch.num_tokens.append(n)
+        if admitted:
+            self.running.sort(key=lambda r: r.arrival_time)
+        return batch
+
+    # -- update -------------------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
+        """Apply one step's results. `sampled[i]` is the token drawn for batch.requests[i], or None
+        when its chunk ended mid-prompt. Returns the requests that finished this step."""
+        finished = []
+        now = time.monotonic()
+        for req, n, token in zip(batch.requests, batch.num_tokens, sampled):
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += n
+            self.kv.commit(req)
+            if token is None:
+                continue
+            req.token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    @staticmethod
+    def _stop_reason(req: Request, token: int) -> FinishReason | None:
+        if req.num_output_tokens >= req.max_tokens:
+            return FinishReason.LENGTH
+        if token in req.stop_token_ids:  # the sampler masks them until min_tokens
+            return FinishReason.STOP
+        return None
+
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End a request wherever it is, and free its pages at once."""
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        del self.requests[req.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, FinishReason.ABORT)
+        return req
