@@ -121,7 +121,7 @@ def config_from_gguf(reader: gguf.GGUFReader, path: str | Path, tokenizer: Token
         rope_dim = int(get(f"{arch}.rope.dimension_count", head_dim))
         if rope_dim != head_dim:
             raise ModelLoadError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are unsupported: {path}")
-        theta = float(get(f"{arch}.rope.freq_base", 10000.0))
+        theta = _f32(get(f"{arch}.rope.freq_base", 10000.0))
         scaling = None
         if _ROPE_FREQS in tensors:
             factors = gguf.quants.dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type)
@@ -137,7 +137,7 @@ def config_from_gguf(reader: gguf.GGUFReader, path: str | Path, tokenizer: Token
             num_kv_heads=int(get(f"{arch}.attention.head_count_kv", num_heads)),
             head_dim=head_dim,
             max_position_embeddings=int(get(f"{arch}.context_length", 4096)),
-            rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rms_norm_eps=_f32(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings="output.weight" not in tensors,
@@ -149,6 +149,12 @@ def config_from_gguf(reader: gguf.GGUFReader, path: str | Path, tokenizer: Token
         )
     except (TypeError, ValueError) as e:  # a missing key shows up as int(None)
         raise ModelLoadError(f"incomplete {arch} metadata in {path}: {e}") from e
+
+
+def _f32(value: float) -> float:
+    """GGUF stores floats as float32: 1e-5 reads back as 9.9999997e-06. Take the shortest decimal
+    that is the same float32, so configs compare equal to the Hugging Face ones."""
+    return float(str(np.float32(value)))
 
 
 def rope_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int, original_ctx: int) -> RopeScaling:

@@ -55,7 +55,6 @@ class ModelRunner:
         max_len = min(self.config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.model = LlamaModel(cfg, max_len, self.dtype, self.device)
         self.model.load_weights(dict(loaded.weights))
-        loaded.weights.clear()  # the model holds the (fused) tensors now
         self.max_model_len = max_len
 
     def _kv_budget(self) -> int:

@@ -1,0 +1,98 @@
+"""Shared fixtures: tiny Hugging Face model directories built from random weights, and the
+embedded model loaded once per session."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenflowd.config import EngineConfig
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_hf_dir(path: Path, arch: str, seed: int = 0) -> Path:
+    """Save a small random Llama- or Qwen2-shaped model as a Hugging Face directory, with the
+    embedded model's tokenizer (ids line up: the vocab sizes agree)."""
+    import transformers
+
+    from tokenflowd.engine.loader import embedded_gguf_path
+    from tokenflowd.engine.tokenizer import Tokenizer
+
+    import gguf
+
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(embedded_gguf_path()))
+    common = dict(
+        vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1,
+    )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            **common, tie_word_embeddings=False, rope_theta=10000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        # Qwen2 initialises biases to zero; random ones make the parity check see them.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():  # larger weights than the default init, so logits differ visibly
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: make_hf_dir(root / arch, arch) for arch in ("llama", "qwen2")}
+
+
+_EMBEDDED: dict[str, object] = {}
+
+
+def embedded_model(dtype: str):
+    """The embedded model's LoadedModel in `dtype`, loaded once per test session. Engines copy its
+    weight dict and share the tensors."""
+    from tokenflowd.engine.loader import load_model_source
+
+    if dtype not in _EMBEDDED:
+        _EMBEDDED[dtype] = load_model_source("smollm2-135m", getattr(torch, dtype), "cpu")
+    return _EMBEDDED[dtype]
+
+
+@pytest.fixture
+def embedded():
+    """(dtype, LoadedModel) in the engine's default CPU dtype (bf16 where the CPU has it)."""
+    dtype = EngineConfig.resolve(device="cpu").dtype
+    return dtype, embedded_model(dtype)
+
+
+@pytest.fixture
+def embedded_fp32():
+    """fp32: the dtype in which a GEMM's result for a row does not depend on the rows beside it
+    closely enough for greedy decoding to be batch-invariant."""
+    return "float32", embedded_model("float32")
