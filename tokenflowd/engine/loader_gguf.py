@@ -60,7 +60,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> Loa
     reader = open_gguf(path)
     try:
         tokenizer = Tokenizer.from_gguf(reader)
-    except (ValueError, KeyError, IndexError) as e:
+    except (ValueError, KeyError, IndexError, TypeError) as e:
         raise ModelLoadError(f"cannot build the tokenizer of {path}: {e}") from e
     config = config_from_gguf(reader, path, tokenizer)
     permuted = reader.fields["general.architecture"].contents() == "llama"
@@ -110,7 +110,9 @@ def config_from_gguf(reader: gguf.GGUFReader, path: str | Path, tokenizer: Token
 
     arch = get("general.architecture")
     if arch not in _SUPPORTED_ARCHS:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(_SUPPORTED_ARCHS)}")
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(_SUPPORTED_ARCHS)}"
+        )
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"GGUF file {path} has no token_embd.weight tensor")
@@ -120,7 +122,9 @@ def config_from_gguf(reader: gguf.GGUFReader, path: str | Path, tokenizer: Token
         head_dim = int(get(f"{arch}.attention.key_length", hidden // num_heads))
         rope_dim = int(get(f"{arch}.rope.dimension_count", head_dim))
         if rope_dim != head_dim:
-            raise ModelLoadError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are unsupported: {path}")
+            raise ModelLoadError(
+                f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are unsupported: {path}"
+            )
         theta = _f32(get(f"{arch}.rope.freq_base", 10000.0))
         scaling = None
         if _ROPE_FREQS in tensors:

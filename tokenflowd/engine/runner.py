@@ -47,6 +47,10 @@ class ModelRunner:
 
     # -- start-up -----------------------------------------------------------------------------
     def _init_threads(self) -> None:
+        if self.device.type == "cpu":
+            # Denormal floats slow CPU arithmetic ~10x (seen: a 512-token prefill step at 11.7 s
+            # instead of 1.1 s in fp32); flushing them to zero changes no result that matters.
+            torch.set_flush_denormal(True)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
 
@@ -78,7 +82,9 @@ class ModelRunner:
             )
         self.num_pages = num_pages
         # kv_cache: [layers, 2, num_pages, page_size, kv_heads, head_dim] dtype device
-        self.kv_cache = torch.empty(
+        # NOTE: zeroed, not empty. Attention reads whole pages and masks the slots past a sequence's
+        # end; masked weights are 0, and 0 * NaN from never-written memory would still be NaN.
+        self.kv_cache = torch.zeros(
             cfg.num_layers, 2, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=self.dtype, device=self.device,
         )

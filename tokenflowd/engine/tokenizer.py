@@ -49,7 +49,9 @@ class Tokenizer:
         chat_template: str | None,
     ) -> None:
         self._backend = backend
-        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        # Highest id + 1, not the number of entries: GGUF vocabularies with a repeated token string
+        # leave a hole (see from_gguf), and ids above the hole are still valid.
+        self.vocab_size: int = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.eos_token_ids: tuple[int, ...] = _turn_end_ids(backend, eos_token_ids, chat_template)
         self.bos_token_id: int | None = bos_token_id
         self.chat_template: str | None = chat_template
@@ -70,7 +72,9 @@ class Tokenizer:
             raise ValueError(
                 f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE ('gpt2') is supported"
             )
-        tokens: list[str] = get("tokenizer.ggml.tokens")
+        tokens: list[str] | None = get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ValueError("the GGUF file has no tokenizer.ggml.tokens metadata")
         merges: list[str] = get("tokenizer.ggml.merges") or []
         types: list[int] = get("tokenizer.ggml.token_type") or [1] * len(tokens)
         # NOTE: a few GGUFs repeat a token string (padding entries); BPE needs unique strings,
@@ -109,7 +113,7 @@ class Tokenizer:
             raise FileNotFoundError(f"missing tokenizer file: {tok_file}")
         backend = tokenizers.Tokenizer.from_file(str(tok_file))
         cfg = _read_json(path / "tokenizer_config.json")
-        for tid, entry in (cfg.get("added_tokens_decoder") or {}).items():
+        for entry in (cfg.get("added_tokens_decoder") or {}).values():
             if backend.token_to_id(entry["content"]) is None:  # already in tokenizer.json as a rule
                 backend.add_special_tokens([AddedToken(entry["content"], special=bool(entry.get("special")))])
         template = cfg.get("chat_template")
@@ -175,7 +179,10 @@ class Tokenizer:
 def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre == "smollm":
         return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
     if pre in ("gpt2", "default"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -246,7 +253,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._window: list[int] = list(prompt_ids[-self._PROMPT_CONTEXT:]) if prompt_ids else []
+        self._window: list[int] = list(prompt_ids[-self._PROMPT_CONTEXT:]) if len(prompt_ids) else []
         self._read = len(self._window)
 
     def push(self, new_ids: Sequence[int]) -> str:

@@ -33,7 +33,7 @@ class TorchAttentionMeta:
     decode_rows: torch.Tensor | None  # [Bd] query rows of decoding requests
     decode_all: bool  # every row is a decode, in order: no row gather/scatter needed
     decode_pages: torch.Tensor | None  # [Bd, max_pages] int64 (padded with page 0)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_pages * page_size] bool
+    decode_bias: torch.Tensor | None  # [Bd, 1, max_pages * page_size] fp32: 0, or -inf past seq_len
     chunks: list[_Chunk]
 
 
@@ -65,7 +65,8 @@ class TorchAttentionBackend(AttentionBackend):
                      for i in decode_idx]
             pages_t = torch.tensor(table, dtype=torch.int64, device=dev)
             lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
-            mask_t = (torch.arange(max_pages * ps, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
+            past_end = torch.arange(max_pages * ps, device=dev)[None, :] >= lens_t[:, None]
+            mask_t = torch.zeros(past_end.shape, device=dev).masked_fill_(past_end, float("-inf"))[:, None, :]
             rows_list = [inputs.query_start[i] for i in decode_idx]
             decode_all = len(decode_idx) == inputs.num_requests
             rows = torch.tensor(rows_list, dtype=torch.int64, device=dev)
@@ -86,21 +87,28 @@ class TorchAttentionBackend(AttentionBackend):
             out[c.start : c.stop] = o.transpose(0, 1)
         if meta.decode_rows is not None:
             qd = q if meta.decode_all else q[meta.decode_rows]  # [Bd, heads, d]
-            B, P = meta.decode_pages.shape
-            kd = kv_cache[0][meta.decode_pages].view(B, P * self.page_size, self.num_kv_heads, self.head_dim)
-            vd = kv_cache[1][meta.decode_pages].view(B, P * self.page_size, self.num_kv_heads, self.head_dim)
-            o = F.scaled_dot_product_attention(
-                qd.unsqueeze(2),  # [Bd, heads, 1, d]
-                kd.transpose(1, 2),  # [Bd, kv_heads, L, d]
-                vd.transpose(1, 2),
-                attn_mask=meta.decode_mask,
-                enable_gqa=True,
-                scale=self.scale,
-            ).squeeze(2)
+            o = self._decode(qd, kv_cache, meta)
             if meta.decode_all:
                 return o
             out[meta.decode_rows] = o
         return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMeta) -> torch.Tensor:
+        # q: [B, heads, d] -> [B, heads, d]; one query per request over its gathered pages.
+        # NOTE: explicit matmuls, not SDPA: for one query per sequence torch's CPU SDPA kernels
+        # are several times slower than two batched matmuls (bench/cpu_decode.py).
+        B, P = meta.decode_pages.shape
+        kvh, d, L = self.num_kv_heads, self.head_dim, P * self.page_size
+        group = self.num_heads // kvh
+        # Gather through a head-major view into [kvh, B, L, d], so that each (head, request) pair
+        # is one contiguous matrix and both products are plain bmms with no further copy.
+        k = kv_cache[0].permute(2, 0, 1, 3)[:, meta.decode_pages].contiguous().view(kvh * B, L, d)
+        v = kv_cache[1].permute(2, 0, 1, 3)[:, meta.decode_pages].contiguous().view(kvh * B, L, d)
+        qg = q.view(B, kvh, group, d).transpose(0, 1).reshape(kvh * B, group, d)  # GQA: no K/V repeat
+        scores = torch.bmm(qg, k.transpose(1, 2)).float().view(kvh, B, group, L)
+        probs = (scores * self.scale + meta.decode_bias).softmax(dim=-1).to(q.dtype)  # [kvh, B, group, L]
+        o = torch.bmm(probs.view(kvh * B, group, L), v)  # [kvh*B, group, d]
+        return o.view(kvh, B, group, d).transpose(0, 1).reshape(B, self.num_heads, d)
 
     def _gather(self, kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         kvh, d = self.num_kv_heads, self.head_dim

@@ -1,0 +1,55 @@
+"""The FCFS prefill-first policy on hand-built views."""
+from __future__ import annotations
+
+from tokenflowd.buffer.fcfs import FCFSPolicy
+from tokenflowd.buffer.policy import RequestView, SchedulerView
+
+
+def view(running=(), waiting=(), free=100, budget=64, total=100, max_num_seqs=8):
+    return SchedulerView(now=0.0, running=tuple(running), waiting=tuple(waiting), free_pages=free,
+                         total_pages=total, page_size=4, token_budget=budget, max_num_seqs=max_num_seqs)
+
+
+def decode(rid, t, n=20):
+    return RequestView(rid, t, num_tokens=n, num_computed_tokens=n - 1, pages_held=5)
+
+
+def waiting(rid, t, n=30, hit=0):
+    return RequestView(rid, t, num_tokens=n, num_computed_tokens=hit * 4, pages_held=hit)
+
+
+def test_prefill_first_then_decodes_share_the_rest():
+    plan = FCFSPolicy(watermark=0).plan(view([decode("d1", 0), decode("d2", 1)], [waiting("w1", 2, n=60)], budget=61))
+    assert plan.scheduled == (("w1", 60), ("d1", 1))  # the prompt took the budget first
+
+
+def test_long_prompt_is_chunked_to_the_budget():
+    plan = FCFSPolicy(watermark=0).plan(view(waiting=[waiting("w", 0, n=100)], budget=32))
+    assert plan.scheduled == (("w", 32),)
+
+
+def test_head_of_line_blocks_admission():
+    plan = FCFSPolicy(watermark=0).plan(view(waiting=[waiting("big", 0, n=60), waiting("small", 1, n=4)], free=10))
+    assert plan.scheduled == ()  # 'big' needs 15 pages; 'small' does not jump it
+
+
+def test_memory_pressure_preempts_the_newest():
+    # Three decodes each at a page boundary need one new page each; only two are free.
+    rs = [RequestView(f"d{i}", i, num_tokens=21, num_computed_tokens=20, pages_held=5) for i in range(3)]
+    plan = FCFSPolicy(watermark=0).plan(view(rs, free=1, total=16))
+    assert plan.preempted == ("d2",)
+    assert plan.scheduled == (("d0", 1), ("d1", 1))
+
+
+def test_prefix_hit_pages_reduce_what_admission_needs():
+    w = RequestView("w", 0, num_tokens=40, num_computed_tokens=32, pages_held=8, pages_reclaimed=8)
+    # 8 hit pages come out of the free pool (they were evictable) plus 2 new ones for 8 tokens.
+    assert w.pages_to_run(8, 4) == 10
+    plan = FCFSPolicy(watermark=0).plan(view(waiting=[w], free=10))
+    assert plan.scheduled == (("w", 8),)
+    assert FCFSPolicy(watermark=0).plan(view(waiting=[w], free=9)).scheduled == ()
+
+
+def test_max_num_seqs_caps_admission():
+    plan = FCFSPolicy(watermark=0).plan(view([decode("d", 0)], [waiting("a", 1, n=4), waiting("b", 2, n=4)], max_num_seqs=2))
+    assert [rid for rid, _ in plan.scheduled] == ["a", "d"]

@@ -1,0 +1,73 @@
+"""PagePool and KVCacheManager: reference counts, chained keys, LRU eviction, prefix hits."""
+from __future__ import annotations
+
+import pytest
+
+from tokenflowd.engine.kv_manager import KVCacheManager
+from tokenflowd.engine.page_pool import OutOfPages, PagePool, chain_page_keys
+from tokenflowd.engine.request import Request, SamplingParams
+
+
+def test_chained_keys_cover_the_whole_prefix():
+    a = chain_page_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, [])
+    b = chain_page_keys([0, 2, 3, 4, 5, 6, 7, 8], 4, [])
+    assert len(a) == 2 and len(b) == 2
+    assert a[0] != b[0] and a[1] != b[1]  # same second page, different first page -> different key
+    assert chain_page_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, []) == a
+
+
+def test_refcounts_lru_and_eviction_order():
+    pool = PagePool(3)
+    p = [pool.allocate() for _ in range(3)]
+    with pytest.raises(OutOfPages):
+        pool.allocate()
+    pool.register(p[0], b"k0")
+    pool.register(p[1], b"k1")
+    pool.incref(p[0])
+    pool.decref(p[0])
+    assert pool.num_free == 0
+    pool.decref(p[1])  # cached first -> evicted first
+    pool.decref(p[0])
+    pool.decref(p[2])  # no key -> plain free
+    assert pool.num_free == 3 and pool.num_cached == 2
+    assert pool.allocate() == p[2]  # free pages go before evicting cached ones
+    assert pool.allocate() == p[1]  # the LRU cached page
+    assert pool.lookup([b"k0", b"k1"]) == [p[0]]
+
+
+def test_duplicate_key_keeps_the_first_page():
+    pool = PagePool(2)
+    a, b = pool.allocate(), pool.allocate()
+    pool.register(a, b"k")
+    pool.register(b, b"k")
+    pool.decref(b)
+    assert pool.num_cached == 0 and pool.num_free == 1  # b went back to the free list
+    assert pool.lookup([b"k"]) == [a]
+
+
+def _req(rid, tokens):
+    return Request(rid, tokens, SamplingParams(max_tokens=4), max_model_len=1000)
+
+
+def test_prefix_hit_is_shared_and_leaves_the_last_token():
+    kv = KVCacheManager(PagePool(16), page_size=4)
+    a = _req("a", list(range(12)))
+    assert kv.admit(a, kv.prefix_hit(a), 12)
+    a.num_computed_tokens = 12
+    kv.commit(a)
+    b = _req("b", list(range(12)))
+    hit = kv.prefix_hit(b)
+    assert hit.num_pages == 2  # page 3 holds the last token, which must be recomputed
+    assert kv.admit(b, hit, 4)
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert kv.pool.ref_count(a.block_table[0]) == 2
+    kv.free(a)
+    kv.free(b)
+    assert kv.pool.num_used == 0 and kv.pool.num_cached == 3
+
+
+def test_admit_fails_without_side_effects():
+    kv = KVCacheManager(PagePool(2), page_size=4)
+    r = _req("r", list(range(20)))
+    assert not kv.admit(r, kv.prefix_hit(r), 20)
+    assert r.block_table == [] and kv.pool.num_free == 2
