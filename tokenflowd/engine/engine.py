@@ -70,7 +70,7 @@ class Engine:
         if messages is not None:
             ids = self.tokenizer.encode_chat(messages)
         elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)  # bos where the model wants one
         else:
             ids = list(prompt)
         params = sampling_params or SamplingParams()
@@ -101,7 +101,9 @@ class Engine:
                 self.core.abort(out.request_id)
                 reason = FinishReason.STOP
             elif reason is not None and not matched:
-                text += st.stops.push(st.detok.flush())[0] + st.stops.flush()
+                tail, matched = st.stops.push(st.detok.flush())
+                text += tail if matched else tail + st.stops.flush()
+                reason = FinishReason.STOP if matched else reason
             if reason is not None:
                 del self._text[out.request_id]
             outputs.append(

@@ -96,7 +96,7 @@ class LlamaModel(torch.nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # per layer [num_pages, 2, page_size, kv_heads, head_dim]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_pages, kv_heads, page_size, head_dim]
         attn: AttentionBackend,
         attn_meta: object,
     ) -> torch.Tensor:  # [T, hidden]

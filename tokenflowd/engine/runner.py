@@ -43,6 +43,7 @@ class ModelRunner:
         self._init_model(loaded)
         self._init_kv_cache()
         self._init_attention()
+        self._init_cuda_graphs()
         self.sampler = Sampler(config.seed)
 
     # -- start-up -----------------------------------------------------------------------------
@@ -81,11 +82,13 @@ class ModelRunner:
                 f"(at least {2 * pb} bytes) or lower the model size"
             )
         self.num_pages = num_pages
-        # kv_cache: [layers, 2, num_pages, page_size, kv_heads, head_dim] dtype device
+        # kv_cache: [layers, 2, num_pages + 1, kv_heads, page_size, head_dim] dtype device (HND pages)
+        # The extra last page is scratch for the padding rows of CUDA-graph batches; the pool never
+        # hands it out.
         # NOTE: zeroed, not empty. Attention reads whole pages and masks the slots past a sequence's
         # end; masked weights are 0, and 0 * NaN from never-written memory would still be NaN.
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, 2, num_pages + 1, cfg.num_kv_heads, self.page_size, cfg.head_dim,
             dtype=self.dtype, device=self.device,
         )
         self.kv_layers = list(self.kv_cache.unbind(0))
@@ -104,6 +107,14 @@ class ModelRunner:
             from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
 
             self.attn = TorchAttentionBackend(*args)
+
+    def _init_cuda_graphs(self) -> None:
+        self.graphs = None
+        if self.config.cuda_graphs:
+            from tokenflowd.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.attn, self.kv_layers, scratch_page=self.num_pages,
+                                       max_batch=self.config.max_num_seqs, hidden_size=self.model_config.hidden_size)
 
     # -- one step -----------------------------------------------------------------------------
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int]]:
@@ -132,8 +143,12 @@ class ModelRunner:
         """Logits [S, vocab] fp32 for the S requests of the batch that sample this step, and their
         indices in the batch (a request samples when its chunk reaches its last known token)."""
         input_ids, positions, attn_inputs, sample_rows = self._prepare(batch)
-        meta = self.attn.prepare(attn_inputs)
-        hidden = self.model(input_ids, positions, self.kv_layers, self.attn, meta)
+        T = input_ids.shape[0]
+        if self.graphs is not None and T == len(batch) and T <= self.graphs.max_batch:
+            hidden = self.graphs.run(input_ids, positions, attn_inputs)  # pure decode: replay a graph
+        else:
+            meta = self.attn.prepare(attn_inputs)
+            hidden = self.model(input_ids, positions, self.kv_layers, self.attn, meta)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         sampling = [i for i, (r, n) in enumerate(zip(batch.requests, batch.num_tokens))

@@ -1,9 +1,12 @@
 """The attention seam. A backend reads and writes the paged KV cache; the model never sees pages.
 
-KV cache of one layer (the layout flashinfer calls NHD, K and V planes apart):
+KV cache of one layer (the layout flashinfer calls HND, K and V planes apart):
 
-    kv_cache: [2, num_pages, page_size, kv_heads, head_dim]     kv_cache[0] = K, kv_cache[1] = V
-    slot s  = page * page_size + offset                          (K plane viewed as [slots, kv_heads, head_dim])
+    kv_cache: [2, num_pages, kv_heads, page_size, head_dim]     kv_cache[0] = K, kv_cache[1] = V
+    slot s  = page * page_size + offset
+
+Head-major pages keep each (page, head) a contiguous [page_size, head_dim] block, so a gather of a
+request's pages through a head-first view copies 2 KiB runs, not one head_dim row at a time.
 
 A step's tokens are flat: request i owns query rows query_start[i] : query_start[i+1]; they are the
 tokens at positions seq_lens[i] - query_len .. seq_lens[i] - 1 of its sequence, and the KV of all
@@ -60,14 +63,14 @@ class AttentionBackend(abc.ABC):
         q: torch.Tensor,  # [T, heads, head_dim]
         k: torch.Tensor,  # [T, kv_heads, head_dim]
         v: torch.Tensor,  # [T, kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_pages, page_size, kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_pages, kv_heads, page_size, head_dim]
         meta: object,
     ) -> torch.Tensor:  # [T, heads, head_dim]
         ...
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter the step's new K/V into their slots (both planes are contiguous)."""
-    kvh, d = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, kvh, d).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_page: torch.Tensor, slot_offset: torch.Tensor) -> None:
+    """Scatter the step's new K/V ([T, kv_heads, head_dim]) into (page, offset) slots."""
+    kv_cache[0][slot_page, :, slot_offset] = k
+    kv_cache[1][slot_page, :, slot_offset] = v

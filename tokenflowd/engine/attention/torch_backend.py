@@ -29,7 +29,8 @@ class _Chunk:
 
 @dataclass
 class TorchAttentionMeta:
-    slot_mapping: torch.Tensor  # [T]
+    slot_page: torch.Tensor  # [T] page of each new token
+    slot_offset: torch.Tensor  # [T] its offset in the page
     decode_rows: torch.Tensor | None  # [Bd] query rows of decoding requests
     decode_all: bool  # every row is a decode, in order: no row gather/scatter needed
     decode_pages: torch.Tensor | None  # [Bd, max_pages] int64 (padded with page 0)
@@ -70,10 +71,11 @@ class TorchAttentionBackend(AttentionBackend):
             rows_list = [inputs.query_start[i] for i in decode_idx]
             decode_all = len(decode_idx) == inputs.num_requests
             rows = torch.tensor(rows_list, dtype=torch.int64, device=dev)
-        return TorchAttentionMeta(inputs.slot_mapping, rows, decode_all, pages_t, mask_t, chunks)
+        slots = inputs.slot_mapping
+        return TorchAttentionMeta(slots // ps, slots % ps, rows, decode_all, pages_t, mask_t, chunks)
 
     def forward(self, layer, q, k, v, kv_cache, meta: TorchAttentionMeta):
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        write_kv(kv_cache, k, v, meta.slot_page, meta.slot_offset)
         out = torch.empty_like(q)
         for c in meta.chunks:
             qc = q[c.start : c.stop].transpose(0, 1)  # [heads, q_len, d]
@@ -100,10 +102,10 @@ class TorchAttentionBackend(AttentionBackend):
         B, P = meta.decode_pages.shape
         kvh, d, L = self.num_kv_heads, self.head_dim, P * self.page_size
         group = self.num_heads // kvh
-        # Gather through a head-major view into [kvh, B, L, d], so that each (head, request) pair
+        # Gather through a head-first view into [kvh, B, L, d], so that each (head, request) pair
         # is one contiguous matrix and both products are plain bmms with no further copy.
-        k = kv_cache[0].permute(2, 0, 1, 3)[:, meta.decode_pages].contiguous().view(kvh * B, L, d)
-        v = kv_cache[1].permute(2, 0, 1, 3)[:, meta.decode_pages].contiguous().view(kvh * B, L, d)
+        k = kv_cache[0].transpose(0, 1)[:, meta.decode_pages].view(kvh * B, L, d)
+        v = kv_cache[1].transpose(0, 1)[:, meta.decode_pages].view(kvh * B, L, d)
         qg = q.view(B, kvh, group, d).transpose(0, 1).reshape(kvh * B, group, d)  # GQA: no K/V repeat
         scores = torch.bmm(qg, k.transpose(1, 2)).float().view(kvh, B, group, L)
         probs = (scores * self.scale + meta.decode_bias).softmax(dim=-1).to(q.dtype)  # [kvh, B, group, L]
@@ -111,7 +113,8 @@ class TorchAttentionBackend(AttentionBackend):
         return o.view(kvh, B, group, d).transpose(0, 1).reshape(B, self.num_heads, d)
 
     def _gather(self, kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> [kv_heads, seq_len, d] each
         kvh, d = self.num_kv_heads, self.head_dim
-        kc = kv_cache[0][pages].view(-1, kvh, d)[:seq_len].transpose(0, 1)
-        vc = kv_cache[1][pages].view(-1, kvh, d)[:seq_len].transpose(0, 1)
+        kc = kv_cache[0].transpose(0, 1)[:, pages].view(kvh, -1, d)[:, :seq_len]
+        vc = kv_cache[1].transpose(0, 1)[:, pages].view(kvh, -1, d)[:, :seq_len]
         return kc, vc

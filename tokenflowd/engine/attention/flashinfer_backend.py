@@ -1,0 +1,99 @@
+"""FlashInfer paged attention on GPU: a batch-prefill wrapper for steps with prompt chunks, and a
+batch-decode wrapper for pure-decode steps (CUDA-graph capturable with fixed-size index buffers).
+
+Page table as flashinfer wants it, per request i (int32 on the device):
+
+    kv_indices[kv_indptr[i] : kv_indptr[i+1]]  = its pages covering seq_lens[i] tokens
+    kv_last_page_len[i]                        = tokens in its last page, 1..page_size
+    qo_indptr                                  = AttentionInputs.query_start
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs, write_kv
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class PageTable:
+    indptr: torch.Tensor  # [B+1] int32, host
+    indices: torch.Tensor  # [num_pages_used] int32, host
+    last_page_len: torch.Tensor  # [B] int32, host
+
+    @classmethod
+    def build(cls, inputs: AttentionInputs, page_size: int) -> "PageTable":
+        indptr, indices, last = [0], [], []
+        for table, n in zip(inputs.block_tables, inputs.seq_lens):
+            pages = -(-n // page_size)
+            indices.extend(table[:pages])
+            indptr.append(indptr[-1] + pages)
+            last.append(n - (pages - 1) * page_size)
+        i32 = dict(dtype=torch.int32)
+        return cls(torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32))
+
+
+@dataclass
+class FlashInferMeta:
+    slot_page: torch.Tensor
+    slot_offset: torch.Tensor
+    wrapper: object  # a planned flashinfer prefill or decode wrapper
+
+
+class FlashInferBackend(AttentionBackend):
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        import flashinfer
+
+        self._fi = flashinfer
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND")
+        group = self.num_heads // self.num_kv_heads
+        # Tensor cores pay off for decode once several query heads share a KV head.
+        self.decode_tensor_cores = group >= 4
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "HND", use_tensor_cores=self.decode_tensor_cores
+        )
+
+    def graph_decode_wrapper(self, batch_size: int, max_pages: int) -> object:
+        """A decode wrapper whose index buffers never move, for a CUDA graph of `batch_size` rows."""
+        dev, i32 = self.device, torch.int32
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=i32, device=dev),
+            paged_kv_indices_buffer=torch.zeros(max_pages, dtype=i32, device=dev),
+            paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=i32, device=dev),
+        )
+
+    def plan_decode(self, wrapper: object, table: PageTable) -> None:
+        wrapper.plan(
+            table.indptr, table.indices.to(self.device, non_blocking=True), table.last_page_len,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
+        )
+
+    def slots(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return slot_mapping // self.page_size, slot_mapping % self.page_size
+
+    def prepare(self, inputs: AttentionInputs, wrapper: object | None = None) -> FlashInferMeta:
+        table = PageTable.build(inputs, self.page_size)
+        is_decode = all(inputs.query_len(i) == 1 for i in range(inputs.num_requests))
+        if is_decode:
+            wrapper = wrapper or self.decode
+            self.plan_decode(wrapper, table)
+            return FlashInferMeta(*self.slots(inputs.slot_mapping), wrapper)
+        qo_indptr = torch.tensor(inputs.query_start, dtype=torch.int32)
+        self.prefill.plan(
+            qo_indptr, table.indptr, table.indices.to(self.device, non_blocking=True), table.last_page_len,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
+            q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+        return FlashInferMeta(*self.slots(inputs.slot_mapping), self.prefill)
+
+    def forward(self, layer, q, k, v, kv_cache, meta: FlashInferMeta):
+        write_kv(kv_cache, k, v, meta.slot_page, meta.slot_offset)
+        return meta.wrapper.run(q, (kv_cache[0], kv_cache[1]))

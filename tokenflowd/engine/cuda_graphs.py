@@ -1,0 +1,87 @@
+"""CUDA graphs of pure-decode steps (GPU with the flashinfer backend only).
+
+One graph per padded batch size, captured largest first into one memory pool. A step of B decodes
+replays the graph of the smallest size >= B; the padding rows read and write a scratch page that
+the page pool never hands out:
+
+    kv pages:  [ 0 .. num_pages-1 : the pool's ][ num_pages : scratch ]
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from tokenflowd.engine.attention.base import AttentionInputs
+from tokenflowd.engine.attention.flashinfer_backend import FlashInferBackend, FlashInferMeta, PageTable
+
+log = logging.getLogger(__name__)
+
+GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 513, 16))
+
+
+class DecodeGraphs:
+    def __init__(self, model, attn: FlashInferBackend, kv_layers: list[torch.Tensor], scratch_page: int,
+                 max_batch: int, hidden_size: int) -> None:
+        self.model, self.attn, self.kv_layers = model, attn, kv_layers
+        self.page_size = attn.page_size
+        self.scratch_page = scratch_page
+        self.sizes = [s for s in GRAPH_BATCH_SIZES if s <= max_batch] or [1]
+        dev = attn.device
+        n = self.sizes[-1]
+        # Static inputs: graphs read these addresses on every replay.
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), scratch_page * self.page_size, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
+        self._capture(max_pages=scratch_page + n)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def _capture(self, max_pages: int) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):
+            wrapper = self.attn.graph_decode_wrapper(bs, max_pages)
+            self.attn.plan_decode(wrapper, self._pad_table(PageTable.build(AttentionInputs([0], [], [], self.slot_mapping), self.page_size), bs))
+            meta = FlashInferMeta(*self.attn.slots(self.slot_mapping[:bs]), wrapper)
+            args = (self.input_ids[:bs], self.positions[:bs], self.kv_layers, self.attn, meta)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: kernel selection and lazy allocations stay out of the graph
+                    self.model(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(*args)
+            self.graphs[bs] = (graph, wrapper, hidden)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _pad_table(self, table: PageTable, bs: int) -> PageTable:
+        pad = bs - (len(table.indptr) - 1)
+        if pad == 0:
+            return table
+        end = int(table.indptr[-1])
+        indptr = torch.cat([table.indptr, end + torch.arange(1, pad + 1, dtype=torch.int32)])
+        indices = torch.cat([table.indices, torch.full((pad,), self.scratch_page, dtype=torch.int32)])
+        last = torch.cat([table.last_page_len, torch.ones(pad, dtype=torch.int32)])
+        return PageTable(indptr, indices, last)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """Hidden states [B, hidden] of B one-token decodes, B <= max_batch."""
+        B = input_ids.shape[0]
+        bs = self.sizes[bisect.bisect_left(self.sizes, B)]
+        graph, wrapper, hidden = self.graphs[bs]
+        self.input_ids[:B].copy_(input_ids)
+        self.positions[:B].copy_(positions)
+        self.slot_mapping[:B].copy_(inputs.slot_mapping)
+        self.input_ids[B:bs].zero_()
+        self.positions[B:bs].zero_()
+        self.slot_mapping[B:bs].fill_(self.scratch_page * self.page_size)
+        self.attn.plan_decode(wrapper, self._pad_table(PageTable.build(inputs, self.page_size), bs))
+        graph.replay()
+        return hidden[:B]
