@@ -91,6 +91,13 @@ class LlamaModel(torch.nn.Module):
         if w:
             raise KeyError(f"unexpected weights in the checkpoint: {sorted(w)[:5]}")
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every weight tensor once (tied embeddings counted once)."""
+        seen: dict[int, torch.Tensor] = {}
+        for t in [self.embed, self.norm, self.lm_head, *(t for layer in self.layers for t in layer.values())]:
+            seen.setdefault(id(t), t)
+        return list(seen.values())
+
     @torch.inference_mode()
     def forward(
         self,

@@ -1,0 +1,87 @@
+"""GPU paths (skipped without CUDA): flashinfer against the torch backend, CUDA graphs against
+eager decoding, and the torch backend against transformers on the device."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tokenflowd.config import EngineConfig
+from tokenflowd.engine.core import EngineCore
+from tokenflowd.engine.request import Request, SamplingParams
+
+pytestmark = pytest.mark.gpu
+needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer not installed")
+
+
+def run_logits(core: EngineCore, prompts: list[list[int]], new: int = 16) -> dict[str, torch.Tensor]:
+    got: dict[str, list[torch.Tensor]] = {}
+    inner = core.runner.compute_logits
+
+    def record(batch):
+        logits, sampling = inner(batch)
+        for row, i in enumerate(sampling):
+            got.setdefault(batch.requests[i].request_id, []).append(logits[row].float().cpu())
+        return logits, sampling
+
+    core.runner.compute_logits = record
+    for i, p in enumerate(prompts):
+        core.add_request(Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)))
+    while core.has_unfinished():
+        core.step()
+    return {k: torch.stack(v) for k, v in got.items()}
+
+
+def assert_close_until_divergence(a: torch.Tensor, b: torch.Tensor, rel: float = 0.03) -> None:
+    """bf16 logits of two kernels agree; rows are compared up to the first step where greedy picks
+    differ (after it the two runs feed different tokens)."""
+    same = int((a.argmax(-1) == b.argmax(-1)).int().cumprod(0).sum())
+    n = min(same + 1, len(a), len(b))
+    assert same >= min(4, len(a)), f"greedy picks diverge at step {same}"
+    err = (a[:n] - b[:n]).abs().max() / a[:n].abs().max()
+    assert err < rel, f"relative logit error {err:.4f}"
+
+
+def prompts(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1000, (int(length),), generator=g).tolist() for length in torch.randint(5, 200, (n,), generator=g)]
+
+
+def make(path, **kw) -> EngineCore:
+    kw.setdefault("dtype", "bfloat16")
+    return EngineCore(EngineConfig.resolve(model=str(path), device="cuda", kv_cache_memory="256MiB",
+                                           max_num_batched_tokens=128, **kw))
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_flashinfer_matches_torch_backend(hf_dirs, arch):
+    ref = run_logits(make(hf_dirs[arch], attention_backend="torch", cuda_graphs=False), prompts())
+    fi = run_logits(make(hf_dirs[arch], attention_backend="flashinfer", cuda_graphs=False), prompts())
+    assert ref.keys() == fi.keys()
+    for rid in ref:
+        assert_close_until_divergence(ref[rid], fi[rid])
+
+
+@needs_flashinfer
+def test_cuda_graphs_match_eager(hf_dirs):
+    eager = run_logits(make(hf_dirs["llama"], attention_backend="flashinfer", cuda_graphs=False), prompts(seed=1))
+    graph = run_logits(make(hf_dirs["llama"], attention_backend="flashinfer", cuda_graphs=True, max_num_seqs=8), prompts(seed=1))
+    assert eager.keys() == graph.keys()
+    for rid in eager:
+        assert_close_until_divergence(eager[rid], graph[rid], rel=0.01)
+
+
+def test_torch_backend_on_gpu_matches_transformers(hf_dirs):
+    import transformers
+
+    path = hf_dirs["llama"]
+    ours = run_logits(make(path, dtype="float32", attention_backend="torch", cuda_graphs=False), prompts(n=3, seed=2), new=8)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).cuda().eval()
+    for i, p in enumerate(prompts(n=3, seed=2)):
+        got = ours[f"r{i}"]
+        seq = p + got.argmax(-1).tolist()[:-1]
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq], device="cuda")).logits[0, len(p) - 1 :].float().cpu()
+        torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
