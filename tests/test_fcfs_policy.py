@@ -53,3 +53,47 @@ def test_prefix_hit_pages_reduce_what_admission_needs():
 def test_max_num_seqs_caps_admission():
     plan = FCFSPolicy(watermark=0).plan(view([decode("d", 0)], [waiting("a", 1, n=4), waiting("b", 2, n=4)], max_num_seqs=2))
     assert [rid for rid, _ in plan.scheduled] == ["a", "d"]
+
+
+def test_prefills_that_outgrow_memory_preempt_the_newest_not_deadlock():
+    # Two half-done prompts hold all pages; the older one takes the newer one's pages.
+    a = RequestView("a", 0, num_tokens=40, num_computed_tokens=20, pages_held=5)
+    b = RequestView("b", 1, num_tokens=40, num_computed_tokens=20, pages_held=5)
+    plan = FCFSPolicy(watermark=0).plan(view([a, b], free=0, total=10))
+    assert plan.preempted == ("b",)
+    assert plan.scheduled == (("a", 20),)
+
+
+def test_a_prompt_as_large_as_the_pool_is_admitted_when_idle():
+    plan = FCFSPolicy(watermark=0.5).plan(view(waiting=[waiting("w", 0, n=40)], free=10, total=10, budget=64))
+    assert plan.scheduled == (("w", 40),)
+
+
+def test_plans_respect_budget_and_memory_on_random_views():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        ps, total = 4, rng.randint(4, 40)
+        running, held = [], 0
+        for i in range(rng.randint(0, 6)):
+            n = rng.randint(2, min(40, total * ps))  # the engine caps a request at the pool
+            comp = rng.randint(1, n - 1)
+            pages = -(-comp // ps)
+            if held + pages > total:
+                break
+            held += pages
+            running.append(RequestView(f"r{i}", i, n, comp, pages))
+        waits = [waiting(f"w{i}", 10 + i, n=rng.randint(1, 30)) for i in range(rng.randint(0, 4))]
+        v = SchedulerView(0.0, tuple(running), tuple(waits), total - held, total, ps, rng.randint(1, 32), 8)
+        plan = FCFSPolicy().plan(v)
+        by_id = {r.request_id: r for r in running + waits}
+        assert sum(n for _, n in plan.scheduled) <= v.token_budget
+        assert not set(plan.preempted) & {rid for rid, _ in plan.scheduled}
+        freed = sum(by_id[rid].pages_held for rid in plan.preempted)
+        used = sum(by_id[rid].pages_to_run(n, ps) for rid, n in plan.scheduled)
+        assert used <= v.free_pages + freed
+        assert all(1 <= n <= by_id[rid].tokens_left for rid, n in plan.scheduled)
+        if running:  # something always progresses: memory never deadlocks the engine
+            assert plan.scheduled
+            assert running[0].request_id not in plan.preempted  # the oldest is never the victim
