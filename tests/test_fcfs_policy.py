@@ -34,7 +34,7 @@ def test_head_of_line_blocks_admission():
 
 
 def test_memory_pressure_preempts_the_newest():
-    # Three decodes each at a page boundary need one new page each; only two are free.
+    # Three decodes each at a page boundary need one new page each; only one is free.
     rs = [RequestView(f"d{i}", i, num_tokens=21, num_computed_tokens=20, pages_held=5) for i in range(3)]
     plan = FCFSPolicy(watermark=0).plan(view(rs, free=1, total=16))
     assert plan.preempted == ("d2",)
@@ -73,7 +73,7 @@ def test_plans_respect_budget_and_memory_on_random_views():
     import random
 
     rng = random.Random(0)
-    for _ in range(300):
+    for _ in range(20000):
         ps, total = 4, rng.randint(4, 40)
         running, held = [], 0
         for i in range(rng.randint(0, 6)):
@@ -84,7 +84,10 @@ def test_plans_respect_budget_and_memory_on_random_views():
                 break
             held += pages
             running.append(RequestView(f"r{i}", i, n, comp, pages))
-        waits = [waiting(f"w{i}", 10 + i, n=rng.randint(1, 30)) for i in range(rng.randint(0, 4))]
+        waits = []
+        for i in range(rng.randint(0, 4)):
+            hit = rng.randint(0, 2)
+            waits.append(RequestView(f"w{i}", 10 + i, rng.randint(hit * ps + 1, 30), hit * ps, hit, rng.randint(0, hit)))
         v = SchedulerView(0.0, tuple(running), tuple(waits), total - held, total, ps, rng.randint(1, 32), 8)
         plan = FCFSPolicy().plan(v)
         by_id = {r.request_id: r for r in running + waits}

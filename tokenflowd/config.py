@@ -63,6 +63,14 @@ class EngineConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.device == "cpu" and (self.attention_backend == "flashinfer" or self.cuda_graphs):
             raise ValueError("flashinfer and CUDA graphs need a CUDA device")
+        if self.cuda_graphs and self.attention_backend != "flashinfer":
+            raise ValueError("CUDA graphs need the flashinfer attention backend")
+        if self.attention_backend == "flashinfer" and self.dtype == "float32":
+            raise ValueError("flashinfer kernels need bfloat16 or float16")
+        from tokenflowd.buffer import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 
@@ -86,6 +94,8 @@ class EngineConfig:
             dtype = "bfloat16" if on_gpu or platform.cpu_has_fast_bf16() else "float32"
         if attention_backend == "auto":
             attention_backend = "flashinfer" if on_gpu and platform.has_flashinfer() else "torch"
+        if attention_backend == "flashinfer" and dtype == "float32":
+            attention_backend = "torch"  # flashinfer has no fp32 kernels
         if cuda_graphs is None:
             cuda_graphs = on_gpu and attention_backend == "flashinfer"
         if "max_num_batched_tokens" not in kw:

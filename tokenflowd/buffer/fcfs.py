@@ -1,10 +1,13 @@
-"""First come, first served with prefill first: what SGLang and vLLM do by default.
+"""First come, first served with prefill first: what SGLang does by default.
 
-Prompt chunks (of running requests mid-prompt, then of waiting requests in arrival order) take the
-step's token budget first; decodes share what is left. A waiting request that does not fit blocks
-the ones behind it. When a running request cannot get a page, the newest running request is
-preempted (its KV is recomputed later); the oldest running request can therefore always progress,
-so the engine never deadlocks on memory.
+Memory goes by age: every running request, oldest first, is given room for its next token; when
+there is none, the newest running requests are preempted (their KV is recomputed later). So the
+oldest running request can always progress and memory never livelocks the engine.
+
+The token budget goes to prompts first: chunks of running requests mid-prompt, then of waiting
+requests in arrival order (a waiting request that does not fit blocks the ones behind it); decodes
+share what is left. A burst of long prompts therefore pauses running streams until it is prefilled,
+which is what the buffer-aware policy exists to avoid.
 """
 from __future__ import annotations
 
@@ -19,45 +22,44 @@ class FCFSPolicy(SchedulingPolicy):
 
     def plan(self, view: SchedulerView) -> Plan:
         ps = view.page_size
-        budget, free = view.token_budget, view.free_pages
-        scheduled: dict[str, int] = {}
+        free = view.free_pages
         preempted: list[str] = []
-        victims = list(view.running)  # arrival order: preempted from the end
 
-        def room(req: RequestView) -> int:
-            """Tokens of `req` that fit in its pages plus the free ones."""
-            return (req.pages_held + free) * ps - req.num_computed_tokens
-
-        def run(req: RequestView, n: int) -> None:
-            """Schedule up to n tokens of a running request, preempting newer ones for a page."""
-            nonlocal budget, free
-            while room(req) < 1:
-                victim = next((v for v in reversed(victims) if v.request_id not in scheduled), None)
-                victims.remove(victim)  # victim is req itself at worst: it has a page or free > 0
+        # 1. Memory by age: room for one more token each, preempting from the newest end.
+        kept = list(view.running)
+        i = 0
+        while i < len(kept):
+            req = kept[i]
+            need = req.pages_to_run(1, ps)
+            while need > free and len(kept) > i + 1:
+                victim = kept.pop()  # the newest: it has reserved nothing yet
                 preempted.append(victim.request_id)
-                free += victim.pages_held
-                if victim is req:
-                    return
-            n = min(n, room(req))
-            scheduled[req.request_id] = n
-            budget -= n
-            free -= req.pages_to_run(n, ps)
-
-        decoding = [r for r in view.running if r.tokens_left == 1]
-        for req in view.running:
-            if budget == 0:
+                free += victim.pages_freed
+            if need > free:
+                kept.pop()  # req is now the newest: it yields its pages to the older ones
+                preempted.append(req.request_id)
+                free += req.pages_freed
                 break
-            if req.tokens_left > 1 and req.request_id not in preempted:
-                run(req, min(req.tokens_left, budget))
+            free -= need
+            i += 1
 
-        # Admission leaves room for this step's decodes and a watermark for growth; with nothing
-        # running it takes what there is, so a prompt as large as the pool still gets in.
-        reserve = int(self.watermark * view.total_pages) + sum(r.pages_to_run(1, ps) for r in decoding)
-        if not victims:
-            reserve = 0
-        num_running = len(victims)
+        # 2. The budget: prompt chunks first, growing into free pages beyond their reserved one.
+        budget = view.token_budget
+        scheduled: dict[str, int] = {}
+        for req in kept:
+            if req.tokens_left > 1 and budget > 0:
+                reserved = req.pages_to_run(1, ps)
+                room = (req.pages_held + reserved + free) * ps - req.num_computed_tokens
+                n = min(req.tokens_left, budget, room)
+                scheduled[req.request_id] = n
+                budget -= n
+                free -= req.pages_to_run(n, ps) - reserved
+
+        # 3. Admission from what is left, keeping room for this step's decodes and a watermark.
+        reserve = int(self.watermark * view.total_pages) if kept else 0
+        num_seqs = len(kept)
         for req in view.waiting:
-            if budget == 0 or num_running >= view.max_num_seqs:
+            if budget == 0 or num_seqs >= view.max_num_seqs:
                 break
             n = min(req.tokens_left, budget)
             need = req.pages_to_run(n, ps)
@@ -66,12 +68,12 @@ class FCFSPolicy(SchedulingPolicy):
             scheduled[req.request_id] = n
             budget -= n
             free -= need
-            num_running += 1
+            num_seqs += 1
 
-        for req in decoding:
-            if budget == 0:
-                break
-            if req.request_id not in preempted:
-                run(req, 1)
+        # 4. Decodes share the rest of the budget; their pages were reserved in step 1.
+        for req in kept:
+            if req.tokens_left == 1 and budget > 0:
+                scheduled[req.request_id] = 1
+                budget -= 1
 
         return Plan(scheduled=tuple(scheduled.items()), preempted=tuple(preempted))

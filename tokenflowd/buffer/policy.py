@@ -22,7 +22,13 @@ class RequestView:
     num_computed_tokens: int  # waiting: what its prefix-cache hit would give it
     pages_held: int  # waiting: the hit's pages
     pages_reclaimed: int = 0  # waiting only: hit pages now unreferenced (counted in free_pages)
+    pages_exclusive: int | None = None  # running: pages only it holds; None: all of pages_held
     priority: int = 0
+
+    @property
+    def pages_freed(self) -> int:
+        """Pages preempting this request returns to the free pool (shared prefix pages stay)."""
+        return self.pages_held if self.pages_exclusive is None else self.pages_exclusive
 
     @property
     def tokens_left(self) -> int:
@@ -56,7 +62,8 @@ class Plan:
 
 
 class SchedulingPolicy(abc.ABC):
-    """Invariants a plan must keep (the scheduler checks them and skips what does not fit):
+    """Invariants a plan must keep (the scheduler asserts the first four; what does not fit in
+    pages after all waits for the next step):
     - sum of scheduled tokens <= view.token_budget; no request scheduled twice;
     - a request is never both scheduled and preempted; only running requests are preempted;
     - scheduled tokens of a request <= its tokens_left;

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenflowd.buffer.fcfs import FCFSPolicy
-from tokenflowd.buffer.policy import SchedulingPolicy
+from tokenflowd.buffer import POLICIES
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.kv_manager import KVCacheManager
 from tokenflowd.engine.loader import LoadedModel, load_model_source
@@ -23,8 +22,6 @@ from tokenflowd.engine.runner import ModelRunner
 from tokenflowd.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-POLICIES: dict[str, type[SchedulingPolicy]] = {"fcfs": FCFSPolicy}
 
 
 @dataclass
@@ -62,8 +59,6 @@ class EngineCore:
     def _init_scheduler(self) -> None:
         self.pool = PagePool(self.runner.num_pages, self.config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, self.config.page_size)
-        if self.config.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.config.policy!r}; choose one of {', '.join(POLICIES)}")
         self.scheduler = Scheduler(
             self.kv, POLICIES[self.config.policy](), self.config.max_num_batched_tokens, self.config.max_num_seqs
         )
@@ -104,7 +99,14 @@ class EngineCore:
         if not batch.requests:
             return []
         t0 = time.perf_counter()
-        sampled = self.runner.execute(batch)
+        try:
+            sampled = self.runner.execute(batch)
+        except Exception as e:  # a fault ends this step's requests with an error, never a hang
+            log.exception("step failed; ending its %d requests", len(batch))
+            for req in batch.requests:
+                self.scheduler.finish(req, FinishReason.ERROR, f"engine error: {type(e).__name__}: {e}")
+            return [EngineCoreOutput(r.request_id, [], FinishReason.ERROR, r.error, r.num_cached_tokens)
+                    for r in batch.requests]
         finished = self.scheduler.update(batch, sampled)
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.total_tokens

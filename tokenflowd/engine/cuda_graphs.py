@@ -23,7 +23,7 @@ GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 513, 16))
 
 class DecodeGraphs:
     def __init__(self, model, attn: FlashInferBackend, kv_layers: list[torch.Tensor], scratch_page: int,
-                 max_batch: int, hidden_size: int) -> None:
+                 max_batch: int, max_model_len: int) -> None:
         self.model, self.attn, self.kv_layers = model, attn, kv_layers
         self.page_size = attn.page_size
         self.scratch_page = scratch_page
@@ -33,9 +33,11 @@ class DecodeGraphs:
         # Static inputs: graphs read these addresses on every replay.
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), scratch_page * self.page_size, dtype=torch.int64, device=dev)
+        self.slot_page = torch.full((n,), scratch_page, dtype=torch.int64, device=dev)
+        self.slot_offset = torch.zeros(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
-        self._capture(max_pages=scratch_page + n)
+        # Shared prefix pages count once per request in the index buffer: size it for the worst case.
+        self._capture(max_pages=n * -(-max_model_len // self.page_size))
 
     @property
     def max_batch(self) -> int:
@@ -45,8 +47,9 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
             wrapper = self.attn.graph_decode_wrapper(bs, max_pages)
-            self.attn.plan_decode(wrapper, self._pad_table(PageTable.build(AttentionInputs([0], [], [], self.slot_mapping), self.page_size), bs))
-            meta = FlashInferMeta(*self.attn.slots(self.slot_mapping[:bs]), wrapper)
+            empty = PageTable.build(AttentionInputs([0], [], [], self.slot_page[:0]), self.page_size)
+            self.attn.plan_decode(wrapper, self._pad_table(empty, bs))
+            meta = FlashInferMeta(self.slot_page[:bs], self.slot_offset[:bs], wrapper)
             args = (self.input_ids[:bs], self.positions[:bs], self.kv_layers, self.attn, meta)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -78,10 +81,12 @@ class DecodeGraphs:
         graph, wrapper, hidden = self.graphs[bs]
         self.input_ids[:B].copy_(input_ids)
         self.positions[:B].copy_(positions)
-        self.slot_mapping[:B].copy_(inputs.slot_mapping)
+        self.slot_page[:B].copy_(inputs.slot_mapping // self.page_size)
+        self.slot_offset[:B].copy_(inputs.slot_mapping % self.page_size)
         self.input_ids[B:bs].zero_()
         self.positions[B:bs].zero_()
-        self.slot_mapping[B:bs].fill_(self.scratch_page * self.page_size)
+        self.slot_page[B:bs].fill_(self.scratch_page)
+        self.slot_offset[B:bs].zero_()
         self.attn.plan_decode(wrapper, self._pad_table(PageTable.build(inputs, self.page_size), bs))
         graph.replay()
         return hidden[:B]

@@ -31,6 +31,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Engine:
         else:
             ids = list(prompt)
         params = sampling_params or SamplingParams()
-        req = Request(request_id, ids, params, arrival_time=arrival_time or time.monotonic())
+        req = Request(request_id, ids, params, arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.core.add_request(req)
         self._text[request_id] = _TextState(
             IncrementalDetokenizer(self.tokenizer, ids), StopStringMatcher(params.stop), len(ids)
@@ -108,7 +109,7 @@ class Engine:
                 del self._text[out.request_id]
             outputs.append(
                 RequestOutput(out.request_id, text, out.new_token_ids, reason is not None, reason,
-                              st.num_prompt_tokens, st.num_output_tokens, out.num_cached_tokens)
+                              st.num_prompt_tokens, st.num_output_tokens, out.num_cached_tokens, out.error)
             )
         return outputs
 
@@ -130,10 +131,12 @@ class Engine:
         acc: dict[str, RequestOutput] = {rid: RequestOutput(rid, "", []) for rid in prompts}
         while self.has_unfinished():
             for out in self.step():
-                a = acc[out.request_id]
+                a = acc.get(out.request_id)
+                if a is None:  # queued before this call: its caller collects it
+                    continue
                 a.text += out.text
                 a.token_ids += out.token_ids
                 a.finished, a.finish_reason = out.finished, out.finish_reason
                 a.num_prompt_tokens, a.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
-                a.num_cached_tokens = out.num_cached_tokens
+                a.num_cached_tokens, a.error = out.num_cached_tokens, out.error
         return acc

@@ -45,7 +45,9 @@ class KVCacheManager:
         for page in hit.pages:
             self.pool.incref(page)
         req.block_table = list(hit.pages)
-        req.num_computed_tokens = req.num_cached_tokens = len(hit.pages) * self.page_size
+        req.num_computed_tokens = len(hit.pages) * self.page_size
+        if req.num_preemptions == 0:  # a resumed request's hit on its own pages is no saving
+            req.num_cached_tokens = req.num_computed_tokens
         req.num_published_pages = len(hit.pages)
         return self.grow(req, num_new_tokens)
 

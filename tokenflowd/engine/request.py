@@ -34,12 +34,14 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative token ids")
         if self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))  # NOTE: normalising in __post_init__ only
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError("stop must be a tuple of strings")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
 

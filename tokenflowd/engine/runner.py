@@ -70,7 +70,9 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         reserve = (1 - self.config.gpu_memory_utilization) * total
         act = activation_bytes(self.model_config, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.dtype)
-        return int(free - reserve - act)
+        # flashinfer's workspace, and CUDA graphs' private pool and index buffers (an estimate).
+        kernels = (256 << 20) + ((512 << 20) if self.config.cuda_graphs else 0)
+        return int(free - reserve - act - kernels)
 
     def _init_kv_cache(self) -> None:
         cfg = self.model_config
@@ -114,7 +116,7 @@ class ModelRunner:
             from tokenflowd.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.attn, self.kv_layers, scratch_page=self.num_pages,
-                                       max_batch=self.config.max_num_seqs, hidden_size=self.model_config.hidden_size)
+                                       max_batch=self.config.max_num_seqs, max_model_len=self.max_model_len)
 
     # -- one step -----------------------------------------------------------------------------
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int]]:

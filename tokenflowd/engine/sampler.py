@@ -19,7 +19,7 @@ class Sampler:
         # logits: [N, vocab] fp32, row i belongs to reqs[i]
         for i, r in enumerate(reqs):
             if r.num_output_tokens < r.sampling_params.min_tokens and r.stop_token_ids:
-                ids = [t for t in r.stop_token_ids if t < logits.shape[1]]
+                ids = [t for t in r.stop_token_ids if 0 <= t < logits.shape[1]]
                 logits[i, ids] = float("-inf")
         greedy = [r.sampling_params.greedy for r in reqs]
         if all(greedy):
@@ -29,7 +29,7 @@ class Sampler:
         sub = [reqs[i] for i in rows]
         probs = self._probs(logits[rows], sub)
         # Exponential race (Gumbel-max in probability space): argmax p / E, E ~ Exp(1).
-        race = torch.empty_like(probs)
+        race = torch.empty(probs.shape)  # drawn on the CPU, where the seeded generators live
         shared = [j for j, r in enumerate(sub) if r.generator is None]
         if shared:
             race[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(generator=self.generator)
@@ -57,6 +57,8 @@ class Sampler:
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             before = sorted_probs.cumsum(dim=-1) - sorted_probs
             p = torch.tensor(top_p, device=dev)
-            sorted_logits = sorted_logits.masked_fill(before >= p[:, None], float("-inf"))
+            # Rows with top_p = 1 keep everything: fp32 cumsum saturates below 1 over a large vocab.
+            drop = (before >= p[:, None]) & (p[:, None] < 1.0)
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
         return logits.softmax(dim=-1)

@@ -52,8 +52,14 @@ class Scheduler:
     # -- schedule -----------------------------------------------------------------------------
     def _view(self) -> SchedulerView:
         pool = self.kv.pool
+        # Preemption is possible only when the free pages cannot give every running request one
+        # more page; only then is it worth counting which of a request's pages are its alone.
+        tight = pool.num_free < len(self.running)
         running = tuple(
-            RequestView(r.request_id, r.arrival_time, r.num_tokens, r.num_computed_tokens, len(r.block_table))
+            RequestView(
+                r.request_id, r.arrival_time, r.num_tokens, r.num_computed_tokens, len(r.block_table),
+                pages_exclusive=sum(pool.ref_count(p) == 1 for p in r.block_table) if tight else None,
+            )
             for r in self.running
         )
         waiting = []
@@ -79,6 +85,10 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         plan = self.policy.plan(self._view())
+        ids = [rid for rid, _ in plan.scheduled]
+        assert len(set(ids)) == len(ids), f"{self.policy.name} scheduled a request twice"
+        assert not set(ids) & set(plan.preempted), f"{self.policy.name} scheduled a preempted request"
+        assert sum(n for _, n in plan.scheduled) <= self.token_budget, f"{self.policy.name} overspent the budget"
         batch = ScheduledBatch()
         for rid in plan.preempted:
             req = self.requests[rid]
@@ -92,23 +102,27 @@ class Scheduler:
             batch.preempted.append(req)
         if plan.preempted:
             self.waiting.sort(key=lambda r: r.arrival_time)
-        admitted = False
+        admitted = blocked = False
         for rid, n in plan.scheduled:
             req = self.requests[rid]
+            assert 1 <= n <= req.num_tokens - req.num_computed_tokens or req.status is not RequestStatus.RUNNING
             if req.status is RequestStatus.RUNNING:
                 ok = self.kv.grow(req, n)
+            elif blocked:
+                continue  # keep arrival order: nothing jumps a request that could not be admitted
             else:
                 ok = self.kv.admit(req, self.kv.prefix_hit(req), n)
+                blocked = not ok
                 if ok:
                     req.status = RequestStatus.RUNNING
                     self.waiting.remove(req)
                     self.running.append(req)
                     admitted = True
-            # A plan computed on shared prefix pages can overestimate room: what does not fit waits.
+            # The plan can overestimate room (its prefix hit was evicted by an earlier admission
+            # this step): what does not fit waits for the next step's view.
             if ok:
-                n = min(n, req.num_tokens - req.num_computed_tokens)
                 batch.requests.append(req)
-                batch.num_tokens.append(n)
+                batch.num_tokens.append(min(n, req.num_tokens - req.num_computed_tokens))
         if admitted:
             self.running.sort(key=lambda r: r.arrival_time)
         return batch
@@ -137,10 +151,10 @@ class Scheduler:
 
     @staticmethod
     def _stop_reason(req: Request, token: int) -> FinishReason | None:
-        if req.num_output_tokens >= req.max_tokens:
-            return FinishReason.LENGTH
         if token in req.stop_token_ids:  # the sampler masks them until min_tokens
             return FinishReason.STOP
+        if req.num_output_tokens >= req.max_tokens:
+            return FinishReason.LENGTH
         return None
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
