@@ -70,6 +70,10 @@ def test_seeded_sampling_is_reproducible(embedded_fp32):
     b = engine.generate({"b": dict(messages=QUESTION, sampling_params=p),
                          "other": dict(prompt="Once upon a time", sampling_params=SamplingParams(temperature=1.0, max_tokens=16))})["b"].token_ids
     assert a == b
+    greedy = engine.generate({"g": dict(messages=QUESTION, sampling_params=SamplingParams(temperature=0, max_tokens=16))})["g"]
+    other_seed = engine.generate({"c": dict(messages=QUESTION, sampling_params=SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=8, max_tokens=16))})["c"].token_ids
+    assert a != greedy.token_ids or a != other_seed  # the seed, not greedy decoding, fixed the output
 
 
 def test_stop_strings_and_max_tokens(embedded):

@@ -41,3 +41,23 @@ def test_min_tokens_masks_stop_tokens():
     logits = torch.tensor([[0.0, 0.0, 10.0, 0.0]])  # eos (2) is by far the likeliest
     assert Sampler()(logits.clone(), [req(temperature=0, min_tokens=1)]) != [2]
     assert Sampler()(logits.clone(), [req(temperature=0)]) == [2]
+
+
+def test_top_p_one_rows_keep_the_whole_vocab_beside_filtered_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 49152)
+    probs = Sampler._probs(logits.clone(), [req(top_p=0.5), req()])
+    assert (probs[1] > 0).all()  # the unfiltered row lost nothing to its neighbour's sort
+    torch.testing.assert_close(probs[1], logits[1].softmax(-1))
+
+
+def test_min_tokens_lifts_once_reached():
+    r = req(temperature=0, min_tokens=1)
+    r.token_ids.append(7)  # one output token already
+    assert Sampler()(torch.tensor([[0.0, 0.0, 10.0, 0.0]]), [r]) == [2]
+
+
+def test_temperature_sharpens():
+    logits = torch.log(torch.tensor([[0.6, 0.4]])).repeat(2000, 1)
+    cold = Sampler(seed=0)(logits.clone(), [req(temperature=0.2) for _ in range(2000)])
+    assert cold.count(0) / 2000 > 0.85  # 0.6^5 / (0.6^5 + 0.4^5) = 0.88

@@ -14,10 +14,13 @@ def run(core: EngineCore, prompts: list[list[int]], max_tokens: int = 20) -> dic
     for r in reqs:
         core.add_request(r)
     budgets = []
-    while core.has_unfinished():
+    for _ in range(5000):  # a cap: a livelock fails instead of hanging
+        if not core.has_unfinished():
+            break
         batch = core.scheduler.schedule()
         budgets.append(batch.total_tokens)
         core.scheduler.update(batch, core.runner.execute(batch))
+    assert not core.has_unfinished()
     assert max(budgets) <= core.config.max_num_batched_tokens
     return {r.request_id: r.output_token_ids for r in reqs}
 
@@ -36,3 +39,30 @@ def test_preemption_by_recompute_keeps_greedy_tokens(hf_dirs):
     assert tight.scheduler.num_preemptions > 0
     assert got == expected
     assert tight.pool.num_used == 0
+
+
+def test_small_pool_many_requests_all_finish(hf_dirs):
+    """The livelock the FCFS rewrite fixed: a pool of 10 pages, a 4-token budget, and prompts
+    that need most of it; every request must finish."""
+    core = make(hf_dirs, page_size=4, num_pages=10, max_num_batched_tokens=4)
+    g = torch.Generator().manual_seed(3)
+    out = run(core, [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (7, 8, 28, 21)], max_tokens=3)
+    assert all(len(t) == 3 for t in out.values())
+    assert core.pool.num_used == 0
+
+
+def test_a_fault_ends_the_step_with_an_error_and_frees_pages(hf_dirs):
+    from tokenflowd.engine.request import FinishReason
+
+    core = make(hf_dirs, page_size=4, num_pages=50)
+    core.add_request(Request("a", list(range(5, 30)), SamplingParams(temperature=0, max_tokens=5)))
+    core.step()
+
+    def boom(batch):
+        raise RuntimeError("device lost")
+
+    core.runner.execute = boom
+    outs = core.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", FinishReason.ERROR)]
+    assert "device lost" in outs[0].error
+    assert core.pool.num_used == 0 and not core.has_unfinished()

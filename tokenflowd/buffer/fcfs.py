@@ -1,13 +1,14 @@
-"""First come, first served with prefill first: what SGLang does by default.
+"""First come, first served, with preemption by recompute under memory pressure.
 
 Memory goes by age: every running request, oldest first, is given room for its next token; when
 there is none, the newest running requests are preempted (their KV is recomputed later). So the
-oldest running request can always progress and memory never livelocks the engine.
+oldest running request always progresses and memory never livelocks the engine.
 
-The token budget goes to prompts first: chunks of running requests mid-prompt, then of waiting
-requests in arrival order (a waiting request that does not fit blocks the ones behind it); decodes
-share what is left. A burst of long prompts therefore pauses running streams until it is prefilled,
-which is what the buffer-aware policy exists to avoid.
+The token budget: each running decode keeps its one token per step; prompt chunks fill the rest,
+those of running requests mid-prompt first, then waiting requests in arrival order (a waiting
+request that does not fit blocks the ones behind it). Decodes come first in the budget because with
+recompute preemption a prompt-only step order can starve decodes forever: preempted prompts come
+back as new prompt work and take every step's budget (seen with a 4-token budget and 10 pages).
 """
 from __future__ import annotations
 
@@ -43,9 +44,15 @@ class FCFSPolicy(SchedulingPolicy):
             free -= need
             i += 1
 
-        # 2. The budget: prompt chunks first, growing into free pages beyond their reserved one.
+        # 2. The budget: one token for each decode, oldest first.
         budget = view.token_budget
         scheduled: dict[str, int] = {}
+        for req in kept:
+            if req.tokens_left == 1 and budget > 0:
+                scheduled[req.request_id] = 1
+                budget -= 1
+
+        # 3. Prompt chunks of running requests, growing into free pages beyond their reserved one.
         for req in kept:
             if req.tokens_left > 1 and budget > 0:
                 reserved = req.pages_to_run(1, ps)
@@ -55,7 +62,7 @@ class FCFSPolicy(SchedulingPolicy):
                 budget -= n
                 free -= req.pages_to_run(n, ps) - reserved
 
-        # 3. Admission from what is left, keeping room for this step's decodes and a watermark.
+        # 4. Admission from what is left, keeping a watermark of pages for running requests to grow.
         reserve = int(self.watermark * view.total_pages) if kept else 0
         num_seqs = len(kept)
         for req in view.waiting:
@@ -69,11 +76,5 @@ class FCFSPolicy(SchedulingPolicy):
             budget -= n
             free -= need
             num_seqs += 1
-
-        # 4. Decodes share the rest of the budget; their pages were reserved in step 1.
-        for req in kept:
-            if req.tokens_left == 1 and budget > 0:
-                scheduled[req.request_id] = 1
-                budget -= 1
 
         return Plan(scheduled=tuple(scheduled.items()), preempted=tuple(preempted))
