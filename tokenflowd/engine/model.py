@@ -41,9 +41,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # torch's fused kernel accumulates in fp32 for bf16/fp16 input, as the reference models do.
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class LlamaModel(torch.nn.Module):
@@ -116,10 +115,10 @@ class LlamaModel(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+            # q and k heads side by side take RoPE in one pass: [T, heads + kv_heads, head_dim]
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, -1, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             o = attn.forward(i, q, k, v, kv_caches[i], attn_meta)  # [T, heads, head_dim]
             h = residual + F.linear(o.reshape(T, self.q_size), layer["o"])
             residual = h

@@ -41,8 +41,8 @@ class ModelRunner:
         self.page_size = config.page_size
         self._init_threads()
         self._init_model(loaded)
-        self._init_kv_cache()
         self._init_attention()
+        self._init_kv_cache()
         self._init_cuda_graphs()
         self.sampler = Sampler(config.seed)
 
@@ -84,14 +84,13 @@ class ModelRunner:
                 f"(at least {2 * pb} bytes) or lower the model size"
             )
         self.num_pages = num_pages
-        # kv_cache: [layers, 2, num_pages + 1, kv_heads, page_size, head_dim] dtype device (HND pages)
+        # kv_cache: [layers, *attn.kv_cache_shape(num_pages + 1)] dtype device
         # The extra last page is scratch for the padding rows of CUDA-graph batches; the pool never
         # hands it out.
         # NOTE: zeroed, not empty. Attention reads whole pages and masks the slots past a sequence's
         # end; masked weights are 0, and 0 * NaN from never-written memory would still be NaN.
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_pages + 1, cfg.num_kv_heads, self.page_size, cfg.head_dim,
-            dtype=self.dtype, device=self.device,
+            cfg.num_layers, *self.attn.kv_cache_shape(num_pages + 1), dtype=self.dtype, device=self.device
         )
         self.kv_layers = list(self.kv_cache.unbind(0))
         self.max_model_len = min(self.max_model_len, num_pages * self.page_size)

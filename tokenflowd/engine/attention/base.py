@@ -1,12 +1,11 @@
 """The attention seam. A backend reads and writes the paged KV cache; the model never sees pages.
 
-KV cache of one layer (the layout flashinfer calls HND, K and V planes apart):
+KV cache of one layer: K and V planes apart; each backend picks the order of the other axes
+(`kv_cache_shape`), and every (page, kv head) is a contiguous [page_size, head_dim] block:
 
-    kv_cache: [2, num_pages, kv_heads, page_size, head_dim]     kv_cache[0] = K, kv_cache[1] = V
+    torch:       [2, kv_heads, num_pages, page_size, head_dim]   head-outer: a page gather is one index_select
+    flashinfer:  [2, num_pages, kv_heads, page_size, head_dim]   what flashinfer calls HND
     slot s  = page * page_size + offset
-
-Head-major pages keep each (page, head) a contiguous [page_size, head_dim] block, so a gather of a
-request's pages through a head-first view copies 2 KiB runs, not one head_dim row at a time.
 
 A step's tokens are flat: request i owns query rows query_start[i] : query_start[i+1]; they are the
 tokens at positions seq_lens[i] - query_len .. seq_lens[i] - 1 of its sequence, and the KV of all
@@ -53,6 +52,10 @@ class AttentionBackend(abc.ABC):
         self.scale = head_dim**-0.5
 
     @abc.abstractmethod
+    def kv_cache_shape(self, num_pages: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache, K and V planes first."""
+
+    @abc.abstractmethod
     def prepare(self, inputs: AttentionInputs) -> object:
         """Per-step metadata shared by every layer."""
 
@@ -63,14 +66,7 @@ class AttentionBackend(abc.ABC):
         q: torch.Tensor,  # [T, heads, head_dim]
         k: torch.Tensor,  # [T, kv_heads, head_dim]
         v: torch.Tensor,  # [T, kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_pages, kv_heads, page_size, head_dim]
+        kv_cache: torch.Tensor,  # kv_cache_shape(num_pages)
         meta: object,
     ) -> torch.Tensor:  # [T, heads, head_dim]
         ...
-
-
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_page: torch.Tensor, slot_offset: torch.Tensor) -> None:
-    """Scatter the step's new K/V ([T, kv_heads, head_dim]) into (page, offset) slots."""
-    kv_cache[0][slot_page, :, slot_offset] = k
-    kv_cache[1][slot_page, :, slot_offset] = v

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs, write_kv
+from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
@@ -75,6 +75,9 @@ class FlashInferBackend(AttentionBackend):
             pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
         )
 
+    def kv_cache_shape(self, num_pages: int) -> tuple[int, ...]:
+        return (2, num_pages, self.num_kv_heads, self.page_size, self.head_dim)  # HND
+
     def slots(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return slot_mapping // self.page_size, slot_mapping % self.page_size
 
@@ -95,5 +98,6 @@ class FlashInferBackend(AttentionBackend):
         return FlashInferMeta(*self.slots(inputs.slot_mapping), self.prefill)
 
     def forward(self, layer, q, k, v, kv_cache, meta: FlashInferMeta):
-        write_kv(kv_cache, k, v, meta.slot_page, meta.slot_offset)
+        kv_cache[0][meta.slot_page, :, meta.slot_offset] = k  # [T, kv_heads, d]
+        kv_cache[1][meta.slot_page, :, meta.slot_offset] = v
         return meta.wrapper.run(q, (kv_cache[0], kv_cache[1]))

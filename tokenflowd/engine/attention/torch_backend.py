@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs, write_kv
+from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
 
 
 @dataclass
@@ -33,12 +33,15 @@ class TorchAttentionMeta:
     slot_offset: torch.Tensor  # [T] its offset in the page
     decode_rows: torch.Tensor | None  # [Bd] query rows of decoding requests
     decode_all: bool  # every row is a decode, in order: no row gather/scatter needed
-    decode_pages: torch.Tensor | None  # [Bd, max_pages] int64 (padded with page 0)
+    decode_pages: torch.Tensor | None  # [Bd * max_pages] int64, request-major (padded with page 0)
     decode_bias: torch.Tensor | None  # [Bd, 1, max_pages * page_size] fp32: 0, or -inf past seq_len
     chunks: list[_Chunk]
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def kv_cache_shape(self, num_pages: int) -> tuple[int, ...]:
+        return (2, self.num_kv_heads, num_pages, self.page_size, self.head_dim)
+
     def prepare(self, inputs: AttentionInputs) -> TorchAttentionMeta:
         dev, ps = self.device, self.page_size
         decode_idx = [i for i in range(inputs.num_requests) if inputs.query_len(i) == 1]
@@ -64,7 +67,7 @@ class TorchAttentionBackend(AttentionBackend):
             max_pages = -(-max(lens) // ps)
             table = [inputs.block_tables[i][:max_pages] + [0] * (max_pages - len(inputs.block_tables[i][:max_pages]))
                      for i in decode_idx]
-            pages_t = torch.tensor(table, dtype=torch.int64, device=dev)
+            pages_t = torch.tensor(table, dtype=torch.int64, device=dev).flatten()
             lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
             past_end = torch.arange(max_pages * ps, device=dev)[None, :] >= lens_t[:, None]
             mask_t = torch.zeros(past_end.shape, device=dev).masked_fill_(past_end, float("-inf"))[:, None, :]
@@ -75,7 +78,8 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMeta(slots // ps, slots % ps, rows, decode_all, pages_t, mask_t, chunks)
 
     def forward(self, layer, q, k, v, kv_cache, meta: TorchAttentionMeta):
-        write_kv(kv_cache, k, v, meta.slot_page, meta.slot_offset)
+        kv_cache[0][:, meta.slot_page, meta.slot_offset] = k.transpose(0, 1)  # [kv_heads, T, d]
+        kv_cache[1][:, meta.slot_page, meta.slot_offset] = v.transpose(0, 1)
         out = torch.empty_like(q)
         for c in meta.chunks:
             qc = q[c.start : c.stop].transpose(0, 1)  # [heads, q_len, d]
@@ -99,13 +103,15 @@ class TorchAttentionBackend(AttentionBackend):
         # q: [B, heads, d] -> [B, heads, d]; one query per request over its gathered pages.
         # NOTE: explicit matmuls, not SDPA: for one query per sequence torch's CPU SDPA kernel took
         # 4.7 ms a layer at batch 32 in bf16 where these two bmms take 0.5 ms (measured with 2 threads).
-        B, P = meta.decode_pages.shape
-        kvh, d, L = self.num_kv_heads, self.head_dim, P * self.page_size
+        B = q.shape[0]
+        kvh, d = self.num_kv_heads, self.head_dim
+        L = meta.decode_pages.numel() // B * self.page_size
         group = self.num_heads // kvh
-        # Gather through a head-first view into [kvh, B, L, d], so that each (head, request) pair
-        # is one contiguous matrix and both products are plain bmms with no further copy.
-        k = kv_cache[0].transpose(0, 1)[:, meta.decode_pages].view(kvh * B, L, d)
-        v = kv_cache[1].transpose(0, 1)[:, meta.decode_pages].view(kvh * B, L, d)
+        # One index_select of whole pages per plane yields [kvh, B, L, d]: each (head, request)
+        # pair is a contiguous matrix and both products are plain bmms (3x faster than indexing
+        # a transposed view of page-major pages, measured on 2 cores).
+        k = self._pages(kv_cache[0], meta.decode_pages).view(kvh * B, L, d)
+        v = self._pages(kv_cache[1], meta.decode_pages).view(kvh * B, L, d)
         qg = q.view(B, kvh, group, d).transpose(0, 1).reshape(kvh * B, group, d)  # GQA: no K/V repeat
         scores = torch.bmm(qg, k.transpose(1, 2)).float().view(kvh, B, group, L)
         probs = (scores * self.scale + meta.decode_bias).softmax(dim=-1).to(q.dtype)  # [kvh, B, group, L]
@@ -115,6 +121,11 @@ class TorchAttentionBackend(AttentionBackend):
     def _gather(self, kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         # -> [kv_heads, seq_len, d] each
         kvh, d = self.num_kv_heads, self.head_dim
-        kc = kv_cache[0].transpose(0, 1)[:, pages].view(kvh, -1, d)[:, :seq_len]
-        vc = kv_cache[1].transpose(0, 1)[:, pages].view(kvh, -1, d)[:, :seq_len]
+        kc = self._pages(kv_cache[0], pages).view(kvh, -1, d)[:, :seq_len]
+        vc = self._pages(kv_cache[1], pages).view(kvh, -1, d)[:, :seq_len]
         return kc, vc
+
+    def _pages(self, plane: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        # plane: [kvh, num_pages, page_size, d] -> [kvh, len(pages), page_size * d]
+        kvh, num_pages = plane.shape[:2]
+        return plane.view(kvh, num_pages, -1).index_select(1, pages)
