@@ -3,12 +3,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from tokenflowd.buffer.policy import cdiv
 from tokenflowd.engine.page_pool import PagePool, chain_page_keys
 from tokenflowd.engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PrefixHit(NamedTuple):

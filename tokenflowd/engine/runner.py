@@ -118,11 +118,12 @@ class ModelRunner:
                                        max_batch=self.config.max_num_seqs, max_model_len=self.max_model_len)
 
     # -- one step -----------------------------------------------------------------------------
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int]]:
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int], list[int]]:
+        """Flat inputs of the step, plus the query rows that sample and the batch indices they belong to."""
         ps = self.page_size
         ids, pos, slots = [], [], []
-        query_start, seq_lens, tables, sample_rows = [0], [], [], []
-        for req, n in zip(batch.requests, batch.num_tokens):
+        query_start, seq_lens, tables, sample_rows, sampling = [0], [], [], [], []
+        for i, (req, n) in enumerate(zip(batch.requests, batch.num_tokens)):
             start = req.num_computed_tokens
             p = np.arange(start, start + n)
             table = np.asarray(req.block_table, dtype=np.int64)
@@ -132,18 +133,19 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
             seq_lens.append(start + n)
             tables.append(req.block_table)
-            if start + n == req.num_tokens:
+            if start + n == req.num_tokens:  # the chunk reaches its last known token: it samples
                 sample_rows.append(query_start[-1] - 1)
+                sampling.append(i)
         dev = self.device
         input_ids = torch.from_numpy(np.concatenate(ids)).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
         slot_mapping = torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True)
-        return input_ids, positions, AttentionInputs(query_start, seq_lens, tables, slot_mapping), sample_rows
+        return input_ids, positions, AttentionInputs(query_start, seq_lens, tables, slot_mapping), sample_rows, sampling
 
     def compute_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Logits [S, vocab] fp32 for the S requests of the batch that sample this step, and their
         indices in the batch (a request samples when its chunk reaches its last known token)."""
-        input_ids, positions, attn_inputs, sample_rows = self._prepare(batch)
+        input_ids, positions, attn_inputs, sample_rows, sampling = self._prepare(batch)
         T = input_ids.shape[0]
         if self.graphs is not None and T == len(batch) and T <= self.graphs.max_batch:
             hidden = self.graphs.run(input_ids, positions, attn_inputs)  # pure decode: replay a graph
@@ -151,10 +153,7 @@ class ModelRunner:
             meta = self.attn.prepare(attn_inputs)
             hidden = self.model(input_ids, positions, self.kv_layers, self.attn, meta)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        sampling = [i for i, (r, n) in enumerate(zip(batch.requests, batch.num_tokens))
-                    if r.num_computed_tokens + n == r.num_tokens]
-        return logits, sampling
+        return self.model.compute_logits(hidden[rows]), sampling
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run one step; the sampled token of each batch request, None for a mid-prompt chunk."""

@@ -81,13 +81,12 @@ class FlashInferBackend(AttentionBackend):
     def slots(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return slot_mapping // self.page_size, slot_mapping % self.page_size
 
-    def prepare(self, inputs: AttentionInputs, wrapper: object | None = None) -> FlashInferMeta:
+    def prepare(self, inputs: AttentionInputs) -> FlashInferMeta:
         table = PageTable.build(inputs, self.page_size)
         is_decode = all(inputs.query_len(i) == 1 for i in range(inputs.num_requests))
         if is_decode:
-            wrapper = wrapper or self.decode
-            self.plan_decode(wrapper, table)
-            return FlashInferMeta(*self.slots(inputs.slot_mapping), wrapper)
+            self.plan_decode(self.decode, table)
+            return FlashInferMeta(*self.slots(inputs.slot_mapping), self.decode)
         qo_indptr = torch.tensor(inputs.query_start, dtype=torch.int32)
         self.prefill.plan(
             qo_indptr, table.indptr, table.indices.to(self.device, non_blocking=True), table.last_page_len,
