@@ -59,7 +59,7 @@ def run(core: EngineCore, batch: int, context: int, new: int, seed: int) -> dict
     cfg = core.model_config
     el = torch.empty((), dtype=core.runner.dtype).element_size()
     weight_bytes = sum(t.numel() * t.element_size() for t in core.runner.model.state_tensors())
-    kv_bytes = statistics.median(ctx) * cfg.kv_bytes_per_token * el
+    kv_bytes = statistics.median(ctx) * cfg.kv_elements_per_token * el
     return {"batch": batch, "step_s": step, "tokens_per_s": batch / step, "bytes_per_step": weight_bytes + kv_bytes,
             "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "steps_measured": len(step_times)}
 

@@ -12,7 +12,7 @@ back as new prompt work and take every step's budget (seen with a 4-token budget
 """
 from __future__ import annotations
 
-from tokenflowd.buffer.policy import Plan, RequestView, SchedulerView, SchedulingPolicy
+from tokenflowd.buffer.policy import Plan, SchedulerView, SchedulingPolicy
 
 
 class FCFSPolicy(SchedulingPolicy):

@@ -102,7 +102,7 @@ class LlamaModel(torch.nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # per layer [2, num_pages, kv_heads, page_size, head_dim]
+        kv_caches: list[torch.Tensor],  # per layer, in attn.kv_cache_shape(num_pages)
         attn: AttentionBackend,
         attn_meta: object,
     ) -> torch.Tensor:  # [T, hidden]
@@ -110,8 +110,7 @@ class LlamaModel(torch.nn.Module):
         T = input_ids.shape[0]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, head_dim/2]
         sin = self.rope_sin[positions].unsqueeze(1)
-        h = F.embedding(input_ids, self.embed)
-        residual = h
+        h = F.embedding(input_ids, self.embed)  # the residual stream
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
@@ -120,12 +119,10 @@ class LlamaModel(torch.nn.Module):
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             o = attn.forward(i, q, k, v, kv_caches[i], attn_meta)  # [T, heads, head_dim]
-            h = residual + F.linear(o.reshape(T, self.q_size), layer["o"])
-            residual = h
+            h = h + F.linear(o.reshape(T, self.q_size), layer["o"])
             x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
             gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = residual + F.linear(F.silu(gate) * up, layer["down"])
-            residual = h
+            h = h + F.linear(F.silu(gate) * up, layer["down"])
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

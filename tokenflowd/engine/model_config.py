@@ -44,8 +44,8 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Elements (not bytes) of K and V per token over all layers; multiply by dtype size."""
+    def kv_elements_per_token(self) -> int:
+        """Elements of K and V per token over all layers; multiply by the dtype's size for bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     @classmethod

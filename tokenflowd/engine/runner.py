@@ -20,7 +20,7 @@ CPU_DEFAULT_KV_MEMORY = 1 << 30
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    return cfg.kv_bytes_per_token * page_size * torch.empty((), dtype=dtype).element_size()
+    return cfg.kv_elements_per_token * page_size * torch.empty((), dtype=dtype).element_size()
 
 
 def activation_bytes(cfg: ModelConfig, num_tokens: int, num_seqs: int, dtype: torch.dtype) -> int:

@@ -105,8 +105,9 @@ class Scheduler:
         admitted = blocked = False
         for rid, n in plan.scheduled:
             req = self.requests[rid]
-            assert 1 <= n <= req.num_tokens - req.num_computed_tokens or req.status is not RequestStatus.RUNNING
+            assert n >= 1, f"{self.policy.name} scheduled {n} tokens of {rid}"
             if req.status is RequestStatus.RUNNING:
+                assert n <= req.num_tokens - req.num_computed_tokens, f"{self.policy.name} overran {rid}"
                 ok = self.kv.grow(req, n)
             elif blocked:
                 continue  # keep arrival order: nothing jumps a request that could not be admitted
