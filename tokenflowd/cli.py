@@ -12,34 +12,48 @@ from tokenflowd.engine.request import InvalidRequestError, SamplingParams
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags. Their defaults are None so that a config file's values show through;
+    the real defaults are EngineConfig's (given in the help)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (embedded), a .gguf file, a Hugging Face directory, or dummy:<preset>")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--kv-cache-memory", default=None,
+    g.add_argument("--model", help="smollm2-135m (embedded, the default), a .gguf file, a Hugging Face "
+                                   "directory, or dummy:<preset>")
+    g.add_argument("--policy", help="scheduling policy (default fcfs)")
+    g.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default auto")
+    g.add_argument("--kv-cache-memory",
                    help="KV cache size, e.g. 512MiB or 4GiB (default: 1GiB on CPU, a fraction of free GPU memory)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    g.add_argument("--gpu-memory-utilization", type=float, help="default 0.9")
+    g.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
+    g.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step (512 CPU, 8192 GPU)")
+    g.add_argument("--max-num-seqs", type=int, help="default 256")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], help="default auto")
     g.add_argument("--no-cuda-graphs", action="store_true")
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    g.add_argument("--threads", type=int, help="CPU threads for torch")
 
 
-def engine_config(a: argparse.Namespace) -> EngineConfig:
-    kw = dict(
-        model=a.model, device=a.device, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory,
-        gpu_memory_utilization=a.gpu_memory_utilization, page_size=a.page_size,
-        max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, attention_backend=a.attention_backend,
-        enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads,
-        cuda_graphs=False if a.no_cuda_graphs else None,
-    )
-    if a.max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = a.max_num_batched_tokens
+# flag (argparse dest) -> EngineConfig.resolve keyword, for flags whose names differ
+_ENGINE_FLAGS = {
+    "model": "model", "device": "device", "dtype": "dtype", "kv_cache_memory": "kv_cache_memory",
+    "gpu_memory_utilization": "gpu_memory_utilization", "page_size": "page_size",
+    "max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
+    "max_model_len": "max_model_len", "attention_backend": "attention_backend", "threads": "num_threads",
+    "policy": "policy",
+}
+
+
+def engine_config(a: argparse.Namespace, file_values: dict | None = None) -> EngineConfig:
+    """EngineConfig from the config file's [engine] table, overridden by the flags given."""
+    kw = dict(file_values or {})
+    for flag, key in _ENGINE_FLAGS.items():
+        value = getattr(a, flag, None)
+        if value is not None:
+            kw[key] = value
+    if getattr(a, "no_prefix_caching", False):
+        kw["enable_prefix_caching"] = False
+    if getattr(a, "no_cuda_graphs", False):
+        kw["cuda_graphs"] = False
     return EngineConfig.resolve(**kw)
 
 
@@ -72,6 +86,23 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+_SERVER_FLAGS = ("host", "port", "engines", "served_model_name", "default_reading_rate", "max_waiting_requests",
+                 "max_body_size", "runtime_dir")
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from tokenflowd.config import ServerConfig, load_config_file, parse_size
+    from tokenflowd.serve import serve
+
+    file = load_config_file(a.config) if a.config else {"server": {}, "engine": {}}
+    server_kw = dict(file["server"])
+    for flag in _SERVER_FLAGS:
+        value = getattr(a, flag)
+        if value is not None:
+            server_kw[flag] = parse_size(value) if flag == "max_body_size" else value
+    return serve(ServerConfig(**server_kw), engine_config(a, file["engine"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenflowd", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -90,6 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stats", action="store_true", help="print tokens, TTFT and speed to stderr")
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    v = sub.add_parser("serve", help="run the daemon: OpenAI-compatible HTTP API over engine processes")
+    v.add_argument("--config", help="a TOML file with [server] and [engine] tables; flags override it")
+    v.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    v.add_argument("--port", type=int, help="default 8000")
+    v.add_argument("--engines", type=int, help="engine processes (default: one per visible GPU; 1 on CPU)")
+    v.add_argument("--served-model-name", help="the model name clients send (default: the --model value)")
+    v.add_argument("--default-reading-rate", type=float,
+                   help="tokens/s assumed for clients that state no reading rate (default 20)")
+    v.add_argument("--max-waiting-requests", type=int,
+                   help="requests waiting for their first token beyond which new ones get 429 (default 512)")
+    v.add_argument("--max-body-size", help="largest request body, e.g. 4MiB (default); beyond: 413")
+    v.add_argument("--runtime-dir", help="where the private socket directory is made (default: the temp dir)")
+    _engine_args(v)
+    v.set_defaults(func=cmd_serve)
     a = parser.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

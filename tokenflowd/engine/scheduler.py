@@ -5,12 +5,17 @@
 """
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
 from tokenflowd.buffer.policy import RequestView, SchedulerView, SchedulingPolicy
 from tokenflowd.engine.kv_manager import KVCacheManager
 from tokenflowd.engine.request import FinishReason, Request, RequestStatus
+
+
+def _queue_order(req: Request) -> tuple[int, float]:
+    return -req.priority, req.arrival_time
 
 
 @dataclass
@@ -35,7 +40,7 @@ class Scheduler:
         self.policy = policy
         self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
-        self.waiting: list[Request] = []  # queue order: arrival order
+        self.waiting: list[Request] = []  # queue order: priority (higher first), then arrival
         self.running: list[Request] = []  # arrival order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -44,7 +49,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        bisect.insort(self.waiting, req, key=_queue_order)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -59,6 +64,7 @@ class Scheduler:
             RequestView(
                 r.request_id, r.arrival_time, r.num_tokens, r.num_computed_tokens, len(r.block_table),
                 pages_exclusive=sum(pool.ref_count(p) == 1 for p in r.block_table) if tight else None,
+                priority=r.priority,
             )
             for r in self.running
         )
@@ -69,7 +75,7 @@ class Scheduler:
             waiting.append(
                 RequestView(
                     r.request_id, r.arrival_time, r.num_tokens, hit.num_pages * self.kv.page_size,
-                    hit.num_pages, hit.num_evictable,
+                    hit.num_pages, hit.num_evictable, priority=r.priority,
                 )
             )
         return SchedulerView(
@@ -101,7 +107,7 @@ class Scheduler:
             self.waiting.append(req)
             batch.preempted.append(req)
         if plan.preempted:
-            self.waiting.sort(key=lambda r: r.arrival_time)
+            self.waiting.sort(key=_queue_order)
         admitted = blocked = False
         for rid, n in plan.scheduled:
             req = self.requests[rid]
@@ -142,8 +148,7 @@ class Scheduler:
             if token is None:
                 continue
             req.token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
+            req.buffer.on_tokens(1, now)
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.finish(req, reason)

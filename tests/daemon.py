@@ -1,0 +1,71 @@
+"""A real `tokenflowd serve` in a subprocess, for integration tests."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    def __init__(self, *args: str, start_timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "tokenflowd.cli", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.http = httpx.Client(base_url=self.base_url, timeout=60)
+        self.wait_healthy(start_timeout)
+
+    def wait_healthy(self, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tokenflowd exited with {self.proc.returncode}")
+            try:
+                r = self.http.get("/health")
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("tokenflowd did not become healthy")
+
+    def health(self) -> dict:
+        return self.http.get("/health").json()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of a metric's samples matching `labels`."""
+        text = self.http.get("/metrics").text
+        total, found = 0.0, False
+        for line in text.splitlines():
+            m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+            if not m:
+                continue
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += float(m.group(2))
+                found = True
+        if not found:
+            raise KeyError(f"{name} {labels} not in /metrics")
+        return total
+
+    def stop(self) -> int:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

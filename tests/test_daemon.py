@@ -1,0 +1,248 @@
+"""The real daemon on the embedded model (CPU), spoken to over HTTP: the openai client, SSE,
+concurrency, disconnects, bad input. fp32 so that greedy output does not depend on the batch."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from daemon import Daemon
+
+MODEL = "smollm2-135m"
+QUESTIONS = [
+    "What is 2+2?", "Name a color.", "Say hello in French.", "What is the capital of Italy?",
+    "Give me a fruit.", "How many legs does a cat have?", "What is water made of?", "Name a planet.",
+    "What day comes after Monday?", "Spell the word cat.",
+]
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Daemon("--dtype", "float32", "--kv-cache-memory", "192MiB", "--max-body-size", "256KiB")
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return openai.OpenAI(base_url=daemon.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(q: str) -> list[dict]:
+    return [{"role": "user", "content": q}]
+
+
+def test_openai_client_stream_equals_non_stream(client):
+    whole = client.chat.completions.create(model=MODEL, messages=chat("What is 2+2?"), max_tokens=24, temperature=0)
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens > 0 and whole.usage.prompt_tokens > 0
+    text = whole.choices[0].message.content
+    assert "4" in text
+
+    for include_usage in (False, True):
+        kw = {"stream_options": {"include_usage": True}} if include_usage else {}
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=chat("What is 2+2?"), max_tokens=24, temperature=0, stream=True, **kw))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert content == text
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes == [whole.choices[0].finish_reason]
+        usage = [c.usage for c in chunks if c.usage is not None]
+        if include_usage:
+            assert len(usage) == 1 and chunks[-1].usage is not None and chunks[-1].choices == []
+            assert usage[0].completion_tokens == whole.usage.completion_tokens
+            assert usage[0].prompt_tokens == whole.usage.prompt_tokens
+        else:
+            assert usage == []
+
+
+def test_completions_endpoint_and_finish_reasons(client):
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True))
+    assert streamed == out.choices[0].text
+    # A stop string cuts the text and reports "stop".
+    first_word = out.choices[0].text.split()[0]
+    cut = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                    stop=[first_word])
+    assert cut.choices[0].finish_reason == "stop" and first_word not in cut.choices[0].text
+    # Token ids as the prompt give the same text.
+    ids = client.completions.create(model=MODEL, prompt=[1, 504, 3575, 282, 4649, 314], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 6
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+async def _stream_chat(base_url: str, question: str, max_tokens: int, **extra) -> tuple[str, int, str]:
+    c = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    text, chunks, reason = [], 0, None
+    async with c:
+        stream = await c.chat.completions.create(model=MODEL, messages=chat(question), max_tokens=max_tokens,
+                                                 temperature=0, stream=True, **extra)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+                chunks += 1
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+    return "".join(text), chunks, reason
+
+
+def test_fifty_concurrent_streams_complete_in_order(daemon, client):
+    reference = {q: client.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=16, temperature=0)
+                 for q in QUESTIONS}
+
+    async def burst():
+        return await asyncio.gather(*[_stream_chat(daemon.base_url, QUESTIONS[i % 10], 16) for i in range(50)])
+
+    results = asyncio.run(burst())
+    for i, (text, chunks, reason) in enumerate(results):
+        ref = reference[QUESTIONS[i % 10]]
+        assert text == ref.choices[0].message.content, f"stream {i}"
+        assert reason == ref.choices[0].finish_reason
+        assert chunks <= ref.usage.completion_tokens
+    assert daemon.metric("tokenflowd_requests_running") == 0
+
+
+def test_disconnects_free_kv_pages_within_a_second(daemon):
+    idle = daemon.metric("tokenflowd_kv_pages_used")
+
+    async def open_and_drop():
+        async with httpx.AsyncClient(base_url=daemon.base_url, timeout=60) as http:
+            async def one(i: int) -> None:
+                body = {"model": MODEL, "messages": chat(f"Tell me a long story number {i}."), "max_tokens": 2000,
+                        "ignore_eos": True, "stream": True}
+                async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += line.startswith("data: ")
+                        if n >= 3:
+                            return  # leaving the block closes the connection mid-stream
+            await asyncio.gather(*[one(i) for i in range(20)])
+
+    asyncio.run(open_and_drop())
+    dropped = time.monotonic()
+    used = None
+    while time.monotonic() - dropped < 1.0:
+        used = daemon.metric("tokenflowd_kv_pages_used")
+        if used == idle:
+            break
+        time.sleep(0.05)
+    assert used == idle, f"{used} pages still used a second after 20 disconnects (idle: {idle})"
+    assert daemon.metric("tokenflowd_requests_running") + daemon.metric("tokenflowd_requests_waiting") == 0
+    assert daemon.metric("tokenflowd_requests_total", outcome="abort") >= 20
+
+
+def test_live_request_shows_rate_buffer_and_state(daemon):
+    async def run():
+        async with httpx.AsyncClient(base_url=daemon.base_url, timeout=60) as http:
+            body = {"model": MODEL, "messages": chat("Tell me a story."), "max_tokens": 400, "ignore_eos": True,
+                    "stream": True, "reading_rate": 5.0}
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                rid = r.headers["X-Request-Id"]
+                lines = r.aiter_lines()  # kept referenced: a collected iterator would close the stream
+                n = 0
+                while n < 20:
+                    n += (await anext(lines)).startswith("data: ")
+                info = (await http.get(f"/v1/requests/{rid}")).json()
+                listing = (await http.get("/v1/requests")).json()
+            headers = {"X-Reading-Rate": "7.5"}
+            body2 = {**body, "reading_rate": None, "max_tokens": 50}
+            del body2["reading_rate"]
+            async with http.stream("POST", "/v1/chat/completions", json=body2, headers=headers) as r:
+                rid2 = r.headers["X-Request-Id"]
+                lines = r.aiter_lines()
+                await anext(lines)
+                info2 = (await http.get(f"/v1/requests/{rid2}")).json()
+            return rid, info, listing, info2
+
+    rid, info, listing, info2 = asyncio.run(run())
+    assert info.get("request_id") == rid, info
+    assert info["reading_rate"] == 5.0
+    assert info["state"] == "running" and info["num_output_tokens"] >= 19
+    # 19+ tokens arrived in far less than 19/5 s, so the modelled buffer holds most of them.
+    assert info["buffer_tokens"] > 5 and info["stall_time"] == 0.0
+    assert rid in [r["request_id"] for r in listing["data"]]
+    assert info2["reading_rate"] == 7.5
+    assert daemon.http.get("/v1/requests/nope").status_code == 404
+
+
+def _post(daemon, path: str, body) -> httpx.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return daemon.http.post(path, content=data, headers={"Content-Type": "application/json"})
+
+
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+BAD_CHAT = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),
+    ({**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ({**GOOD, "temperature": -1}, 400, "temperature"),
+    ({**GOOD, "temperature": 2.5}, 400, "temperature"),
+    ({**GOOD, "top_p": 0}, 400, "top_p"),
+    ({**GOOD, "top_k": -2}, 400, "top_k"),
+    ({**GOOD, "n": 2}, 400, "n"),
+    ({**GOOD, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({**GOOD, "logprobs": True}, 400, "logprobs"),
+    ({**GOOD, "reading_rate": 0}, 400, "reading_rate"),
+    ({**GOOD, "reading_rate": "fast"}, 400, "reading_rate"),
+    ({**GOOD, "stop": [""]}, 400, "stop"),
+    ({**GOOD, "min_tokens": 5}, 400, "min_tokens"),
+    ({**GOOD, "unknown_field": 1}, 400, "unknown_field"),
+    ({**GOOD, "messages": []}, 400, "messages"),
+    ({**GOOD, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ({**GOOD, "messages": [{"role": "user", "content": "x " * 9000}]}, 400, "messages"),
+    ({**GOOD, "max_tokens": 10**6}, 400, "max_tokens"),
+    ({**GOOD, "model": "gpt-4"}, 404, "model"),
+    ({k: v for k, v in GOOD.items() if k != "model"}, 400, None),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD_CHAT)
+def test_bad_chat_input_gets_a_clear_error(daemon, body, status, param):
+    r = _post(daemon, "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_other_errors(daemon):
+    assert _post(daemon, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}).status_code == 400
+    assert _post(daemon, "/v1/completions", {"model": MODEL, "prompt": [10**7]}).status_code == 400
+    assert _post(daemon, "/v1/completions", {"model": MODEL, "prompt": ""}).status_code == 400
+    big = _post(daemon, "/v1/completions", {"model": MODEL, "prompt": "x" * 300_000})
+    assert big.status_code == 413 and "limit" in big.json()["error"]["message"]
+    assert daemon.http.get("/v1/nothing").status_code == 404
+    assert daemon.http.get("/v1/chat/completions").status_code == 405
+    r = daemon.http.post("/v1/chat/completions", content=json.dumps(GOOD), headers={"X-Reading-Rate": "soon"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Reading-Rate"
+    # None of it disturbed the engine: a good request still works and nothing is left running.
+    assert _post(daemon, "/v1/chat/completions", GOOD).status_code == 200
+    assert daemon.metric("tokenflowd_requests_running") == 0
+
+
+def test_health_metrics_and_openapi(daemon):
+    h = daemon.health()
+    assert h["status"] == "ok" and h["engines"][0]["state"] == "ready"
+    text = daemon.http.get("/metrics").text
+    for name in ("tokenflowd_requests_running", "tokenflowd_requests_waiting", "tokenflowd_kv_pages_used",
+                 "tokenflowd_kv_pages_cached", "tokenflowd_kv_pages_total", "tokenflowd_preemptions_total",
+                 "tokenflowd_time_to_first_token_seconds", "tokenflowd_inter_token_latency_seconds",
+                 "tokenflowd_e2e_request_latency_seconds", "tokenflowd_rebuffer_seconds",
+                 "tokenflowd_prompt_tokens_total", "tokenflowd_generation_tokens_total"):
+        assert name in text, name
+    assert daemon.metric("tokenflowd_kv_pages_total", engine="0") > 0
+    assert daemon.metric("tokenflowd_time_to_first_token_seconds_count") > 0
+    spec = daemon.http.get("/openapi.json").json()
+    assert spec["openapi"].startswith("3.")
+    assert "reading_rate" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]

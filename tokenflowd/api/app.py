@@ -1,0 +1,390 @@
+"""The aiohttp application: OpenAI-compatible routes, SSE, /health, /metrics, request inspection.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    GET  /v1/requests[/{id}]    GET /health            GET /metrics        GET /openapi.json
+
+A request: decode and validate the body (schema.py) → tokens → admission checks (context, queue
+bound) → router picks an engine → Generation yields text pieces → JSON or SSE. Response headers
+of a stream are sent with its first token, so a request the engine refuses still gets a 4xx.
+"""
+from __future__ import annotations
+
+import math
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tokenflowd.api import schema as s
+from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
+from tokenflowd.api.generation import Generation, Piece, Refused
+from tokenflowd.api.metrics import Metrics
+from tokenflowd.config import ServerConfig
+from tokenflowd.engine.tokenizer import Tokenizer
+from tokenflowd.protocol import AddRequest, Sampling
+from tokenflowd.router import Router
+from tokenflowd.supervisor import NoEngineReady, Supervisor
+
+# Why a value was refused, for the fields declared only to refuse anything but their default.
+_UNSUPPORTED = {
+    "n": "n must be 1: tokenflowd returns one choice per request (send n requests instead)",
+    "best_of": "best_of must be 1 or absent: tokenflowd returns one choice per request",
+    "frequency_penalty": "frequency_penalty is not supported: leave it out or send 0",
+    "presence_penalty": "presence_penalty is not supported: leave it out or send 0",
+    "logit_bias": "logit_bias is not supported: leave it out or send {}",
+    "logprobs": "logprobs are not supported: leave them out",
+    "top_logprobs": "top_logprobs are not supported: leave them out",
+    "echo": "echo is not supported: leave it out",
+    "suffix": "suffix is not supported: leave it out",
+    "tools": "tools are not supported: leave them out",
+    "tool_choice": "tool_choice must be 'none' or 'auto' (tools are not supported)",
+    "response_format": "response_format must be {\"type\": \"text\"}: structured output is not supported",
+}
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_STREAM_SNDBUF = 16 * 1024  # small socket buffers: a slow reader shows as backpressure within a few KB
+_STREAM_HIGH_WATER = 8 * 1024
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    prompt_ids: list[int]
+    sampling: Sampling
+    stop: tuple[str, ...]
+    reading_rate: float
+    priority: int
+    stream: bool
+    include_usage: bool
+
+
+class Front:
+    def __init__(self, supervisor: Supervisor, tokenizer: Tokenizer, config: ServerConfig, model_name: str) -> None:
+        self.supervisor = supervisor
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = model_name
+        self.metrics = Metrics(supervisor)
+        self.router = Router(supervisor.engine_config.page_size)
+        self.draining = False
+        self.created = int(time.time())
+        self._chat_decoder = msgspec.json.Decoder(s.ChatCompletionRequest)
+        self._completion_decoder = msgspec.json.Decoder(s.CompletionRequest)
+
+    # -- request preparation ------------------------------------------------------------------
+    async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
+        body = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge → 413
+        try:
+            return decoder.decode(body)
+        except msgspec.ValidationError as e:  # a subclass of DecodeError: first
+            raise _validation_error(e) from None
+        except msgspec.DecodeError as e:
+            raise APIError(400, f"the body is not valid JSON ({e}): send a JSON object") from None
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"model {model!r} is not served here; this server serves {self.model_name!r} "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+
+    def _prepare(self, body: s.ChatCompletionRequest | s.CompletionRequest, prompt_ids: list[int],
+                 max_tokens: int | None, request: web.Request) -> _Prepared:
+        max_len = self._max_model_len()
+        n = len(prompt_ids)
+        if n == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if n >= max_len:
+            raise APIError(400, f"the prompt has {n} tokens but the context holds {max_len} (prompt plus at least "
+                                "one new token): shorten the prompt", param="messages", code="context_length_exceeded")
+        if max_tokens is not None and n + max_tokens > max_len:
+            raise APIError(400, f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context length "
+                                f"{max_len}: lower max_tokens to at most {max_len - n}", param="max_tokens",
+                           code="context_length_exceeded")
+        if body.min_tokens and max_tokens is not None and body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if any(not x for x in stop):
+            raise APIError(400, "stop strings must be non-empty", param="stop")
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(0, body.top_k or 0),
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+        )
+        return _Prepared(prompt_ids, sampling, stop, self._reading_rate(body, request), body.priority,
+                         body.stream, bool(body.stream_options and body.stream_options.include_usage))
+
+    def _reading_rate(self, body: s.ChatCompletionRequest | s.CompletionRequest, request: web.Request) -> float:
+        if body.reading_rate is not None:
+            return body.reading_rate
+        header = request.headers.get("X-Reading-Rate")
+        if header is None:
+            return self.config.default_reading_rate
+        try:
+            rate = float(header)
+        except ValueError:
+            rate = math.nan
+        if not 0 < rate <= 1e6:
+            raise APIError(400, f"X-Reading-Rate must be a number of tokens/s in (0, 1e6], got {header!r}",
+                           param="X-Reading-Rate")
+        return rate
+
+    def _max_model_len(self) -> int:
+        lens = [slot.info.max_model_len for slot in self.supervisor.slots if slot.ready and slot.info]
+        if not lens:
+            raise self._unavailable()
+        return min(lens)
+
+    def _unavailable(self) -> APIError:
+        why = "draining for shutdown" if self.draining else "starting or restarting its engines"
+        return APIError(503, f"the server is {why}: retry shortly", code="unavailable", headers={"Retry-After": "1"})
+
+    def _start(self, prep: _Prepared, request_id: str, arrival: float) -> Generation:
+        if self.draining:
+            raise self._unavailable()
+        if self.supervisor.num_waiting >= self.config.max_waiting_requests:
+            self.metrics.rejected.labels("429").inc()
+            raise APIError(429, f"{self.supervisor.num_waiting} requests are already waiting for an engine "
+                                f"(the bound is {self.config.max_waiting_requests}): retry after a second",
+                           code="queue_full", headers={"Retry-After": "1"})
+        slots = [slot for slot in self.supervisor.slots if slot.ready]
+        if not slots:
+            raise self._unavailable()
+        choice = self.router.pick(slots, prep.prompt_ids)
+        slot = self.supervisor.slots[choice.engine_id]
+        add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival)
+        try:
+            stream = self.supervisor.submit(slot, add)
+        except NoEngineReady:
+            raise self._unavailable() from None
+        return Generation(self.supervisor, stream, self.tokenizer, prep.prompt_ids, prep.stop, prep.reading_rate,
+                          self.metrics, arrival)
+
+    # -- routes -------------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body: s.ChatCompletionRequest = await self._decode(request, self._chat_decoder)
+        self._check_model(body.model)
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+        try:
+            prompt_ids = self.tokenizer.encode_chat(messages)
+        except Exception as e:  # the model's chat template refused the conversation
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+        prep = self._prepare(body, prompt_ids, body.max_completion_tokens or body.max_tokens, request)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = self._start(prep, rid, arrival)
+        try:
+            if prep.stream:
+                return await self._stream(request, gen, prep, _ChatChunks(rid, self.created_now(), self.model_name))
+            text, piece = await _collect(gen)
+            choice = s.ChatChoice(0, s.AssistantMessage(text), piece.finish_reason)
+            return _json(s.ChatCompletion(rid, self.created_now(), self.model_name, [choice], _usage(gen)), rid)
+        finally:
+            gen.close()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body: s.CompletionRequest = await self._decode(request, self._completion_decoder)
+        self._check_model(body.model)
+        prompt_ids = self._completion_prompt(body.prompt)
+        prep = self._prepare(body, prompt_ids, body.max_tokens, request)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        gen = self._start(prep, rid, arrival)
+        try:
+            if prep.stream:
+                return await self._stream(request, gen, prep, _CompletionChunks(rid, self.created_now(), self.model_name))
+            text, piece = await _collect(gen)
+            choice = s.CompletionChoice(0, text, piece.finish_reason)
+            return _json(s.Completion(rid, self.created_now(), self.model_name, [choice], _usage(gen)), rid)
+        finally:
+            gen.close()
+
+    def _completion_prompt(self, prompt: str | list) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if all(isinstance(t, int) for t in prompt):
+            vocab = self.tokenizer.vocab_size
+            if any(t >= vocab for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            return list(prompt)
+        raise APIError(400, "prompt must be a string, a list of token ids, or a list holding one of those: "
+                            "batched prompts are not supported, send one request per prompt", param="prompt")
+
+    async def _stream(self, request: web.Request, gen: Generation, prep: _Prepared, chunks: Any) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": gen.request_id})
+        pieces = gen.pieces()
+        first = await _first_piece(pieces)  # raises APIError (no headers sent yet) if refused or failed
+        await resp.prepare(request)
+        _tune_for_backpressure(request)
+        await resp.write(chunks.role())
+        piece: Piece | None = first
+        while piece is not None:
+            if piece.finish_reason == "error":
+                await resp.write(error_event(piece.error or "the engine failed while generating"))
+                break
+            if piece.text:
+                t0 = time.monotonic()
+                await resp.write(chunks.text(piece.text))
+                now = time.monotonic()
+                gen.delivered(piece, now - t0, now)
+            else:
+                gen.delivered(piece)
+            if piece.finish_reason is not None:
+                await resp.write(chunks.finish(piece.finish_reason))
+                if prep.include_usage:
+                    await resp.write(chunks.usage(_usage(gen)))
+                break
+            piece = await anext(pieces, None)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def created_now(self) -> int:
+        return int(time.time())
+
+    async def models(self, request: web.Request) -> web.Response:
+        lens = [slot.info.max_model_len for slot in self.supervisor.slots if slot.info]
+        card = s.ModelCard(self.model_name, self.created, max_model_len=min(lens) if lens else None)
+        return _json(s.ModelList([card]))
+
+    async def request_info(self, request: web.Request) -> web.Response:
+        rid = request.match_info["request_id"]
+        infos = await self.supervisor.query([rid])
+        if not infos:
+            raise APIError(404, f"no live request {rid!r} (finished requests are not kept)", code="request_not_found")
+        return _json(infos[0])
+
+    async def request_list(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": await self.supervisor.query(None)})
+
+    async def health(self, request: web.Request) -> web.Response:
+        engines = [{"engine": slot.engine_id, "state": slot.state, "restarts": slot.num_restarts,
+                    "pid": slot.proc.pid if slot.proc else None, "requests": slot.load}
+                   for slot in self.supervisor.slots]
+        serving = not self.draining and any(slot.ready for slot in self.supervisor.slots)
+        status = "ok" if serving else ("draining" if self.draining else "starting")
+        return _json({"status": status, "engines": engines}, status=200 if serving else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return _json(s.openapi())
+
+
+def build_app(front: Front) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=front.config.max_body_size)
+    app[MAX_BODY_SIZE] = front.config.max_body_size
+    app.router.add_post("/v1/chat/completions", front.chat_completions)
+    app.router.add_post("/v1/completions", front.completions)
+    app.router.add_get("/v1/models", front.models)
+    app.router.add_get("/v1/requests", front.request_list)
+    app.router.add_get("/v1/requests/{request_id}", front.request_info)
+    app.router.add_get("/health", front.health)
+    app.router.add_get("/metrics", front.metrics_endpoint)
+    app.router.add_get("/openapi.json", front.openapi)
+    return app
+
+
+# -- helpers -----------------------------------------------------------------------------------
+class _ChatChunks:
+    def __init__(self, rid: str, created: int, model: str) -> None:
+        self.rid, self.created, self.model = rid, created, model
+
+    def _event(self, choices: list, usage: s.Usage | None = None) -> bytes:
+        return b"data: " + msgspec.json.encode(s.ChatCompletionChunk(self.rid, self.created, self.model, choices,
+                                                                     usage)) + b"\n\n"
+
+    def role(self) -> bytes:
+        return self._event([s.ChatChunkChoice(0, s.ChunkDelta(content="", role="assistant"))])
+
+    def text(self, text: str) -> bytes:
+        return self._event([s.ChatChunkChoice(0, s.ChunkDelta(content=text))])
+
+    def finish(self, reason: str) -> bytes:
+        return self._event([s.ChatChunkChoice(0, s.ChunkDelta(), reason)])
+
+    def usage(self, usage: s.Usage) -> bytes:
+        return self._event([], usage)
+
+
+class _CompletionChunks(_ChatChunks):
+    def _event(self, choices: list, usage: s.Usage | None = None) -> bytes:
+        return b"data: " + msgspec.json.encode(s.Completion(self.rid, self.created, self.model, choices, usage)) + b"\n\n"
+
+    def role(self) -> bytes:
+        return b""
+
+    def text(self, text: str) -> bytes:
+        return self._event([s.CompletionChoice(0, text)])
+
+    def finish(self, reason: str) -> bytes:
+        return self._event([s.CompletionChoice(0, "", reason)])
+
+
+async def _first_piece(pieces) -> Piece:
+    try:
+        piece = await anext(pieces)
+    except Refused as e:
+        raise APIError(400, str(e)) from None
+    if piece.finish_reason == "error" and not piece.num_tokens:
+        raise APIError(503, f"{piece.error}", code="engine_failed", headers={"Retry-After": "1"})
+    return piece
+
+
+async def _collect(gen: Generation) -> tuple[str, Piece]:
+    parts = []
+    pieces = gen.pieces()
+    piece = await _first_piece(pieces)
+    while True:
+        gen.delivered(piece)
+        if piece.finish_reason == "error":
+            raise APIError(500, piece.error or "the engine failed while generating", code="engine_failed")
+        parts.append(piece.text)
+        if piece.finish_reason is not None:
+            return "".join(parts), piece
+        piece = await anext(pieces)
+
+
+def _usage(gen: Generation) -> s.Usage:
+    return s.Usage(gen.num_prompt_tokens, gen.num_output_tokens, gen.num_prompt_tokens + gen.num_output_tokens,
+                   s.PromptTokensDetails(gen.num_cached_tokens))
+
+
+def _json(obj: Any, request_id: str | None = None, status: int = 200) -> web.Response:
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json", headers=headers)
+
+
+def _tune_for_backpressure(request: web.Request) -> None:
+    """Small send buffers, so a client reading slower than tokens come blocks our writes soon."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _STREAM_SNDBUF)
+    transport.set_write_buffer_limits(high=_STREAM_HIGH_WATER)
+
+
+def _validation_error(e: msgspec.ValidationError) -> APIError:
+    message = str(e)
+    param = message.rsplit("`$.", 1)[1].rstrip("`") if "`$." in message else None
+    if "unknown field" in message:
+        field = message.split("`")[1] if "`" in message else "?"
+        where = f" in {param}" if param else ""
+        return APIError(400, f"unknown field {field!r}{where}: remove it (see /openapi.json for the accepted "
+                             "fields)", param=field)
+    top = param.split(".")[0].split("[")[0] if param else None
+    if top in _UNSUPPORTED:
+        return APIError(400, _UNSUPPORTED[top], param=top)
+    return APIError(400, f"invalid request: {message}", param=param)

@@ -1,0 +1,76 @@
+"""Prometheus metrics: engine state read from the supervisor at scrape time, request latencies
+observed by the front as it sends tokens.
+
+Engine gauges and the preemption counter come from a collector over the engines' last reported
+stats (no copy to keep in sync); the histograms and token counters are ordinary client objects.
+Everything lives in the app's own registry, so several daemons can share a process (tests).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from tokenflowd.supervisor import Supervisor
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+_REBUFFER_BUCKETS = (0, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80)
+
+
+class EngineCollector(Collector):
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        gauges = {
+            "requests_running": ("Requests running in an engine's batch", lambda s: s.num_running),
+            "requests_waiting": ("Requests queued or preempted in an engine", lambda s: s.num_waiting),
+            "kv_pages_used": ("KV pages referenced by live requests", lambda s: s.kv_pages_used),
+            "kv_pages_cached": ("Unreferenced KV pages kept for prefix-cache hits", lambda s: s.kv_pages_cached),
+            "kv_pages_total": ("KV pages in an engine's device pool", lambda s: s.kv_pages_total),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(f"tokenflowd_{name}", doc, labels=["engine"])
+            for slot in self.supervisor.slots:
+                if slot.stats is not None:
+                    g.add_metric([str(slot.engine_id)], value(slot.stats))
+            yield g
+        c = CounterMetricFamily("tokenflowd_preemptions", "Requests preempted (KV freed, resumed later)",
+                                labels=["engine"])
+        for slot in self.supervisor.slots:
+            c.add_metric([str(slot.engine_id)], slot.num_preemptions)
+        yield c
+        up = GaugeMetricFamily("tokenflowd_engine_up", "1 while an engine serves", labels=["engine"])
+        restarts = CounterMetricFamily("tokenflowd_engine_restarts", "Engine processes restarted", labels=["engine"])
+        for slot in self.supervisor.slots:
+            up.add_metric([str(slot.engine_id)], float(slot.ready))
+            restarts.add_metric([str(slot.engine_id)], slot.num_restarts)
+        yield up
+        yield restarts
+
+
+class Metrics:
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(supervisor))
+        r = self.registry
+        self.ttft = Histogram("tokenflowd_time_to_first_token_seconds", "Arrival to first token sent",
+                              ["engine"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tokenflowd_inter_token_latency_seconds", "Time between tokens sent to a client",
+                             ["engine"], buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenflowd_e2e_request_latency_seconds", "Arrival to the last token sent",
+                             ["engine"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.rebuffer = Histogram("tokenflowd_rebuffer_seconds",
+                                  "Per request: time its client stalled with an empty buffer at its reading rate",
+                                  ["engine"], buckets=_REBUFFER_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tokenflowd_prompt_tokens", "Prompt tokens of admitted requests",
+                                     ["engine"], registry=r)
+        self.generation_tokens = Counter("tokenflowd_generation_tokens", "Tokens generated", ["engine"], registry=r)
+        self.requests = Counter("tokenflowd_requests", "Requests finished, by outcome", ["engine", "outcome"],
+                                registry=r)
+        self.rejected = Counter("tokenflowd_requests_rejected", "Requests refused before reaching an engine",
+                                ["status"], registry=r)

@@ -1,0 +1,159 @@
+"""One engine process: an EngineCore driven by messages from the supervisor over zmq.
+
+    python -m tokenflowd.engine.process '<EngineSpec as JSON>'
+
+The loop, one iteration per model step:
+
+    inputs (non-blocking while work is queued; else wait up to the heartbeat interval)
+      → add / abort / set rate / query
+      → core.step()
+      → one StepOutputs message: every request's new tokens, the engine's counters, and the
+        prefix-cache keys published and evicted since the last message (the router's index)
+
+An idle engine still sends a StepOutputs (no deltas) every heartbeat interval: that is its
+heartbeat. It exits on Shutdown, or when its parent process goes away.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import msgspec
+import zmq
+
+from tokenflowd import protocol as p
+from tokenflowd.config import EngineConfig
+from tokenflowd.engine.core import EngineCore, EngineCoreOutput
+from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
+
+log = logging.getLogger("tokenflowd.engine")
+
+
+class EngineProcess:
+    def __init__(self, spec: p.EngineSpec) -> None:
+        self.spec = spec
+        self.config = msgspec.convert(spec.config, EngineConfig)
+        self.parent_pid = os.getppid()
+        self._init_sockets()
+        self.core = EngineCore(self.config)
+        self.core.pool.drain_key_events()  # start recording: the router learns every key from here on
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(p.ToEngine)
+        self.running = True
+        self._rejected: list[p.Delta] = []  # adds refused since the last message
+        self._aborted = False  # an abort freed pages since the last message
+
+    def _init_sockets(self) -> None:
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.connect(self.spec.input_address)
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.connect(self.spec.output_address)
+
+    def run(self) -> None:
+        core = self.core
+        self._send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.config.model,
+                           core.max_model_len, self.config.page_size, self.config.device, self._stats()))
+        heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
+        last_sent = time.monotonic()
+        while self.running:
+            busy = core.has_unfinished()
+            if self.inbox.poll(0 if busy else heartbeat_ms):
+                self._drain_inbox()
+            deltas, self._rejected = self._rejected, []
+            if core.has_unfinished():
+                deltas += [_delta(out) for out in core.step()]
+            now = time.monotonic()
+            if deltas or self._aborted or now - last_sent >= self.spec.heartbeat_interval:
+                self._aborted = False
+                added, removed = core.pool.drain_key_events()
+                self._send(p.StepOutputs(self.spec.engine_id, self.spec.incarnation, now, deltas,
+                                         self._stats(), added, removed))
+                last_sent = now
+            if not busy and os.getppid() != self.parent_pid:
+                log.warning("supervisor is gone; engine %d exits", self.spec.engine_id)
+                break
+        self.ctx.destroy(linger=1000)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                raw = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(self.decoder.decode(raw))
+
+    def _handle(self, msg: p.ToEngine) -> None:
+        if isinstance(msg, p.AddRequest):
+            self._add(msg)
+        elif isinstance(msg, p.AbortRequests):
+            for rid in msg.request_ids:
+                self.core.abort(rid)
+            self._aborted = True  # report the freed pages promptly
+        elif isinstance(msg, p.SetReadingRate):
+            self.core.set_reading_rate(msg.request_id, msg.reading_rate, msg.time)
+        elif isinstance(msg, p.QueryRequests):
+            self._send(p.QueryReply(self.spec.engine_id, self.spec.incarnation, msg.query_id,
+                                    self._infos(msg.request_ids)))
+        elif isinstance(msg, p.Shutdown):
+            self.running = False
+
+    def _add(self, msg: p.AddRequest) -> None:
+        s = msg.sampling
+        try:
+            params = SamplingParams(s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, (),
+                                    s.stop_token_ids, s.ignore_eos, s.min_tokens)
+            req = Request(msg.request_id, msg.prompt_token_ids, params, arrival_time=msg.arrival_time,
+                          reading_rate=msg.reading_rate, priority=msg.priority)
+            self.core.add_request(req)
+        except (InvalidRequestError, ValueError) as e:
+            self._rejected.append(p.Delta(msg.request_id, [], "rejected", str(e)))
+
+    def _infos(self, request_ids: list[str] | None) -> list[p.RequestInfo]:
+        reqs = self.core.scheduler.requests
+        chosen = reqs.values() if request_ids is None else [reqs[r] for r in request_ids if r in reqs]
+        now = time.monotonic()
+        return [
+            p.RequestInfo(
+                r.request_id, r.status.value, r.buffer.reading_rate, r.priority, r.arrival_time,
+                r.first_token_time, r.num_prompt_tokens, r.num_output_tokens, r.num_computed_tokens,
+                r.num_cached_tokens, r.num_preemptions, r.buffer.buffer(now), r.buffer.stall_time_at(now),
+                r.buffer.num_stalls, len(r.block_table),
+            )
+            for r in chosen
+        ]
+
+    def _stats(self) -> p.EngineStats:
+        sched, pool = self.core.scheduler, self.core.pool
+        return p.EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            kv_pages_used=pool.num_used, kv_pages_cached=pool.num_cached,
+            kv_pages_total=pool.num_pages, num_preemptions=sched.num_preemptions,
+            num_steps=self.core.stats.num_steps, last_step_time=self.core.stats.last_step_time,
+        )
+
+    def _send(self, msg: p.FromEngine) -> None:
+        self.outbox.send(self.encoder.encode(msg))
+
+
+def _delta(out: EngineCoreOutput) -> p.Delta:
+    return p.Delta(
+        out.request_id, out.new_token_ids, out.finish_reason.value if out.finish_reason else None, out.error,
+        num_cached_tokens=out.num_cached_tokens,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = msgspec.json.decode(argv[0], type=p.EngineSpec)
+    logging.basicConfig(level=os.environ.get("TOKENFLOWD_LOG_LEVEL", "WARNING").upper(),
+                        format=f"%(asctime)s %(levelname)s engine{spec.engine_id}: %(message)s")
+    EngineProcess(spec).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Every message between the supervisor and its engine processes (msgspec, msgpack on the wire).
+
+    supervisor ──PUSH──► engine i   (one socket per engine incarnation)   ToEngine
+    engine *   ──PUSH──► supervisor (one socket shared by all engines)    FromEngine
+
+Token ids cross the boundary, never text: the supervisor tokenizes and detokenizes. Messages are
+tagged Structs, so each side decodes a union and dispatches on the type; no pickle, no method
+names in strings. Times are `time.monotonic()` seconds, comparable across processes on one host.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class Sampling(msgspec.Struct, frozen=True):
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+# -- supervisor → engine ---------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    reading_rate: float  # tokens/s the client reads
+    priority: int = 0  # higher is sooner
+    arrival_time: float = 0.0
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class SetReadingRate(msgspec.Struct, tag=True):
+    """The client reads slower than it said (send-side backpressure): use the measured rate."""
+
+    request_id: str
+    reading_rate: float
+    time: float
+
+
+class QueryRequests(msgspec.Struct, tag=True):
+    query_id: int
+    request_ids: list[str] | None = None  # None: every live request
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ToEngine = AddRequest | AbortRequests | SetReadingRate | QueryRequests | Shutdown
+
+
+# -- engine → supervisor ---------------------------------------------------------------------
+class EngineStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int  # referenced by live requests
+    kv_pages_cached: int  # unreferenced, kept for prefix hits
+    kv_pages_total: int
+    num_preemptions: int  # since the engine started
+    num_steps: int
+    last_step_time: float
+
+
+class Ready(msgspec.Struct, tag=True):
+    engine_id: int
+    incarnation: int
+    pid: int
+    model: str
+    max_model_len: int
+    page_size: int
+    device: str
+    stats: EngineStats
+
+
+class Delta(msgspec.Struct):
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | error | rejected
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    engine_id: int
+    incarnation: int
+    time: float
+    deltas: list[Delta]
+    stats: EngineStats
+    keys_added: list[bytes] = []  # prefix-cache page keys published since the last message
+    keys_removed: list[bytes] = []  # ... and evicted
+
+
+class RequestInfo(msgspec.Struct):
+    request_id: str
+    state: str  # waiting | running | preempted
+    reading_rate: float
+    priority: int
+    arrival_time: float
+    first_token_time: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    buffer_tokens: float  # the client's modelled buffer now
+    stall_time: float
+    num_stalls: int
+    num_pages: int
+
+
+class QueryReply(msgspec.Struct, tag=True):
+    engine_id: int
+    incarnation: int
+    query_id: int
+    requests: list[RequestInfo]
+
+
+FromEngine = Ready | StepOutputs | QueryReply
+
+
+class EngineSpec(msgspec.Struct):
+    """How the supervisor starts an engine process (passed as JSON on its command line)."""
+
+    engine_id: int
+    incarnation: int
+    input_address: str
+    output_address: str
+    heartbeat_interval: float
+    config: dict  # EngineConfig fields

@@ -1,0 +1,65 @@
+"""Picks the engine for a request: the longest prefix-cache match, unless that engine is
+much busier than the least busy one.
+
+Each engine reports the keys of the full pages its prefix cache holds (published and evicted
+keys ride on its step messages); the router computes the request's chained page keys the same
+way the engine does and counts how many leading pages an engine has. Load is the number of
+requests an engine holds (running + waiting, and those sent but not yet seen in its stats).
+
+    score(e) = cached_prompt_tokens(e) − load_weight · page_size · load(e)
+
+A cached page saves its prefill; a request ahead in the queue costs about a page of waiting at
+load_weight 1, so the router gives up a match only for a clearly busier engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from tokenflowd.engine.page_pool import chain_page_keys
+
+
+class EngineLoad(Protocol):
+    engine_id: int
+    keys: set[bytes]
+
+    @property
+    def load(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    engine_id: int
+    cached_pages: int
+
+
+def cached_pages(keys: Sequence[bytes], held: set[bytes]) -> int:
+    """Leading pages of a request (by chained key) that `held` has."""
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n
+
+
+class Router:
+    def __init__(self, page_size: int, load_weight: float = 1.0) -> None:
+        self.page_size = page_size
+        self.load_weight = load_weight
+
+    def pick(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int]) -> Choice:
+        """`engines` must be non-empty (the serving ones). Ties go to the lower engine id."""
+        if len(engines) == 1:
+            return Choice(engines[0].engine_id, 0)
+        # The last prompt token is always computed, so only pages before it can be hits.
+        keys = chain_page_keys(prompt_token_ids, self.page_size, [], max(0, len(prompt_token_ids) - 1))
+        best: tuple[float, int, Choice] | None = None
+        for e in engines:
+            hit = cached_pages(keys, e.keys) if keys else 0
+            score = (hit - self.load_weight * e.load) * self.page_size
+            cand = (score, -e.engine_id, Choice(e.engine_id, hit))
+            if best is None or cand[:2] > best[:2]:
+                best = cand
+        assert best is not None
+        return best[2]

@@ -1,0 +1,341 @@
+"""Starts, feeds, watches and restarts the engine processes; routes their outputs to streams.
+
+    Supervisor ──AddRequest/Abort/SetReadingRate/Query──► engine i (zmq PUSH, one per incarnation)
+               ◄──Ready/StepOutputs/QueryReply────────── all engines (one zmq PULL)
+
+Each engine slot has an incarnation number: a restarted engine gets a fresh input socket, and
+messages from an older incarnation are dropped, so nothing meant for a dead engine reaches its
+successor. When an engine exits or stops sending heartbeats, every stream it served ends with an
+error delta at once and the slot restarts with exponential backoff.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenflowd import protocol as p
+from tokenflowd.config import EngineConfig, ServerConfig
+
+log = logging.getLogger("tokenflowd.supervisor")
+
+
+@dataclass(eq=False)
+class Stream:
+    """One request's channel from its engine to its HTTP handler. Ends with a delta whose
+    finish_reason is set (the engine's, or "error" when the engine died)."""
+
+    request_id: str
+    engine: EngineSlot
+    num_prompt_tokens: int
+    queue: asyncio.Queue[p.Delta] = field(default_factory=asyncio.Queue)
+    started: bool = False  # a token or the end has arrived: no longer counted as waiting
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class EngineSlot:
+    engine_id: int
+    config: EngineConfig
+    env: dict[str, str]
+    incarnation: int = 0
+    state: str = "starting"  # starting | ready | backoff | stopped
+    proc: asyncio.subprocess.Process | None = None
+    inbox: zmq.Socket | None = None
+    info: p.Ready | None = None
+    stats: p.EngineStats | None = None
+    streams: dict[str, Stream] = field(default_factory=dict)
+    keys: set[bytes] = field(default_factory=set)  # prefix-cache page keys it holds (router index)
+    num_waiting: int = 0  # streams sent here without a first token yet
+    last_heard: float = 0.0
+    started_at: float = 0.0
+    num_restarts: int = 0
+    consecutive_failures: int = 0
+    preemptions_before: int = 0  # preemptions of earlier incarnations, so the counter never goes back
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def load(self) -> int:
+        """Requests it holds, running or queued, as this process knows them (no reporting lag)."""
+        return len(self.streams)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemptions_before + (self.stats.num_preemptions if self.stats else 0)
+
+
+class NoEngineReady(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, server: ServerConfig, engine: EngineConfig) -> None:
+        self.server = server
+        self.engine_config = engine
+        self.slots = [
+            EngineSlot(i, cfg, env) for i, (cfg, env) in enumerate(_engine_configs(engine, server.engines))
+        ]
+        self.runtime_dir: Path | None = None
+        self._ctx = zmq.asyncio.Context()  # the shared output socket, awaited by the reader task
+        self._sync_ctx = zmq.Context()  # engine inboxes: sends never block (no HWM), so need no await
+        self._decoder = msgspec.msgpack.Decoder(p.FromEngine)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._tasks: list[asyncio.Task] = []
+        self._queries: dict[int, asyncio.Future[list[p.RequestInfo]]] = {}
+        self._query_ids = itertools.count()
+        self._stopping = False
+        self.any_ready = asyncio.Event()
+        self.on_step: list = []  # callbacks (slot, StepOutputs) for metrics
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        base = self.server.runtime_dir
+        if base:
+            Path(base).mkdir(parents=True, exist_ok=True)
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix="tokenflowd-", dir=base))  # mode 0700
+        self._outbox = self._ctx.socket(zmq.PULL)
+        self._outbox.bind(f"ipc://{self.runtime_dir}/out")
+        self._tasks.append(asyncio.create_task(self._read_outputs(), name="engine-outputs"))
+        for slot in self.slots:
+            await self._spawn(slot)
+            self._tasks.append(asyncio.create_task(self._watch(slot), name=f"watch-engine{slot.engine_id}"))
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self.any_ready.wait(), timeout)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for slot in self.slots:
+            if slot.proc and slot.proc.returncode is None and slot.inbox is not None:
+                self._send(slot, p.Shutdown())
+        for slot in self.slots:
+            if slot.proc and slot.proc.returncode is None:
+                try:
+                    await asyncio.wait_for(slot.proc.wait(), 10)
+                except asyncio.TimeoutError:
+                    slot.proc.kill()
+                    await slot.proc.wait()
+            self._fail_streams(slot, "the server is shutting down")
+            slot.state = "stopped"
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._ctx.destroy(linger=0)
+        self._sync_ctx.destroy(linger=0)
+        if self.runtime_dir:
+            for f in self.runtime_dir.iterdir():
+                f.unlink(missing_ok=True)
+            self.runtime_dir.rmdir()
+
+    async def _spawn(self, slot: EngineSlot) -> None:
+        slot.incarnation += 1
+        slot.state = "starting"
+        slot.info = slot.stats = None
+        address = f"ipc://{self.runtime_dir}/in-{slot.engine_id}-{slot.incarnation}"
+        slot.inbox = self._sync_ctx.socket(zmq.PUSH)
+        slot.inbox.setsockopt(zmq.LINGER, 0)
+        slot.inbox.setsockopt(zmq.SNDHWM, 0)
+        slot.inbox.bind(address)
+        spec = p.EngineSpec(slot.engine_id, slot.incarnation, address, f"ipc://{self.runtime_dir}/out",
+                            self.server.heartbeat_interval, msgspec.to_builtins(slot.config))
+        slot.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tokenflowd.engine.process", msgspec.json.encode(spec).decode(),
+            env={**os.environ, **slot.env},
+        )
+        slot.started_at = slot.last_heard = time.monotonic()
+        log.info("engine %d (incarnation %d) started, pid %d", slot.engine_id, slot.incarnation, slot.proc.pid)
+
+    async def _watch(self, slot: EngineSlot) -> None:
+        """Restart the slot's engine whenever it exits or goes silent, with exponential backoff."""
+        while not self._stopping:
+            assert slot.proc is not None
+            code = await self._wait_exit_or_silence(slot)
+            if self._stopping:
+                return
+            up = time.monotonic() - slot.started_at
+            reason = (f"engine {slot.engine_id} stopped sending heartbeats" if code is None
+                      else f"engine {slot.engine_id} exited with code {code}")
+            log.error("%s after %.1f s; its %d open requests fail", reason, up, len(slot.streams))
+            self._fail_streams(slot, f"{reason}; the request was ended, retry it")
+            self._retire(slot)
+            slot.consecutive_failures = 1 if slot.info is not None and up > 60 else slot.consecutive_failures + 1
+            delay = min(self.server.restart_backoff_max, 0.5 * 2 ** (slot.consecutive_failures - 1))
+            slot.state = "backoff"
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return
+            slot.num_restarts += 1
+            await self._spawn(slot)
+
+    async def _wait_exit_or_silence(self, slot: EngineSlot) -> int | None:
+        """The exit code, or None after killing an engine silent for heartbeat_timeout."""
+        assert slot.proc is not None
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(slot.proc.wait()), self.server.heartbeat_interval)
+            except asyncio.TimeoutError:
+                pass
+            if slot.ready and time.monotonic() - slot.last_heard > self.server.heartbeat_timeout:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.send_signal(signal.SIGKILL)
+                await slot.proc.wait()
+                return None
+
+    def _retire(self, slot: EngineSlot) -> None:
+        if slot.stats is not None:
+            slot.preemptions_before += slot.stats.num_preemptions
+        slot.stats = None
+        slot.keys.clear()
+        if slot.inbox is not None:
+            slot.inbox.close(linger=0)
+            slot.inbox = None
+        self._update_ready()
+
+    def _fail_streams(self, slot: EngineSlot, message: str) -> None:
+        for stream in list(slot.streams.values()):
+            self._deliver(slot, p.Delta(stream.request_id, [], "error", message))
+
+    def _update_ready(self) -> None:
+        if any(s.ready for s in self.slots):
+            self.any_ready.set()
+        else:
+            self.any_ready.clear()
+
+    # -- engine outputs -----------------------------------------------------------------------
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self._outbox.recv())
+            slot = self.slots[msg.engine_id]
+            if msg.incarnation != slot.incarnation or slot.state not in ("starting", "ready"):
+                continue  # from an engine already given up on
+            slot.last_heard = time.monotonic()
+            if isinstance(msg, p.StepOutputs):
+                self._on_step(slot, msg)
+            elif isinstance(msg, p.Ready):
+                slot.info, slot.stats, slot.state = msg, msg.stats, "ready"
+                slot.consecutive_failures = 0
+                self._update_ready()
+                log.info("engine %d ready (pid %d, %s, context %d)", msg.engine_id, msg.pid, msg.device,
+                         msg.max_model_len)
+            elif isinstance(msg, p.QueryReply):
+                fut = self._queries.pop(msg.query_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.requests)
+
+    def _on_step(self, slot: EngineSlot, msg: p.StepOutputs) -> None:
+        slot.stats = msg.stats
+        slot.keys.difference_update(msg.keys_removed)
+        slot.keys.update(msg.keys_added)
+        for delta in msg.deltas:
+            self._deliver(slot, delta)
+        for callback in self.on_step:
+            callback(slot, msg)
+
+    def _deliver(self, slot: EngineSlot, delta: p.Delta) -> None:
+        stream = slot.streams.get(delta.request_id)
+        if stream is None:
+            return  # aborted here already
+        if not stream.started and (delta.token_ids or delta.finish_reason):
+            stream.started = True
+            slot.num_waiting -= 1
+        if delta.finish_reason is not None:
+            stream.finished = True
+            del slot.streams[delta.request_id]
+        stream.queue.put_nowait(delta)
+
+    # -- requests -----------------------------------------------------------------------------
+    def submit(self, slot: EngineSlot, add: p.AddRequest) -> Stream:
+        if not slot.ready or slot.inbox is None:
+            raise NoEngineReady(f"engine {slot.engine_id} is not serving")
+        if add.request_id in slot.streams:
+            raise ValueError(f"request id {add.request_id!r} is already in use")
+        stream = Stream(add.request_id, slot, len(add.prompt_token_ids))
+        slot.streams[add.request_id] = stream
+        slot.num_waiting += 1
+        if not self._send(slot, add):
+            del slot.streams[add.request_id]
+            slot.num_waiting -= 1
+            raise NoEngineReady(f"engine {slot.engine_id} is not serving")
+        return stream
+
+    def abort(self, stream: Stream) -> None:
+        """The client went away (or a stop string matched): the engine frees its pages at once."""
+        slot = stream.engine
+        if stream.finished or slot.streams.pop(stream.request_id, None) is None:
+            return
+        stream.finished = True
+        if not stream.started:
+            stream.started = True
+            slot.num_waiting -= 1
+        self._send(slot, p.AbortRequests([stream.request_id]))
+
+    def set_reading_rate(self, stream: Stream, reading_rate: float) -> None:
+        slot = stream.engine
+        if not stream.finished:
+            self._send(slot, p.SetReadingRate(stream.request_id, reading_rate, time.monotonic()))
+
+    async def query(self, request_ids: list[str] | None = None, timeout: float = 5.0) -> list[p.RequestInfo]:
+        """Live request state from every serving engine (all requests when `request_ids` is None)."""
+        futures = []
+        for slot in self.slots:
+            qid = next(self._query_ids)
+            if slot.ready and self._send(slot, p.QueryRequests(qid, request_ids)):
+                fut = asyncio.get_running_loop().create_future()
+                self._queries[qid] = fut
+                futures.append((qid, fut))
+        infos: list[p.RequestInfo] = []
+        for qid, fut in futures:
+            try:
+                infos += await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                self._queries.pop(qid, None)
+        return infos
+
+    def _send(self, slot: EngineSlot, msg: p.ToEngine) -> bool:
+        """False when the slot has no live engine to take it (the engine is gone or not yet connected)."""
+        if slot.inbox is None:
+            return False
+        try:
+            slot.inbox.send(self._encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self.slots)
+
+
+def _engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[EngineConfig, dict[str, str]]]:
+    """One (config, environment) per engine: a GPU each on CUDA, a share of the cores on CPU."""
+    if config.device.startswith("cuda"):
+        if config.device != "cuda":  # a device named explicitly: one engine on it
+            return [(config, {})]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [d for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(_cuda_count())]
+        ids = ids[:engines] if engines else ids
+        return [(config, {"CUDA_VISIBLE_DEVICES": d}) for d in ids]
+    n = engines or 1
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
+    return [(replace(config, num_threads=threads), {}) for _ in range(n)]
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
