@@ -153,12 +153,13 @@ class Supervisor:
         slot.inbox.bind(address)
         spec = p.EngineSpec(slot.engine_id, slot.incarnation, address, f"ipc://{self.runtime_dir}/out",
                             self.server.heartbeat_interval, msgspec.to_builtins(slot.config))
-        slot.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tokenflowd.engine.process", msgspec.json.encode(spec).decode(),
-            env={**os.environ, **slot.env},
-        )
+        slot.proc = await asyncio.create_subprocess_exec(*self.engine_command(spec), env={**os.environ, **slot.env})
         slot.started_at = slot.last_heard = time.monotonic()
         log.info("engine %d (incarnation %d) started, pid %d", slot.engine_id, slot.incarnation, slot.proc.pid)
+
+    def engine_command(self, spec: p.EngineSpec) -> list[str]:
+        """The engine process's command line (a benchmark swaps in a model-free engine here)."""
+        return [sys.executable, "-m", "tokenflowd.engine.process", msgspec.json.encode(spec).decode()]
 
     async def _watch(self, slot: EngineSlot) -> None:
         """Restart the slot's engine whenever it exits or goes silent, with exponential backoff."""
