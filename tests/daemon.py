@@ -40,6 +40,15 @@ class Daemon:
             time.sleep(0.2)
         raise TimeoutError("tokenflowd did not become healthy")
 
+    def wait_all_engines(self, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            h = self.health()
+            if all(e["state"] == "ready" for e in h["engines"]):
+                return h
+            time.sleep(0.2)
+        raise TimeoutError(f"engines not all ready: {h}")
+
     def health(self) -> dict:
         return self.http.get("/health").json()
 

@@ -246,3 +246,62 @@ def test_health_metrics_and_openapi(daemon):
     spec = daemon.http.get("/openapi.json").json()
     assert spec["openapi"].startswith("3.")
     assert "reading_rate" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+
+
+# -- fuzz: no input makes the daemon answer 5xx or fall over ----------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_ANY = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=12),
+    st.lists(st.integers(-3, 70_000), max_size=4), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+_SMALL_MAX = st.one_of(st.integers(-2, 3), _ANY.filter(lambda v: not isinstance(v, int) or isinstance(v, bool)))
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "robot"]) | _ANY},
+    optional={"content": st.text(max_size=40) | _ANY, "name": st.text(max_size=5) | _ANY},
+)
+_COMMON = {
+    "temperature": _ANY | st.floats(0, 2), "top_p": _ANY | st.floats(0, 1), "top_k": _ANY | st.integers(-2, 50),
+    "seed": _ANY, "stop": _ANY | st.lists(st.text(max_size=3), max_size=3), "stream": st.booleans() | _ANY,
+    "stream_options": _ANY | st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "n": _ANY | st.integers(0, 2), "user": _ANY, "reading_rate": _ANY | st.floats(-1, 100), "priority": _ANY,
+    "ignore_eos": _ANY, "min_tokens": st.integers(-1, 4) | _ANY, "stop_token_ids": _ANY,
+    "frequency_penalty": _ANY, "logit_bias": _ANY, "bogus": _ANY,
+}
+_CHAT = st.fixed_dictionaries(
+    {"model": st.just(MODEL) | _ANY, "messages": st.lists(_MESSAGE, max_size=3) | _ANY, "max_tokens": _SMALL_MAX},
+    optional={**_COMMON, "logprobs": _ANY, "tools": _ANY, "response_format": _ANY, "tool_choice": _ANY},
+)
+_COMPLETION = st.fixed_dictionaries(
+    {"model": st.just(MODEL) | _ANY, "prompt": st.text(max_size=40) | _ANY | st.lists(_ANY, max_size=2),
+     "max_tokens": _SMALL_MAX},
+    optional={**_COMMON, "echo": _ANY, "suffix": _ANY, "best_of": _ANY, "logprobs": _ANY},
+)
+_FUZZ = settings(max_examples=250, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=list(HealthCheck))
+
+
+def _no_server_error(daemon, path: str, body) -> None:
+    r = _post(daemon, path, body)
+    assert r.status_code < 500, (body, r.status_code, r.text)
+    if r.status_code != 200:
+        assert r.json()["error"]["message"]
+
+
+@_FUZZ
+@given(body=_CHAT | st.binary(max_size=30))
+def test_fuzz_chat(daemon, body):
+    _no_server_error(daemon, "/v1/chat/completions", body)
+
+
+@_FUZZ
+@given(body=_COMPLETION)
+def test_fuzz_completions(daemon, body):
+    _no_server_error(daemon, "/v1/completions", body)
+
+
+def test_after_the_fuzz_nothing_is_left_behind(daemon):
+    assert daemon.health()["status"] == "ok"
+    assert daemon.metric("tokenflowd_requests_running") + daemon.metric("tokenflowd_requests_waiting") == 0
+    assert daemon.metric("tokenflowd_kv_pages_used") == 0

@@ -71,3 +71,16 @@ def test_admit_fails_without_side_effects():
     r = _req("r", list(range(20)))
     assert not kv.admit(r, kv.prefix_hit(r), 20)
     assert r.block_table == [] and kv.pool.num_free == 2
+
+
+def test_key_events_report_publication_and_eviction_once_drained():
+    pool = PagePool(2)
+    pool.register(pool.allocate(), b"before")  # not recorded: nobody drains yet
+    assert pool.drain_key_events() == ([], [])
+    b = pool.allocate()
+    pool.register(b, b"k1")
+    pool.decref(0)
+    pool.decref(b)  # both cached now
+    pool.allocate()  # evicts the oldest cached page: page 0, key b"before"
+    assert pool.drain_key_events() == ([b"k1"], [b"before"])
+    assert pool.drain_key_events() == ([], [])

@@ -66,3 +66,23 @@ def test_a_fault_ends_the_step_with_an_error_and_frees_pages(hf_dirs):
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", FinishReason.ERROR)]
     assert "device lost" in outs[0].error
     assert core.pool.num_used == 0 and not core.has_unfinished()
+
+
+def test_higher_priority_is_admitted_first_and_tokens_feed_the_buffer(hf_dirs):
+    core = make(hf_dirs, page_size=4, num_pages=200, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    core.add_request(Request("human", list(range(5, 15)), params, arrival_time=1.0, reading_rate=8.0))
+    core.add_request(Request("agent", list(range(5, 15)), params, arrival_time=2.0, reading_rate=500.0, priority=5))
+    core.step()
+    assert [r.request_id for r in core.scheduler.running] == ["agent"]
+    while core.has_unfinished():
+        core.step()
+    agent_done = core.scheduler.requests.get("agent")
+    assert agent_done is None  # finished and gone
+    # The sampled tokens were fed to each request's buffer model at their reading rates.
+    req = Request("r", [5, 6, 7], params, reading_rate=8.0)
+    core.add_request(req)
+    while core.has_unfinished():
+        core.step()
+    assert req.buffer.num_generated == 2 and req.buffer.reading_rate == 8.0
+    assert req.first_token_time is not None

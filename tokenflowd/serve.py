@@ -10,6 +10,7 @@ import asyncio
 import logging
 import signal
 import time
+from typing import Callable
 
 import uvloop
 from aiohttp import web
@@ -22,13 +23,16 @@ from tokenflowd.supervisor import Supervisor
 log = logging.getLogger("tokenflowd")
 
 
-async def run_server(server: ServerConfig, engine: EngineConfig, shutdown_timeout: float = 30.0) -> None:
+async def run_server(server: ServerConfig, engine: EngineConfig, shutdown_timeout: float = 30.0,
+                     supervisor_factory: Callable[[ServerConfig, EngineConfig], Supervisor] = Supervisor,
+                     backlog: int = 128) -> None:
+    """`supervisor_factory` and `backlog` (the listen queue) are seams for benchmarks (bench/front_capacity.py)."""
     tokenizer = await asyncio.to_thread(load_tokenizer, engine.model)  # fails fast on a bad --model
-    supervisor = Supervisor(server, engine)
+    supervisor = supervisor_factory(server, engine)
     front = Front(supervisor, tokenizer, server, server.served_model_name or engine.model)
     runner = web.AppRunner(build_app(front), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, server.host, server.port)
+    site = web.TCPSite(runner, server.host, server.port, backlog=backlog)
     await site.start()
     log.warning("tokenflowd listening on http://%s:%d (model %s, %d engine(s))", server.host, server.port,
                 front.model_name, len(supervisor.slots))

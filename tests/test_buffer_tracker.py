@@ -1,0 +1,47 @@
+"""The token-buffer model on hand-computed timelines."""
+import pytest
+
+from tokenflowd.buffer.tracker import TokenBuffer
+
+
+def test_stalls_are_counted_when_the_buffer_runs_dry():
+    b = TokenBuffer(reading_rate=2.0)
+    assert b.buffer(0.0) == 0.0
+    b.on_tokens(1, 0.0)  # first token: reading starts
+    assert b.first_token_time == 0.0
+    assert b.buffer(0.25) == pytest.approx(0.5)
+    assert b.buffer(0.5) == 0.0 and b.buffer(0.9) == 0.0  # dry at 0.5
+    b.on_tokens(1, 1.0)  # waited 0.5 s for it
+    assert (b.num_stalls, b.stall_time) == (1, pytest.approx(0.5))
+    assert b.buffer(1.0) == pytest.approx(1.0) and b.buffer(1.25) == pytest.approx(0.5)
+    b.on_tokens(4, 3.0)  # dry from 1.5 to 3.0
+    assert (b.num_stalls, b.stall_time) == (2, pytest.approx(2.0))
+    assert b.buffer(3.0) == pytest.approx(4.0) and b.buffer(4.0) == pytest.approx(2.0)
+    assert b.time_to_empty(4.0) == pytest.approx(1.0)
+    assert b.stall_time_at(4.0) == pytest.approx(2.0)  # not dry yet
+    assert b.stall_time_at(6.0) == pytest.approx(3.0)  # dry since 5.0, still waiting
+    assert b.stall_time == pytest.approx(2.0)  # querying does not advance the model
+
+
+def test_a_buffer_that_never_runs_dry_never_stalls():
+    b = TokenBuffer(reading_rate=10.0)
+    for i in range(100):
+        b.on_tokens(1, i * 0.05)  # 20 tokens/s into a 10 tokens/s reader
+    assert b.stall_time == 0.0 and b.num_stalls == 0
+    assert b.buffer(99 * 0.05) == pytest.approx(100 - 10 * 99 * 0.05)
+
+
+def test_rate_change_reads_the_past_at_the_old_rate():
+    b = TokenBuffer(reading_rate=4.0)
+    b.on_tokens(10, 0.0)
+    b.set_rate(1.0, 1.0)  # read 4 by t=1
+    assert b.buffer(1.0) == pytest.approx(6.0)
+    assert b.buffer(3.0) == pytest.approx(4.0)
+    b.on_tokens(1, 8.0)  # dry at t=7: one second of stall
+    assert b.stall_time == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, float("inf"), float("nan")])
+def test_rate_must_be_finite_and_positive(rate):
+    with pytest.raises(ValueError, match="reading_rate"):
+        TokenBuffer(rate)
