@@ -305,3 +305,31 @@ def test_after_the_fuzz_nothing_is_left_behind(daemon):
     assert daemon.health()["status"] == "ok"
     assert daemon.metric("tokenflowd_requests_running") + daemon.metric("tokenflowd_requests_waiting") == 0
     assert daemon.metric("tokenflowd_kv_pages_used") == 0
+
+
+def test_a_client_reading_slower_than_it_said_gets_its_real_rate(daemon):
+    """A raw socket with a tiny receive buffer that reads ~400 bytes/s (about 2 SSE events/s)
+    while claiming 50 tokens/s: writes block, and the engine is told the measured rate."""
+    import socket as so
+
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1200, "ignore_eos": True,
+                       "stream": True, "reading_rate": 50, "temperature": 0}).encode()
+    s = so.socket()
+    s.setsockopt(so.SOL_SOCKET, so.SO_RCVBUF, 2048)
+    s.connect(("127.0.0.1", daemon.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    head = s.recv(2048).decode(errors="replace")
+    rid = head.split("X-Request-Id: ")[1].split("\r\n")[0]
+    rate = 50.0
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline and rate > 25:
+            s.recv(40)
+            time.sleep(0.1)
+            r = daemon.http.get(f"/v1/requests/{rid}")
+            if r.status_code == 200:
+                rate = r.json()["reading_rate"]
+    finally:
+        s.close()
+    assert rate < 25, f"the engine still assumes {rate} tokens/s"

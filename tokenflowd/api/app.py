@@ -9,6 +9,7 @@ of a stream are sent with its first token, so a request the engine refuses still
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import socket
 import time
@@ -46,8 +47,9 @@ _UNSUPPORTED = {
     "response_format": "response_format must be {\"type\": \"text\"}: structured output is not supported",
 }
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_STREAM_SNDBUF = 16 * 1024  # small socket buffers: a slow reader shows as backpressure within a few KB
-_STREAM_HIGH_WATER = 8 * 1024
+_STREAM_SNDBUF = 8 * 1024  # small socket buffers: a slow reader shows as backpressure within ~25 KB
+_STREAM_HIGH_WATER = 4 * 1024
+_ROOM_POLL = 0.01  # seconds between checks of a blocked connection
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,7 @@ class Front:
             if piece.text:
                 t0 = time.monotonic()
                 await resp.write(chunks.text(piece.text))
+                await _wait_for_room(request)
                 now = time.monotonic()
                 gen.delivered(piece, now - t0, now)
             else:
@@ -363,6 +366,15 @@ def _usage(gen: Generation) -> s.Usage:
 def _json(obj: Any, request_id: str | None = None, status: int = 200) -> web.Response:
     headers = {"X-Request-Id": request_id} if request_id else None
     return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json", headers=headers)
+
+
+async def _wait_for_room(request: web.Request) -> None:
+    """Wait while the connection holds more unsent bytes than the high-water mark: the client is
+    not reading. (aiohttp itself drains only every 64 KiB written, too late to see a slow reader.)"""
+    transport = request.transport
+    while transport is not None and not transport.is_closing() \
+            and transport.get_write_buffer_size() > _STREAM_HIGH_WATER:
+        await asyncio.sleep(_ROOM_POLL)
 
 
 def _tune_for_backpressure(request: web.Request) -> None:
