@@ -1,5 +1,5 @@
-# The two commands of the README: `make run` and `make test`. Each builds the virtual
-# environment it needs from nothing but the package registries.
+# The two commands of the README: `make run` (the daemon on the embedded model) and `make test`.
+# Each builds the virtual environment it needs from nothing but the package registries.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q
@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PROMPT ?= What is 2+2? Answer in one sentence.
 ARGS   ?=
 
-.PHONY: run test bench clean
+.PHONY: run generate test bench clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,6 +22,9 @@ $(VENV)/.test: $(VENV)/.base
 	touch $@
 
 run: $(VENV)/.base
+	$(VENV)/bin/tokenflowd serve $(ARGS)
+
+generate: $(VENV)/.base
 	$(VENV)/bin/tokenflowd generate $(ARGS) "$(PROMPT)"
 
 test: $(VENV)/.test

@@ -105,7 +105,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenflowd", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default: INFO for serve, WARNING otherwise)")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
     g.add_argument("prompt")
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(v)
     v.set_defaults(func=cmd_serve)
     a = parser.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = (a.log_level or ("INFO" if a.command == "serve" else "WARNING")).upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)
     except (ModelLoadError, InvalidRequestError, ValueError) as e:

@@ -34,7 +34,7 @@ async def run_server(server: ServerConfig, engine: EngineConfig, shutdown_timeou
     await runner.setup()
     site = web.TCPSite(runner, server.host, server.port, backlog=backlog)
     await site.start()
-    log.warning("tokenflowd listening on http://%s:%d (model %s, %d engine(s))", server.host, server.port,
+    log.info("tokenflowd listening on http://%s:%d (model %s, %d engine(s))", server.host, server.port,
                 front.model_name, len(supervisor.slots))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

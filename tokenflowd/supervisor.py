@@ -153,7 +153,8 @@ class Supervisor:
         slot.inbox.bind(address)
         spec = p.EngineSpec(slot.engine_id, slot.incarnation, address, f"ipc://{self.runtime_dir}/out",
                             self.server.heartbeat_interval, msgspec.to_builtins(slot.config))
-        slot.proc = await asyncio.create_subprocess_exec(*self.engine_command(spec), env={**os.environ, **slot.env})
+        env = {**os.environ, "TOKENFLOWD_LOG_LEVEL": logging.getLevelName(logging.getLogger().level), **slot.env}
+        slot.proc = await asyncio.create_subprocess_exec(*self.engine_command(spec), env=env)
         slot.started_at = slot.last_heard = time.monotonic()
         log.info("engine %d (incarnation %d) started, pid %d", slot.engine_id, slot.incarnation, slot.proc.pid)
 
@@ -220,23 +221,29 @@ class Supervisor:
     # -- engine outputs -----------------------------------------------------------------------
     async def _read_outputs(self) -> None:
         while True:
-            msg = self._decoder.decode(await self._outbox.recv())
-            slot = self.slots[msg.engine_id]
-            if msg.incarnation != slot.incarnation or slot.state not in ("starting", "ready"):
-                continue  # from an engine already given up on
-            slot.last_heard = time.monotonic()
-            if isinstance(msg, p.StepOutputs):
-                self._on_step(slot, msg)
-            elif isinstance(msg, p.Ready):
-                slot.info, slot.stats, slot.state = msg, msg.stats, "ready"
-                slot.consecutive_failures = 0
-                self._update_ready()
-                log.info("engine %d ready (pid %d, %s, context %d)", msg.engine_id, msg.pid, msg.device,
-                         msg.max_model_len)
-            elif isinstance(msg, p.QueryReply):
-                fut = self._queries.pop(msg.query_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg.requests)
+            raw = await self._outbox.recv()
+            try:
+                self._on_message(self._decoder.decode(raw))
+            except Exception:  # one bad message must not stop every stream's delivery
+                log.exception("dropped a message from an engine")
+
+    def _on_message(self, msg: p.FromEngine) -> None:
+        slot = self.slots[msg.engine_id]
+        if msg.incarnation != slot.incarnation or slot.state not in ("starting", "ready"):
+            return  # from an engine already given up on
+        slot.last_heard = time.monotonic()
+        if isinstance(msg, p.StepOutputs):
+            self._on_step(slot, msg)
+        elif isinstance(msg, p.Ready):
+            slot.info, slot.stats, slot.state = msg, msg.stats, "ready"
+            slot.consecutive_failures = 0
+            self._update_ready()
+            log.info("engine %d ready (pid %d, %s, context %d)", msg.engine_id, msg.pid, msg.device,
+                     msg.max_model_len)
+        elif isinstance(msg, p.QueryReply):
+            fut = self._queries.pop(msg.query_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.requests)
 
     def _on_step(self, slot: EngineSlot, msg: p.StepOutputs) -> None:
         slot.stats = msg.stats
