@@ -21,10 +21,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, ServerConfig
@@ -34,13 +34,15 @@ log = logging.getLogger("tokenflowd.supervisor")
 
 @dataclass(eq=False)
 class Stream:
-    """One request's channel from its engine to its HTTP handler. Ends with a delta whose
-    finish_reason is set (the engine's, or "error" when the engine died)."""
+    """One request's channel from its engine to its HTTP handler: `on_delta` is called in the
+    supervisor's loop with each delta, in order, the last one with finish_reason set (the
+    engine's, or "error" when the engine died). A callback, not a queue: the handler can act on
+    a token without a task switch (see api/generation.py)."""
 
     request_id: str
     engine: EngineSlot
     num_prompt_tokens: int
-    queue: asyncio.Queue[p.Delta] = field(default_factory=asyncio.Queue)
+    on_delta: Callable[[p.Delta], None]
     started: bool = False  # a token or the end has arrived: no longer counted as waiting
     finished: bool = False
 
@@ -91,8 +93,10 @@ class Supervisor:
             EngineSlot(i, cfg, env) for i, (cfg, env) in enumerate(_engine_configs(engine, server.engines))
         ]
         self.runtime_dir: Path | None = None
-        self._ctx = zmq.asyncio.Context()  # the shared output socket, awaited by the reader task
-        self._sync_ctx = zmq.Context()  # engine inboxes: sends never block (no HWM), so need no await
+        # Plain sockets: engine inboxes never block on send (no HWM); the shared output socket is
+        # read from the loop's reader callback, draining every message that is there per wake-up.
+        self._ctx = zmq.Context()
+        self._outbox: zmq.Socket | None = None
         self._decoder = msgspec.msgpack.Decoder(p.FromEngine)
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task] = []
@@ -100,7 +104,6 @@ class Supervisor:
         self._query_ids = itertools.count()
         self._stopping = False
         self.any_ready = asyncio.Event()
-        self.on_step: list = []  # callbacks (slot, StepOutputs) for metrics
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -110,7 +113,7 @@ class Supervisor:
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="tokenflowd-", dir=base))  # mode 0700
         self._outbox = self._ctx.socket(zmq.PULL)
         self._outbox.bind(f"ipc://{self.runtime_dir}/out")
-        self._tasks.append(asyncio.create_task(self._read_outputs(), name="engine-outputs"))
+        asyncio.get_running_loop().add_reader(self._outbox.getsockopt(zmq.FD), self._read_outputs)
         for slot in self.slots:
             await self._spawn(slot)
             self._tasks.append(asyncio.create_task(self._watch(slot), name=f"watch-engine{slot.engine_id}"))
@@ -135,8 +138,9 @@ class Supervisor:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._outbox is not None:
+            asyncio.get_running_loop().remove_reader(self._outbox.getsockopt(zmq.FD))
         self._ctx.destroy(linger=0)
-        self._sync_ctx.destroy(linger=0)
         if self.runtime_dir:
             for f in self.runtime_dir.iterdir():
                 f.unlink(missing_ok=True)
@@ -147,7 +151,7 @@ class Supervisor:
         slot.state = "starting"
         slot.info = slot.stats = None
         address = f"ipc://{self.runtime_dir}/in-{slot.engine_id}-{slot.incarnation}"
-        slot.inbox = self._sync_ctx.socket(zmq.PUSH)
+        slot.inbox = self._ctx.socket(zmq.PUSH)
         slot.inbox.setsockopt(zmq.LINGER, 0)
         slot.inbox.setsockopt(zmq.SNDHWM, 0)
         slot.inbox.bind(address)
@@ -219,13 +223,23 @@ class Supervisor:
             self.any_ready.clear()
 
     # -- engine outputs -----------------------------------------------------------------------
-    async def _read_outputs(self) -> None:
-        while True:
-            raw = await self._outbox.recv()
+    def _read_outputs(self, budget: int = 64) -> None:
+        """Handle the messages waiting on the output socket. Its file descriptor is edge-triggered,
+        so this reads until none is left; after `budget` messages it yields to the loop and goes
+        on in a later callback, so HTTP requests are not starved."""
+        sock = self._outbox
+        if sock is None or sock.closed:
+            return
+        for _ in range(budget):
+            try:
+                raw = sock.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
             try:
                 self._on_message(self._decoder.decode(raw))
             except Exception:  # one bad message must not stop every stream's delivery
                 log.exception("dropped a message from an engine")
+        asyncio.get_running_loop().call_soon(self._read_outputs)
 
     def _on_message(self, msg: p.FromEngine) -> None:
         slot = self.slots[msg.engine_id]
@@ -251,8 +265,6 @@ class Supervisor:
         slot.keys.update(msg.keys_added)
         for delta in msg.deltas:
             self._deliver(slot, delta)
-        for callback in self.on_step:
-            callback(slot, msg)
 
     def _deliver(self, slot: EngineSlot, delta: p.Delta) -> None:
         stream = slot.streams.get(delta.request_id)
@@ -264,15 +276,18 @@ class Supervisor:
         if delta.finish_reason is not None:
             stream.finished = True
             del slot.streams[delta.request_id]
-        stream.queue.put_nowait(delta)
+        try:
+            stream.on_delta(delta)
+        except Exception:  # one handler's fault must not cost the other streams their tokens
+            log.exception("request %s: its handler failed on a delta", delta.request_id)
 
     # -- requests -----------------------------------------------------------------------------
-    def submit(self, slot: EngineSlot, add: p.AddRequest) -> Stream:
+    def submit(self, slot: EngineSlot, add: p.AddRequest, on_delta: Callable[[p.Delta], None]) -> Stream:
         if not slot.ready or slot.inbox is None:
             raise NoEngineReady(f"engine {slot.engine_id} is not serving")
         if add.request_id in slot.streams:
             raise ValueError(f"request id {add.request_id!r} is already in use")
-        stream = Stream(add.request_id, slot, len(add.prompt_token_ids))
+        stream = Stream(add.request_id, slot, len(add.prompt_token_ids), on_delta)
         slot.streams[add.request_id] = stream
         slot.num_waiting += 1
         if not self._send(slot, add):

@@ -4,8 +4,9 @@
     GET  /v1/requests[/{id}]    GET /health            GET /metrics        GET /openapi.json
 
 A request: decode and validate the body (schema.py) → tokens → admission checks (context, queue
-bound) → router picks an engine → Generation yields text pieces → JSON or SSE. Response headers
-of a stream are sent with its first token, so a request the engine refuses still gets a 4xx.
+bound) → router picks an engine → Generation turns its deltas into text pieces → JSON or SSE.
+Response headers of a stream are sent with its first token, so a request the engine refuses still
+gets a 4xx; after that, pieces are written as they come, from the supervisor's loop.
 """
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenflowd.api import schema as s
 from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
-from tokenflowd.api.generation import Generation, Piece, Refused
+from tokenflowd.api.generation import Generation, Piece
 from tokenflowd.api.metrics import Metrics
 from tokenflowd.config import ServerConfig
 from tokenflowd.engine.tokenizer import Tokenizer
@@ -162,11 +163,10 @@ class Front:
         slot = self.supervisor.slots[choice.engine_id]
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival)
         try:
-            stream = self.supervisor.submit(slot, add)
+            return Generation(self.supervisor, slot, add, self.tokenizer, prep.stop,
+                              self.metrics.engine(slot.engine_id), arrival)
         except NoEngineReady:
             raise self._unavailable() from None
-        return Generation(self.supervisor, stream, self.tokenizer, prep.prompt_ids, prep.stop, prep.reading_rate,
-                          self.metrics, arrival)
 
     # -- routes -------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -222,32 +222,37 @@ class Front:
                             "batched prompts are not supported, send one request per prompt", param="prompt")
 
     async def _stream(self, request: web.Request, gen: Generation, prep: _Prepared, chunks: Any) -> web.StreamResponse:
+        """Headers go out with the first piece. Then the handler attaches the connection to the
+        generation, which writes each piece from the supervisor's loop (see generation.py), and
+        wakes only for what needs it: a client that stopped reading, the end, an error."""
         resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": gen.request_id})
-        pieces = gen.pieces()
-        first = await _first_piece(pieces)  # raises APIError (no headers sent yet) if refused or failed
+        pieces = await _first_pieces(gen)  # raises APIError (no headers sent yet) if refused or failed
+        if request.version >= HttpVersion11:
+            resp.enable_chunked_encoding()
         await resp.prepare(request)
         _tune_for_backpressure(request)
-        await resp.write(chunks.role())
-        piece: Piece | None = first
-        while piece is not None:
-            if piece.finish_reason == "error":
-                await resp.write(error_event(piece.error or "the engine failed while generating"))
+        conn = _SSEConnection(request, resp.chunked, chunks, gen)
+        conn.write(chunks.role())
+        blocked = 0.0
+        while True:
+            text, num_tokens, last = _merge(pieces)  # pieces held while the client was not reading: one event
+            if text or num_tokens:
+                conn.write(chunks.text(text) if text else b"")
+                gen.delivered(num_tokens, blocked)
+            if last is not None:
+                if last.finish_reason == "error":
+                    conn.write(error_event(last.error or "the engine failed while generating"))
+                else:
+                    conn.write(chunks.finish(last.finish_reason))
+                    if prep.include_usage:
+                        conn.write(chunks.usage(_usage(gen)))
                 break
-            if piece.text:
-                t0 = time.monotonic()
-                await resp.write(chunks.text(piece.text))
-                await _wait_for_room(request)
-                now = time.monotonic()
-                gen.delivered(piece, now - t0, now)
-            else:
-                gen.delivered(piece)
-            if piece.finish_reason is not None:
-                await resp.write(chunks.finish(piece.finish_reason))
-                if prep.include_usage:
-                    await resp.write(chunks.usage(_usage(gen)))
-                break
-            piece = await anext(pieces, None)
-        await resp.write(b"data: [DONE]\n\n")
+            t0 = time.monotonic()
+            await _wait_for_room(request)
+            blocked = time.monotonic() - t0
+            gen.attach(conn.push)
+            pieces = await gen.take()
+        conn.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -334,28 +339,62 @@ class _CompletionChunks(_ChatChunks):
         return self._event([s.CompletionChoice(0, "", reason)])
 
 
-async def _first_piece(pieces) -> Piece:
-    try:
-        piece = await anext(pieces)
-    except Refused as e:
-        raise APIError(400, str(e)) from None
-    if piece.finish_reason == "error" and not piece.num_tokens:
-        raise APIError(503, f"{piece.error}", code="engine_failed", headers={"Retry-After": "1"})
-    return piece
+async def _first_pieces(gen: Generation) -> list[Piece]:
+    pieces = await gen.take()
+    first = pieces[0]
+    if first.finish_reason == "rejected":
+        raise APIError(400, first.error or "the engine refused the request")
+    if first.finish_reason == "error" and not first.num_tokens:
+        raise APIError(503, f"{first.error}", code="engine_failed", headers={"Retry-After": "1"})
+    return pieces
+
+
+def _merge(pieces: list[Piece]) -> tuple[str, int, Piece | None]:
+    """(text, tokens, the last piece if it ends the stream)."""
+    last = pieces[-1] if pieces[-1].finish_reason is not None else None
+    return "".join(p.text for p in pieces), sum(p.num_tokens for p in pieces), last
 
 
 async def _collect(gen: Generation) -> tuple[str, Piece]:
     parts = []
-    pieces = gen.pieces()
-    piece = await _first_piece(pieces)
+    pieces = await _first_pieces(gen)
     while True:
-        gen.delivered(piece)
-        if piece.finish_reason == "error":
-            raise APIError(500, piece.error or "the engine failed while generating", code="engine_failed")
-        parts.append(piece.text)
-        if piece.finish_reason is not None:
-            return "".join(parts), piece
-        piece = await anext(pieces)
+        text, num_tokens, last = _merge(pieces)
+        gen.delivered(num_tokens)
+        parts.append(text)
+        if last is not None:
+            if last.finish_reason == "error":
+                raise APIError(500, last.error or "the engine failed while generating", code="engine_failed")
+            return "".join(parts), last
+        pieces = await gen.take()
+
+
+class _SSEConnection:
+    """Writes SSE events straight to a prepared response's transport, framed as its chunked
+    encoding needs: synchronous, so the generation can write a piece from the supervisor's loop.
+    (The response's headers are already sent: aiohttp's StreamResponse sends them in prepare().)"""
+
+    def __init__(self, request: web.Request, chunked: bool, chunks: Any, gen: Generation) -> None:
+        self.transport = request.transport
+        self.chunked = chunked
+        self.chunks = chunks
+        self.gen = gen
+
+    def write(self, event: bytes) -> None:
+        transport = self.transport
+        if not event or transport is None or transport.is_closing():
+            return  # a client gone: its handler is cancelled and aborts the request
+        transport.write(b"%x\r\n%s\r\n" % (len(event), event) if self.chunked else event)
+
+    def push(self, piece: Piece) -> bool:
+        """Write one piece now if the connection has room; False leaves it to the handler."""
+        transport = self.transport
+        if transport is None or transport.get_write_buffer_size() > _STREAM_HIGH_WATER:
+            return False
+        if piece.text:
+            self.write(self.chunks.text(piece.text))
+        self.gen.delivered(piece.num_tokens)
+        return True
 
 
 def _usage(gen: Generation) -> s.Usage:

@@ -1,104 +1,146 @@
 """One request as the HTTP front sees it: engine deltas in, text pieces out.
 
-    Stream (token ids from the engine) ──► Generation.pieces() ──► Piece(text, tokens, finish_reason)
-                                             detokenize · stop strings · latency and buffer metrics
+    Supervisor ─Delta─► Generation.on_delta ─Piece─► push(piece)  the client, at once (streaming, room to write)
+                        detokenize · stop strings └─► held ─► take()  the handler task
 
-The handler writes each piece and then calls `delivered(piece)`: TTFT, inter-token latency and the
-client's rebuffering are measured at that moment, as the client sees them, with the same
-TokenBuffer model the engine schedules by. `close()` always runs: a request that did not finish
-(client gone, stop string, error in the handler) is aborted in its engine, which frees its pages.
+Pieces are made in the supervisor's loop as deltas arrive. While a streaming handler has attached
+a `push` function, each piece goes from there straight to the client's connection, with no task
+switch: at thousands of streams the front's per-token cost is what limits it, and a queue plus a
+task wake-up per token was most of it (bench/front_capacity.py). Everything else is held, in
+order, for the handler to `take()`: the first piece (the headers are not sent yet), the last (the
+handler ends the stream), pieces of non-streaming requests, and pieces that arrive while the
+client is not reading (`push` refuses them; the handler waits for room and sends them as one event).
+
+`delivered()` is called as pieces are handed to the connection: TTFT, inter-token latency and the
+client's rebuffering are measured then, as the client sees them, with the same TokenBuffer model
+the engine schedules by. `close()` always runs: a request that did not finish (client gone, stop
+string, error in the handler) is aborted in its engine, which frees its pages.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Callable
 
-from tokenflowd.api.metrics import Metrics
+from tokenflowd.api.metrics import EngineMetrics
 from tokenflowd.buffer.tracker import TokenBuffer
 from tokenflowd.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from tokenflowd.supervisor import Stream, Supervisor
-
-
-class Refused(Exception):
-    """The engine refused the request as given (the message says why); nothing was generated."""
+from tokenflowd.protocol import AddRequest, Delta
+from tokenflowd.supervisor import EngineSlot, Supervisor
 
 
 @dataclass(slots=True)
 class Piece:
     text: str
     num_tokens: int  # tokens behind this text (text can lag a multi-byte character)
-    finish_reason: str | None = None  # stop | length | error
+    finish_reason: str | None = None  # stop | length | error | rejected
     error: str | None = None
 
 
 class Generation:
+    """Submits `add` to the engine in `slot` on construction (raises NoEngineReady if it is not serving)."""
+
     def __init__(
-        self, supervisor: Supervisor, stream: Stream, tokenizer: Tokenizer, prompt_ids: list[int],
-        stop: tuple[str, ...], reading_rate: float, metrics: Metrics, arrival_time: float,
+        self, supervisor: Supervisor, slot: EngineSlot, add: AddRequest, tokenizer: Tokenizer,
+        stop: tuple[str, ...], metrics: EngineMetrics, arrival_time: float,
     ) -> None:
         self.supervisor = supervisor
-        self.stream = stream
-        self.request_id = stream.request_id
-        self.num_prompt_tokens = len(prompt_ids)
+        self.request_id = add.request_id
+        self.num_prompt_tokens = len(add.prompt_token_ids)
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
-        self.stated_rate = reading_rate
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stated_rate = add.reading_rate
+        self._detok = IncrementalDetokenizer(tokenizer, add.prompt_token_ids)
         self._stops = StopStringMatcher(stop)
         self._metrics = metrics
-        self._engine = str(stream.engine.engine_id)
         self._arrival = arrival_time
         self._last_sent: float | None = None
-        self.buffer = TokenBuffer(reading_rate)  # the client's buffer as delivered by the front
-        self.rate = RateMonitor(reading_rate)
+        self._held: list[Piece] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._push: Callable[[Piece], bool] | None = None
+        self.buffer = TokenBuffer(add.reading_rate)  # the client's buffer as delivered by the front
+        self.rate = RateMonitor(add.reading_rate)
+        self.stream = supervisor.submit(slot, add, self.on_delta)
 
-    async def pieces(self) -> AsyncIterator[Piece]:
-        """Text pieces until the request ends; the last one carries the finish reason."""
-        while self.finish_reason is None:
-            delta = await self.stream.queue.get()
-            if delta.finish_reason == "rejected":
-                self.finish_reason = "rejected"
-                raise Refused(delta.error or "the engine refused the request")
-            self.num_output_tokens += len(delta.token_ids)
-            self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-            text, matched = self._stops.push(self._detok.push(delta.token_ids)) if delta.token_ids else ("", False)
-            reason = delta.finish_reason
-            if matched:
-                reason = "stop"
-                self.supervisor.abort(self.stream)  # no-op when the engine finished it already
-            elif reason in ("stop", "length"):
-                tail, matched = self._stops.push(self._detok.flush())
-                text += tail if matched else tail + self._stops.flush()
-                reason = "stop" if matched else reason
-            self.finish_reason = reason
-            if text or delta.token_ids or reason:
-                yield Piece(text, len(delta.token_ids), reason, delta.error)
+    # -- the supervisor's side ---------------------------------------------------------------
+    def on_delta(self, delta: Delta) -> None:
+        piece = self._piece(delta)
+        if piece is None:
+            return
+        push = self._push
+        if push is not None and not self._held and piece.finish_reason is None and push(piece):
+            return
+        self._push = None  # the handler takes over until it attaches again
+        self._held.append(piece)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
-    def delivered(self, piece: Piece, blocked: float = 0.0, now: float | None = None) -> None:
-        """`piece` has been handed to the client's connection, whose write waited `blocked` seconds
-        for the client to make room (send-side backpressure)."""
-        if not piece.num_tokens:
+    def _piece(self, delta: Delta) -> Piece | None:
+        if delta.finish_reason == "rejected":
+            self.finish_reason = "rejected"
+            return Piece("", 0, "rejected", delta.error or "the engine refused the request")
+        self.num_output_tokens += len(delta.token_ids)
+        if delta.num_cached_tokens > self.num_cached_tokens:
+            self.num_cached_tokens = delta.num_cached_tokens
+        text, matched = self._stops.push(self._detok.push(delta.token_ids)) if delta.token_ids else ("", False)
+        reason = delta.finish_reason
+        if matched:
+            reason = "stop"
+            self.supervisor.abort(self.stream)  # no-op when the engine finished it already
+        elif reason in ("stop", "length"):
+            tail, matched = self._stops.push(self._detok.flush())
+            text += tail if matched else tail + self._stops.flush()
+            reason = "stop" if matched else reason
+        self.finish_reason = reason
+        if text or delta.token_ids or reason:
+            return Piece(text, len(delta.token_ids), reason, delta.error)
+        return None
+
+    # -- the handler's side ------------------------------------------------------------------
+    async def take(self) -> list[Piece]:
+        """The pieces held since the last call, in order; waits for at least one. The first piece
+        of a refused request has finish_reason "rejected"."""
+        while not self._held:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        held, self._held = self._held, []
+        return held
+
+    def attach(self, push: Callable[[Piece], bool]) -> None:
+        """From now on, pieces go to `push` as they are made, for as long as it returns True (it
+        wrote the piece and called `delivered`); a piece it refuses, and the last piece, are held."""
+        if self.finish_reason is None:
+            self._push = push
+
+    def detach(self) -> None:
+        self._push = None
+
+    def delivered(self, num_tokens: int, blocked: float = 0.0, now: float | None = None) -> None:
+        """`num_tokens` tokens have been handed to the client's connection, whose write waited
+        `blocked` seconds for the client to make room (send-side backpressure)."""
+        if not num_tokens:
             return
         now = time.monotonic() if now is None else now
-        labels = self._metrics
+        m = self._metrics
         if self._last_sent is None:
-            labels.ttft.labels(self._engine).observe(now - self._arrival)
+            m.ttft.observe(now - self._arrival)
         else:
-            labels.itl.labels(self._engine).observe(now - self._last_sent)
+            m.itl.observe(now - self._last_sent)
         self._last_sent = now
-        self.buffer.on_tokens(piece.num_tokens, now)
-        labels.generation_tokens.labels(self._engine).inc(piece.num_tokens)
-        rate = self.rate.observe(piece.num_tokens, blocked, now)
+        self.buffer.on_tokens(num_tokens, now)
+        m.generation_tokens.inc(num_tokens)
+        rate = self.rate.observe(num_tokens, blocked, now)
         if rate is not None:  # the client reads slower than it said (or is back to its rate)
             self.buffer.set_rate(rate, now)
             self.supervisor.set_reading_rate(self.stream, rate)
 
     def close(self) -> None:
         """End of the handler, whatever the reason. Aborts an unfinished request; records metrics."""
+        self._push = None
         now = time.monotonic()
-        m, engine = self._metrics, self._engine
+        m = self._metrics
         if self.finish_reason is None:
             self.supervisor.abort(self.stream)
             outcome = "abort"
@@ -106,11 +148,11 @@ class Generation:
             outcome = self.finish_reason
         if outcome == "rejected":
             return
-        m.requests.labels(engine, outcome).inc()
-        m.prompt_tokens.labels(engine).inc(self.num_prompt_tokens)
+        m.requests(outcome).inc()
+        m.prompt_tokens.inc(self.num_prompt_tokens)
         if outcome in ("stop", "length") and self._last_sent is not None:
-            m.e2e.labels(engine).observe(now - self._arrival)
-            m.rebuffer.labels(engine).observe(self.buffer.stall_time_at(self._last_sent))
+            m.e2e.observe(now - self._arrival)
+            m.rebuffer.observe(self.buffer.stall_time_at(self._last_sent))
 
 
 class RateMonitor:

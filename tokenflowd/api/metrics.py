@@ -7,7 +7,8 @@ Everything lives in the app's own registry, so several daemons can share a proce
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -74,3 +75,26 @@ class Metrics:
                                 registry=r)
         self.rejected = Counter("tokenflowd_requests_rejected", "Requests refused before reaching an engine",
                                 ["status"], registry=r)
+        self._engines: dict[int, EngineMetrics] = {}
+
+    def engine(self, engine_id: int) -> EngineMetrics:
+        """The metrics of one engine's requests, label lookups done once (they are per token)."""
+        m = self._engines.get(engine_id)
+        if m is None:
+            e = str(engine_id)
+            m = self._engines[engine_id] = EngineMetrics(
+                self.ttft.labels(e), self.itl.labels(e), self.e2e.labels(e), self.rebuffer.labels(e),
+                self.prompt_tokens.labels(e), self.generation_tokens.labels(e),
+                lambda outcome: self.requests.labels(e, outcome))
+        return m
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    ttft: Any
+    itl: Any
+    e2e: Any
+    rebuffer: Any
+    prompt_tokens: Any
+    generation_tokens: Any
+    requests: Callable[[str], Any]  # outcome -> counter
