@@ -4,7 +4,7 @@ request run in-process on `Engine` (no HTTP, no processes) in the same run.
     .venv/bin/python bench/daemon_ttft.py [--runs 20] [--dtype auto]
 
 Each run sends a different short question (so the prefix cache only holds the chat template's
-system part, as for a new conversation) with stream=true and measures the time from sending the
+system part, as for a new conversation; both sides get the same questions after the same warm-up) with stream=true and measures the time from sending the
 request to the first content event. The ratio daemon/in-process is the cost of the daemon's path
 (HTTP, validation, tokenization, zmq to the engine process and back, SSE).
 """
@@ -22,6 +22,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from daemon import Daemon  # noqa: E402
 
+WARM_UP = 150  # the questions from here on warm up each side
 QUESTIONS = [f"In one word, what is the colour of object number {i}?" for i in range(200)]
 
 
@@ -33,12 +34,11 @@ def daemon_ttfts(d: Daemon, runs: int, offset: int) -> list[float]:
                     "max_tokens": 4, "temperature": 0, "stream": True}
             t0 = time.perf_counter()
             with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if '"content":"' in line and '"content":""' not in line:
-                        out.append(time.perf_counter() - t0)
-                        break
-                for _ in r.iter_lines():
-                    pass
+                first = None
+                for line in r.iter_lines():  # read to the end, so the connection is reused
+                    if first is None and '"content":"' in line and '"content":""' not in line:
+                        first = time.perf_counter() - t0
+                out.append(first)
     return out
 
 
@@ -49,12 +49,12 @@ def inprocess_ttfts(dtype: str, runs: int, offset: int) -> list[float]:
 
     engine = Engine(EngineConfig.resolve(dtype=dtype, kv_cache_memory="256MiB"))
     out = []
-    for i in range(runs + 1):
+    for i in [WARM_UP, WARM_UP + 1, *range(offset, offset + runs)]:
         t0 = time.perf_counter()
-        for piece in engine.stream(f"r{i}", messages=[{"role": "user", "content": QUESTIONS[offset + i]}],
+        for piece in engine.stream(f"r{i}", messages=[{"role": "user", "content": QUESTIONS[i]}],
                                    sampling_params=SamplingParams(temperature=0, max_tokens=4)):
             if piece.text:
-                if i:  # the first is the warm-up
+                if i < WARM_UP:
                     out.append(time.perf_counter() - t0)
                 break
         engine.abort(f"r{i}")
@@ -74,11 +74,11 @@ def main() -> None:
     a = ap.parse_args()
     d = Daemon("--dtype", a.dtype, "--kv-cache-memory", "256MiB", "--log-level", "WARNING")
     try:
-        daemon_ttfts(d, 2, 150)  # warm-up
+        daemon_ttfts(d, 2, WARM_UP)
         served = summary(daemon_ttfts(d, a.runs, 0))
     finally:
         d.stop()
-    local = summary(inprocess_ttfts(a.dtype, a.runs, 50))
+    local = summary(inprocess_ttfts(a.dtype, a.runs, 0))  # the same questions
     result = {"daemon": served, "in_process": local, "ratio_median": served["median_ms"] / local["median_ms"],
               "dtype": a.dtype}
     print(f"TTFT, short chat request, idle, {a.runs} runs ({a.dtype}):")

@@ -76,11 +76,12 @@ def pin(cpus: str | None) -> None:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads)."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process (all its threads)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 # -- the front ----------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ class ClientResult(msgspec.Struct):
     n: int
     ramp_end: float | None
     window: tuple[float, float]
-    cpu: dict[str, float]  # process -> CPU seconds used inside the window
+    cpu: dict[str, tuple[float, float]]  # process -> (user, system) CPU seconds inside the window
     streams: list[StreamRecord]
     probe: list[tuple[float, str, float]]  # the client's own loop stalls (see Probe)
 
@@ -314,7 +315,7 @@ async def run_client(a: argparse.Namespace, probe: Probe) -> ClientResult:
     stop.set()
     await asyncio.gather(*tasks)
     watcher.cancel()
-    return ClientResult(n, ramp_end, (ws, we), {k: cpu1[k] - cpu0[k] for k in pids}, records, probe.events)
+    return ClientResult(n, ramp_end, (ws, we), {k: (cpu1[k][0] - cpu0[k][0], cpu1[k][1] - cpu0[k][1]) for k in pids}, records, probe.events)
 
 
 def client_main(a: argparse.Namespace) -> int:
@@ -389,7 +390,9 @@ def analyse(client: ClientResult, sent: dict[str, list[float]], front_probe: lis
                              "max": ms(d, 1.0)},
         "added_gap_ms": {"p50": ms(g, 0.5), "p99": ms(g, 0.99), "max": ms(g, 1.0)},
         "engine_lateness_ms": {"p50": ms(s, 0.5), "p99": ms(s, 0.99)},
-        "cpu_cores": {k: round(v / span, 3) for k, v in client.cpu.items()},
+        "cpu_cores": {k: round((u + st) / span, 3) for k, (u, st) in client.cpu.items()},
+        "front_cpu_us_per_token": {"user": round(client.cpu["front"][0] / max(len(d), 1) * 1e6, 1),
+                                   "system": round(client.cpu["front"][1] / max(len(d), 1) * 1e6, 1)},
         "front_stalls": Probe.summary(front_probe, client.window),
         "client_stalls": Probe.summary(client.probe, client.window),
     }

@@ -105,9 +105,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenflowd", description=__doc__)
-    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default: INFO for serve, WARNING otherwise)")
+    log_help = "DEBUG, INFO, WARNING or ERROR (default: INFO for serve, WARNING otherwise)"
+    parser.add_argument("--log-level", help=log_help)
+    common = argparse.ArgumentParser(add_help=False)  # also accepted after the subcommand
+    common.add_argument("--log-level", default=argparse.SUPPRESS, help=log_help)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
+    g = sub.add_parser("generate", parents=[common], help="stream a completion of one prompt to the terminal")
     g.add_argument("prompt")
     g.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
     g.add_argument("--system", default=None, help="a system message for the chat template")
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
 
-    v = sub.add_parser("serve", help="run the daemon: OpenAI-compatible HTTP API over engine processes")
+    v = sub.add_parser("serve", parents=[common], help="run the daemon: OpenAI-compatible HTTP API over engine processes")
     v.add_argument("--config", help="a TOML file with [server] and [engine] tables; flags override it")
     v.add_argument("--host", help="address to bind (default 127.0.0.1)")
     v.add_argument("--port", type=int, help="default 8000")
