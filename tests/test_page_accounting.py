@@ -42,7 +42,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=ops, finish=st.booleans())
 def test_pages_are_free_or_cached_after_any_sequence(core, ops, finish):
     PRESSURE["preemptions_before"] = PRESSURE.get("preemptions_before", core.scheduler.num_preemptions)

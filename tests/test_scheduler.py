@@ -86,3 +86,20 @@ def test_higher_priority_is_admitted_first_and_tokens_feed_the_buffer(hf_dirs):
         core.step()
     assert req.buffer.num_generated == 2 and req.buffer.reading_rate == 8.0
     assert req.first_token_time is not None
+
+
+def test_the_policy_view_carries_each_clients_buffer(hf_dirs):
+    core = make(hf_dirs, page_size=4, num_pages=50)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    core.add_request(Request("fast", list(range(5, 20)), sp, reading_rate=1000.0))
+    core.add_request(Request("slow", list(range(30, 45)), sp, reading_rate=0.1))
+    for _ in range(4):
+        core.step()
+    view = core.scheduler._view()
+    by_id = {v.request_id: v for v in view.running}
+    slow, fast = by_id["slow"], by_id["fast"]
+    assert slow.reading_rate == 0.1 and fast.reading_rate == 1000.0
+    assert slow.started and slow.num_output_tokens >= 3 and slow.max_output_tokens == 8
+    assert slow.buffer >= slow.num_output_tokens - 1  # at 0.1 token/s it has read under one token
+    assert fast.buffer <= 1.0  # a fast reader has read all but (part of) the newest token
+    assert slow.time_to_empty == slow.buffer / 0.1

@@ -24,6 +24,21 @@ class RequestView:
     pages_reclaimed: int = 0  # waiting only: hit pages now unreferenced (counted in free_pages)
     pages_exclusive: int | None = None  # running: pages only it holds; None: all of pages_held
     priority: int = 0
+    # The client's side (buffer/tracker.py): what buffer-aware policies schedule by.
+    reading_rate: float = 20.0  # tokens/s its client reads
+    buffer: float = 0.0  # tokens its client holds unread at view.now (0 before the first token)
+    num_output_tokens: int = 0
+    max_output_tokens: int | None = None  # the most it may still generate in all (None: to the context)
+
+    @property
+    def started(self) -> bool:
+        """Its client has its first token (and reads from its buffer)."""
+        return self.num_output_tokens > 0
+
+    @property
+    def time_to_empty(self) -> float:
+        """Seconds its client can read on without a new token."""
+        return self.buffer / self.reading_rate
 
     @property
     def pages_freed(self) -> int:

@@ -14,6 +14,12 @@ from tokenflowd.engine.kv_manager import KVCacheManager
 from tokenflowd.engine.request import FinishReason, Request, RequestStatus
 
 
+def _client(req: Request, now: float) -> dict:
+    """A request's client-side fields of its RequestView."""
+    return {"priority": req.priority, "reading_rate": req.reading_rate, "buffer": req.buffer.buffer(now),
+            "num_output_tokens": req.num_output_tokens, "max_output_tokens": req.max_tokens}
+
+
 def _queue_order(req: Request) -> tuple[int, float]:
     return -req.priority, req.arrival_time
 
@@ -56,6 +62,7 @@ class Scheduler:
 
     # -- schedule -----------------------------------------------------------------------------
     def _view(self) -> SchedulerView:
+        now = time.monotonic()
         pool = self.kv.pool
         # Preemption is possible only when the free pages cannot give every running request one
         # more page; only then is it worth counting which of a request's pages are its alone.
@@ -64,7 +71,7 @@ class Scheduler:
             RequestView(
                 r.request_id, r.arrival_time, r.num_tokens, r.num_computed_tokens, len(r.block_table),
                 pages_exclusive=sum(pool.ref_count(p) == 1 for p in r.block_table) if tight else None,
-                priority=r.priority,
+                **_client(r, now),
             )
             for r in self.running
         )
@@ -75,11 +82,11 @@ class Scheduler:
             waiting.append(
                 RequestView(
                     r.request_id, r.arrival_time, r.num_tokens, hit.num_pages * self.kv.page_size,
-                    hit.num_pages, hit.num_evictable, priority=r.priority,
+                    hit.num_pages, hit.num_evictable, **_client(r, now),
                 )
             )
         return SchedulerView(
-            now=time.monotonic(),
+            now=now,
             running=running,
             waiting=tuple(waiting),
             free_pages=pool.num_free,
