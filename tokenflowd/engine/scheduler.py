@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tokenflowd.buffer.policy import RequestView, SchedulerView, SchedulingPolicy
 from tokenflowd.engine.kv_manager import KVCacheManager
@@ -41,8 +42,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, token_budget: int, max_num_seqs: int) -> None:
+    def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, token_budget: int, max_num_seqs: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.kv = kv
+        self.clock = clock  # the simulator passes its virtual clock
         self.policy = policy
         self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
@@ -62,7 +65,7 @@ class Scheduler:
 
     # -- schedule -----------------------------------------------------------------------------
     def _view(self) -> SchedulerView:
-        now = time.monotonic()
+        now = self.clock()
         pool = self.kv.pool
         # Preemption is possible only when the free pages cannot give every running request one
         # more page; only then is it worth counting which of a request's pages are its alone.
@@ -146,7 +149,7 @@ class Scheduler:
         """Apply one step's results. `sampled[i]` is the token drawn for batch.requests[i], or None
         when its chunk ended mid-prompt. Returns the requests that finished this step."""
         finished = []
-        now = time.monotonic()
+        now = self.clock()
         for req, n, token in zip(batch.requests, batch.num_tokens, sampled):
             if req.is_finished:  # aborted while the step ran
                 continue
