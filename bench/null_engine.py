@@ -2,11 +2,11 @@
 
     python bench/null_engine.py '<EngineSpec as JSON>'     (what bench/front_capacity.py's supervisor runs)
 
-For benchmarks of the HTTP front only. It speaks the real engine's zmq/msgspec protocol (the same
-structs from tokenflowd.protocol): Ready first; then one StepOutputs per loop iteration that has
+For benchmarks of the HTTP front only. It is an EngineEndpoint like the real engine process (the
+same sockets, structs and message handling, tokenflowd/engine/endpoint.py): Ready first; then one StepOutputs per loop iteration that has
 anything to report, carrying one Delta per request that got a token and the EngineStats; an idle
 StepOutputs every heartbeat interval; AddRequest / AbortRequests / SetReadingRate / QueryRequests /
-Shutdown handled as the real engine handles them. It imports no torch and loads no model.
+Shutdown handled through the same endpoint. It imports no torch and loads no model.
 
 Schedule. A request received at t_recv gets token k (k = 0 .. max_tokens-1) due at
 t_recv + k / rate, so requests are staggered by their own arrival, never in lockstep. Every
@@ -34,9 +34,9 @@ import sys
 import time
 
 import msgspec
-import zmq
 
 from tokenflowd import protocol as p
+from tokenflowd.engine.endpoint import EngineEndpoint
 
 log = logging.getLogger("tokenflowd.null_engine")
 DEFAULT_TOKEN_ID = 260  # " the" (tokenflowd.engine.loader.load_tokenizer("smollm2-135m").encode(" the"))
@@ -61,9 +61,9 @@ class _Request:
         self.sent = sent  # the send time of each token
 
 
-class NullEngine:
+class NullEngine(EngineEndpoint):
     def __init__(self, spec: p.EngineSpec) -> None:
-        self.spec = spec
+        super().__init__(spec)
         cfg = spec.config
         self.model = cfg.get("model", "null")
         self.page_size = cfg.get("page_size", 16)
@@ -71,27 +71,15 @@ class NullEngine:
         self.period = 1.0 / float(os.environ.get("NULL_ENGINE_RATE", "20"))
         self.token_id = int(os.environ.get("NULL_ENGINE_TOKEN_ID", DEFAULT_TOKEN_ID))
         self.log_path = os.environ.get("NULL_ENGINE_LOG")
-        self.parent_pid = os.getppid()
-        self.ctx = zmq.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.connect(spec.input_address)
-        self.outbox = self.ctx.socket(zmq.PUSH)
-        self.outbox.setsockopt(zmq.LINGER, 1000)
-        self.outbox.connect(spec.output_address)
-        self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(p.ToEngine)
-        self.running = True
         self.live: dict[str, _Request] = {}
         self.log: dict[str, list[float]] = {}  # every request's send times, finished and aborted ones too
         self.heap: list[tuple[float, int, _Request]] = []  # (due time of its next token, tiebreak, request)
         self._seq = itertools.count()
-        self._rejected: list[p.Delta] = []  # adds refused since the last message
-        self._aborted = False  # an abort since the last message (the real engine reports freed pages)
         self.num_steps = 0
         self.last_step_time = 0.0
 
     def run(self) -> None:
-        self._send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.model,
+        self.send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.model,
                            self.max_model_len, self.page_size, "null", self._stats()))
         heartbeat, period, token_id = self.spec.heartbeat_interval, self.period, self.token_id
         heap, live = self.heap, self.live
@@ -100,9 +88,9 @@ class NullEngine:
             now = time.monotonic()
             wait = (heap[0][0] - now) if heap else (last_sent + heartbeat - now)
             if self.inbox.poll(max(0, int(wait * 1000 + 0.999))):  # ms, rounded up: never wakes early
-                self._drain_inbox()
+                self.drain_inbox()
             now = time.monotonic()
-            deltas, self._rejected = self._rejected, []
+            deltas = self.take_rejected()
             emitted: list[_Request] = []
             while heap and heap[0][0] <= now:
                 req = heapq.heappop(heap)[2]
@@ -118,8 +106,7 @@ class NullEngine:
             if emitted:
                 self.num_steps += 1
                 self.last_step_time = now
-            if deltas or self._aborted or now - last_sent >= heartbeat:
-                self._aborted = False
+            if self.must_report(deltas, now, last_sent):
                 data = self.encoder.encode(p.StepOutputs(self.spec.engine_id, self.spec.incarnation, now, deltas,
                                                          self._stats()))
                 last_sent = time.monotonic()
@@ -129,40 +116,22 @@ class NullEngine:
             for req in emitted:  # back into the heap after the batch: at most one token per iteration
                 if not req.done:
                     heapq.heappush(heap, (req.start + req.num_output * period, next(self._seq), req))
-            if not heap and os.getppid() != self.parent_pid:
-                log.warning("supervisor is gone; null engine %d exits", self.spec.engine_id)
+            if not heap and self.orphaned(log):
                 break
-        self.ctx.destroy(linger=1000)
+        self.close()
         self._write_log()
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                raw = self.inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._handle(self.decoder.decode(raw))
+    def abort(self, request_id: str) -> None:
+        req = self.live.pop(request_id, None)
+        if req is not None:
+            req.done = True  # its heap entry is skipped when it comes up
 
-    def _handle(self, msg: p.ToEngine) -> None:
-        if isinstance(msg, p.AddRequest):
-            self._add(msg)
-        elif isinstance(msg, p.AbortRequests):
-            for rid in msg.request_ids:
-                req = self.live.pop(rid, None)
-                if req is not None:
-                    req.done = True  # its heap entry is skipped when it comes up
-            self._aborted = True
-        elif isinstance(msg, p.SetReadingRate):
-            req = self.live.get(msg.request_id)
-            if req is not None:
-                req.reading_rate = msg.reading_rate
-        elif isinstance(msg, p.QueryRequests):
-            self._send(p.QueryReply(self.spec.engine_id, self.spec.incarnation, msg.query_id,
-                                    self._infos(msg.request_ids)))
-        elif isinstance(msg, p.Shutdown):
-            self.running = False
+    def set_reading_rate(self, msg: p.SetReadingRate) -> None:
+        req = self.live.get(msg.request_id)
+        if req is not None:
+            req.reading_rate = msg.reading_rate
 
-    def _add(self, msg: p.AddRequest) -> None:
+    def add(self, msg: p.AddRequest) -> str | None:
         n = len(msg.prompt_token_ids)
         max_tokens = msg.sampling.max_tokens
         if max_tokens is None:
@@ -175,14 +144,14 @@ class NullEngine:
         elif max_tokens < 1 or n + max_tokens > self.max_model_len:
             error = f"prompt ({n}) plus max_tokens ({max_tokens}) exceeds the context {self.max_model_len}"
         if error is not None:
-            self._rejected.append(p.Delta(msg.request_id, [], "rejected", error))
-            return
+            return error
         sent = self.log.setdefault(msg.request_id, [])
         req = _Request(msg, max_tokens, time.monotonic(), sent)
         self.live[msg.request_id] = req
         heapq.heappush(self.heap, (req.start, next(self._seq), req))
+        return None
 
-    def _infos(self, request_ids: list[str] | None) -> list[p.RequestInfo]:
+    def infos(self, request_ids: list[str] | None) -> list[p.RequestInfo]:
         chosen = self.live.values() if request_ids is None else [self.live[r] for r in request_ids if r in self.live]
         return [
             p.RequestInfo(r.request_id, "running", r.reading_rate, r.priority, r.arrival_time,
@@ -195,9 +164,6 @@ class NullEngine:
         return p.EngineStats(num_running=len(self.live), num_waiting=0, kv_pages_used=0, kv_pages_cached=0,
                              kv_pages_total=0, num_preemptions=0, num_steps=self.num_steps,
                              last_step_time=self.last_step_time)
-
-    def _send(self, msg: p.FromEngine) -> None:
-        self.outbox.send(self.encoder.encode(msg))
 
     def _write_log(self) -> None:
         if self.log_path:

@@ -1,6 +1,8 @@
 """Scheduling on a tiny model: preemption by recompute keeps greedy output; budgets hold."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tokenflowd.config import EngineConfig
@@ -103,3 +105,6 @@ def test_the_policy_view_carries_each_clients_buffer(hf_dirs):
     assert slow.buffer >= slow.num_output_tokens - 1  # at 0.1 token/s it has read under one token
     assert fast.buffer <= 1.0  # a fast reader has read all but (part of) the newest token
     assert slow.time_to_empty == slow.buffer / 0.1
+    # a rate measured by the front (SetReadingRate) is the one the policy sees from then on
+    assert core.set_reading_rate("fast", 3.0, time.monotonic())
+    assert {v.request_id: v for v in core.scheduler._view().running}["fast"].reading_rate == 3.0

@@ -103,7 +103,6 @@ class Supervisor:
         self._queries: dict[int, asyncio.Future[list[p.RequestInfo]]] = {}
         self._query_ids = itertools.count()
         self._stopping = False
-        self.any_ready = asyncio.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -117,9 +116,6 @@ class Supervisor:
         for slot in self.slots:
             await self._spawn(slot)
             self._tasks.append(asyncio.create_task(self._watch(slot), name=f"watch-engine{slot.engine_id}"))
-
-    async def wait_ready(self, timeout: float | None = None) -> None:
-        await asyncio.wait_for(self.any_ready.wait(), timeout)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -210,17 +206,10 @@ class Supervisor:
         if slot.inbox is not None:
             slot.inbox.close(linger=0)
             slot.inbox = None
-        self._update_ready()
 
     def _fail_streams(self, slot: EngineSlot, message: str) -> None:
         for stream in list(slot.streams.values()):
             self._deliver(slot, p.Delta(stream.request_id, [], "error", message))
-
-    def _update_ready(self) -> None:
-        if any(s.ready for s in self.slots):
-            self.any_ready.set()
-        else:
-            self.any_ready.clear()
 
     # -- engine outputs -----------------------------------------------------------------------
     def _read_outputs(self, budget: int = 64) -> None:
@@ -251,7 +240,6 @@ class Supervisor:
         elif isinstance(msg, p.Ready):
             slot.info, slot.stats, slot.state = msg, msg.stats, "ready"
             slot.consecutive_failures = 0
-            self._update_ready()
             log.info("engine %d ready (pid %d, %s, context %d)", msg.engine_id, msg.pid, msg.device,
                      msg.max_model_len)
         elif isinstance(msg, p.QueryReply):

@@ -181,15 +181,7 @@ class Front:
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         prep = self._prepare(body, prompt_ids, body.max_completion_tokens or body.max_tokens, request)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = self._start(prep, rid, arrival)
-        try:
-            if prep.stream:
-                return await self._stream(request, gen, prep, _ChatChunks(rid, self.created_now(), self.model_name))
-            text, piece = await _collect(gen)
-            choice = s.ChatChoice(0, s.AssistantMessage(text), piece.finish_reason)
-            return _json(s.ChatCompletion(rid, self.created_now(), self.model_name, [choice], _usage(gen)), rid)
-        finally:
-            gen.close()
+        return await self._respond(request, prep, arrival, _ChatChunks(rid, self.created_now(), self.model_name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
@@ -198,13 +190,15 @@ class Front:
         prompt_ids = self._completion_prompt(body.prompt)
         prep = self._prepare(body, prompt_ids, body.max_tokens, request)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gen = self._start(prep, rid, arrival)
+        return await self._respond(request, prep, arrival, _CompletionChunks(rid, self.created_now(), self.model_name))
+
+    async def _respond(self, request: web.Request, prep: _Prepared, arrival: float, chunks: Any) -> web.StreamResponse:
+        gen = self._start(prep, chunks.rid, arrival)
         try:
             if prep.stream:
-                return await self._stream(request, gen, prep, _CompletionChunks(rid, self.created_now(), self.model_name))
+                return await self._stream(request, gen, prep, chunks)
             text, piece = await _collect(gen)
-            choice = s.CompletionChoice(0, text, piece.finish_reason)
-            return _json(s.Completion(rid, self.created_now(), self.model_name, [choice], _usage(gen)), rid)
+            return _json(chunks.whole(text, piece.finish_reason, _usage(gen)), chunks.rid)
         finally:
             gen.close()
 
@@ -236,9 +230,9 @@ class Front:
         blocked = 0.0
         while True:
             text, num_tokens, last = _merge(pieces)  # pieces held while the client was not reading: one event
-            if text or num_tokens:
-                conn.write(chunks.text(text) if text else b"")
-                gen.delivered(num_tokens, blocked)
+            if text:
+                conn.write(chunks.text(text))
+            gen.delivered(num_tokens, blocked)  # no-op without tokens
             if last is not None:
                 if last.finish_reason == "error":
                     conn.write(error_event(last.error or "the engine failed while generating"))
@@ -305,6 +299,8 @@ def build_app(front: Front) -> web.Application:
 
 # -- helpers -----------------------------------------------------------------------------------
 class _ChatChunks:
+    """One response's bodies: its SSE events, or the whole non-streamed object."""
+
     def __init__(self, rid: str, created: int, model: str) -> None:
         self.rid, self.created, self.model = rid, created, model
 
@@ -324,6 +320,10 @@ class _ChatChunks:
     def usage(self, usage: s.Usage) -> bytes:
         return self._event([], usage)
 
+    def whole(self, text: str, finish_reason: str | None, usage: s.Usage) -> s.ChatCompletion:
+        choice = s.ChatChoice(0, s.AssistantMessage(text), finish_reason)
+        return s.ChatCompletion(self.rid, self.created, self.model, [choice], usage)
+
 
 class _CompletionChunks(_ChatChunks):
     def _event(self, choices: list, usage: s.Usage | None = None) -> bytes:
@@ -337,6 +337,9 @@ class _CompletionChunks(_ChatChunks):
 
     def finish(self, reason: str) -> bytes:
         return self._event([s.CompletionChoice(0, "", reason)])
+
+    def whole(self, text: str, finish_reason: str | None, usage: s.Usage) -> s.Completion:
+        return s.Completion(self.rid, self.created, self.model, [s.CompletionChoice(0, text, finish_reason)], usage)
 
 
 async def _first_pieces(gen: Generation) -> list[Piece]:

@@ -51,7 +51,6 @@ class Generation:
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
-        self.stated_rate = add.reading_rate
         self._detok = IncrementalDetokenizer(tokenizer, add.prompt_token_ids)
         self._stops = StopStringMatcher(stop)
         self._metrics = metrics
@@ -113,9 +112,6 @@ class Generation:
         wrote the piece and called `delivered`); a piece it refuses, and the last piece, are held."""
         if self.finish_reason is None:
             self._push = push
-
-    def detach(self) -> None:
-        self._push = None
 
     def delivered(self, num_tokens: int, blocked: float = 0.0, now: float | None = None) -> None:
         """`num_tokens` tokens have been handed to the client's connection, whose write waited

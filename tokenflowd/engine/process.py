@@ -21,87 +21,53 @@ import sys
 import time
 
 import msgspec
-import zmq
 
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore, EngineCoreOutput
+from tokenflowd.engine.endpoint import EngineEndpoint
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
 
 log = logging.getLogger("tokenflowd.engine")
 
 
-class EngineProcess:
+class EngineProcess(EngineEndpoint):
     def __init__(self, spec: p.EngineSpec) -> None:
-        self.spec = spec
+        super().__init__(spec)
         self.config = msgspec.convert(spec.config, EngineConfig)
-        self.parent_pid = os.getppid()
-        self._init_sockets()
         self.core = EngineCore(self.config)
         self.core.pool.drain_key_events()  # start recording: the router learns every key from here on
-        self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(p.ToEngine)
-        self.running = True
-        self._rejected: list[p.Delta] = []  # adds refused since the last message
-        self._aborted = False  # an abort freed pages since the last message
-
-    def _init_sockets(self) -> None:
-        self.ctx = zmq.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.connect(self.spec.input_address)
-        self.outbox = self.ctx.socket(zmq.PUSH)
-        self.outbox.setsockopt(zmq.LINGER, 1000)
-        self.outbox.connect(self.spec.output_address)
 
     def run(self) -> None:
         core = self.core
-        self._send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.config.model,
-                           core.max_model_len, self.config.page_size, self.config.device, self._stats()))
+        self.send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.config.model,
+                          core.max_model_len, self.config.page_size, self.config.device, self._stats()))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
         while self.running:
             busy = core.has_unfinished()
             if self.inbox.poll(0 if busy else heartbeat_ms):
-                self._drain_inbox()
-            deltas, self._rejected = self._rejected, []
+                self.drain_inbox()
+            deltas = self.take_rejected()
             if core.has_unfinished():
                 deltas += [_delta(out) for out in core.step()]
             now = time.monotonic()
-            if deltas or self._aborted or now - last_sent >= self.spec.heartbeat_interval:
-                self._aborted = False
+            if self.must_report(deltas, now, last_sent):
                 added, removed = core.pool.drain_key_events()
-                self._send(p.StepOutputs(self.spec.engine_id, self.spec.incarnation, now, deltas,
-                                         self._stats(), added, removed))
+                self.send(p.StepOutputs(self.spec.engine_id, self.spec.incarnation, now, deltas,
+                                        self._stats(), added, removed))
                 last_sent = now
-            if not busy and os.getppid() != self.parent_pid:
-                log.warning("supervisor is gone; engine %d exits", self.spec.engine_id)
+            if not busy and self.orphaned(log):
                 break
-        self.ctx.destroy(linger=1000)
+        self.close()
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                raw = self.inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._handle(self.decoder.decode(raw))
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
 
-    def _handle(self, msg: p.ToEngine) -> None:
-        if isinstance(msg, p.AddRequest):
-            self._add(msg)
-        elif isinstance(msg, p.AbortRequests):
-            for rid in msg.request_ids:
-                self.core.abort(rid)
-            self._aborted = True  # report the freed pages promptly
-        elif isinstance(msg, p.SetReadingRate):
-            self.core.set_reading_rate(msg.request_id, msg.reading_rate, msg.time)
-        elif isinstance(msg, p.QueryRequests):
-            self._send(p.QueryReply(self.spec.engine_id, self.spec.incarnation, msg.query_id,
-                                    self._infos(msg.request_ids)))
-        elif isinstance(msg, p.Shutdown):
-            self.running = False
+    def set_reading_rate(self, msg: p.SetReadingRate) -> None:
+        self.core.set_reading_rate(msg.request_id, msg.reading_rate, msg.time)
 
-    def _add(self, msg: p.AddRequest) -> None:
+    def add(self, msg: p.AddRequest) -> str | None:
         s = msg.sampling
         try:
             params = SamplingParams(s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, (),
@@ -110,9 +76,10 @@ class EngineProcess:
                           reading_rate=msg.reading_rate, priority=msg.priority)
             self.core.add_request(req)
         except (InvalidRequestError, ValueError) as e:
-            self._rejected.append(p.Delta(msg.request_id, [], "rejected", str(e)))
+            return str(e)
+        return None
 
-    def _infos(self, request_ids: list[str] | None) -> list[p.RequestInfo]:
+    def infos(self, request_ids: list[str] | None) -> list[p.RequestInfo]:
         reqs = self.core.scheduler.requests
         chosen = reqs.values() if request_ids is None else [reqs[r] for r in request_ids if r in reqs]
         now = time.monotonic()
@@ -135,8 +102,6 @@ class EngineProcess:
             num_steps=self.core.stats.num_steps, last_step_time=self.core.stats.last_step_time,
         )
 
-    def _send(self, msg: p.FromEngine) -> None:
-        self.outbox.send(self.encoder.encode(msg))
 
 
 def _delta(out: EngineCoreOutput) -> p.Delta:

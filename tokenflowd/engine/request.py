@@ -83,7 +83,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     max_model_len: int = 0
-    reading_rate: float = DEFAULT_READING_RATE  # tokens/s the client reads
+    reading_rate: float = DEFAULT_READING_RATE  # tokens/s the client stated; the live rate is buffer.reading_rate
     priority: int = 0  # higher is sooner
 
     token_ids: list[int] = field(init=False)

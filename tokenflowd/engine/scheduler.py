@@ -15,10 +15,12 @@ from tokenflowd.engine.kv_manager import KVCacheManager
 from tokenflowd.engine.request import FinishReason, Request, RequestStatus
 
 
-def _client(req: Request, now: float) -> dict:
-    """A request's client-side fields of its RequestView."""
-    return {"priority": req.priority, "reading_rate": req.reading_rate, "buffer": req.buffer.buffer(now),
-            "num_output_tokens": req.num_output_tokens, "max_output_tokens": req.max_tokens}
+def _request_view(req: Request, now: float, num_computed: int, pages_held: int, pages_reclaimed: int = 0,
+                  pages_exclusive: int | None = None) -> RequestView:
+    """What a policy sees of `req`: the memory fields given, its client's side read from it."""
+    return RequestView(req.request_id, req.arrival_time, req.num_tokens, num_computed, pages_held, pages_reclaimed,
+                       pages_exclusive, req.priority, req.buffer.reading_rate, req.buffer.buffer(now),
+                       req.num_output_tokens, req.max_tokens)
 
 
 def _queue_order(req: Request) -> tuple[int, float]:
@@ -71,23 +73,15 @@ class Scheduler:
         # more page; only then is it worth counting which of a request's pages are its alone.
         tight = pool.num_free < len(self.running)
         running = tuple(
-            RequestView(
-                r.request_id, r.arrival_time, r.num_tokens, r.num_computed_tokens, len(r.block_table),
-                pages_exclusive=sum(pool.ref_count(p) == 1 for p in r.block_table) if tight else None,
-                **_client(r, now),
-            )
+            _request_view(r, now, r.num_computed_tokens, len(r.block_table),
+                          pages_exclusive=sum(pool.ref_count(p) == 1 for p in r.block_table) if tight else None)
             for r in self.running
         )
         waiting = []
         # Only requests that could be admitted this step need a prefix lookup.
         for r in self.waiting[: self.max_num_seqs]:
             hit = self.kv.prefix_hit(r)
-            waiting.append(
-                RequestView(
-                    r.request_id, r.arrival_time, r.num_tokens, hit.num_pages * self.kv.page_size,
-                    hit.num_pages, hit.num_evictable, **_client(r, now),
-                )
-            )
+            waiting.append(_request_view(r, now, hit.num_pages * self.kv.page_size, hit.num_pages, hit.num_evictable))
         return SchedulerView(
             now=now,
             running=running,

@@ -1,0 +1,97 @@
+"""The engine's end of the supervisor protocol: sockets, message decoding and dispatch.
+
+An engine process (engine/process.py) and the benchmark's model-free engine (bench/null_engine.py)
+differ only in what they do with a request; both subclass this and implement the hooks. Imports
+no torch, so a model-free engine stays light.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import os
+
+import msgspec
+import zmq
+
+from tokenflowd import protocol as p
+
+
+class EngineEndpoint(abc.ABC):
+    def __init__(self, spec: p.EngineSpec) -> None:
+        self.spec = spec
+        self.parent_pid = os.getppid()
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.connect(spec.input_address)
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.connect(spec.output_address)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(p.ToEngine)
+        self.running = True
+        self._rejected: list[p.Delta] = []  # adds refused since the last message
+        self._aborted = False  # an abort freed pages since the last message: report promptly
+
+    # -- what an engine does with requests ----------------------------------------------------
+    @abc.abstractmethod
+    def add(self, msg: p.AddRequest) -> str | None:
+        """Take the request; return why it is refused, or None."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def set_reading_rate(self, msg: p.SetReadingRate) -> None: ...
+
+    @abc.abstractmethod
+    def infos(self, request_ids: list[str] | None) -> list[p.RequestInfo]: ...
+
+    # -- the protocol -------------------------------------------------------------------------
+    def drain_inbox(self) -> None:
+        while True:
+            try:
+                raw = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(self.decoder.decode(raw))
+
+    def _handle(self, msg: p.ToEngine) -> None:
+        if isinstance(msg, p.AddRequest):
+            error = self.add(msg)
+            if error is not None:
+                self._rejected.append(p.Delta(msg.request_id, [], "rejected", error))
+        elif isinstance(msg, p.AbortRequests):
+            for rid in msg.request_ids:
+                self.abort(rid)
+            self._aborted = True
+        elif isinstance(msg, p.SetReadingRate):
+            self.set_reading_rate(msg)
+        elif isinstance(msg, p.QueryRequests):
+            self.send(p.QueryReply(self.spec.engine_id, self.spec.incarnation, msg.query_id,
+                                   self.infos(msg.request_ids)))
+        elif isinstance(msg, p.Shutdown):
+            self.running = False
+
+    def take_rejected(self) -> list[p.Delta]:
+        """Refusals to report in the next message (a new list the caller may extend)."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def must_report(self, deltas: list[p.Delta], now: float, last_sent: float) -> bool:
+        """Something to say, or the heartbeat is due."""
+        report = bool(deltas) or self._aborted or now - last_sent >= self.spec.heartbeat_interval
+        self._aborted = False
+        return report
+
+    def orphaned(self, log: logging.Logger) -> bool:
+        """The supervisor is gone (this process was re-parented): time to exit."""
+        if os.getppid() == self.parent_pid:
+            return False
+        log.warning("supervisor is gone; engine %d exits", self.spec.engine_id)
+        return True
+
+    def send(self, msg: p.FromEngine) -> None:
+        self.outbox.send(self.encoder.encode(msg))
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=1000)
