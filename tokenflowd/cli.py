@@ -31,6 +31,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, help="CPU threads for torch")
+    q = p.add_argument_group("policy parameters (tokenflow, andes; defaults in PolicyConfig)")
+    q.add_argument("--schedule-interval", type=float, help="s between buffer-balancing passes (default 0.5)")
+    q.add_argument("--buffer-conservativeness", type=float,
+                   help="μ >= 1: buffer a victim must hold, in multiples of its swap time (default 2)")
+    q.add_argument("--stall-penalty", type=float, help="γ: utility cost of an empty buffer, in tokens (default 64)")
+    q.add_argument("--working-set-lambda", type=float, help="λ of eq. 5, in [0, 1] (default 0.5)")
+    q.add_argument("--critical-buffer", type=float,
+                   help="T_critical: s of buffered reading below which the engine counts as stressed (default 1)")
+    q.add_argument("--expected-output-len", type=int,
+                   help="output tokens assumed for requests without max_tokens (default 1024)")
+    q.add_argument("--andes-horizon", type=float, help="s Andes looks ahead (default 2)")
 
 
 # flag (argparse dest) -> EngineConfig.resolve keyword, for flags whose names differ
@@ -43,9 +54,22 @@ _ENGINE_FLAGS = {
 }
 
 
-def engine_config(a: argparse.Namespace, file_values: dict | None = None) -> EngineConfig:
-    """EngineConfig from the config file's [engine] table, overridden by the flags given."""
+_POLICY_FLAGS = ("schedule_interval", "buffer_conservativeness", "stall_penalty", "working_set_lambda",
+                 "critical_buffer", "expected_output_len", "andes_horizon")
+
+
+def engine_config(a: argparse.Namespace, file_values: dict | None = None,
+                  file_policy: dict | None = None) -> EngineConfig:
+    """EngineConfig from the config file's [engine] and [policy] tables, overridden by the flags given."""
+    from tokenflowd.config import PolicyConfig
+
     kw = dict(file_values or {})
+    policy_kw = dict(file_policy or {})
+    for flag in _POLICY_FLAGS:
+        value = getattr(a, flag, None)
+        if value is not None:
+            policy_kw[flag] = value
+    kw["policy_params"] = PolicyConfig(**policy_kw)
     for flag, key in _ENGINE_FLAGS.items():
         value = getattr(a, flag, None)
         if value is not None:
@@ -94,13 +118,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from tokenflowd.config import ServerConfig, load_config_file, parse_size
     from tokenflowd.serve import serve
 
-    file = load_config_file(a.config) if a.config else {"server": {}, "engine": {}}
+    file = load_config_file(a.config) if a.config else {"server": {}, "engine": {}, "policy": {}}
     server_kw = dict(file["server"])
     for flag in _SERVER_FLAGS:
         value = getattr(a, flag)
         if value is not None:
             server_kw[flag] = parse_size(value) if flag == "max_body_size" else value
-    return serve(ServerConfig(**server_kw), engine_config(a, file["engine"]))
+    return serve(ServerConfig(**server_kw), engine_config(a, file["engine"], file["policy"]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _UNITS = {
     "": 1, "b": 1,
@@ -26,6 +26,41 @@ def parse_size(text: str | int) -> int:
 
 
 @dataclass(frozen=True)
+class PolicyConfig:
+    """Parameters of the scheduling policies (`--policy`). The TokenFlow paper (tokenflow.txt §4,
+    §7.5) names them and gives ranges, not defaults, for most; the defaults here say why."""
+
+    # tokenflow
+    schedule_interval: float = 0.5  # s between buffer-balancing passes while stressed; §7.5: 0.5–1.5, shorter is slightly better
+    buffer_conservativeness: float = 2.0  # μ ≥ 1: a victim's buffer must cover μ× its swap time (1 agile … 20 SGLang-like)
+    stall_penalty: float = 64.0  # γ, in tokens: what an empty buffer costs in the utility (one interval of a fast reader ≈ 10–30)
+    working_set_lambda: float = 0.5  # λ of eq. 5: how far the working set shrinks towards N_running
+    critical_buffer: float = 1.0  # T_critical, s of reading: a buffer below it makes the engine "stressed"
+    expected_output_len: int = 1024  # tokens assumed for the §7.1.3 value of a request with no max_tokens
+    # andes
+    andes_horizon: float = 2.0  # s: the look-ahead over which Andes compares QoE gains
+    andes_max_preempt_fraction: float = 0.5  # Andes' cap on preemptions per pass, as a fraction of the batch
+
+    def __post_init__(self) -> None:
+        if not self.schedule_interval > 0:
+            raise ValueError(f"schedule_interval must be above 0 s, got {self.schedule_interval}")
+        if not self.buffer_conservativeness >= 1.0:
+            raise ValueError(f"buffer_conservativeness (μ) must be >= 1, got {self.buffer_conservativeness}")
+        if not self.stall_penalty >= 0:
+            raise ValueError(f"stall_penalty (γ) must be >= 0, got {self.stall_penalty}")
+        if not 0.0 <= self.working_set_lambda <= 1.0:
+            raise ValueError(f"working_set_lambda (λ) must be in [0, 1], got {self.working_set_lambda}")
+        if not self.critical_buffer >= 0:
+            raise ValueError(f"critical_buffer must be >= 0 s, got {self.critical_buffer}")
+        if self.expected_output_len < 1:
+            raise ValueError("expected_output_len must be >= 1")
+        if not self.andes_horizon > 0:
+            raise ValueError(f"andes_horizon must be above 0 s, got {self.andes_horizon}")
+        if not 0.0 < self.andes_max_preempt_fraction <= 1.0:
+            raise ValueError("andes_max_preempt_fraction must be in (0, 1]")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs, concrete (no "auto" left). Build with `EngineConfig.resolve`."""
 
@@ -43,6 +78,7 @@ class EngineConfig:
     attention_backend: str = "torch"  # torch | flashinfer
     cuda_graphs: bool = False
     policy: str = "fcfs"
+    policy_params: PolicyConfig = field(default_factory=PolicyConfig)
     seed: int = 0
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
 
@@ -71,6 +107,8 @@ class EngineConfig:
 
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if not isinstance(self.policy_params, PolicyConfig):
+            raise ValueError("policy_params must be a PolicyConfig")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 
@@ -143,8 +181,9 @@ class ServerConfig:
 
 
 def load_config_file(path: str) -> dict[str, dict]:
-    """A TOML file with [server] and [engine] tables whose keys are ServerConfig / EngineConfig
-    fields (sizes may carry units: kv_cache_memory = "4GiB"). Unknown tables or keys are errors."""
+    """A TOML file with [server], [engine] and [policy] tables whose keys are ServerConfig /
+    EngineConfig / PolicyConfig fields (sizes may carry units: kv_cache_memory = "4GiB").
+    Unknown tables or keys are errors."""
     import tomllib
     from dataclasses import fields
 
@@ -155,11 +194,13 @@ def load_config_file(path: str) -> dict[str, dict]:
         raise ValueError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-    known = {"server": {f.name for f in fields(ServerConfig)}, "engine": {f.name for f in fields(EngineConfig)}}
-    out: dict[str, dict] = {"server": {}, "engine": {}}
+    known = {"server": {f.name for f in fields(ServerConfig)},
+             "engine": {f.name for f in fields(EngineConfig)} - {"policy_params"},
+             "policy": {f.name for f in fields(PolicyConfig)}}
+    out: dict[str, dict] = {"server": {}, "engine": {}, "policy": {}}
     for table, values in data.items():
         if table not in known or not isinstance(values, dict):
-            raise ValueError(f"{path}: unknown table [{table}]; use [server] and [engine]")
+            raise ValueError(f"{path}: unknown table [{table}]; use [server], [engine] and [policy]")
         for key in values:
             if key.replace("-", "_") not in known[table]:
                 raise ValueError(f"{path}: unknown key {key!r} in [{table}]; known: {', '.join(sorted(known[table]))}")

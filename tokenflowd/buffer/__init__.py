@@ -1,5 +1,21 @@
 """The token-buffer model and the scheduling policies that consume it."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
 from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import SchedulingPolicy
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {"fcfs": FCFSPolicy}
+if TYPE_CHECKING:
+    from tokenflowd.config import PolicyConfig
+
+# name -> constructor from the policy parameters (`--policy NAME`)
+POLICIES: dict[str, Callable[["PolicyConfig"], SchedulingPolicy]] = {
+    "fcfs": lambda params: FCFSPolicy(),
+}
+
+
+def make_policy(name: str, params: "PolicyConfig") -> SchedulingPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name](params)

@@ -7,7 +7,9 @@ model (the simulator builds views itself).
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tokenflowd.buffer.estimates import StepCost
 
 
 def cdiv(a: int, b: int) -> int:
@@ -28,7 +30,8 @@ class RequestView:
     reading_rate: float = 20.0  # tokens/s its client reads
     buffer: float = 0.0  # tokens its client holds unread at view.now (0 before the first token)
     num_output_tokens: int = 0
-    max_output_tokens: int | None = None  # the most it may still generate in all (None: to the context)
+    max_output_tokens: int | None = None  # the most it may generate in all (None: to the context)
+    io_time: float | None = None  # waiting: s to bring its KV back from the host tier; None: no host copy
 
     @property
     def started(self) -> bool:
@@ -66,6 +69,8 @@ class SchedulerView:
     page_size: int
     token_budget: int  # tokens one step may compute
     max_num_seqs: int
+    cost: StepCost = field(default_factory=StepCost)  # live step-time estimate (buffer/estimates.py)
+    host_pages: int = 0  # pages of the host KV tier (0: none; preempted KV is recomputed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,7 @@ class Plan:
 
     scheduled: tuple[tuple[str, int], ...] = ()  # (request_id, num_tokens), num_tokens >= 1
     preempted: tuple[str, ...] = ()
+    reload: tuple[str, ...] = ()  # admitted requests whose KV comes back from the host tier, not recompute
 
 
 class SchedulingPolicy(abc.ABC):

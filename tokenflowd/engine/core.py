@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenflowd.buffer import POLICIES
+from tokenflowd.buffer import make_policy
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.kv_manager import KVCacheManager
 from tokenflowd.engine.loader import LoadedModel, load_model_source
@@ -60,7 +60,8 @@ class EngineCore:
         self.pool = PagePool(self.runner.num_pages, self.config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, self.config.page_size)
         self.scheduler = Scheduler(
-            self.kv, POLICIES[self.config.policy](), self.config.max_num_batched_tokens, self.config.max_num_seqs
+            self.kv, make_policy(self.config.policy, self.config.policy_params),
+            self.config.max_num_batched_tokens, self.config.max_num_seqs,
         )
 
     # -- API ----------------------------------------------------------------------------------
@@ -118,6 +119,7 @@ class EngineCore:
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.total_tokens
         self.stats.last_step_time = time.perf_counter() - t0
+        self.scheduler.observe_step(batch, self.stats.last_step_time)
         done = {r.request_id for r in finished}
         outs = []
         for req, token in zip(batch.requests, sampled):

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tokenflowd.buffer.estimates import StepTimeModel
 from tokenflowd.buffer.policy import RequestView, SchedulerView, SchedulingPolicy
 from tokenflowd.engine.kv_manager import KVCacheManager
 from tokenflowd.engine.request import FinishReason, Request, RequestStatus
@@ -34,6 +35,7 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_context_tokens: int = 0  # KV tokens the batch's attention covers (computed + new, summed)
 
     @property
     def total_tokens(self) -> int:
@@ -55,6 +57,7 @@ class Scheduler:
         self.running: list[Request] = []  # arrival order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.step_model = StepTimeModel()  # fed by observe_step; read by policies through the view
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -91,6 +94,7 @@ class Scheduler:
             page_size=self.kv.page_size,
             token_budget=self.token_budget,
             max_num_seqs=self.max_num_seqs,
+            cost=self.step_model.cost,
         )
 
     def schedule(self) -> ScheduledBatch:
@@ -112,6 +116,7 @@ class Scheduler:
             batch.preempted.append(req)
         if plan.preempted:
             self.waiting.sort(key=_queue_order)
+        assert not plan.reload, f"{self.policy.name} planned a reload, but there is no host KV tier"
         admitted = blocked = False
         for rid, n in plan.scheduled:
             req = self.requests[rid]
@@ -133,10 +138,16 @@ class Scheduler:
             # this step): what does not fit waits for the next step's view.
             if ok:
                 batch.requests.append(req)
-                batch.num_tokens.append(min(n, req.num_tokens - req.num_computed_tokens))
+                n = min(n, req.num_tokens - req.num_computed_tokens)
+                batch.num_tokens.append(n)
+                batch.num_context_tokens += req.num_computed_tokens + n
         if admitted:
             self.running.sort(key=lambda r: r.arrival_time)
         return batch
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """How long `batch` took to compute (wall time on the engine, virtual in the simulator)."""
+        self.step_model.observe(batch.total_tokens, batch.num_context_tokens, seconds)
 
     # -- update -------------------------------------------------------------------------------
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:

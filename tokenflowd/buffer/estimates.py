@@ -1,0 +1,83 @@
+"""Live estimates of what a step costs, from the steps the engine (or the simulator) really ran.
+
+A step's time is modelled as linear in what it computes:
+
+    t_step ≈ base + per_token · (tokens computed) + per_context · (context tokens)
+
+where a request's context tokens are the KV length its attention covers this step
+(num_computed_tokens + its new tokens), summed over the batch.
+
+fitted by least squares over a sliding window of recent steps. From it a policy derives the
+generation capacity Γ (tokens/s at a given batch), one running request's decode rate, and the
+time to recompute a preempted request's KV (tokenflow §4.2.3: "sliding-window-averaged prefill
+latencies per token").
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """A snapshot of the step-time model (seconds). Plain data: it travels in the policy view."""
+
+    base: float = 0.02
+    per_token: float = 1e-4
+    per_context: float = 0.0
+
+    def step_time(self, num_tokens: int, num_context: int = 0) -> float:
+        return self.base + self.per_token * num_tokens + self.per_context * num_context
+
+    def decode_step_time(self, num_seqs: int, mean_context: float) -> float:
+        """One decode step of `num_seqs` requests whose contexts average `mean_context` tokens."""
+        return self.step_time(num_seqs, int(num_seqs * mean_context))
+
+    def recompute_time(self, num_tokens: int) -> float:
+        """Marginal time to recompute `num_tokens` of KV inside a batch that runs anyway."""
+        return (self.per_token + self.per_context) * num_tokens
+
+    def capacity(self, num_seqs: int, mean_context: float) -> float:
+        """Γ: tokens/s the engine generates with `num_seqs` decodes in every step."""
+        return num_seqs / self.decode_step_time(max(1, num_seqs), mean_context) if num_seqs > 0 else 0.0
+
+
+class StepTimeModel:
+    """Fits StepCost to the last `window` observed steps; refits at most every `refit_every` steps."""
+
+    def __init__(self, prior: StepCost | None = None, window: int = 256, refit_every: int = 16) -> None:
+        self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)  # (tokens, context, seconds)
+        self._refit_every = refit_every
+        self._since_fit = 0
+        self.cost = prior or StepCost()
+
+    def observe(self, num_tokens: int, num_context: int, seconds: float) -> None:
+        self._obs.append((float(num_tokens), float(num_context), seconds))
+        self._since_fit += 1
+        if self._since_fit >= self._refit_every or len(self._obs) <= self._refit_every:
+            self._fit()
+
+    def _fit(self) -> None:
+        self._since_fit = 0
+        obs = np.asarray(self._obs)
+        if len(obs) < 3:
+            # Too few points for three terms: scale the prior to the seconds seen so far.
+            pred = np.array([self.cost.step_time(int(t), int(c)) for t, c, _ in obs])
+            k = float(obs[:, 2].sum() / max(pred.sum(), 1e-12))
+            self.cost = StepCost(self.cost.base * k, self.cost.per_token * k, self.cost.per_context * k)
+            return
+        x = np.column_stack([np.ones(len(obs)), obs[:, 0], obs[:, 1]])
+        # Non-negative terms: a column with no spread (say, decode-only steps of one batch size)
+        # is left at the prior's value rather than fitted to noise.
+        prior = np.array([self.cost.base, self.cost.per_token, self.cost.per_context])
+        free = [0] + [j for j in (1, 2) if np.ptp(x[:, j]) > 0]
+        fixed = [j for j in (1, 2) if j not in free]
+        y = obs[:, 2] - x[:, fixed] @ prior[fixed]
+        coef, *_ = np.linalg.lstsq(x[:, free], y, rcond=None)
+        out = prior.copy()
+        out[free] = np.maximum(coef, 0.0)
+        if out[0] == 0.0 and out[1] == 0.0 and out[2] == 0.0:
+            return
+        self.cost = StepCost(float(out[0]), float(out[1]), float(out[2]))
