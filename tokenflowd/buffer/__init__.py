@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Callable
 
 from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import SchedulingPolicy
+from tokenflowd.buffer.tokenflow import TokenFlowPolicy
 
 if TYPE_CHECKING:
     from tokenflowd.config import PolicyConfig
@@ -12,6 +13,7 @@ if TYPE_CHECKING:
 # name -> constructor from the policy parameters (`--policy NAME`)
 POLICIES: dict[str, Callable[["PolicyConfig"], SchedulingPolicy]] = {
     "fcfs": lambda params: FCFSPolicy(),
+    "tokenflow": lambda params: TokenFlowPolicy(params),
 }
 
 

@@ -1,0 +1,191 @@
+"""The buffer-aware policy on hand-built views: admission threshold, utility order, local search,
+the schedulability fallback, and the seam's invariants over random views."""
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenflowd.buffer.estimates import StepCost
+from tokenflowd.buffer.fcfs import FCFSPolicy
+from tokenflowd.buffer.policy import RequestView, SchedulerView, cdiv
+from tokenflowd.buffer.tokenflow import TokenFlowPolicy, _Candidate
+from tokenflowd.config import PolicyConfig
+
+PS = 4
+# Every running request generates 40 tokens/s whatever the batch (as in Fig. 6); recomputing a
+# token costs 0.1 ms.
+COST = StepCost(base=0.025, per_token=1e-4, per_context=0.0)
+PARAMS = PolicyConfig(schedule_interval=1.0, buffer_conservativeness=2.0)
+
+
+def running(rid, t, buffer, rate, n=20, out=5):
+    return RequestView(rid, t, num_tokens=n, num_computed_tokens=n - 1, pages_held=cdiv(n - 1, PS),
+                       reading_rate=rate, buffer=buffer, num_output_tokens=out, max_output_tokens=400)
+
+
+def preempted(rid, t, buffer, rate, n=20, io_time=None):
+    return RequestView(rid, t, num_tokens=n, num_computed_tokens=0, pages_held=0, reading_rate=rate,
+                       buffer=buffer, num_output_tokens=5, max_output_tokens=400, io_time=io_time)
+
+
+def new(rid, t, rate=20.0, n=16):
+    return RequestView(rid, t, num_tokens=n, num_computed_tokens=0, pages_held=0, reading_rate=rate,
+                       max_output_tokens=400)
+
+
+def view(running=(), waiting=(), free=100, max_num_seqs=2, now=0.0, budget=64, total=200, cost=COST):
+    return SchedulerView(now=now, running=tuple(running), waiting=tuple(waiting), free_pages=free,
+                         total_pages=total, page_size=PS, token_budget=budget, max_num_seqs=max_num_seqs, cost=cost)
+
+
+def test_not_stressed_is_prefill_first_fcfs():
+    v = view(running=[running("a", 0, 5, 20), running("b", 1, 50, 20)], max_num_seqs=4)
+    assert TokenFlowPolicy(PARAMS).plan(v) == FCFSPolicy().plan(v)
+
+
+def test_admission_waits_until_a_victim_buffer_covers_mu_times_its_swap():
+    # R1 reads 20 tok/s: away for recompute (20 tokens · 0.1 ms) + one 1 s interval, μ = 2 →
+    # its buffer must hold 2 · 20 · 1.002 = 40.08 tokens before R3 may displace it.
+    r2 = running("R2", 0.0, buffer=20, rate=30)
+    r3 = new("R3", 2.0, rate=25)
+    early = TokenFlowPolicy(PARAMS).plan(view([running("R1", 0.0, 40.0, 20), r2], [r3], now=2.0))
+    assert early.preempted == () and "R3" not in dict(early.scheduled)
+    later = TokenFlowPolicy(PARAMS).plan(view([running("R1", 0.0, 40.2, 20), r2], [r3], now=3.0))
+    assert later.preempted == ("R1",)
+    assert dict(later.scheduled) == {"R2": 1, "R3": 16}
+
+
+def test_a_conservative_mu_keeps_the_victim():
+    params = PolicyConfig(schedule_interval=1.0, buffer_conservativeness=20.0)
+    plan = TokenFlowPolicy(params).plan(view([running("R1", 0.0, 60.0, 20), running("R2", 0, 30, 30)],
+                                             [new("R3", 2.0)], now=3.0))
+    assert plan.preempted == ()
+
+
+def test_utility_brings_back_the_emptiest_buffer_and_preempts_the_fullest():
+    # Fig. 6 at t = 5: R1 (out, 1 s of buffer left) returns; R2 (1.67 s) makes way; R3 (1.2 s) stays.
+    v = view([running("R2", 0.0, 50.0, 30), running("R3", 2.0, 30.0, 25)], [preempted("R1", 0.0, 20.0, 20)], now=5.0)
+    plan = TokenFlowPolicy(PARAMS).plan(v)
+    assert plan.preempted == ("R2",)
+    assert set(dict(plan.scheduled)) == {"R3", "R1"}
+
+
+def test_utility_order_by_seconds_of_buffer_and_token_value():
+    pol = TokenFlowPolicy(PARAMS)
+
+    def u(buffer, rate, max_out=400):
+        r = RequestView("x", 0, 20, 19, 5, reading_rate=rate, buffer=buffer, num_output_tokens=5,
+                        max_output_tokens=max_out)
+        return pol._utility(_Candidate(r, True, 5, 0.0), g=40.0, t=1.0)
+
+    assert u(0, 20) > u(10, 20) > u(30, 20) > u(60, 20)
+    assert u(20, 20) == u(40, 40)  # one second of reading either way
+    # beyond 20% of the output buffered a token is worth nothing: only the stall term is left
+    assert u(100, 20) == PARAMS.stall_penalty * math.exp(-5)
+    assert u(100, 20, max_out=10_000) > u(100, 20)
+
+
+def test_schedulability_fallback_is_fcfs_over_the_working_set():
+    # Γ = 2 slots · 40 tok/s = 80 < Σ r = 45 + 30 + 25: arrival order, nothing new admitted
+    v = view([running("late", 2.0, 0.0, 30), running("early", 0.0, 50.0, 45)],
+             [preempted("mid", 1.0, 0.0, 25), new("n", 3.0)], now=4.0)
+    pol = TokenFlowPolicy(PARAMS)
+    d = pol.balance(v)
+    assert d.fallback
+    assert d.run == ("early", "mid")
+    plan = pol.plan(v)
+    assert plan.preempted == ("late",) and "n" not in dict(plan.scheduled)
+
+
+def test_reload_is_chosen_when_io_beats_recompute():
+    v = view([], [preempted("fast", 0.0, 5.0, 20, n=400, io_time=0.001),
+                  preempted("slow", 0.0, 5.0, 20, n=400, io_time=1.0)], free=400, max_num_seqs=4, budget=1024)
+    d = TokenFlowPolicy(PARAMS).balance(v)
+    assert set(d.run) == {"fast", "slow"}
+    assert d.reload == ("fast",)  # recomputing 400 tokens takes 40 ms: 1 s of I/O loses
+
+
+def test_between_passes_the_decision_holds():
+    pol = TokenFlowPolicy(PARAMS)
+    r1, r2 = running("R1", 0.0, 40.0, 20), running("R2", 0.0, 20.0, 30)
+    pol.plan(view([r1, r2], [new("R3", 2.0)], now=2.0))
+    # 0.5 s later R1's buffer is safe, but the next pass is due at t = 3
+    assert pol.plan(view([running("R1", 0.0, 60.0, 20), r2], [new("R3", 2.0)], now=2.5)).preempted == ()
+    assert pol.plan(view([running("R1", 0.0, 60.0, 20), r2], [new("R3", 2.0)], now=3.0)).preempted == ("R1",)
+    assert pol.num_passes == 2
+
+
+cand = st.builds(lambda pages, u: (pages, u), st.integers(1, 30), st.floats(0, 100))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(cand, min_size=1, max_size=40), st.integers(1, 120), st.integers(1, 12))
+def test_greedy_and_local_search_never_break_the_memory_constraint(items, capacity, max_seqs):
+    cands = []
+    for i, (pages, u) in enumerate(items):
+        c = _Candidate(new(f"r{i}", i), False, pages, 0.0, u)
+        cands.append(c)
+    cands.sort(key=lambda c: -c.utility)
+    greedy = TokenFlowPolicy._fill(cands, capacity, max_seqs)
+    greedy_u = sum(c.utility for c in greedy)
+    chosen = TokenFlowPolicy._local_search(cands, list(greedy), capacity, max_seqs)
+    assert sum(c.pages for c in chosen) <= capacity
+    assert len(chosen) <= max_seqs
+    assert len({id(c) for c in chosen}) == len(chosen)
+    assert sum(c.utility for c in chosen) >= greedy_u
+
+
+def test_local_search_swaps_a_big_request_for_two_that_fit():
+    big = _Candidate(new("big", 0), False, 10, 0.0, 10.0)
+    small = _Candidate(new("small", 1), False, 4, 0.0, 9.0)
+    other = _Candidate(new("other", 2), False, 5, 0.0, 8.0)
+    cands = [big, small, other]
+    greedy = TokenFlowPolicy._fill(cands, 10, 4)
+    assert greedy == [big]
+    chosen = TokenFlowPolicy._local_search(cands, list(greedy), 10, 4)
+    assert {c.req.request_id for c in chosen} == {"small", "other"}
+
+
+req_view = st.builds(
+    lambda i, n, computed_frac, started, buffer, rate, prio: (i, n, computed_frac, started, buffer, rate, prio),
+    st.integers(0, 10**6), st.integers(2, 80), st.floats(0, 1), st.booleans(), st.floats(0, 200),
+    st.sampled_from([5.0, 15.0, 20.0, 30.0]), st.integers(0, 1),
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(req_view, max_size=10), st.lists(req_view, max_size=12), st.integers(0, 60), st.integers(1, 64),
+       st.integers(1, 6), st.floats(0, 3))
+def test_plans_keep_the_seam_invariants(run_specs, wait_specs, free, budget, max_seqs, now):
+    running_views, waiting_views = [], []
+    for k, (i, n, frac, started, buffer, rate, prio) in enumerate(run_specs[:max_seqs]):
+        computed = max(1, min(n - 1, int(n * frac)))
+        out = 3 if started else 0
+        running_views.append(RequestView(f"r{k}", float(k), n, computed, cdiv(computed, PS), reading_rate=rate,
+                                         buffer=buffer if started else 0.0, num_output_tokens=out, priority=prio))
+    for k, (i, n, frac, started, buffer, rate, prio) in enumerate(wait_specs):
+        out = 3 if started else 0
+        waiting_views.append(RequestView(f"w{k}", 10.0 + k, n, 0, 0, reading_rate=rate,
+                                         buffer=buffer if started else 0.0, num_output_tokens=out, priority=prio))
+    v = view(running_views, waiting_views, free=free, budget=budget, max_num_seqs=max_seqs, now=now)
+    plan = TokenFlowPolicy(PARAMS).plan(v)
+    ids = [rid for rid, _ in plan.scheduled]
+    assert len(ids) == len(set(ids))
+    assert not set(ids) & set(plan.preempted)
+    assert sum(n for _, n in plan.scheduled) <= budget
+    running_ids = {r.request_id for r in running_views}
+    assert set(plan.preempted) <= running_ids
+    by_id = {r.request_id: r for r in running_views + waiting_views}
+    for rid, n in plan.scheduled:
+        assert 1 <= n <= by_id[rid].tokens_left
+    kept = running_ids - set(plan.preempted)
+    assert len(kept | set(ids)) <= max_seqs
+    freed = sum(by_id[r].pages_freed for r in plan.preempted)
+    used = sum(by_id[rid].pages_to_run(n, PS) for rid, n in plan.scheduled)
+    assert used <= free + freed
+    # every decode that stays keeps its token each step (FCFS inside the decision)
+    for r in running_views:
+        if r.request_id in kept and r.tokens_left == 1 and budget >= len(kept):
+            assert r.request_id in ids
