@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from tokenflowd.buffer.qos import Timeline, effective_weight, percentile, request_qos, summarize, token_weight
+from tokenflowd.buffer.qos import (Timeline, effective_weight, effective_weights, percentile, request_qos, summarize,
+                                   token_weight)
 
 
 def test_token_weight_is_eq_1():
@@ -19,6 +20,15 @@ def test_effective_weight_is_the_10_20_rule():
     assert effective_weight(15, 100) == pytest.approx(0.5)
     assert effective_weight(20, 100) == 0.0
     assert effective_weight(50, 100) == 0.0
+
+
+def test_effective_weights_is_the_same_rule_elementwise():
+    import numpy as np
+
+    buffers = np.array([0.0, 10.0, 15.0, 20.0, 50.0, 3.0])
+    lens = np.array([100.0, 100.0, 100.0, 100.0, 100.0, 10.0])
+    assert effective_weights(buffers, lens).tolist() == pytest.approx(
+        [effective_weight(b, int(n)) for b, n in zip(buffers, lens)])
 
 
 def test_stall_and_ttft_by_hand():

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenflowd.buffer.estimates import StepCost
 from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import RequestView, SchedulerView, cdiv
-from tokenflowd.buffer.tokenflow import TokenFlowPolicy, _Candidate
+from tokenflowd.buffer.tokenflow import TokenFlowPolicy
 from tokenflowd.config import PolicyConfig
 
 PS = 4
@@ -78,7 +78,7 @@ def test_utility_order_by_seconds_of_buffer_and_token_value():
     def u(buffer, rate, max_out=400):
         r = RequestView("x", 0, 20, 19, 5, reading_rate=rate, buffer=buffer, num_output_tokens=5,
                         max_output_tokens=max_out)
-        return pol._utility(_Candidate(r, True, 5, 0.0), g=40.0, t=1.0)
+        return float(pol._utility(pol._working_set(view([r]), []), g=40.0)[0])
 
     assert u(0, 20) > u(10, 20) > u(30, 20) > u(60, 20)
     assert u(20, 20) == u(40, 40)  # one second of reading either way
@@ -117,35 +117,26 @@ def test_between_passes_the_decision_holds():
     assert pol.num_passes == 2
 
 
-cand = st.builds(lambda pages, u: (pages, u), st.integers(1, 30), st.floats(0, 100))
-
-
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(st.lists(cand, min_size=1, max_size=40), st.integers(1, 120), st.integers(1, 12))
+@given(st.lists(st.tuples(st.integers(1, 30), st.floats(0, 100)), min_size=1, max_size=40), st.integers(1, 120),
+       st.integers(1, 12))
 def test_greedy_and_local_search_never_break_the_memory_constraint(items, capacity, max_seqs):
-    cands = []
-    for i, (pages, u) in enumerate(items):
-        c = _Candidate(new(f"r{i}", i), False, pages, 0.0, u)
-        cands.append(c)
-    cands.sort(key=lambda c: -c.utility)
-    greedy = TokenFlowPolicy._fill(cands, capacity, max_seqs)
-    greedy_u = sum(c.utility for c in greedy)
-    chosen = TokenFlowPolicy._local_search(cands, list(greedy), capacity, max_seqs)
-    assert sum(c.pages for c in chosen) <= capacity
+    pages = [p for p, _ in items]
+    utility = [u for _, u in items]
+    order = sorted(range(len(items)), key=lambda i: -utility[i])
+    greedy = TokenFlowPolicy._fill(order, pages, capacity, max_seqs)
+    chosen = TokenFlowPolicy._local_search(order, greedy, pages, utility, capacity, max_seqs)
+    assert sum(pages[i] for i in chosen) <= capacity
     assert len(chosen) <= max_seqs
-    assert len({id(c) for c in chosen}) == len(chosen)
-    assert sum(c.utility for c in chosen) >= greedy_u
+    assert len(set(chosen)) == len(chosen)
+    assert sum(utility[i] for i in chosen) >= sum(utility[i] for i in greedy)
 
 
 def test_local_search_swaps_a_big_request_for_two_that_fit():
-    big = _Candidate(new("big", 0), False, 10, 0.0, 10.0)
-    small = _Candidate(new("small", 1), False, 4, 0.0, 9.0)
-    other = _Candidate(new("other", 2), False, 5, 0.0, 8.0)
-    cands = [big, small, other]
-    greedy = TokenFlowPolicy._fill(cands, 10, 4)
-    assert greedy == [big]
-    chosen = TokenFlowPolicy._local_search(cands, list(greedy), 10, 4)
-    assert {c.req.request_id for c in chosen} == {"small", "other"}
+    pages, utility = [10, 4, 5], [10.0, 9.0, 8.0]  # big, small, other
+    greedy = TokenFlowPolicy._fill([0, 1, 2], pages, 10, 4)
+    assert greedy == [0]
+    assert sorted(TokenFlowPolicy._local_search([0, 1, 2], greedy, pages, utility, 10, 4)) == [1, 2]
 
 
 req_view = st.builds(

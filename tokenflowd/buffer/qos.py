@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from tokenflowd.buffer.tracker import TokenBuffer
 
 EFFECTIVE_FULL = 0.10  # a token counts fully while the buffer holds at most this share of the output
@@ -59,6 +61,12 @@ def effective_weight(buffer: float, output_len: int) -> float:
     """§7.1.3: full weight up to 10% of the output length buffered, falling linearly to 0 at 20%."""
     tau = EFFECTIVE_FULL * output_len
     return token_weight(buffer, tau, 1.0 / ((EFFECTIVE_ZERO - EFFECTIVE_FULL) * output_len))
+
+
+def effective_weights(buffers: np.ndarray, output_lens: np.ndarray) -> np.ndarray:
+    """`effective_weight` elementwise over arrays (eq. 1 clipped to [0, 1] is the same rule)."""
+    alpha = 1.0 / ((EFFECTIVE_ZERO - EFFECTIVE_FULL) * output_lens)
+    return np.clip(1.0 - alpha * (buffers - EFFECTIVE_FULL * output_lens), 0.0, 1.0)
 
 
 def request_qos(t: Timeline) -> RequestQoS:

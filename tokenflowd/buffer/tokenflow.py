@@ -36,9 +36,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import Plan, RequestView, SchedulerView, SchedulingPolicy, cdiv
-from tokenflowd.buffer.qos import effective_weight
+from tokenflowd.buffer.qos import effective_weights
 
 if TYPE_CHECKING:
     from tokenflowd.config import PolicyConfig
@@ -54,12 +56,19 @@ class Decision:
 
 
 @dataclass(slots=True)
-class _Candidate:
-    req: RequestView
-    running: bool
-    pages: int  # device pages it holds through the interval
-    overhead: float  # s before it produces again (0 when running)
-    utility: float = 0.0
+class _WorkingSet:
+    """The pass's working set W as columns (running requests first, in arrival order, then
+    preempted ones in queue order): one numpy array per quantity, so that a pass over a thousand
+    requests stays under half a millisecond."""
+
+    reqs: list[RequestView]
+    num_running: int
+    num_tokens: np.ndarray  # int64
+    rate: np.ndarray  # tokens/s its client reads
+    b_pred: np.ndarray  # tokens buffered once its overhead has passed: b − r·overhead, ≥ 0
+    overhead: np.ndarray  # s before it produces again: 0 running, else min(t_IO, t_recompute)
+    expected: np.ndarray  # output tokens it is expected to produce in all
+    reloaded: np.ndarray  # bool: its overhead is the host tier's t_IO, not a recompute
 
 
 class TokenFlowPolicy(SchedulingPolicy):
@@ -118,115 +127,139 @@ class TokenFlowPolicy(SchedulingPolicy):
 
     # -- the balancing pass ---------------------------------------------------------------------
     def balance(self, view: SchedulerView) -> Decision:
-        p = self.params
-        ps = view.page_size
-        t = p.schedule_interval
-        members = [r for r in view.waiting if r.started]
-        new = [r for r in view.waiting if not r.started]
-        everyone = list(view.running) + members + new
-        mean_ctx = sum(r.num_tokens for r in everyone) / len(everyone)
+        t = self.params.schedule_interval
+        members = [r for r in view.waiting if r.num_output_tokens]  # started: their clients read
+        new = [r for r in view.waiting if not r.num_output_tokens]
+        ws = self._working_set(view, members)
+        reqs = ws.reqs
 
         # 1. Estimates at the batch the device can hold.
-        capacity_pages = view.free_pages + sum(r.pages_held for r in view.running)
-        footprint = max(1, cdiv(int(mean_ctx), ps))
-        batch = max(1, min(view.max_num_seqs, capacity_pages // footprint))
-        step = view.cost.decode_step_time(batch, mean_ctx)
-        g = 1.0 / step  # tokens/s one running request generates
+        mean_ctx = float(ws.num_tokens.mean()) if reqs else new[0].num_tokens
+        capacity = view.free_pages + sum(r.pages_held for r in view.running)
+        footprint = max(1, cdiv(int(mean_ctx), view.page_size))
+        batch = max(1, min(view.max_num_seqs, capacity // footprint))
+        g = 1.0 / view.cost.decode_step_time(batch, mean_ctx)  # tokens/s of one running request
         gamma_cap = batch * g  # Γ
         growth = int(g * t) + 1  # tokens a chosen request adds over the interval
+        pages = (-(-(ws.num_tokens + growth) // view.page_size)).tolist()  # held through the interval
 
-        cands = [self._candidate(r, True, ps, growth, view) for r in view.running]
-        cands += [self._candidate(r, False, ps, growth, view) for r in members]
-
-        # 2. Schedulability: Σ_{i∈W} r_i ≤ Γ, else FCFS over W and nothing new.
-        load = sum(c.req.reading_rate for c in cands)
+        # 2. Schedulability: Σ_{i∈W} r_i ≤ Γ, else FCFS over W within device memory, nothing new.
+        load = float(ws.rate.sum())
         if load > gamma_cap:
-            cands.sort(key=lambda c: (-c.req.priority, c.req.arrival_time))
-            chosen = self._fill(cands, capacity_pages, view.max_num_seqs)
-            return Decision(tuple(c.req.request_id for c in chosen), self._reloads(chosen), fallback=True)
+            priority = np.array([r.priority for r in reqs])
+            order = np.lexsort((np.array([r.arrival_time for r in reqs]), -priority)).tolist()
+            chosen = self._fill(order, pages, capacity, view.max_num_seqs)
+            return Decision(tuple(reqs[i].request_id for i in chosen), self._reloads(ws, chosen), fallback=True)
 
-        # 3. Buffer balancing inside W: greedy by utility, then adjacent swaps.
-        for c in cands:
-            c.utility = self._utility(c, g, t)
-        cands.sort(key=lambda c: (-c.utility, c.req.time_to_empty, -c.req.reading_rate, c.req.arrival_time))
-        chosen = self._local_search(cands, self._fill(cands, capacity_pages, view.max_num_seqs), capacity_pages,
-                                    view.max_num_seqs)
+        # 3. Buffer balancing inside W: greedy by utility, then adjacent swaps. Ties keep W's
+        # order (running first: no swap for nothing).
+        u = self._utility(ws, g)
+        utility = u.tolist()
+        order = np.argsort(-u, kind="stable").tolist()
+        chosen = self._fill(order, pages, capacity, view.max_num_seqs)
+        chosen = self._local_search(order, chosen, pages, utility, capacity, view.max_num_seqs)
 
         # 4. Admission of new requests into the working set (eq. 4–5 and the buffer rule).
-        used = sum(c.pages for c in chosen)
+        used = sum(pages[i] for i in chosen)
         w_sched = self._working_set_size(view, footprint, gamma_cap)
-        size = len(cands)
-        victims = sorted((c for c in chosen if c.running), key=lambda c: c.utility)  # cheapest to displace first
-        admitted: list[_Candidate] = []
+        size = len(reqs)
+        victims: list[int] | None = None  # chosen running requests, cheapest to displace first (when needed)
+        num_displaced = 0
+        seqs = len(chosen)
+        admitted: list[str] = []
         for r in new:  # queue order
             if size >= w_sched or load + r.reading_rate > gamma_cap:
                 break
-            c = self._candidate(r, False, ps, growth, view)
-            while (used + c.pages > capacity_pages or len(chosen) + len(admitted) >= view.max_num_seqs) and victims:
-                v = victims[0]
-                if not self._safe_to_displace(v, view.cost, t):
+            need = cdiv(r.num_tokens + growth, view.page_size)
+            while used + need > capacity or seqs >= view.max_num_seqs:
+                if victims is None:
+                    victims = sorted((i for i in chosen if i < ws.num_running), key=utility.__getitem__)
+                if num_displaced == len(victims):
                     break
-                victims.pop(0)
-                chosen.remove(v)
-                used -= v.pages
-            if used + c.pages > capacity_pages or len(chosen) + len(admitted) >= view.max_num_seqs:
+                v = victims[num_displaced]
+                if not self._safe_to_displace(reqs[v], view.cost, t):
+                    break
+                num_displaced += 1
+                used -= pages[v]
+                seqs -= 1
+            if used + need > capacity or seqs >= view.max_num_seqs:
                 break  # head of line: nothing behind it jumps the queue
-            admitted.append(c)
-            used += c.pages
+            admitted.append(r.request_id)
+            used += need
+            seqs += 1
             size += 1
             load += r.reading_rate
-        run = [c.req.request_id for c in chosen] + [c.req.request_id for c in admitted]
-        return Decision(tuple(run), self._reloads(chosen))
+        if num_displaced:
+            displaced = set(victims[:num_displaced])
+            chosen = [i for i in chosen if i not in displaced]
+        kept = chosen
+        return Decision(tuple(reqs[i].request_id for i in kept) + tuple(admitted), self._reloads(ws, kept))
 
-    def _candidate(self, r: RequestView, running: bool, ps: int, growth: int, view: SchedulerView) -> _Candidate:
-        pages = cdiv(r.num_tokens + growth, ps)
-        if running:
-            return _Candidate(r, True, pages, 0.0)
-        recompute = view.cost.recompute_time(r.num_tokens - r.num_computed_tokens)
-        overhead = recompute if r.io_time is None else min(r.io_time, recompute)
-        return _Candidate(r, False, pages, overhead)
+    def _working_set(self, view: SchedulerView, members: list[RequestView]) -> _WorkingSet:
+        nr = len(view.running)
+        reqs = [*view.running, *members]
+        num_tokens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
+        rate = np.array([r.reading_rate for r in reqs], dtype=np.float64)
+        buffer = np.array([r.buffer for r in reqs], dtype=np.float64)
+        expected = np.array([r.max_output_tokens or self.params.expected_output_len for r in reqs], dtype=np.float64)
+        overhead = np.zeros(len(reqs))
+        reloaded = np.zeros(len(reqs), dtype=bool)
+        if members:
+            computed = np.array([r.num_computed_tokens for r in members], dtype=np.int64)
+            overhead[nr:] = view.cost.recompute_time(1) * (num_tokens[nr:] - computed)  # linear in tokens
+            io = [r.io_time for r in members]
+            if io.count(None) < len(io):  # some have a host copy: reload where that is faster
+                for i, t_io in enumerate(io, nr):
+                    if t_io is not None and t_io < overhead[i]:
+                        overhead[i] = t_io
+                        reloaded[i] = True
+        b_pred = np.maximum(buffer - rate * overhead, 0.0)
+        return _WorkingSet(reqs, nr, num_tokens, rate, b_pred, overhead, expected, reloaded)
 
-    def _utility(self, c: _Candidate, g: float, t: float) -> float:
-        r = c.req
-        b_pred = max(0.0, r.buffer - r.reading_rate * c.overhead)
-        expected = r.max_output_tokens or self.params.expected_output_len
-        v = g * effective_weight(b_pred, max(1, expected))
-        return v * max(0.0, t - c.overhead) + self.params.stall_penalty * math.exp(-b_pred / r.reading_rate)
+    def _utility(self, ws: _WorkingSet, g: float) -> np.ndarray:
+        """U = v·(t − overhead) + γ·e^(−b_pred / r), with v = g·w(b_pred) (the §7.1.3 weight)."""
+        p = self.params
+        v = g * effective_weights(ws.b_pred, ws.expected)
+        return v * np.maximum(p.schedule_interval - ws.overhead, 0.0) + p.stall_penalty * np.exp(-ws.b_pred / ws.rate)
 
     @staticmethod
-    def _fill(cands: list[_Candidate], capacity_pages: int, max_seqs: int) -> list[_Candidate]:
-        """Greedy: in order, take each candidate that still fits the pages and the batch."""
+    def _fill(order: list[int], pages: list[int], capacity: int, max_seqs: int) -> list[int]:
+        """Greedy: in `order`, take each candidate that still fits the pages and the batch."""
         chosen, used = [], 0
-        for c in cands:
+        for i in order:
             if len(chosen) >= max_seqs:
                 break
-            if used + c.pages <= capacity_pages:
-                chosen.append(c)
-                used += c.pages
+            if used + pages[i] <= capacity:
+                chosen.append(i)
+                used += pages[i]
         return chosen
 
     @staticmethod
-    def _local_search(cands: list[_Candidate], chosen: list[_Candidate], capacity_pages: int,
-                      max_seqs: int) -> list[_Candidate]:
-        """Adjacent swaps in priority order: replace a chosen candidate by the next one down when
-        the pages that frees let a further candidate in and the utility of the choice rises.
-        Every accepted swap keeps Σ pages ≤ capacity_pages and the batch ≤ max_seqs."""
-        in_set = {id(c) for c in chosen}
-        used = sum(c.pages for c in chosen)
-        for i in range(len(cands) - 1):
-            a, b = cands[i], cands[i + 1]
-            if id(a) not in in_set or id(b) in in_set or b.pages >= a.pages:
+    def _local_search(order: list[int], chosen: list[int], pages: list[int], utility: list[float], capacity: int,
+                      max_seqs: int) -> list[int]:
+        """Adjacent swaps in priority order: at each boundary of the greedy choice (a chosen
+        candidate followed by one left out), replace the chosen one by the next when the pages
+        that frees let a further candidate in and the utility of the choice rises. Every accepted
+        swap keeps Σ pages ≤ capacity and the batch ≤ max_seqs. One pass, over the boundaries only."""
+        in_set = set(chosen)
+        used = sum(pages[i] for i in chosen)
+        order = list(order)
+        flags = np.zeros(len(pages), dtype=bool)
+        flags[chosen] = True
+        in_order = flags[order]
+        boundaries = np.flatnonzero(in_order[:-1] & ~in_order[1:]).tolist()
+        for k in boundaries:
+            a, b = order[k], order[k + 1]
+            if a not in in_set or b in in_set or pages[b] >= pages[a] or len(in_set) + 1 > max_seqs:
                 continue
-            room = capacity_pages - used + a.pages - b.pages
-            extra = next((c for c in cands[i + 2:] if id(c) not in in_set and c.pages <= room), None)
-            if extra is None or b.utility + extra.utility <= a.utility or len(chosen) + 1 > max_seqs:
+            room = capacity - used + pages[a] - pages[b]
+            extra = next((c for c in order[k + 2:] if c not in in_set and pages[c] <= room), None)
+            if extra is None or utility[b] + utility[extra] <= utility[a]:
                 continue
-            chosen.remove(a)
-            chosen += [b, extra]
-            in_set ^= {id(a), id(b), id(extra)}
-            used += b.pages + extra.pages - a.pages
-            cands[i], cands[i + 1] = b, a
-        return chosen
+            in_set ^= {a, b, extra}
+            used += pages[b] + pages[extra] - pages[a]
+            order[k], order[k + 1] = b, a
+        return [i for i in order if i in in_set]
 
     def _working_set_size(self, view: SchedulerView, footprint: int, gamma_cap: float) -> int:
         """Eq. 4–5. M counts the tiers a preempted request's KV can live in; with no host tier it
@@ -241,18 +274,12 @@ class TokenFlowPolicy(SchedulingPolicy):
             return math.ceil(w_static - self.params.working_set_lambda * (w_static - n_running))
         return w_static
 
-    def _safe_to_displace(self, c: _Candidate, cost, interval: float) -> bool:
+    def _safe_to_displace(self, r: RequestView, cost, interval: float) -> bool:
         """§4.2.1: its buffer covers μ× the time it is away: evict + load (or recompute) + one pass."""
-        r = c.req
         away = cost.recompute_time(r.num_tokens) + interval
         return r.buffer >= self.params.buffer_conservativeness * r.reading_rate * away
 
     @staticmethod
-    def _reloads(chosen: list[_Candidate]) -> tuple[str, ...]:
+    def _reloads(ws: _WorkingSet, chosen: list[int]) -> tuple[str, ...]:
         """Preempted requests brought back from the host tier rather than recomputed (§4.2.3)."""
-        out = []
-        for c in chosen:
-            r = c.req
-            if not c.running and r.io_time is not None and c.overhead == r.io_time:
-                out.append(r.request_id)
-        return tuple(out)
+        return tuple(ws.reqs[i].request_id for i in chosen if ws.reloaded[i])
