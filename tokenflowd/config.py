@@ -40,6 +40,9 @@ class PolicyConfig:
     # andes
     andes_horizon: float = 2.0  # s: the look-ahead over which Andes compares QoE gains
     andes_max_preempt_fraction: float = 0.5  # Andes' cap on preemptions per pass, as a fraction of the batch
+    andes_expected_ttft: float = 1.0  # s: when a reader expects its first token (Andes' expected TTFT)
+    andes_interval: float = 0.5  # s between knapsack passes while memory is contended
+    andes_memory_trigger: float = 0.9  # device-page use at which Andes starts choosing (its selective triggering)
 
     def __post_init__(self) -> None:
         if not self.schedule_interval > 0:
@@ -58,6 +61,12 @@ class PolicyConfig:
             raise ValueError(f"andes_horizon must be above 0 s, got {self.andes_horizon}")
         if not 0.0 < self.andes_max_preempt_fraction <= 1.0:
             raise ValueError("andes_max_preempt_fraction must be in (0, 1]")
+        if not self.andes_expected_ttft >= 0:
+            raise ValueError(f"andes_expected_ttft must be >= 0 s, got {self.andes_expected_ttft}")
+        if not self.andes_interval > 0:
+            raise ValueError(f"andes_interval must be above 0 s, got {self.andes_interval}")
+        if not 0.0 <= self.andes_memory_trigger <= 1.0:
+            raise ValueError(f"andes_memory_trigger must be in [0, 1], got {self.andes_memory_trigger}")
 
 
 @dataclass(frozen=True)

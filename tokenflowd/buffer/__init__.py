@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from tokenflowd.buffer.andes import AndesPolicy
 from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import SchedulingPolicy
 from tokenflowd.buffer.tokenflow import TokenFlowPolicy
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
 # name -> constructor from the policy parameters (`--policy NAME`)
 POLICIES: dict[str, Callable[["PolicyConfig"], SchedulingPolicy]] = {
     "fcfs": lambda params: FCFSPolicy(),
+    "andes": lambda params: AndesPolicy(params),
     "tokenflow": lambda params: TokenFlowPolicy(params),
 }
 
