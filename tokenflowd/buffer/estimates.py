@@ -69,15 +69,25 @@ class StepTimeModel:
             self.cost = StepCost(self.cost.base * k, self.cost.per_token * k, self.cost.per_context * k)
             return
         x = np.column_stack([np.ones(len(obs)), obs[:, 0], obs[:, 1]])
-        # Non-negative terms: a column with no spread (say, decode-only steps of one batch size)
-        # is left at the prior's value rather than fitted to noise.
-        prior = np.array([self.cost.base, self.cost.per_token, self.cost.per_context])
-        free = [0] + [j for j in (1, 2) if np.ptp(x[:, j]) > 0]
-        fixed = [j for j in (1, 2) if j not in free]
-        y = obs[:, 2] - x[:, fixed] @ prior[fixed]
-        coef, *_ = np.linalg.lstsq(x[:, free], y, rcond=None)
-        out = prior.copy()
-        out[free] = np.maximum(coef, 0.0)
-        if out[0] == 0.0 and out[1] == 0.0 and out[2] == 0.0:
-            return
-        self.cost = StepCost(float(out[0]), float(out[1]), float(out[2]))
+        coef = _nnls(x, obs[:, 2])
+        if coef is not None:
+            self.cost = StepCost(*(float(c) for c in coef))
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
+    """Least squares with every coefficient ≥ 0, for a handful of columns: the best of the
+    unconstrained fits over each subset of columns whose coefficients all come out ≥ 0. (Clipping
+    one unconstrained fit is not this: a negative term pushes its neighbours up to compensate.)"""
+    k = x.shape[1]
+    best, best_err = None, np.inf
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        sub, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if (sub < 0).any():
+            continue
+        coef = np.zeros(k)
+        coef[cols] = sub
+        err = float(np.sum((x @ coef - y) ** 2))
+        if err < best_err:
+            best, best_err = coef, err
+    return best

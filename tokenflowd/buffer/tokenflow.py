@@ -168,7 +168,8 @@ class TokenFlowPolicy(SchedulingPolicy):
         seqs = len(chosen)
         admitted: list[str] = []
         for r in new:  # queue order
-            if size >= w_sched or load + r.reading_rate > gamma_cap:
+            idle = not chosen and not admitted  # an idle device admits its head whatever the estimates say
+            if not idle and (size >= w_sched or load + r.reading_rate > gamma_cap):
                 break
             need = cdiv(r.num_tokens + growth, view.page_size)
             while used + need > capacity or seqs >= view.max_num_seqs:
@@ -268,7 +269,7 @@ class TokenFlowPolicy(SchedulingPolicy):
             w_static = (view.total_pages + view.host_pages) // footprint
         else:
             rates = [r.reading_rate for r in view.running] + [r.reading_rate for r in view.waiting]
-            w_static = int(gamma_cap / (sum(rates) / len(rates)))
+            w_static = max(1, int(gamma_cap / (sum(rates) / len(rates))))
         n_running = len(view.running)
         if n_running < w_static:  # eq. 5, rounded up so that an idle engine admits at least one
             return math.ceil(w_static - self.params.working_set_lambda * (w_static - n_running))
