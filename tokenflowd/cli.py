@@ -31,6 +31,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, help="CPU threads for torch")
+    _policy_args(p)
+
+
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    """Policy parameter flags (dests are _POLICY_FLAGS); shared by the engine commands and `sim`."""
     q = p.add_argument_group("policy parameters (tokenflow, andes; defaults in PolicyConfig)")
     q.add_argument("--schedule-interval", type=float, help="s between buffer-balancing passes (default 0.5)")
     q.add_argument("--buffer-conservativeness", type=float,
@@ -163,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--runtime-dir", help="where the private socket directory is made (default: the temp dir)")
     _engine_args(v)
     v.set_defaults(func=cmd_serve)
+    from tokenflowd.sim.cli import add_commands as add_sim_commands
+
+    add_sim_commands(sub, common)  # sim, calibrate
     a = parser.parse_args(argv)
     level = (a.log_level or ("INFO" if a.command == "serve" else "WARNING")).upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

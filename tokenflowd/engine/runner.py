@@ -8,6 +8,7 @@ import torch
 
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
+from tokenflowd.engine.executor import Executor
 from tokenflowd.engine.loader import LoadedModel
 from tokenflowd.engine.model import LlamaModel
 from tokenflowd.engine.model_config import ModelConfig
@@ -32,7 +33,7 @@ def activation_bytes(cfg: ModelConfig, num_tokens: int, num_seqs: int, dtype: to
     return 2 * num_tokens * per_token * el + 3 * num_seqs * cfg.vocab_size * 4
 
 
-class ModelRunner:
+class ModelRunner(Executor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.config = config
         self.model_config = loaded.config

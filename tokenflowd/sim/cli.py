@@ -1,0 +1,162 @@
+"""`tokenflowd sim` and `tokenflowd calibrate` (registered by tokenflowd/cli.py).
+
+    tokenflowd sim --scenario h200-a --policy all
+    tokenflowd sim --preset rtx4090-llama3-8b --workload poisson:2 --num-prompts 80 --lengths SL \\
+                   --reading-rate 15:0.4,20:0.6 --policy tokenflow --seed 1 --out result.json
+    tokenflowd sim --preset calibrated:cpu.json --workload trace --time-scale 0.1 --num-prompts 200
+    tokenflowd calibrate --out cpu.json --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from tokenflowd.config import PolicyConfig, parse_size
+
+
+def add_commands(sub, common: argparse.ArgumentParser) -> None:
+    from tokenflowd.cli import _engine_args, _policy_args
+    from tokenflowd.sim.cost import PRESETS
+    from tokenflowd.sim.scenarios import SCENARIOS
+
+    s = sub.add_parser("sim", parents=[common], help="simulate the scheduler and a policy on a virtual clock",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--scenario", choices=SCENARIOS,
+                   help="a canned setup: fig6 (TokenFlow Fig. 6) or a Table 1 setup; workload flags override it")
+    s.add_argument("--preset", help=f"cost model: {', '.join(PRESETS)} or calibrated:FILE.json (default h200-llama3-8b)")
+    s.add_argument("--cost-model", metavar="FILE.json", help="a cost model file from `tokenflowd calibrate`")
+    s.add_argument("--policy", default="fcfs", help="a policy, several (fcfs,tokenflow) or all, run on the same workload")
+    s.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    s.add_argument("--out", help="write the result as JSON here")
+    w = s.add_argument_group("workload (defaults: burst of 100 SL requests reading at 20 tokens/s)")
+    w.add_argument("--workload", help="burst[:N] | poisson:RATE | gamma:RATE:SHAPE | trace[:PATH] (rates in requests/s)")
+    w.add_argument("--num-prompts", "--burst-size", dest="num_prompts", type=int, help="number of requests")
+    w.add_argument("--lengths", help="SL | LL | sharegpt | normal:IN:SD:OUT:SD | lognormal:IN:SIGMA:OUT:SIGMA | fixed:IN:OUT")
+    w.add_argument("--output-scale", type=float, help="multiply output lengths (TokenFlow's H200 runs: 2)")
+    w.add_argument("--reading-rate", help="tokens/s, one rate (20) or a mix (15:0.4,20:0.6)")
+    w.add_argument("--trace", help="Mooncake conversation_trace.jsonl (default: the shared copy, if present)")
+    w.add_argument("--time-scale", type=float, help="trace arrivals × this (below 1 replays faster)")
+    w.add_argument("--max-prompt-len", type=int, help="truncate longer trace prompts to this many tokens")
+    e = s.add_argument_group("engine limits (override the cost model's)")
+    e.add_argument("--kv-memory", help="KV pool size, e.g. 4GiB")
+    e.add_argument("--max-num-seqs", type=int)
+    e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument("--page-size", type=int)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--max-steps", type=int, help="fail beyond this many steps (default: from the workload)")
+    _policy_args(s)
+    s.set_defaults(func=cmd_sim)
+
+    c = sub.add_parser("calibrate", parents=[common], help="time our engine's steps and fit a cost model for `sim`")
+    c.add_argument("--out", required=True, help="the cost model file to write (load with --preset calibrated:FILE)")
+    c.add_argument("--batch-sizes", default="1,4,8", help="requests per run (default 1,4,8)")
+    c.add_argument("--context-lens", default="16,160", help="prompt lengths in tokens (default 16,160)")
+    c.add_argument("--decode-steps", type=int, default=5, help="output tokens per request (default 5)")
+    _engine_args(c)
+    c.set_defaults(func=cmd_calibrate)
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from tokenflowd.cli import engine_config
+    from tokenflowd.sim.calibrate import CalibrationPlan, calibrate
+    from tokenflowd.sim.cost import save_cost_model
+
+    plan = CalibrationPlan(_ints(a.batch_sizes, "--batch-sizes"), _ints(a.context_lens, "--context-lens"),
+                           a.decode_steps)
+    model, record = calibrate(engine_config(a), plan)
+    save_cost_model(model, a.out, record)
+    print(f"wrote {a.out}: overhead {model.step_overhead * 1e3:.2f} ms, {model.peak_flops:.3g} FLOP/s, "
+          f"{model.mem_bandwidth:.3g} B/s, overlap {model.overlap:.1f}, "
+          f"mean relative error {100 * record['mean_relative_error']:.1f}% over {record['num_steps']} steps")
+    return 0
+
+
+def _policy_params(a: argparse.Namespace, base: PolicyConfig) -> PolicyConfig:
+    from tokenflowd.cli import _POLICY_FLAGS
+
+    given = {f: getattr(a, f) for f in _POLICY_FLAGS if getattr(a, f, None) is not None}
+    return dataclasses.replace(base, **given)
+
+
+def _workload_overrides(a: argparse.Namespace) -> dict:
+    from tokenflowd.sim.workload import parse_lengths, parse_reading_rates
+
+    kw = {}
+    if a.num_prompts is not None:
+        kw["num_requests"] = a.num_prompts
+    if a.lengths is not None:
+        kw["lengths"] = parse_lengths(a.lengths)
+    if a.reading_rate is not None:
+        kw["reading_rates"] = parse_reading_rates(a.reading_rate)
+    for flag in ("output_scale", "trace", "time_scale", "max_prompt_len"):
+        if getattr(a, flag) is not None:
+            kw[flag] = getattr(a, flag)
+    return kw
+
+
+def _cost_overrides(a: argparse.Namespace) -> dict:
+    kw = {}
+    if a.kv_memory is not None:
+        kw["kv_memory"] = parse_size(a.kv_memory)
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        if getattr(a, flag) is not None:
+            kw[flag] = getattr(a, flag)
+    return kw
+
+
+def _policies(spec: str) -> list[str]:
+    from tokenflowd.buffer import POLICIES
+
+    names = list(POLICIES) if spec == "all" else [p.strip() for p in spec.split(",") if p.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or not names:
+        raise ValueError(f"unknown policy {', '.join(unknown) or spec!r}; choose from {', '.join(POLICIES)} or all")
+    return names
+
+
+def cmd_sim(a: argparse.Namespace) -> int:
+    from tokenflowd.sim.cost import cost_model
+    from tokenflowd.sim.result import dumps, format_table
+    from tokenflowd.sim.run import run_simulation
+    from tokenflowd.sim.scenarios import Scenario, scenario
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload
+
+    policies = _policies(a.policy)
+    overrides = _workload_overrides(a)
+    if a.preset and a.cost_model:
+        raise ValueError("give --preset or --cost-model, not both")
+    if a.scenario:
+        if a.workload:
+            raise ValueError("--workload and --scenario both set the arrivals: drop one")
+        sc = scenario(a.scenario, a.seed, **overrides)
+        sc = dataclasses.replace(sc, policy_params=_policy_params(a, sc.policy_params))
+        if a.preset or a.cost_model:
+            sc = dataclasses.replace(sc, cost=cost_model(a.cost_model or a.preset))
+    else:
+        spec = WorkloadSpec.parse(a.workload or "burst", seed=a.seed, **overrides)
+        sc = Scenario("custom", "", cost_model(a.cost_model or a.preset or "h200-llama3-8b"),
+                      tuple(build_workload(spec)), _policy_params(a, PolicyConfig()), spec)
+    sc = dataclasses.replace(sc, cost=sc.cost.replace(**_cost_overrides(a)))
+    docs = {}
+    for name in policies:
+        t0 = time.perf_counter()
+        result, doc = run_simulation(sc, name, seed=a.seed, enable_prefix_caching=not a.no_prefix_caching,
+                                     max_steps=a.max_steps)
+        print(f"[sim] {sc.name} {name}: {result.num_steps} steps, {result.makespan:.1f} virtual s, "
+              f"{time.perf_counter() - t0:.1f} s wall", file=sys.stderr)
+        docs[name] = doc
+    print(format_table({n: d["summary"] for n, d in docs.items()}))
+    if a.out:
+        out = docs[policies[0]] if len(policies) == 1 else {"runs": docs}
+        with open(a.out, "w") as f:
+            f.write(dumps(out))
+    return 0

@@ -1,0 +1,200 @@
+"""The discrete-event simulator: the real Scheduler, KV manager, page pool and policy, driven on a
+virtual clock through an executor whose step times come from a cost model.
+
+One step, as EngineCore.step runs it (engine/core.py):
+
+    admit arrivals with arrival_time <= now      scheduler.add(Request(..., arrival_time=t))
+    batch = scheduler.schedule()                 the view is taken at `now` (the step's start)
+    dt = cost(batch); now += dt                  the step's tokens exist from its end
+    scheduler.update(batch, sampled)             buffers see each token at `now`
+    scheduler.observe_step(batch, dt)            the live step-time model the policies read
+
+When nothing is unfinished the clock jumps to the next arrival. A request ends at its workload
+output length (max_tokens = output_len, ignore_eos). Arrivals during a step join at its end, as
+they would join a real engine's queue between steps.
+
+Per step the loop outside the scheduler does O(batch) work; nothing here walks all requests.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tokenflowd.buffer.policy import SchedulingPolicy
+from tokenflowd.engine.kv_manager import KVCacheManager
+from tokenflowd.engine.page_pool import PagePool
+from tokenflowd.engine.request import Request, SamplingParams
+from tokenflowd.engine.scheduler import Scheduler
+from tokenflowd.sim.cost import CostModel
+from tokenflowd.sim.executor import CostModelExecutor
+from tokenflowd.sim.workload import WorkloadRequest, prompt_token_ids
+
+SIM_VOCAB_SIZE = 32_000  # prompt token ids are drawn below it; the cost model does not care which
+IDLE_LIMIT = 120.0  # virtual s a policy may schedule nothing while requests wait and none arrives
+
+
+class SimulationError(RuntimeError):
+    """The run cannot finish: a livelock, a policy that stopped scheduling, or leaked pages."""
+
+
+class VirtualClock:
+    """The scheduler's clock in the simulator: the time the loop set, never the wall clock."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's life in virtual seconds. Its device intervals are
+    [admit, p1), [r1, p2), ..., [rk, finish): preempt_times[i] ends one, resume_times[i] starts the next."""
+
+    request_id: str
+    arrival: float
+    reading_rate: float
+    prompt_len: int
+    output_len: int
+    token_times: list[float] = field(default_factory=list)  # each sampled token at its step's end
+    admit_time: float | None = None
+    preempt_times: list[float] = field(default_factory=list)
+    resume_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at the first admission
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    def running_intervals(self) -> list[tuple[float, float]]:
+        if self.admit_time is None:
+            return []
+        starts = [self.admit_time, *self.resume_times]
+        ends = [*self.preempt_times, self.finish_time]
+        return [(s, e) for s, e in zip(starts, ends) if e is not None]
+
+
+@dataclass(slots=True)
+class SimResult:
+    records: list[RequestRecord]  # in workload order
+    num_steps: int
+    num_preemptions: int
+    computed_tokens: int  # tokens computed over all steps, recomputation included
+    makespan: float  # virtual s from t = 0 to the last token
+    policy: str
+
+
+class Simulator:
+    def __init__(self, cost: CostModel, workload: Sequence[WorkloadRequest], policy: SchedulingPolicy, *,
+                 enable_prefix_caching: bool = True, max_steps: int | None = None,
+                 max_steps_without_token: int = 100_000) -> None:
+        self.cost = cost
+        self.workload = sorted(workload, key=lambda r: r.arrival_time)  # stable: ties keep workload order
+        self._check_fits()
+        self.clock = VirtualClock()
+        self.pool = PagePool(cost.num_pages, enable_prefix_caching)
+        self.scheduler = Scheduler(KVCacheManager(self.pool, cost.page_size), policy, cost.max_num_batched_tokens,
+                                   cost.max_num_seqs, clock=self.clock)
+        self.executor = CostModelExecutor(cost)
+        # Enough for every token in its own step and every prompt re-run a few times; a run that
+        # needs more is stuck, and says so instead of running for hours.
+        self.max_steps = max_steps or 10 * sum(r.output_len + r.prompt_len // cost.max_num_batched_tokens + 1
+                                               for r in self.workload) + 10_000
+        self.max_steps_without_token = max_steps_without_token
+        self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time, r.reading_rate, r.prompt_len,
+                                                    r.output_len) for r in workload}
+        if len(self.records) != len(workload):
+            raise ValueError("workload request ids must be unique")
+
+    def _check_fits(self) -> None:
+        room = self.cost.max_tokens_in_pool
+        for r in self.workload:
+            if r.prompt_len + r.output_len > room:
+                raise ValueError(
+                    f"request {r.request_id} needs {r.prompt_len + r.output_len} tokens of KV but the "
+                    f"{self.cost.name} pool holds {room}: use a larger kv_memory, or cap prompts (--max-prompt-len)"
+                )
+
+    def _request(self, w: WorkloadRequest) -> Request:
+        req = Request(w.request_id, prompt_token_ids(w, SIM_VOCAB_SIZE),
+                      SamplingParams(max_tokens=w.output_len, ignore_eos=True),
+                      arrival_time=w.arrival_time, reading_rate=w.reading_rate)
+        req.max_model_len = w.prompt_len + w.output_len
+        return req
+
+    def run(self) -> SimResult:
+        clock, sched, execu, records = self.clock, self.scheduler, self.executor, self.records
+        pending = deque(self.workload)
+        on_device: set[str] = set()  # ids the loop has seen start running and not stop (membership only)
+        steps = computed = steps_since_token = 0
+        idle_since: float | None = None
+        while pending or sched.has_unfinished():
+            while pending and pending[0].arrival_time <= clock.now:
+                sched.add(self._request(pending.popleft()))
+            if not sched.has_unfinished():
+                clock.now = pending[0].arrival_time  # idle: jump to the next arrival
+                continue
+            start = clock.now
+            batch = sched.schedule()
+            for req in batch.preempted:
+                records[req.request_id].preempt_times.append(start)
+                on_device.discard(req.request_id)
+            if not batch.requests:
+                # The policy ran nothing: let virtual time pass (buffers drain, the interval
+                # elapses) up to the next arrival, and give up if that never ends.
+                idle_since = start if idle_since is None else idle_since
+                if start - idle_since > IDLE_LIMIT:
+                    raise SimulationError(
+                        f"policy {sched.policy.name} scheduled nothing for {IDLE_LIMIT:g} virtual s at t={start:.3f} "
+                        f"with {len(sched.running)} running and {len(sched.waiting)} waiting requests"
+                    )
+                tick = max(self.cost.step_overhead, 1e-3)
+                clock.now = min(start + tick, pending[0].arrival_time) if pending else start + tick
+                continue
+            idle_since = None
+            for req in batch.requests:
+                if req.request_id not in on_device:
+                    on_device.add(req.request_id)
+                    rec = records[req.request_id]
+                    if rec.admit_time is None:
+                        rec.admit_time = start
+                        rec.num_cached_tokens = req.num_cached_tokens
+                    else:
+                        rec.resume_times.append(start)
+            dt = execu.step_time(batch)
+            sampled = execu.execute(batch)
+            clock.now = start + dt
+            finished = sched.update(batch, sampled)
+            sched.observe_step(batch, dt)
+            computed += batch.total_tokens
+            now = clock.now
+            steps_since_token += 1
+            for req, token in zip(batch.requests, sampled):
+                if token is not None:
+                    records[req.request_id].token_times.append(now)
+                    steps_since_token = 0
+            for req in finished:
+                records[req.request_id].finish_time = now
+                on_device.discard(req.request_id)
+            steps += 1
+            if steps >= self.max_steps or steps_since_token >= self.max_steps_without_token:
+                raise SimulationError(
+                    f"policy {sched.policy.name}: {steps} steps by t={now:.3f} ({steps_since_token} without a "
+                    f"new token), {len(sched.running)} running and {len(sched.waiting)} waiting requests: a livelock"
+                )
+        self._check_end()
+        ordered = [records[w.request_id] for w in self.workload]
+        makespan = max((r.token_times[-1] for r in ordered if r.token_times), default=0.0)
+        return SimResult(ordered, steps, sched.num_preemptions, computed, makespan, sched.policy.name)
+
+    def _check_end(self) -> None:
+        if self.pool.num_used:
+            raise SimulationError(f"{self.pool.num_used} KV pages still held after every request finished")
+        short = [r.request_id for r in self.records.values() if len(r.token_times) != r.output_len]
+        if short:
+            raise SimulationError(f"requests {', '.join(short[:5])} ended without their output length of tokens")
