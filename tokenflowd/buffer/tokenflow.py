@@ -46,6 +46,10 @@ if TYPE_CHECKING:
     from tokenflowd.config import PolicyConfig
 
 
+# Swap tiers of the working set (TokenFlowPolicy._tiers), in the order the greedy fill takes them.
+PINNED_RUNNING, URGENT, SAFE_RUNNING, RESTING = 0, 1, 2, 3
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """What a balancing pass chose: the requests that hold the device until the next pass."""
@@ -65,6 +69,7 @@ class _WorkingSet:
     num_running: int
     num_tokens: np.ndarray  # int64
     rate: np.ndarray  # tokens/s its client reads
+    buffer: np.ndarray  # tokens its client holds unread now
     b_pred: np.ndarray  # tokens buffered once its overhead has passed: b − r·overhead, ≥ 0
     overhead: np.ndarray  # s before it produces again: 0 running, else min(t_IO, t_recompute)
     expected: np.ndarray  # output tokens it is expected to produce in all
@@ -151,13 +156,16 @@ class TokenFlowPolicy(SchedulingPolicy):
             chosen = self._fill(order, pages, capacity, view.max_num_seqs)
             return Decision(tuple(reqs[i].request_id for i in chosen), self._reloads(ws, chosen), fallback=True)
 
-        # 3. Buffer balancing inside W: greedy by utility, then adjacent swaps. Ties keep W's
-        # order (running first: no swap for nothing).
+        # 3. Buffer balancing inside W: greedy by utility within swap tiers, then adjacent swaps
+        # inside a tier. A swap costs a recompute (or a reload), so it happens only where a buffer
+        # asks for it: a preempted request displaces a running one only once its own buffer is
+        # down to μ× its way back, and only a running one whose buffer outlasts its time away.
         u = self._utility(ws, g)
         utility = u.tolist()
-        order = np.argsort(-u, kind="stable").tolist()
+        tier, admission_victim = self._tiers(ws, view.cost, t)
+        order = np.lexsort((-u, tier)).tolist()
         chosen = self._fill(order, pages, capacity, view.max_num_seqs)
-        chosen = self._local_search(order, chosen, pages, utility, capacity, view.max_num_seqs)
+        chosen = self._local_search(order, chosen, pages, utility, capacity, view.max_num_seqs, tier.tolist())
 
         # 4. Admission of new requests into the working set (eq. 4–5 and the buffer rule).
         used = sum(pages[i] for i in chosen)
@@ -178,7 +186,7 @@ class TokenFlowPolicy(SchedulingPolicy):
                 if num_displaced == len(victims):
                     break
                 v = victims[num_displaced]
-                if not self._safe_to_displace(reqs[v], view.cost, t):
+                if not admission_victim[v]:
                     break
                 num_displaced += 1
                 used -= pages[v]
@@ -215,7 +223,24 @@ class TokenFlowPolicy(SchedulingPolicy):
                         overhead[i] = t_io
                         reloaded[i] = True
         b_pred = np.maximum(buffer - rate * overhead, 0.0)
-        return _WorkingSet(reqs, nr, num_tokens, rate, b_pred, overhead, expected, reloaded)
+        return _WorkingSet(reqs, nr, num_tokens, rate, buffer, b_pred, overhead, expected, reloaded)
+
+    def _tiers(self, ws: _WorkingSet, cost, interval: float) -> tuple[np.ndarray, np.ndarray]:
+        """The swap tier of each request in W (lower goes first in the greedy fill), and which
+        running ones a *new* request may displace (§4.2.1's rule, μ× the time away):
+            PINNED_RUNNING  running, its buffer would not last the shortest time away (its
+                            recompute or reload plus one pass): must stay
+            URGENT          preempted, its buffer down to μ× its way back plus a pass: must return
+            SAFE_RUNNING    running, its buffer outlasts a swap: may make way for an urgent one
+            RESTING         preempted with buffer to spare: only free room takes it"""
+        mu = self.params.buffer_conservativeness
+        running = np.arange(len(ws.reqs)) < ws.num_running
+        seconds = ws.buffer / ws.rate
+        away = cost.recompute_time(1) * ws.num_tokens + interval  # a running request's time away if preempted now
+        back = ws.overhead + interval  # a preempted request's way back (io or recompute) plus a pass
+        tier = np.where(running, np.where(seconds >= away, SAFE_RUNNING, PINNED_RUNNING),
+                        np.where(seconds <= mu * back, URGENT, RESTING))
+        return tier, running & (seconds >= mu * away)
 
     def _utility(self, ws: _WorkingSet, g: float) -> np.ndarray:
         """U = v·(t − overhead) + γ·e^(−b_pred / r), with v = g·w(b_pred) (the §7.1.3 weight)."""
@@ -237,11 +262,12 @@ class TokenFlowPolicy(SchedulingPolicy):
 
     @staticmethod
     def _local_search(order: list[int], chosen: list[int], pages: list[int], utility: list[float], capacity: int,
-                      max_seqs: int) -> list[int]:
+                      max_seqs: int, tier: list[int] | None = None) -> list[int]:
         """Adjacent swaps in priority order: at each boundary of the greedy choice (a chosen
         candidate followed by one left out), replace the chosen one by the next when the pages
         that frees let a further candidate in and the utility of the choice rises. Every accepted
-        swap keeps Σ pages ≤ capacity and the batch ≤ max_seqs. One pass, over the boundaries only."""
+        swap keeps Σ pages ≤ capacity and the batch ≤ max_seqs. One pass, over the boundaries only;
+        with `tier`, only between candidates of one tier."""
         in_set = set(chosen)
         used = sum(pages[i] for i in chosen)
         order = list(order)
@@ -253,8 +279,11 @@ class TokenFlowPolicy(SchedulingPolicy):
             a, b = order[k], order[k + 1]
             if a not in in_set or b in in_set or pages[b] >= pages[a] or len(in_set) + 1 > max_seqs:
                 continue
+            if tier is not None and tier[a] != tier[b]:
+                continue  # swaps stay inside a tier: never drop a pinned request, never promote a resting one
             room = capacity - used + pages[a] - pages[b]
-            extra = next((c for c in order[k + 2:] if c not in in_set and pages[c] <= room), None)
+            extra = next((c for c in order[k + 2:] if c not in in_set and pages[c] <= room
+                          and (tier is None or tier[c] == tier[a])), None)
             if extra is None or utility[b] + utility[extra] <= utility[a]:
                 continue
             in_set ^= {a, b, extra}
@@ -274,11 +303,6 @@ class TokenFlowPolicy(SchedulingPolicy):
         if n_running < w_static:  # eq. 5, rounded up so that an idle engine admits at least one
             return math.ceil(w_static - self.params.working_set_lambda * (w_static - n_running))
         return w_static
-
-    def _safe_to_displace(self, r: RequestView, cost, interval: float) -> bool:
-        """§4.2.1: its buffer covers μ× the time it is away: evict + load (or recompute) + one pass."""
-        away = cost.recompute_time(r.num_tokens) + interval
-        return r.buffer >= self.params.buffer_conservativeness * r.reading_rate * away
 
     @staticmethod
     def _reloads(ws: _WorkingSet, chosen: list[int]) -> tuple[str, ...]:
