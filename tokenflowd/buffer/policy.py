@@ -32,6 +32,7 @@ class RequestView:
     num_output_tokens: int = 0
     max_output_tokens: int | None = None  # the most it may generate in all (None: to the context)
     io_time: float | None = None  # waiting: s to bring its KV back from the host tier; None: no host copy
+    host_tokens: int = 0  # waiting: leading tokens whose KV the host tier holds (a reload restores them)
 
     @property
     def started(self) -> bool:

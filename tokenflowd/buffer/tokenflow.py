@@ -124,11 +124,14 @@ class TokenFlowPolicy(SchedulingPolicy):
         preempted = tuple(r.request_id for r in view.running if r.request_id not in chosen)
         freed = sum(r.pages_freed for r in view.running if r.request_id not in chosen)
         by_id = {r.request_id: r for r in view.waiting}
-        admit = tuple(by_id[rid] for rid in decision.run if rid in by_id)
+        reload = set(decision.reload)
+        # A reloaded request arrives with its host tokens computed: FCFS sees only what is left.
+        admit = tuple(replace(by_id[rid], num_computed_tokens=max(by_id[rid].num_computed_tokens, by_id[rid].host_tokens))
+                      if rid in reload else by_id[rid] for rid in decision.run if rid in by_id)
         sub = replace(view, running=kept, waiting=admit, free_pages=view.free_pages + freed)
         plan = self._fcfs.plan(sub)
-        reload = tuple(rid for rid in decision.reload if any(rid == s for s, _ in plan.scheduled))
-        return Plan(plan.scheduled, preempted + plan.preempted, reload)
+        scheduled = {rid for rid, _ in plan.scheduled}
+        return Plan(plan.scheduled, preempted + plan.preempted, tuple(r for r in decision.reload if r in scheduled))
 
     # -- the balancing pass ---------------------------------------------------------------------
     def balance(self, view: SchedulerView) -> Decision:
