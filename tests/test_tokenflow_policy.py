@@ -88,7 +88,7 @@ def test_utility_order_by_seconds_of_buffer_and_token_value():
 
 
 def test_schedulability_fallback_is_fcfs_over_the_working_set():
-    # Γ = 2 slots · 40 tok/s = 80 < Σ r = 45 + 30 + 25: arrival order, nothing new admitted
+    # Γ = 2 slots · 40 tok/s = 80 < Σ r = 45 + 30 + 25: arrival order; the new request finds no slot
     v = view([running("late", 2.0, 0.0, 30), running("early", 0.0, 50.0, 45)],
              [preempted("mid", 1.0, 0.0, 25), new("n", 3.0)], now=4.0)
     pol = TokenFlowPolicy(PARAMS)
@@ -97,6 +97,19 @@ def test_schedulability_fallback_is_fcfs_over_the_working_set():
     assert d.run == ("early", "mid")
     plan = pol.plan(v)
     assert plan.preempted == ("late",) and "n" not in dict(plan.scheduled)
+
+
+def test_fallback_admits_new_requests_only_into_room_left_over():
+    # Four slots at 40 tokens/s: Γ = 160 < Σ r = 60 + 60 + 50 over W, so W runs by arrival and the
+    # new request takes the slot left over; with three slots it waits and no one is displaced for it.
+    def v(slots):
+        return view([running("a", 0.0, 0.0, 60), running("b", 1.0, 0.0, 60)],
+                    [preempted("c", 0.5, 0.0, 50), new("n", 3.0)], free=100, max_num_seqs=slots, now=4.0)
+
+    d = TokenFlowPolicy(PARAMS).balance(v(4))
+    assert d.fallback
+    assert d.run == ("a", "c", "b", "n")
+    assert TokenFlowPolicy(PARAMS).balance(v(3)).run == ("a", "c", "b")
 
 
 def test_reload_is_chosen_when_io_beats_recompute():

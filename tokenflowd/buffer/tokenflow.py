@@ -11,8 +11,8 @@ their first token) and the queue of new requests:
   1. Estimates: per-request decode rate g and capacity Γ at the batch the device holds, from the
      live step-time model (view.cost); the overhead of resuming a preempted request,
      min(t_IO, t_recompute) (§4.2.3), which also says whether it is reloaded or recomputed.
-  2. Schedulability (§4.3): if Σ_{i∈W} r_i > Γ, fall back to FCFS over W within device memory
-     and admit nothing new.
+  2. Schedulability (§4.3): if Σ_{i∈W} r_i > Γ, fall back to FCFS over W within device memory;
+     new requests enter only room left over (memory-aware admission), displacing no one.
   3. Buffer balancing in W (§4.2.2): utility
          U_i = v_i·(t − t_i^overhead) + γ·φ(b_i^pred),   φ(b) = e^(−b / r_i)
      with v_i = g·w(b_i^pred) (w: the §7.1.3 token weight, so tokens that would pile up beyond
@@ -151,13 +151,23 @@ class TokenFlowPolicy(SchedulingPolicy):
         growth = int(g * t) + 1  # tokens a chosen request adds over the interval
         pages = (-(-(ws.num_tokens + growth) // view.page_size)).tolist()  # held through the interval
 
-        # 2. Schedulability: Σ_{i∈W} r_i ≤ Γ, else FCFS over W within device memory, nothing new.
+        # 2. Schedulability: Σ_{i∈W} r_i ≤ Γ, else FCFS with memory-aware admission (§4.3): W by
+        # arrival within device memory, then new requests only into room left over, displacing no one.
         load = float(ws.rate.sum())
         if load > gamma_cap:
             priority = np.array([r.priority for r in reqs])
             order = np.lexsort((np.array([r.arrival_time for r in reqs]), -priority)).tolist()
             chosen = self._fill(order, pages, capacity, view.max_num_seqs)
-            return Decision(tuple(reqs[i].request_id for i in chosen), self._reloads(ws, chosen), fallback=True)
+            room = capacity - sum(pages[i] for i in chosen)
+            admitted = []
+            for r in new:
+                need = cdiv(r.num_tokens + growth, view.page_size)
+                if need > room or len(chosen) + len(admitted) >= view.max_num_seqs:
+                    break
+                admitted.append(r.request_id)
+                room -= need
+            run = tuple(reqs[i].request_id for i in chosen) + tuple(admitted)
+            return Decision(run, self._reloads(ws, chosen), fallback=True)
 
         # 3. Buffer balancing inside W: greedy by utility within swap tiers, then adjacent swaps
         # inside a tier. A swap costs a recompute (or a reload), so it happens only where a buffer
