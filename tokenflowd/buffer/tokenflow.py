@@ -176,7 +176,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         u = self._utility(ws, g)
         utility = u.tolist()
         tier, admission_victim = self._tiers(ws, view.cost, t)
-        order = np.lexsort((-u, tier)).tolist()
+        order = self._within_recompute_budget(np.lexsort((-u, tier)), ws, (1.0 - load / gamma_cap) * t)
         chosen = self._fill(order, pages, capacity, view.max_num_seqs)
         chosen = self._local_search(order, chosen, pages, utility, capacity, view.max_num_seqs, tier.tolist())
 
@@ -237,6 +237,18 @@ class TokenFlowPolicy(SchedulingPolicy):
                         reloaded[i] = True
         b_pred = np.maximum(buffer - rate * overhead, 0.0)
         return _WorkingSet(reqs, nr, num_tokens, rate, buffer, b_pred, overhead, expected, reloaded)
+
+    @staticmethod
+    def _within_recompute_budget(order: np.ndarray, ws: _WorkingSet, budget: float) -> list[int]:
+        """`order` without the preempted requests whose recompute would overrun `budget` seconds.
+
+        A recompute is work thrown away and redone; while it runs every decode in the batch
+        waits, buffers drain, and more requests turn urgent — a cascade. So one pass recomputes
+        at most what the capacity left over by the readers (1 − Σr/Γ of the interval) pays for;
+        reloads use the host link, not the compute, and are not counted."""
+        cost = np.where(ws.reloaded, 0.0, ws.overhead)[order]
+        over = np.cumsum(cost) > budget
+        return order[~(over & (cost > 0))].tolist()
 
     def _tiers(self, ws: _WorkingSet, cost, interval: float) -> tuple[np.ndarray, np.ndarray]:
         """The swap tier of each request in W (lower goes first in the greedy fill), and which
