@@ -47,6 +47,12 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--expected-output-len", type=int,
                    help="output tokens assumed for requests without max_tokens (default 1024)")
     q.add_argument("--andes-horizon", type=float, help="s Andes looks ahead (default 2)")
+    q.add_argument("--andes-interval", type=float, help="s between Andes' knapsack passes (default 0.5)")
+    q.add_argument("--andes-expected-ttft", type=float, help="s a reader expects to wait for a first token (default 1)")
+    q.add_argument("--andes-max-preempt-fraction", type=float,
+                   help="most of the batch one Andes pass may preempt (default 0.5)")
+    q.add_argument("--andes-memory-trigger", type=float,
+                   help="page use from which Andes chooses instead of FCFS (default 0.9)")
 
 
 # flag (argparse dest) -> EngineConfig.resolve keyword, for flags whose names differ
@@ -60,7 +66,8 @@ _ENGINE_FLAGS = {
 
 
 _POLICY_FLAGS = ("schedule_interval", "buffer_conservativeness", "stall_penalty", "working_set_lambda",
-                 "critical_buffer", "expected_output_len", "andes_horizon")
+                 "critical_buffer", "expected_output_len", "andes_horizon", "andes_interval", "andes_expected_ttft",
+                 "andes_max_preempt_fraction", "andes_memory_trigger")
 
 
 def engine_config(a: argparse.Namespace, file_values: dict | None = None,
