@@ -20,6 +20,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def denormals_on():
+    """A CPU ModelRunner flushes denormals to zero process-wide (an engine owns its process); in
+    the test process that outlives the engine, and hypothesis refuses to draw floats under it.
+    Modules that draw floats use this fixture (pytestmark) to turn them back on first."""
+    torch.set_flush_denormal(False)
+
+
 def make_hf_dir(path: Path, arch: str, seed: int = 0) -> Path:
     """Save a small random Llama- or Qwen2-shaped model as a Hugging Face directory, with the
     embedded model's tokenizer (ids line up: the vocab sizes agree)."""

@@ -11,6 +11,8 @@ import openai
 import pytest
 from daemon import Daemon
 
+pytestmark = pytest.mark.usefixtures("denormals_on")  # the fuzz draws floats in this process
+
 MODEL = "smollm2-135m"
 QUESTIONS = [
     "What is 2+2?", "Name a color.", "Say hello in French.", "What is the capital of Italy?",
