@@ -193,6 +193,8 @@ def test_plans_keep_the_seam_invariants(run_specs, wait_specs, free, budget, max
     for k, (n, frac, out, rate, age) in enumerate(wait_specs):
         waiting_views.append(RequestView(f"w{k}", now - age, n, 0, 0, reading_rate=rate,
                                          num_output_tokens=min(out, n - 1) if frac > 0.5 else 0))
+    running_views.sort(key=lambda r: (r.arrival_time, r.request_id))  # the view's order (SchedulerView)
+    waiting_views.sort(key=lambda r: (r.arrival_time, r.request_id))
     held = sum(r.pages_held for r in running_views)
     pol = AndesPolicy(PolicyConfig(andes_max_preempt_fraction=fraction, andes_interval=0.5))
     for dt in (0.0, 0.1):  # a pass, then a step that carries its decision out

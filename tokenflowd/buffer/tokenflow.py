@@ -245,9 +245,14 @@ class TokenFlowPolicy(SchedulingPolicy):
         A recompute is work thrown away and redone; while it runs every decode in the batch
         waits, buffers drain, and more requests turn urgent — a cascade. So one pass recomputes
         at most what the capacity left over by the readers (1 − Σr/Γ of the interval) pays for;
-        reloads use the host link, not the compute, and are not counted."""
+        reloads use the host link, not the compute, and are not counted. An idle device (nothing
+        running) stalls no decode by recomputing, so there the first recompute always goes ahead:
+        a pass never leaves the device idle with requests to serve."""
         cost = np.where(ws.reloaded, 0.0, ws.overhead)[order]
         over = np.cumsum(cost) > budget
+        costly = np.flatnonzero(cost > 0)
+        if ws.num_running == 0 and costly.size:
+            over[costly[0]] = False
         return order[~(over & (cost > 0))].tolist()
 
     def _tiers(self, ws: _WorkingSet, cost, interval: float) -> tuple[np.ndarray, np.ndarray]:
