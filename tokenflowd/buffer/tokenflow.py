@@ -176,7 +176,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         u = self._utility(ws, g)
         utility = u.tolist()
         tier, admission_victim = self._tiers(ws, view.cost, t)
-        order = self._within_recompute_budget(np.lexsort((-u, tier)), ws, (1.0 - load / gamma_cap) * t)
+        order = self._within_recompute_budget(np.lexsort((-u, tier)), ws, tier, (1.0 - load / gamma_cap) * t)
         chosen = self._fill(order, pages, capacity, view.max_num_seqs)
         chosen = self._local_search(order, chosen, pages, utility, capacity, view.max_num_seqs, tier.tolist())
 
@@ -239,16 +239,18 @@ class TokenFlowPolicy(SchedulingPolicy):
         return _WorkingSet(reqs, nr, num_tokens, rate, buffer, b_pred, overhead, expected, reloaded)
 
     @staticmethod
-    def _within_recompute_budget(order: np.ndarray, ws: _WorkingSet, budget: float) -> list[int]:
-        """`order` without the preempted requests whose recompute would overrun `budget` seconds.
+    def _within_recompute_budget(order: np.ndarray, ws: _WorkingSet, tier: np.ndarray, budget: float) -> list[int]:
+        """`order` without the urgent preempted requests whose recompute would overrun `budget` s.
 
-        A recompute is work thrown away and redone; while it runs every decode in the batch
-        waits, buffers drain, and more requests turn urgent — a cascade. So one pass recomputes
-        at most what the capacity left over by the readers (1 − Σr/Γ of the interval) pays for;
-        reloads use the host link, not the compute, and are not counted. An idle device (nothing
-        running) stalls no decode by recomputing, so there the first recompute always goes ahead:
-        a pass never leaves the device idle with requests to serve."""
-        cost = np.where(ws.reloaded, 0.0, ws.overhead)[order]
+        An urgent request comes back by displacing a running one: work thrown away and redone,
+        and while the recompute runs every decode in the batch waits, buffers drain, and more
+        requests turn urgent — a cascade. So one pass recomputes urgent requests for at most what
+        the capacity left over by the readers (1 − Σr/Γ of the interval) pays for. Resting ones
+        only take room nobody runs in (they come after every running request in `order`): their
+        recompute is owed anyway and idle room only delays it. Reloads use the host link, not the
+        compute, and are not counted. An idle device stalls no decode, so there the first
+        recompute always goes ahead: a pass never leaves the device idle with requests to serve."""
+        cost = np.where(ws.reloaded | (tier != URGENT), 0.0, ws.overhead)[order]
         over = np.cumsum(cost) > budget
         costly = np.flatnonzero(cost > 0)
         if ws.num_running == 0 and costly.size:
