@@ -18,11 +18,11 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, *args: str, start_timeout: float = 120.0) -> None:
+    def __init__(self, *args: str, start_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tokenflowd.cli", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.http = httpx.Client(base_url=self.base_url, timeout=60)
         self.wait_healthy(start_timeout)
 

@@ -123,7 +123,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 _SERVER_FLAGS = ("host", "port", "engines", "served_model_name", "default_reading_rate", "max_waiting_requests",
-                 "max_body_size", "runtime_dir")
+                 "max_body_size", "runtime_dir", "shutdown_timeout", "api_key_file")
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests waiting for their first token beyond which new ones get 429 (default 512)")
     v.add_argument("--max-body-size", help="largest request body, e.g. 4MiB (default); beyond: 413")
     v.add_argument("--runtime-dir", help="where the private socket directory is made (default: the temp dir)")
+    v.add_argument("--shutdown-timeout", type=float,
+                   help="s open streams may take to finish after SIGTERM before they end with an error (default 30)")
+    v.add_argument("--api-key-file", help="a file of API keys, one a line; with it (or TOKENFLOWD_API_KEY set) "
+                                          "/v1/* needs 'Authorization: Bearer KEY'")
     _engine_args(v)
     v.set_defaults(func=cmd_serve)
     from tokenflowd.sim.cli import add_commands as add_sim_commands

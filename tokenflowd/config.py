@@ -173,6 +173,8 @@ class ServerConfig:
     heartbeat_timeout: float = 30.0  # an engine silent this long is killed and restarted
     restart_backoff_max: float = 30.0  # seconds between restarts of an engine that keeps failing
     runtime_dir: str | None = None  # where the private 0700 socket directory is made; None: the temp dir
+    shutdown_timeout: float = 30.0  # s open streams may take to finish after SIGTERM
+    api_key_file: str | None = None  # one key a line; with TOKENFLOWD_API_KEY, /v1/* needs a key (else 401)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -185,6 +187,8 @@ class ServerConfig:
             raise ValueError("max_waiting_requests must be >= 1")
         if self.max_body_size < 1024:
             raise ValueError("max_body_size must be at least 1KiB")
+        if not 0 <= self.shutdown_timeout < float("inf"):
+            raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout}")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise ValueError("heartbeat_interval must be above 0 and below heartbeat_timeout")
 

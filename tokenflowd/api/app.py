@@ -23,6 +23,7 @@ from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenflowd.api import schema as s
+from tokenflowd.api.auth import auth_middleware, load_api_keys
 from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
 from tokenflowd.api.generation import Generation, Piece
 from tokenflowd.api.metrics import Metrics
@@ -284,7 +285,9 @@ class Front:
 
 
 def build_app(front: Front) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=front.config.max_body_size)
+    keys = load_api_keys(front.config.api_key_file)
+    app = web.Application(middlewares=[auth_middleware(keys), error_middleware],
+                          client_max_size=front.config.max_body_size)
     app[MAX_BODY_SIZE] = front.config.max_body_size
     app.router.add_post("/v1/chat/completions", front.chat_completions)
     app.router.add_post("/v1/completions", front.completions)

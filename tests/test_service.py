@@ -1,0 +1,201 @@
+"""The daemon as a systemd service: sd_notify on a test NOTIFY_SOCKET, API keys, and the SIGTERM
+drain (10 open streams finish, new requests and /health get 503, exit 0). One daemon, in order:
+the drain ends it."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from daemon import Daemon
+
+from tokenflowd.api.auth import key_matches, load_api_keys
+from tokenflowd.notify import Notifier
+
+MODEL = "smollm2-135m"
+KEYS = {"env": "k-env-1", "file": "k-file"}
+
+
+class NotifySocket:
+    """What systemd's end of NOTIFY_SOCKET sees: every datagram, with the time it came. A thread
+    reads as systemd does (a unix datagram queue holds only ~10 unread messages)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="tfd-notify-"))  # short: AF_UNIX paths are ≤ 107 bytes
+        self.path = str(self.dir / "notify")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.1)
+        self.messages: list[tuple[float, dict[str, str]]] = []
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while not self._closed:
+            try:
+                data = self.sock.recv(4096)
+            except (TimeoutError, OSError):
+                continue
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines())
+            self.messages.append((time.monotonic(), fields))
+
+    def poll(self) -> list[tuple[float, dict[str, str]]]:
+        return list(self.messages)
+
+    def wait_for(self, key: str, timeout: float = 30.0) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, fields in self.poll():
+                if key in fields:
+                    return t
+            time.sleep(0.05)
+        raise TimeoutError(f"no {key} in {[m for _, m in self.poll()][-5:]}")
+
+    def count(self, key: str) -> int:
+        return sum(key in fields for _, fields in self.poll())
+
+    def close(self) -> None:
+        self._closed = True
+        self._reader.join()
+        self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def notify():
+    n = NotifySocket()
+    yield n
+    n.close()
+
+
+@pytest.fixture(scope="module")
+def daemon(notify, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("keys") / "keys"
+    key_file.write_text(f"# keys of the test\n\n{KEYS['file']}\n")
+    d = Daemon("--dtype", "float32", "--kv-cache-memory", "64MiB", "--api-key-file", str(key_file),
+               "--shutdown-timeout", "60",
+               env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "200000", "TOKENFLOWD_API_KEY": f"{KEYS['env']},k2"})
+    yield d
+    d.stop()
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+# -- units --------------------------------------------------------------------------------------
+def test_api_keys_load_from_file_and_environment(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# comment\n a \n\nb\n")
+    assert load_api_keys(str(f), {"TOKENFLOWD_API_KEY": "c, d,"}) == (b"c", b"d", b"a", b"b")
+    assert load_api_keys(None, {}) == ()
+    with pytest.raises(ValueError, match="cannot read"):
+        load_api_keys(str(tmp_path / "missing"), {})
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        load_api_keys(str(tmp_path / "empty"), {})
+    assert key_matches(b"b", (b"a", b"b")) and not key_matches(b"x", (b"a", b"b")) and not key_matches(b"a", ())
+
+
+def test_notifier_without_socket_does_nothing_and_reads_the_watchdog_period():
+    n = Notifier({})
+    assert not n.enabled and n.watchdog_interval is None
+    n.ready("x")  # no socket: no error
+    assert Notifier({"NOTIFY_SOCKET": "@abstract", "WATCHDOG_USEC": "3000000"}).watchdog_interval == 1.5
+    assert Notifier({"NOTIFY_SOCKET": "@abstract"}).address == "\0abstract"
+    # another process's watchdog is not ours
+    assert Notifier({"NOTIFY_SOCKET": "/x", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"}).watchdog_interval is None
+
+
+# -- the real daemon ----------------------------------------------------------------------------
+def test_ready_after_an_engine_serves_then_watchdog_pings(daemon, notify):
+    ready_at = notify.wait_for("READY")
+    ready = [f for _, f in notify.poll() if "READY" in f][0]
+    assert ready["READY"] == "1" and "1/1 engines serving" in ready["STATUS"]
+    assert daemon.http.get("/health").status_code == 200
+    before = notify.count("WATCHDOG")
+    time.sleep(1.0)
+    pings = notify.count("WATCHDOG") - before
+    assert 5 <= pings <= 15  # every 0.1 s (half of WATCHDOG_USEC)
+    assert not any("STOPPING" in f for _, f in notify.poll())
+    assert ready_at > 0
+
+
+def test_api_keys_none_wrong_right(daemon):
+    http = daemon.http
+    r = http.get("/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+    assert r.headers["WWW-Authenticate"] == "Bearer"
+    r = http.get("/v1/models", headers=auth("wrong"))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = http.post("/v1/completions", headers=auth("wrong"), json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 401
+    for key in (KEYS["env"], "k2", KEYS["file"]):
+        r = http.get("/v1/models", headers=auth(key))
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
+    assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200  # probes stay open
+
+
+async def _stream(base_url: str, started: asyncio.Event, counter: list[int], n: int) -> tuple[int, str | None, bool]:
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": n, "ignore_eos": True, "stream": True,
+            "reading_rate": 10.0}
+    tokens, finish, done = 0, None, False
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
+        async with c.stream("POST", "/v1/completions", json=body, headers=auth(KEYS["env"])) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                if tokens == 0:
+                    counter[0] += 1
+                    if counter[0] == 10:
+                        started.set()
+                tokens += 1
+                finish = chunk["choices"][0]["finish_reason"] or finish
+    return tokens, finish, done
+
+
+def test_sigterm_drains_open_streams_then_exits_0(daemon, notify):
+    n = 40
+
+    async def scenario():
+        started, counter = asyncio.Event(), [0]
+        streams = [asyncio.create_task(_stream(daemon.base_url, started, counter, n)) for _ in range(10)]
+        await asyncio.wait_for(started.wait(), 60)
+        daemon.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(base_url=daemon.base_url, timeout=30) as c:
+            for _ in range(100):  # the signal lands within a few ms
+                h = await c.get("/health")
+                if h.status_code == 503:
+                    break
+                await asyncio.sleep(0.02)
+            assert h.status_code == 503 and h.json()["status"] == "draining"
+            r = await c.post("/v1/completions", headers=auth(KEYS["env"]),
+                             json={"model": MODEL, "prompt": "late", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+            assert "draining" in r.json()["error"]["message"] and r.headers["Retry-After"] == "1"
+        results = await asyncio.gather(*streams)
+        return results, time.monotonic() - t0
+
+    results, drain = asyncio.run(scenario())
+    assert all(r[0] >= n - 1 and r[1] == "length" and r[2] for r in results), results  # every stream complete
+    assert daemon.proc.wait(60) == 0
+    notify.wait_for("STOPPING")
+    stopping = [f for _, f in notify.poll() if "STOPPING" in f][0]
+    assert "draining 10 open stream(s)" in stopping["STATUS"]
+    print(f"drain with 10 open streams of {n} tokens: {drain:.2f} s to the last stream's end")
