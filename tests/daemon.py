@@ -18,13 +18,17 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, *args: str, start_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, start_timeout: float = 120.0, env: dict[str, str] | None = None,
+                 log_path: str | None = None, wait: bool = True) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tokenflowd.cli", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.log = open(log_path, "w") if log_path else None  # its stdout and stderr; None: inherited
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
         self.http = httpx.Client(base_url=self.base_url, timeout=60)
-        self.wait_healthy(start_timeout)
+        if wait:
+            self.wait_healthy(start_timeout)
 
     def wait_healthy(self, timeout: float = 120.0) -> dict:
         deadline = time.monotonic() + timeout
@@ -77,4 +81,6 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.log:
+            self.log.close()
         return self.proc.returncode

@@ -77,12 +77,30 @@ def notify():
     n.close()
 
 
+CONFIG = """
+[server]
+log_level = "INFO"
+[engine]
+policy = "tokenflow"
+[policy]
+schedule_interval = {interval}
+"""
+
+
 @pytest.fixture(scope="module")
-def daemon(notify, tmp_path_factory):
+def config_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("etc") / "tokenflowd.toml"
+    path.write_text(CONFIG.format(interval=0.5))
+    return path
+
+
+@pytest.fixture(scope="module")
+def daemon(notify, config_file, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys"
     key_file.write_text(f"# keys of the test\n\n{KEYS['file']}\n")
-    d = Daemon("--dtype", "float32", "--kv-cache-memory", "64MiB", "--api-key-file", str(key_file),
-               "--shutdown-timeout", "60",
+    d = Daemon("--config", str(config_file), "--dtype", "float32", "--kv-cache-memory", "64MiB",
+               "--api-key-file", str(key_file), "--shutdown-timeout", "60",
+               log_path=str(tmp_path_factory.mktemp("log") / "daemon.log"),
                env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "200000", "TOKENFLOWD_API_KEY": f"{KEYS['env']},k2"})
     yield d
     d.stop()
@@ -117,6 +135,35 @@ def test_notifier_without_socket_does_nothing_and_reads_the_watchdog_period():
 
 
 # -- the real daemon ----------------------------------------------------------------------------
+def test_an_engine_that_dies_at_start_is_retried_with_backoff_and_reported(tmp_path):
+    notify = NotifySocket()
+    # 1 KiB of KV cache holds no page: the engine loads the model, then exits with an error
+    d = Daemon("--kv-cache-memory", "1KiB", "--dtype", "float32", env={"NOTIFY_SOCKET": notify.path}, wait=False)
+    try:
+        deadline = time.monotonic() + 90
+        health = {}
+        while time.monotonic() < deadline:
+            try:
+                r = d.http.get("/health")
+                health = r.json()
+                if health["engines"][0]["consecutive_failures"] >= 2:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        engine = health["engines"][0]
+        assert r.status_code == 503 and health["status"] == "unhealthy"
+        assert engine["consecutive_failures"] >= 2 and engine["restarts"] >= 1
+        assert "exited with code 1" in engine["last_failure"]
+        assert d.proc.poll() is None  # it keeps trying, with backoff, and says so
+        statuses = [f["STATUS"] for _, f in notify.poll() if "STATUS" in f]
+        assert any("engine 0 restarting" in s and "exited with code 1" in s for s in statuses), statuses
+        assert not any("READY" in f for _, f in notify.poll())
+    finally:
+        assert d.stop() == 0
+        notify.close()
+
+
 def test_ready_after_an_engine_serves_then_watchdog_pings(daemon, notify):
     ready_at = notify.wait_for("READY")
     ready = [f for _, f in notify.poll() if "READY" in f][0]
@@ -143,6 +190,27 @@ def test_api_keys_none_wrong_right(daemon):
         r = http.get("/v1/models", headers=auth(key))
         assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
     assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200  # probes stay open
+
+
+def test_sighup_reloads_policy_parameters_and_refuses_a_bad_file(daemon, notify, config_file):
+    def params():
+        return daemon.health()["engines"][0]["policy_params"]
+
+    assert params()["schedule_interval"] == 0.5 and daemon.health()["engines"][0]["policy"] == "tokenflow"
+    config_file.write_text(CONFIG.format(interval=0.9).replace('"INFO"', '"DEBUG"'))
+    daemon.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while params()["schedule_interval"] != 0.9 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert params()["schedule_interval"] == 0.9  # the engine reports what it now schedules with
+    notify.wait_for("RELOADING", timeout=5)
+    # A file that does not validate changes nothing, and the daemon serves on.
+    config_file.write_text(CONFIG.format(interval=-1))
+    daemon.proc.send_signal(signal.SIGHUP)
+    time.sleep(0.5)
+    assert daemon.proc.poll() is None and daemon.http.get("/health").status_code == 200
+    assert params()["schedule_interval"] == 0.9
+    assert any("reload failed" in f.get("STATUS", "") for _, f in notify.poll())
 
 
 async def _stream(base_url: str, started: asyncio.Event, counter: list[int], n: int) -> tuple[int, str | None, bool]:
@@ -198,4 +266,12 @@ def test_sigterm_drains_open_streams_then_exits_0(daemon, notify):
     notify.wait_for("STOPPING")
     stopping = [f for _, f in notify.poll() if "STOPPING" in f][0]
     assert "draining 10 open stream(s)" in stopping["STATUS"]
+    # one structured line a request on stdout
+    lines = [ln for ln in Path(daemon.log.name).read_text().splitlines() if "tokenflowd.requests: request " in ln]
+    fields = [dict(kv.split("=", 1) for kv in ln.split("request ", 1)[1].split()) for ln in lines]
+    drained = [f for f in fields if f["outcome"] == "length" and f["output_tokens"] == str(n)]
+    assert len(drained) == 10, lines[-12:]
+    for f in drained:
+        assert float(f["reading_rate"]) == 10.0 and float(f["ttft"]) > 0 and f["preemptions"] == "0"
+        assert f["engine"] == "0" and int(f["prompt_tokens"]) > 0
     print(f"drain with 10 open streams of {n} tokens: {drain:.2f} s to the last stream's end")

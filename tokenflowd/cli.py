@@ -123,20 +123,47 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 _SERVER_FLAGS = ("host", "port", "engines", "served_model_name", "default_reading_rate", "max_waiting_requests",
-                 "max_body_size", "runtime_dir", "shutdown_timeout", "api_key_file")
+                 "max_body_size", "runtime_dir", "shutdown_timeout", "api_key_file", "log_level")
+
+
+def serve_configs(a: argparse.Namespace, environ: dict[str, str] | None = None):
+    """(ServerConfig, EngineConfig) from the config file, then TOKENFLOWD_* variables, then the
+    flags given: each later source wins, key by key."""
+    import os
+
+    from tokenflowd.config import ServerConfig, env_config, load_config_file, merge_sources, parse_size
+
+    file = load_config_file(a.config) if getattr(a, "config", None) else {}
+    merged = merge_sources(file, env_config(os.environ if environ is None else environ))
+    server_kw = dict(merged["server"])
+    for flag in _SERVER_FLAGS:
+        value = getattr(a, flag, None)
+        if value is not None:
+            server_kw[flag] = parse_size(value) if flag == "max_body_size" else value
+    return ServerConfig(**server_kw), engine_config(a, merged["engine"], merged["policy"])
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from tokenflowd.config import ServerConfig, load_config_file, parse_size
+    server, engine = serve_configs(a)
+    if a.print_config:
+        from tokenflowd.config import config_toml
+
+        print(config_toml(server, engine), end="")
+        return 0
     from tokenflowd.serve import serve
 
-    file = load_config_file(a.config) if a.config else {"server": {}, "engine": {}, "policy": {}}
-    server_kw = dict(file["server"])
-    for flag in _SERVER_FLAGS:
-        value = getattr(a, flag)
-        if value is not None:
-            server_kw[flag] = parse_size(value) if flag == "max_body_size" else value
-    return serve(ServerConfig(**server_kw), engine_config(a, file["engine"], file["policy"]))
+    logging.getLogger().setLevel(server.log_level.upper())  # the flag's, else the environment's or file's
+    return serve(server, engine, reload=lambda: serve_configs(a))
+
+
+def cmd_config_check(a: argparse.Namespace) -> int:
+    """Validate a config file (with the TOKENFLOWD_* variables set now) and print what it resolves to."""
+    from tokenflowd.config import config_toml
+
+    server, engine = serve_configs(argparse.Namespace(config=a.file))
+    print(config_toml(server, engine), end="")
+    print(f"# {a.file}: ok", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,14 +204,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="s open streams may take to finish after SIGTERM before they end with an error (default 30)")
     v.add_argument("--api-key-file", help="a file of API keys, one a line; with it (or TOKENFLOWD_API_KEY set) "
                                           "/v1/* needs 'Authorization: Bearer KEY'")
+    v.add_argument("--print-config", action="store_true",
+                   help="print the configuration the file, TOKENFLOWD_* variables and flags resolve to (TOML), then exit")
     _engine_args(v)
     v.set_defaults(func=cmd_serve)
+    c = sub.add_parser("config", parents=[common], help="configuration tools")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    check = csub.add_parser("check", parents=[common], help="validate a config file and print what it resolves to")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_config_check)
     from tokenflowd.sim.cli import add_commands as add_sim_commands
 
     add_sim_commands(sub, common)  # sim, calibrate
     a = parser.parse_args(argv)
     level = (a.log_level or ("INFO" if a.command == "serve" else "WARNING")).upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # serve logs to stdout, one line an event (journald under systemd); other commands to stderr
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stdout if a.command == "serve" else sys.stderr)
     try:
         return a.func(a)
     except (ModelLoadError, InvalidRequestError, ValueError) as e:

@@ -175,6 +175,7 @@ class ServerConfig:
     runtime_dir: str | None = None  # where the private 0700 socket directory is made; None: the temp dir
     shutdown_timeout: float = 30.0  # s open streams may take to finish after SIGTERM
     api_key_file: str | None = None  # one key a line; with TOKENFLOWD_API_KEY, /v1/* needs a key (else 401)
+    log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR; a SIGHUP reload changes it live
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -187,6 +188,8 @@ class ServerConfig:
             raise ValueError("max_waiting_requests must be >= 1")
         if self.max_body_size < 1024:
             raise ValueError("max_body_size must be at least 1KiB")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout}")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
@@ -221,3 +224,76 @@ def load_config_file(path: str) -> dict[str, dict]:
     if "max_body_size" in out["server"]:
         out["server"]["max_body_size"] = parse_size(out["server"]["max_body_size"])
     return out
+
+
+# -- the environment and the merged view -----------------------------------------------------------
+ENV_PREFIX = "TOKENFLOWD_"
+ENV_NOT_CONFIG = {"TOKENFLOWD_API_KEY"}  # a secret read by api/auth.py, not a config field
+
+
+def _known_fields() -> dict[str, dict[str, str]]:
+    """table -> field -> its annotation (a string: this module postpones annotations)."""
+    from dataclasses import fields
+
+    return {"server": {f.name: f.type for f in fields(ServerConfig)},
+            "engine": {f.name: f.type for f in fields(EngineConfig) if f.name != "policy_params"},
+            "policy": {f.name: f.type for f in fields(PolicyConfig)}}
+
+
+def _from_text(name: str, annotation: str, text: str):
+    """A config value from an environment string, by its field's declared type."""
+    if text == "" and "None" in annotation:
+        return None
+    try:
+        if name in ("kv_cache_memory", "max_body_size"):
+            return parse_size(text)
+        if annotation.startswith("bool"):
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError
+            return text.lower() in ("1", "true", "yes", "on")
+        if annotation.startswith("int"):
+            return int(text)
+        if annotation.startswith("float"):
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={text!r} is not a valid {annotation.split(' ')[0]}") from None
+    return text
+
+
+def env_config(environ: dict[str, str]) -> dict[str, dict]:
+    """TOKENFLOWD_<FIELD> variables (TOKENFLOWD_PORT=8001, TOKENFLOWD_POLICY=tokenflow,
+    TOKENFLOWD_KV_CACHE_MEMORY=4GiB), in load_config_file's shape. Field names are unique over
+    the three tables. An unknown TOKENFLOWD_ variable is an error: a typo must not pass silently."""
+    known = _known_fields()
+    out: dict[str, dict] = {"server": {}, "engine": {}, "policy": {}}
+    for var, text in environ.items():
+        if not var.startswith(ENV_PREFIX) or var in ENV_NOT_CONFIG:
+            continue
+        name = var[len(ENV_PREFIX):].lower()
+        table = next((t for t, names in known.items() if name in names), None)
+        if table is None:
+            raise ValueError(f"unknown environment variable {var}: TOKENFLOWD_ variables name a config field, "
+                             f"such as TOKENFLOWD_PORT or TOKENFLOWD_POLICY")
+        out[table][name] = _from_text(name, known[table][name], text)
+    return out
+
+
+def merge_sources(*sources: dict[str, dict]) -> dict[str, dict]:
+    """Tables merged key by key, later sources winning (file, then environment; flags go last)."""
+    out: dict[str, dict] = {"server": {}, "engine": {}, "policy": {}}
+    for src in sources:
+        for table, values in src.items():
+            out[table].update(values)
+    return out
+
+
+def config_toml(server: ServerConfig, engine: EngineConfig) -> str:
+    """The resolved configuration as a TOML file `--config` reads back (None values left out)."""
+    import dataclasses
+
+    import tomli_w
+
+    def table(obj) -> dict:
+        return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None and k != "policy_params"}
+
+    return tomli_w.dumps({"server": table(server), "engine": table(engine), "policy": table(engine.policy_params)})

@@ -54,7 +54,14 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToEngine = AddRequest | AbortRequests | SetReadingRate | QueryRequests | Shutdown
+class Reconfigure(msgspec.Struct, tag=True):
+    """What may change while the engine runs (SIGHUP on the supervisor): answered by Reconfigured."""
+
+    log_level: str
+    policy_params: dict  # PolicyConfig fields
+
+
+ToEngine = AddRequest | AbortRequests | SetReadingRate | QueryRequests | Shutdown | Reconfigure
 
 
 # -- engine → supervisor ---------------------------------------------------------------------
@@ -78,6 +85,8 @@ class Ready(msgspec.Struct, tag=True):
     page_size: int
     device: str
     stats: EngineStats
+    policy: str = ""
+    policy_params: dict = {}  # the PolicyConfig fields it schedules with
 
 
 class Delta(msgspec.Struct):
@@ -88,6 +97,7 @@ class Delta(msgspec.Struct):
     finish_reason: str | None = None  # stop | length | abort | error | rejected
     error: str | None = None
     num_cached_tokens: int = 0
+    num_preemptions: int = 0  # of the request so far
 
 
 class StepOutputs(msgspec.Struct, tag=True):
@@ -125,7 +135,14 @@ class QueryReply(msgspec.Struct, tag=True):
     requests: list[RequestInfo]
 
 
-FromEngine = Ready | StepOutputs | QueryReply
+class Reconfigured(msgspec.Struct, tag=True):
+    engine_id: int
+    incarnation: int
+    log_level: str
+    policy_params: dict  # what it schedules with from now on
+
+
+FromEngine = Ready | StepOutputs | QueryReply | Reconfigured
 
 
 class EngineSpec(msgspec.Struct):

@@ -3,12 +3,14 @@
 The port opens first (so /health answers 503 while engines load), then the engines start.
 SIGTERM or SIGINT drains: new requests get 503, open streams finish (up to `shutdown_timeout`;
 those still open then end with an error event), then the engines are shut down and the process
-exits 0. Under systemd (Type=notify) it reports READY=1 once an engine serves, STATUS lines as
+exits 0. SIGHUP reloads the configuration and applies what may change live (the log level and
+the policy parameters); anything else that changed is logged as needing a restart. Under systemd (Type=notify) it reports READY=1 once an engine serves, STATUS lines as
 engines come and go, WATCHDOG=1 from the loop, and STOPPING=1 when it drains (notify.py).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import signal
@@ -27,7 +29,10 @@ from tokenflowd.supervisor import Supervisor
 log = logging.getLogger("tokenflowd")
 
 
-async def run_server(server: ServerConfig, engine: EngineConfig,
+Reload = Callable[[], tuple[ServerConfig, EngineConfig]]
+
+
+async def run_server(server: ServerConfig, engine: EngineConfig, reload: Reload | None = None,
                      supervisor_factory: Callable[[ServerConfig, EngineConfig], Supervisor] = Supervisor,
                      backlog: int = 128) -> None:
     """`supervisor_factory` and `backlog` (the listen queue) are seams for benchmarks (bench/front_capacity.py)."""
@@ -46,6 +51,8 @@ async def run_server(server: ServerConfig, engine: EngineConfig,
         loop.add_signal_handler(sig, stop.set)
     notifier = Notifier()
     tasks = [asyncio.create_task(notifier.watchdog(), name="watchdog")]
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_live, reload, server, engine, supervisor, notifier)
     try:
         notifier.status(f"starting {len(supervisor.slots)} engine(s)")
         await supervisor.start()
@@ -67,6 +74,30 @@ async def run_server(server: ServerConfig, engine: EngineConfig,
         notifier.close()
 
 
+def reload_live(reload: Reload, server: ServerConfig, engine: EngineConfig, supervisor: Supervisor,
+                notifier: Notifier) -> None:
+    """SIGHUP: read the configuration again; apply the log level and the policy parameters. A
+    configuration that does not validate changes nothing."""
+    notifier.send(RELOADING=1, MONOTONIC_USEC=time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000)
+    try:
+        new_server, new_engine = reload()
+    except Exception as e:  # noqa: BLE001 — any fault of the new file leaves the running config as it is
+        log.error("reload failed, configuration unchanged: %s", e)
+        notifier.send(READY=1, STATUS=f"reload failed: {e}"[:200])
+        return
+    logging.getLogger().setLevel(new_server.log_level.upper())
+    supervisor.reconfigure(new_server.log_level, new_engine.policy_params)
+    fixed = [f"server.{f.name}" for f in dataclasses.fields(server)
+             if f.name != "log_level" and getattr(server, f.name) != getattr(new_server, f.name)]
+    fixed += [f"engine.{f.name}" for f in dataclasses.fields(engine)
+              if f.name != "policy_params" and getattr(engine, f.name) != getattr(new_engine, f.name)]
+    if fixed:
+        log.warning("reload: %s changed but take effect only on restart", ", ".join(fixed))
+    log.info("reloaded: log level %s, policy parameters %s", new_server.log_level.upper(),
+             dataclasses.asdict(new_engine.policy_params))
+    notifier.send(READY=1, STATUS="configuration reloaded")
+
+
 async def report_status(supervisor: Supervisor, notifier: Notifier, every: float = 1.0) -> None:
     """READY=1 when the first engine serves; then a STATUS line whenever the engines' states or
     the streams change, so `systemctl status` shows an engine in backoff instead of a silent spin."""
@@ -75,12 +106,13 @@ async def report_status(supervisor: Supervisor, notifier: Notifier, every: float
         slots = supervisor.slots
         num_ready = sum(slot.ready for slot in slots)
         streams = sum(len(slot.streams) for slot in slots)
-        failing = [f"engine {slot.engine_id} {slot.state}" for slot in slots if slot.state == "backoff"]
+        failing = [f"engine {slot.engine_id} restarting ({slot.consecutive_failures} failures in a row: "
+                   f"{slot.last_failure})" for slot in slots if slot.consecutive_failures and not slot.ready]
         status = f"{num_ready}/{len(slots)} engines serving, {streams} streams" + "".join(f"; {f}" for f in failing)
         if num_ready and not ready_sent:
             notifier.ready(status)
             ready_sent, last = True, status
-        elif status != last and ready_sent:
+        elif status != last:
             notifier.status(status)
             last = status
         await asyncio.sleep(every)
@@ -94,6 +126,6 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def serve(server: ServerConfig, engine: EngineConfig) -> int:
-    uvloop.run(run_server(server, engine))
+def serve(server: ServerConfig, engine: EngineConfig, reload: Reload | None = None) -> int:
+    uvloop.run(run_server(server, engine, reload))
     return 0

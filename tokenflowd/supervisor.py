@@ -27,7 +27,7 @@ import msgspec
 import zmq
 
 from tokenflowd import protocol as p
-from tokenflowd.config import EngineConfig, ServerConfig
+from tokenflowd.config import EngineConfig, PolicyConfig, ServerConfig
 
 log = logging.getLogger("tokenflowd.supervisor")
 
@@ -65,6 +65,8 @@ class EngineSlot:
     started_at: float = 0.0
     num_restarts: int = 0
     consecutive_failures: int = 0
+    last_failure: str | None = None  # why its engine last went away
+    policy_params: dict = field(default_factory=dict)  # what it reported scheduling with (Ready, Reconfigured)
     preemptions_before: int = 0  # preemptions of earlier incarnations, so the counter never goes back
 
     @property
@@ -175,6 +177,7 @@ class Supervisor:
             log.error("%s after %.1f s; its %d open requests fail", reason, up, len(slot.streams))
             self._fail_streams(slot, f"{reason}; the request was ended, retry it")
             self._retire(slot)
+            slot.last_failure = f"{reason} after {up:.1f} s"
             slot.consecutive_failures = 1 if slot.info is not None and up > 60 else slot.consecutive_failures + 1
             delay = min(self.server.restart_backoff_max, 0.5 * 2 ** (slot.consecutive_failures - 1))
             slot.state = "backoff"
@@ -237,8 +240,16 @@ class Supervisor:
         slot.last_heard = time.monotonic()
         if isinstance(msg, p.StepOutputs):
             self._on_step(slot, msg)
+        elif isinstance(msg, p.Reconfigured):
+            slot.policy_params = msg.policy_params
+            log.info("engine %d reconfigured: log level %s, policy parameters %s", msg.engine_id, msg.log_level,
+                     msg.policy_params)
         elif isinstance(msg, p.Ready):
             slot.info, slot.stats, slot.state = msg, msg.stats, "ready"
+            slot.policy_params = msg.policy_params
+            wanted = msgspec.to_builtins(slot.config.policy_params)
+            if msg.policy_params and msg.policy_params != wanted:  # a reload came while it started
+                self._send(slot, p.Reconfigure(logging.getLevelName(logging.getLogger().level), wanted))
             slot.consecutive_failures = 0
             log.info("engine %d ready (pid %d, %s, context %d)", msg.engine_id, msg.pid, msg.device,
                      msg.max_model_len)
@@ -317,6 +328,15 @@ class Supervisor:
                 self._queries.pop(qid, None)
         return infos
 
+    def reconfigure(self, log_level: str, policy_params: PolicyConfig) -> None:
+        """Hand what may change live to every engine; a restarted engine starts with it too."""
+        self.engine_config = replace(self.engine_config, policy_params=policy_params)
+        msg = p.Reconfigure(log_level.upper(), msgspec.to_builtins(policy_params))
+        for slot in self.slots:
+            slot.config = replace(slot.config, policy_params=policy_params)
+            if slot.state in ("starting", "ready") and slot.inbox is not None:
+                self._send(slot, msg)
+
     def _send(self, slot: EngineSlot, msg: p.ToEngine) -> bool:
         """False when the slot has no live engine to take it (the engine is gone or not yet connected)."""
         if slot.inbox is None:
@@ -333,14 +353,29 @@ class Supervisor:
 
 
 def _engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[EngineConfig, dict[str, str]]]:
-    """One (config, environment) per engine: a GPU each on CUDA, a share of the cores on CPU."""
+    """One (config, environment) per engine: a GPU each on CUDA, a share of the cores on CPU.
+
+    More engines than GPUs share them round-robin, each with its share of
+    gpu_memory_utilization; they should run under CUDA MPS (systemd/tokenflowd-mps.service), or
+    the GPU time-slices between their contexts."""
     if config.device.startswith("cuda"):
         if config.device != "cuda":  # a device named explicitly: one engine on it
             return [(config, {})]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = [d for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(_cuda_count())]
-        ids = ids[:engines] if engines else ids
-        return [(config, {"CUDA_VISIBLE_DEVICES": d}) for d in ids]
+        ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(_cuda_count())]
+        if not ids:
+            raise ValueError("device cuda was asked for, but no CUDA device is visible")
+        n = engines or len(ids)
+        placement = [ids[i % len(ids)] for i in range(n)]
+        configs = []
+        for gpu in placement:
+            sharing = placement.count(gpu)
+            cfg = config if sharing == 1 else replace(config, gpu_memory_utilization=config.gpu_memory_utilization / sharing)
+            configs.append((cfg, {"CUDA_VISIBLE_DEVICES": gpu}))
+        if n > len(ids) and not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+            log.warning("%d engines share %d GPU(s) without CUDA MPS (CUDA_MPS_PIPE_DIRECTORY is unset): "
+                        "their kernels will time-slice instead of running side by side", n, len(ids))
+        return configs
     n = engines or 1
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
     return [(replace(config, num_threads=threads), {}) for _ in range(n)]

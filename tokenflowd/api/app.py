@@ -271,10 +271,13 @@ class Front:
 
     async def health(self, request: web.Request) -> web.Response:
         engines = [{"engine": slot.engine_id, "state": slot.state, "restarts": slot.num_restarts,
-                    "pid": slot.proc.pid if slot.proc else None, "requests": slot.load}
+                    "pid": slot.proc.pid if slot.proc else None, "requests": slot.load,
+                    "policy": slot.config.policy, "policy_params": slot.policy_params,
+                    "consecutive_failures": slot.consecutive_failures, "last_failure": slot.last_failure}
                    for slot in self.supervisor.slots]
         serving = not self.draining and any(slot.ready for slot in self.supervisor.slots)
-        status = "ok" if serving else ("draining" if self.draining else "starting")
+        failing = any(slot.consecutive_failures for slot in self.supervisor.slots)
+        status = "ok" if serving else "draining" if self.draining else "unhealthy" if failing else "starting"
         return _json({"status": status, "engines": engines}, status=200 if serving else 503)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:

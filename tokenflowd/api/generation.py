@@ -19,6 +19,7 @@ string, error in the handler) is aborted in its engine, which frees its pages.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -28,6 +29,8 @@ from tokenflowd.buffer.tracker import TokenBuffer
 from tokenflowd.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from tokenflowd.protocol import AddRequest, Delta
 from tokenflowd.supervisor import EngineSlot, Supervisor
+
+request_log = logging.getLogger("tokenflowd.requests")
 
 
 @dataclass(slots=True)
@@ -50,7 +53,9 @@ class Generation:
         self.num_prompt_tokens = len(add.prompt_token_ids)
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
+        self.num_preemptions = 0
         self.finish_reason: str | None = None
+        self._first_sent: float | None = None
         self._detok = IncrementalDetokenizer(tokenizer, add.prompt_token_ids)
         self._stops = StopStringMatcher(stop)
         self._metrics = metrics
@@ -83,6 +88,7 @@ class Generation:
         self.num_output_tokens += len(delta.token_ids)
         if delta.num_cached_tokens > self.num_cached_tokens:
             self.num_cached_tokens = delta.num_cached_tokens
+        self.num_preemptions = delta.num_preemptions
         text, matched = self._stops.push(self._detok.push(delta.token_ids)) if delta.token_ids else ("", False)
         reason = delta.finish_reason
         if matched:
@@ -121,6 +127,7 @@ class Generation:
         now = time.monotonic() if now is None else now
         m = self._metrics
         if self._last_sent is None:
+            self._first_sent = now
             m.ttft.observe(now - self._arrival)
         else:
             m.itl.observe(now - self._last_sent)
@@ -144,11 +151,24 @@ class Generation:
             outcome = self.finish_reason
         if outcome == "rejected":
             return
+        self._log_line(outcome, now)
         m.requests(outcome).inc()
         m.prompt_tokens.inc(self.num_prompt_tokens)
         if outcome in ("stop", "length") and self._last_sent is not None:
             m.e2e.observe(now - self._arrival)
             m.rebuffer.observe(self.buffer.stall_time_at(self._last_sent))
+
+
+    def _log_line(self, outcome: str, now: float) -> None:
+        """One structured line a request (logfmt: journald keeps it whole, and a grep or a log
+        pipeline splits it into fields)."""
+        ttft = f"{self._first_sent - self._arrival:.3f}" if self._first_sent is not None else "none"
+        stall = self.buffer.stall_time_at(self._last_sent) if self._last_sent is not None else 0.0
+        request_log.info(
+            "request id=%s engine=%d outcome=%s reading_rate=%.2f ttft=%s prompt_tokens=%d cached_tokens=%d "
+            "output_tokens=%d preemptions=%d rebuffer=%.3f duration=%.3f", self.request_id,
+            self.stream.engine.engine_id, outcome, self.rate.stated_rate, ttft, self.num_prompt_tokens,
+            self.num_cached_tokens, self.num_output_tokens, self.num_preemptions, stall, now - self._arrival)
 
 
 class RateMonitor:

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenflowd.buffer.estimates import StepCost
+
+if TYPE_CHECKING:
+    from tokenflowd.config import PolicyConfig
 
 
 def cdiv(a: int, b: int) -> int:
@@ -97,3 +101,8 @@ class SchedulingPolicy(abc.ABC):
 
     @abc.abstractmethod
     def plan(self, view: SchedulerView) -> Plan: ...
+
+    def set_params(self, params: "PolicyConfig") -> None:
+        """New parameters, read from the next plan on (a SIGHUP reload); decisions already taken
+        stand until their next pass."""
+        self.params = params

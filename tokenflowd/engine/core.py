@@ -31,6 +31,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:
@@ -113,8 +114,8 @@ class EngineCore:
             log.exception("step failed; ending its %d requests", len(batch))
             for req in batch.requests:
                 self.scheduler.finish(req, FinishReason.ERROR, f"engine error: {type(e).__name__}: {e}")
-            return [EngineCoreOutput(r.request_id, [], FinishReason.ERROR, r.error, r.num_cached_tokens)
-                    for r in batch.requests]
+            return [EngineCoreOutput(r.request_id, [], FinishReason.ERROR, r.error, r.num_cached_tokens,
+                                     r.num_preemptions) for r in batch.requests]
         finished = self.scheduler.update(batch, sampled)
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.total_tokens
@@ -131,6 +132,7 @@ class EngineCore:
                     [token] if token is not None else [],
                     req.finish_reason if req.request_id in done else None,
                     num_cached_tokens=req.num_cached_tokens,
+                    num_preemptions=req.num_preemptions,
                 )
             )
         return outs

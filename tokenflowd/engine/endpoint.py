@@ -46,6 +46,11 @@ class EngineEndpoint(abc.ABC):
     @abc.abstractmethod
     def infos(self, request_ids: list[str] | None) -> list[p.RequestInfo]: ...
 
+    def reconfigure(self, msg: p.Reconfigure) -> dict:
+        """Apply what may change live; return the policy parameters now in force (none here)."""
+        logging.getLogger().setLevel(msg.log_level.upper())
+        return {}
+
     # -- the protocol -------------------------------------------------------------------------
     def drain_inbox(self) -> None:
         while True:
@@ -71,6 +76,9 @@ class EngineEndpoint(abc.ABC):
                                    self.infos(msg.request_ids)))
         elif isinstance(msg, p.Shutdown):
             self.running = False
+        elif isinstance(msg, p.Reconfigure):
+            params = self.reconfigure(msg)
+            self.send(p.Reconfigured(self.spec.engine_id, self.spec.incarnation, msg.log_level, params))
 
     def take_rejected(self) -> list[p.Delta]:
         """Refusals to report in the next message (a new list the caller may extend)."""

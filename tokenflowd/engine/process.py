@@ -19,11 +19,12 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 
 import msgspec
 
 from tokenflowd import protocol as p
-from tokenflowd.config import EngineConfig
+from tokenflowd.config import EngineConfig, PolicyConfig
 from tokenflowd.engine.core import EngineCore, EngineCoreOutput
 from tokenflowd.engine.endpoint import EngineEndpoint
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
@@ -41,7 +42,8 @@ class EngineProcess(EngineEndpoint):
     def run(self) -> None:
         core = self.core
         self.send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.config.model,
-                          core.max_model_len, self.config.page_size, self.config.device, self._stats()))
+                          core.max_model_len, self.config.page_size, self.config.device, self._stats(),
+                          self.config.policy, msgspec.to_builtins(self.config.policy_params)))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
         while self.running:
@@ -63,6 +65,14 @@ class EngineProcess(EngineEndpoint):
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
+
+    def reconfigure(self, msg: p.Reconfigure) -> dict:
+        super().reconfigure(msg)
+        params = msgspec.convert(msg.policy_params, PolicyConfig)
+        self.config = replace(self.config, policy_params=params)
+        self.core.scheduler.policy.set_params(params)
+        log.info("policy %s parameters reloaded: %s", self.config.policy, msg.policy_params)
+        return msgspec.to_builtins(params)
 
     def set_reading_rate(self, msg: p.SetReadingRate) -> None:
         self.core.set_reading_rate(msg.request_id, msg.reading_rate, msg.time)
@@ -107,7 +117,7 @@ class EngineProcess(EngineEndpoint):
 def _delta(out: EngineCoreOutput) -> p.Delta:
     return p.Delta(
         out.request_id, out.new_token_ids, out.finish_reason.value if out.finish_reason else None, out.error,
-        num_cached_tokens=out.num_cached_tokens,
+        num_cached_tokens=out.num_cached_tokens, num_preemptions=out.num_preemptions,
     )
 
 

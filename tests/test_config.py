@@ -1,0 +1,75 @@
+"""Configuration sources: the TOML file, TOKENFLOWD_* variables and flags merge into one frozen,
+validated config (later sources win key by key); `serve --print-config` writes what `--config`
+reads back."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tokenflowd.cli import main, serve_configs
+from tokenflowd.config import ENV_PREFIX, env_config, load_config_file, merge_sources
+
+FILE = """
+[server]
+port = 8100
+log_level = "WARNING"
+[engine]
+policy = "andes"
+max_num_seqs = 32
+[policy]
+schedule_interval = 0.7
+"""
+
+
+def args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**kw)
+
+
+def test_env_values_are_typed_by_their_field():
+    env = {"TOKENFLOWD_PORT": "9000", "TOKENFLOWD_SCHEDULE_INTERVAL": "1.5", "TOKENFLOWD_ENABLE_PREFIX_CACHING": "no",
+           "TOKENFLOWD_KV_CACHE_MEMORY": "2GiB", "TOKENFLOWD_MAX_BODY_SIZE": "64KiB", "TOKENFLOWD_ENGINES": "",
+           "TOKENFLOWD_API_KEY": "secret", "OTHER": "x"}
+    got = env_config(env)
+    assert got == {"server": {"port": 9000, "max_body_size": 65536, "engines": None},
+                   "engine": {"enable_prefix_caching": False, "kv_cache_memory": 2 * 2**30},
+                   "policy": {"schedule_interval": 1.5}}
+
+
+@pytest.mark.parametrize("var,value,msg", [
+    ("TOKENFLOWD_PROT", "1", "unknown environment variable TOKENFLOWD_PROT"),
+    ("TOKENFLOWD_PORT", "eighty", "not a valid int"),
+    ("TOKENFLOWD_ENABLE_PREFIX_CACHING", "maybe", "not a valid bool"),
+])
+def test_bad_env_values_are_refused_by_name(var, value, msg):
+    with pytest.raises(ValueError, match=msg):
+        env_config({var: value})
+
+
+def test_file_then_env_then_flags(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(FILE)
+    env = {f"{ENV_PREFIX}PORT": "8200", f"{ENV_PREFIX}MAX_NUM_SEQS": "16"}
+    assert merge_sources(load_config_file(str(path)), env_config(env))["server"]["port"] == 8200
+    server, engine = serve_configs(args(config=str(path), port=8300, log_level=None), env)
+    assert server.port == 8300  # flag over environment over file
+    assert server.log_level == "WARNING"  # file only
+    assert engine.max_num_seqs == 16 and engine.policy == "andes"  # environment over file
+    assert engine.policy_params.schedule_interval == 0.7
+    with pytest.raises(ValueError, match="log_level"):
+        serve_configs(args(config=str(path), log_level="LOUD"), {})
+
+
+def test_print_config_round_trips_through_config_check(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TOKENFLOWD_SCHEDULE_INTERVAL", "0.9")
+    assert main(["serve", "--print-config", "--policy", "tokenflow", "--port", "8123"]) == 0
+    printed = capsys.readouterr().out
+    assert "port = 8123" in printed and "schedule_interval = 0.9" in printed and 'policy = "tokenflow"' in printed
+    path = tmp_path / "printed.toml"
+    path.write_text(printed)
+    monkeypatch.delenv("TOKENFLOWD_SCHEDULE_INTERVAL")
+    assert main(["config", "check", str(path)]) == 0
+    assert capsys.readouterr().out == printed
+    path.write_text("[server]\nport = -1\n")
+    assert main(["config", "check", str(path)]) == 2
+    assert "port must be in" in capsys.readouterr().err
