@@ -5,10 +5,11 @@ A reader's app drains its socket at once into a local buffer that the person rea
 that delivered it returned), and the buffer, its stalls and the effective tokens are replayed from
 those times afterwards by tokenflowd.buffer.qos (report.py): one implementation of the reader model.
 
-Token counting. Each SSE event with non-empty text (`choices[0].text`, or `delta.content` on chat)
-counts as one token. A server may put several tokens in one event (tokenflowd does when its
-detokenizer holds back the bytes of a partial character, or merges pieces a slow client left
-unread), so a completed stream's count is reconciled with `usage.completion_tokens` of its last
+Token counting. Each SSE event with text (`choices[0].text`, or `delta.content` on chat) counts as
+one token, and so does one with empty text that is not the chat role's opening or the finish
+(tokenflowd sends such an event for a token whose text is not out yet: held bytes of a partial
+character, a special token). A server may put several tokens in one event (tokenflowd merges the
+pieces a slow client left unread), so a completed stream's count is reconciled with `usage.completion_tokens` of its last
 event (stream_options.include_usage): missing tokens get the time of the last text event (all had
 arrived by then); surplus events are dropped from the end. A stream closed early has no usage: its
 count is its events'.
@@ -90,6 +91,7 @@ class RunResult:
 # -- the SSE events we read (other fields are ignored) ------------------------------------------
 class _Delta(msgspec.Struct):
     content: str | None = None
+    role: str | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -154,8 +156,7 @@ async def _read_events(resp: aiohttp.ClientResponse, rec: RequestRecord, origin:
             if chunk.usage is not None and chunk.usage.completion_tokens is not None:
                 rec.usage_tokens = chunk.usage.completion_tokens
             for choice in chunk.choices or ():
-                text = choice.text if choice.delta is None else choice.delta.content
-                if text:
+                if _is_token(choice):
                     times.append(now)
                     rec.num_events += 1
                 if choice.finish_reason:
@@ -174,6 +175,16 @@ async def _read_events(resp: aiohttp.ClientResponse, rec: RequestRecord, origin:
         _reconcile(rec)
     else:
         rec.outcome, rec.error = "error", "the stream ended without a finish reason or [DONE]"
+
+
+def _is_token(choice: _Choice) -> bool:
+    """An event with text, or with empty text that is neither the chat role's opening nor the
+    finish: tokenflowd sends one for a token whose text is not out yet (held bytes of a partial
+    character, a special token), so its time is the token's."""
+    if choice.delta is None:
+        return choice.text is not None and (choice.text != "" or choice.finish_reason is None)
+    content = choice.delta.content
+    return content is not None and (content != "" or (choice.finish_reason is None and choice.delta.role is None))
 
 
 def _reconcile(rec: RequestRecord) -> None:

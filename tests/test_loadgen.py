@@ -175,7 +175,8 @@ def test_burstgpt_csv_replay(tmp_path):
 # -- (4) the reader client against an in-test SSE server ----------------------------------------
 class FakeServer:
     """An OpenAI-style SSE server in a thread. The body's `model` picks the behaviour:
-    ok (one token per event), pairs (two tokens per event, usage says so), stall (3 tokens, then
+    ok (one token per event), pairs (two tokens per event, usage says so), blank (every other
+    token's event has empty text, as tokenflowd sends for a special token), stall (3 tokens, then
     silence), fail (HTTP 500). Tokens go out every `gap` s; bodies received are kept."""
 
     def __init__(self, gap: float = 0.005) -> None:
@@ -216,8 +217,9 @@ class FakeServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
 
-        def event(text: str | None, finish: str | None = None, usage: int | None = None) -> bytes:
-            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text or ""}
+        def event(text: str | None, finish: str | None = None, usage: int | None = None, role: bool = False) -> bytes:
+            delta = {"content": text, **({"role": "assistant"} if role else {})}
+            choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": text or ""}
             choice["finish_reason"] = finish
             doc = {"choices": [choice] if usage is None else [],
                    "usage": None if usage is None else {"completion_tokens": usage}}
@@ -227,11 +229,12 @@ class FakeServer:
         total = body["max_tokens"]
         try:
             if chat:
-                await resp.write(event(""))  # the role chunk: no token
+                await resp.write(event("", role=True))  # the role chunk: no token
             for k in range(0, total, per_event):
                 while mode == "stall" and k == 3 and not request.transport.is_closing():
                     await asyncio.sleep(0.02)  # silence until the client gives up
-                await resp.write(event(" tok" * min(per_event, total - k)))
+                blank = mode == "blank" and k % 2 == 1
+                await resp.write(event("" if blank else " tok" * min(per_event, total - k)))
                 self.sent[n] += min(per_event, total - k)
                 await asyncio.sleep(self.gap)
             await resp.write(event(None, "length"))
@@ -262,10 +265,12 @@ def load(i: int, model: str, output_len: int, abandon_after: int | None = None, 
 
 def test_client_outcomes_timeout_abandon_reconcile_and_error(server):
     loads = [load(0, "ok", 20), load(1, "ok", 20, abandon_after=5), load(2, "stall", 10),
-             load(3, "pairs", 9), load(4, "fail", 5), load(5, "ok", 3, arrival=0.2)]
+             load(3, "pairs", 9), load(4, "fail", 5), load(5, "ok", 3, arrival=0.2), load(6, "blank", 8)]
     start = len(server.bodies)
     result = run_blocking(loads, ClientConfig(server.base_url + "/v1/completions", timeout=0.5))
-    ok, abandoned, stalled, pairs, failed, late = result.records
+    ok, abandoned, stalled, pairs, failed, late, blank = result.records
+    # empty-text events are tokens (each has its own time), the finish event is none
+    assert blank.outcome == "completed" and blank.num_events == 8 == len(set(blank.token_times))
     assert ok.outcome == "completed" and len(ok.token_times) == 20 == ok.num_events == ok.usage_tokens
     assert ok.finish_reason == "length" and ok.token_times == sorted(ok.token_times) and ok.ttft > 0
     assert abandoned.outcome == "abandoned" and len(abandoned.token_times) == 5

@@ -231,8 +231,8 @@ class Front:
         blocked = 0.0
         while True:
             text, num_tokens, last = _merge(pieces)  # pieces held while the client was not reading: one event
-            if text:
-                conn.write(chunks.text(text))
+            if text or num_tokens:  # NOTE: a token with no text yet (held bytes, a special token) still
+                conn.write(chunks.text(text))  # gets its event: clients time every token, as the engine counts it
             gen.delivered(num_tokens, blocked)  # no-op without tokens
             if last is not None:
                 if last.finish_reason == "error":
@@ -400,7 +400,7 @@ class _SSEConnection:
         transport = self.transport
         if transport is None or transport.get_write_buffer_size() > _STREAM_HIGH_WATER:
             return False
-        if piece.text:
+        if piece.text or piece.num_tokens:
             self.write(self.chunks.text(piece.text))
         self.gen.delivered(piece.num_tokens)
         return True
