@@ -4,8 +4,9 @@ The port opens first (so /health answers 503 while engines load), then the engin
 SIGTERM or SIGINT drains: new requests get 503, open streams finish (up to `shutdown_timeout`;
 those still open then end with an error event), then the engines are shut down and the process
 exits 0. SIGHUP reloads the configuration and applies what may change live (the log level and
-the policy parameters); anything else that changed is logged as needing a restart. Under systemd (Type=notify) it reports READY=1 once an engine serves, STATUS lines as
-engines come and go, WATCHDOG=1 from the loop, and STOPPING=1 when it drains (notify.py).
+the policy parameters); anything else that changed is logged as needing a restart. Under systemd
+(Type=notify) it reports READY=1 once an engine serves, STATUS lines as engines come and go,
+WATCHDOG=1 from the loop, and STOPPING=1 when it drains (notify.py).
 """
 from __future__ import annotations
 

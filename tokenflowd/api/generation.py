@@ -158,7 +158,6 @@ class Generation:
             m.e2e.observe(now - self._arrival)
             m.rebuffer.observe(self.buffer.stall_time_at(self._last_sent))
 
-
     def _log_line(self, outcome: str, now: float) -> None:
         """One structured line a request (logfmt: journald keeps it whole, and a grep or a log
         pipeline splits it into fields)."""
