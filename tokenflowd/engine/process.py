@@ -15,11 +15,14 @@ heartbeat. It exits on Shutdown, or when its parent process goes away.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import sys
 import time
 from dataclasses import replace
+from typing import Callable
 
 import msgspec
 
@@ -46,8 +49,14 @@ class EngineProcess(EngineEndpoint):
                           self.config.policy, msgspec.to_builtins(self.config.policy_params)))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
+        trimmed = True  # nothing freed since the heap was last handed back
         while self.running:
             busy = core.has_unfinished()
+            if busy:
+                trimmed = False
+            elif not trimmed:
+                trim_heap()
+                trimmed = True
             if self.inbox.poll(0 if busy else heartbeat_ms):
                 self.drain_inbox()
             deltas = self.take_rejected()
@@ -112,6 +121,26 @@ class EngineProcess(EngineEndpoint):
             num_steps=self.core.stats.num_steps, last_step_time=self.core.stats.last_step_time,
         )
 
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def trim_heap() -> None:
+    """Hand the heap's free memory back to the OS when the engine goes idle.
+
+    NOTE: glibc keeps what a process frees in its heap and thread arenas: the model load's
+    dequantization buffers and the CPU tensors of steps of ever-changing shapes. On the embedded
+    model the first trim hands back ~55 MiB of the engine's ~720 MiB. malloc_trim(0) on the way
+    to idle (well under a millisecond here; never on a busy engine) keeps RSS what is in use."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _delta(out: EngineCoreOutput) -> p.Delta:
