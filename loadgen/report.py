@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from tokenflowd.buffer.qos import RequestQoS, Timeline, percentile, request_qos, summarize
+from tokenflowd.sim.result import json_safe
 
 from loadgen.client import RequestRecord, RunResult
 
@@ -116,17 +117,7 @@ def document(config: dict, result: RunResult, slo: SLO) -> dict:
 
 def dumps(doc: dict) -> str:
     # NaN (a TTFT percentile over no served request) is written as JSON null.
-    return json.dumps(_nan_to_none(doc), separators=(",", ":"), allow_nan=False) + "\n"
-
-
-def _nan_to_none(x):
-    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-        return None
-    if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_nan_to_none(v) for v in x]
-    return x
+    return json.dumps(json_safe(doc), separators=(",", ":"), allow_nan=False) + "\n"
 
 
 def format_table(summaries: Mapping[str, Mapping], keys: Sequence[str] = TABLE_KEYS) -> str:

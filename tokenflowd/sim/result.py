@@ -57,16 +57,17 @@ def result_document(result: SimResult, config: dict) -> dict:
 
 def dumps(doc: dict) -> str:
     # NaN (a TTFT over no served request) is written as JSON null, which every reader accepts.
-    return json.dumps(_nan_to_none(doc), sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n"
+    return json.dumps(json_safe(doc), sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n"
 
 
-def _nan_to_none(x):
-    if isinstance(x, float) and math.isnan(x):
+def json_safe(x):
+    """`x` with every NaN or infinity (a percentile over nothing, an unbounded rate) as None: JSON null."""
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
         return None
     if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_nan_to_none(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
