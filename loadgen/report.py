@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from tokenflowd.buffer.qos import RequestQoS, Timeline, percentile, request_qos, summarize
+from tokenflowd.sim.result import format_table as sim_table
 from tokenflowd.sim.result import json_safe
 
 from loadgen.client import RequestRecord, RunResult
@@ -122,16 +123,7 @@ def dumps(doc: dict) -> str:
 
 def format_table(summaries: Mapping[str, Mapping], keys: Sequence[str] = TABLE_KEYS) -> str:
     """Summary keys as rows, runs as columns; with two or more runs, each later run's ratio to the first."""
-    names = list(summaries)
-    base = names[0]
-    rel = {n: ratios(summaries[base], summaries[n], keys) for n in names[1:]}
-    rows = [["metric", *names, *(f"{n}/{base}" for n in names[1:])]]
-    for key in keys:
-        rows.append([key, *(_fmt(summaries[n].get(key)) for n in names),
-                     *("-" if rel[n][key] is None else f"{rel[n][key]:.3f}" for n in names[1:])])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+    return sim_table(summaries, baseline=next(iter(summaries)), keys=keys)
 
 
 def ratios(a: Mapping, b: Mapping, keys: Sequence[str] = TABLE_KEYS) -> dict[str, float | None]:
@@ -142,11 +134,3 @@ def ratios(a: Mapping, b: Mapping, keys: Sequence[str] = TABLE_KEYS) -> dict[str
         ok = all(isinstance(v, (int, float)) and not math.isnan(v) for v in (x, y)) and x != 0
         out[k] = y / x if ok else None
     return out
-
-
-def _fmt(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, int):
-        return str(v)
-    return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"

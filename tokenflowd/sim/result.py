@@ -88,8 +88,8 @@ def format_table(summaries: Mapping[str, Mapping[str, float]], baseline: str = "
         base = summaries[baseline].get(key) if others else None
         for n in others:
             v = summaries[n].get(key)
-            row.append(f"{v / base:.3f}" if isinstance(v, (int, float)) and isinstance(base, (int, float)) and base
-                       else "-")
+            finite = all(isinstance(x, (int, float)) and math.isfinite(x) for x in (v, base))
+            row.append(f"{v / base:.3f}" if finite and base else "-")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
