@@ -36,6 +36,7 @@ def test_a_burst_of_twenty_readers_completes(daemon, tmp_path):
         assert r["finish_reason"] == "length" and r["usage_tokens"] == 12
         times = r["token_times"]
         assert len(times) == 12 and times == sorted(times)
+        assert r["num_events"] == 12  # an event per token, even one whose text is not out yet
         assert r["ttft"] > 0 and times[0] == pytest.approx(r["arrival"] + r["ttft"], abs=2e-6)
         assert r["scheduled"] == 0.0 and r["arrival"] >= 0.0
     s = doc["summary"]
