@@ -43,6 +43,7 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.front_capacity import Probe  # noqa: E402  (the same collector-pass recorder)
 from loadgen.client import ClientConfig, run_blocking  # noqa: E402
 from loadgen.workload import LoadRequest  # noqa: E402
 from tokenflowd.buffer.qos import percentile  # noqa: E402
@@ -85,34 +86,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class GCPauses:
-    """The collector's passes in this process while inside the block (time.monotonic() at the end
-    of each, generation, seconds)."""
-
-    def __enter__(self) -> "GCPauses":
-        self.passes: list[tuple[float, int, float]] = []
-        self._start = 0.0
-        gc.callbacks.append(self._on_gc)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.passes.append((time.monotonic(), info["generation"], time.perf_counter() - self._start))
-
-    def summary(self, start: float, end: float) -> dict:
-        """Passes that ended within [start, end] (while tokens were scheduled), by generation."""
-        out = {}
-        for g in (0, 1, 2):
-            d = [dt for t, gen, dt in self.passes if gen == g and start <= t <= end]
-            if d:
-                out[f"gen{g}"] = {"passes": len(d), "total_ms": round(1e3 * sum(d), 2),
-                                  "max_ms": round(1e3 * max(d), 2)}
-        return out
+def gc_summary(events: list[tuple[float, str, float]], start: float, end: float) -> dict:
+    """Collector passes (front_capacity.Probe's gc events) that ended within [start, end], while
+    tokens were scheduled, by generation."""
+    out = {}
+    for g in (0, 1, 2):
+        d = [dt for t, kind, dt in events if kind == f"gc{g}" and start <= t <= end]
+        if d:
+            out[f"gen{g}"] = {"passes": len(d), "total_ms": round(1e3 * sum(d), 2), "max_ms": round(1e3 * max(d), 2)}
+    return out
 
 
 # -- the server (a child process) ---------------------------------------------------------------
@@ -232,7 +214,7 @@ def bench(a: argparse.Namespace) -> int:
                                                   "stream": True, "t0": t0 + offsets[i], "period": a.period}), None)
                  for i in range(a.streams)]
         cpu0, server0, busy0 = time.process_time(), cpu_seconds(server.pid), machine_busy_seconds()
-        with GCPauses() as pauses:
+        with Probe() as probe:
             result = run_blocking(loads, ClientConfig(f"http://127.0.0.1:{port}/v1/completions",
                                                       timeout=a.lead + 30))
         client_cpu, server_cpu = time.process_time() - cpu0, cpu_seconds(server.pid) - server0
@@ -258,7 +240,7 @@ def bench(a: argparse.Namespace) -> int:
         **ms, "error_max_ms": round(1e3 * max(errors, default=float("nan")), 3),
         "error_min_ms": round(1e3 * min(errors, default=float("nan")), 3),
         "server": {k: round(v, 3) if isinstance(v, float) else v for k, v in server_stats.items()},
-        "client_gc_while_measured": pauses.summary(t0, t0 + max(offsets) + a.tokens * a.period),
+        "client_gc_while_measured": gc_summary(probe.events, t0, t0 + max(offsets) + a.tokens * a.period),
         "client_cpu_s": round(client_cpu, 2), "run_s": round(result.duration, 2),
         "client_cpu_share": round(client_cpu / result.duration, 3),
         "server_cpu_share": round(server_cpu / result.duration, 3),

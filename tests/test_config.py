@@ -4,6 +4,7 @@ reads back."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -90,3 +91,24 @@ def test_engines_beyond_the_gpus_share_them_round_robin_with_a_share_of_the_memo
     monkeypatch.setattr(supervisor, "_cuda_count", lambda: 0)
     with pytest.raises(ValueError, match="no CUDA device is visible"):
         supervisor._engine_configs(cfg, None)
+
+
+@pytest.mark.parametrize("text,msg", [
+    ('[server]\nport = "x"\n', "[server] port must be an integer, got 'x'"),
+    ("[engine]\nenable_prefix_caching = 1\n", "enable_prefix_caching must be true or false"),
+    ("[policy]\nschedule_interval = true\n", "schedule_interval must be a number"),
+    ("[engine]\nkv_cache_memory = 1.5\n", "kv_cache_memory must be a size"),
+])
+def test_a_value_of_the_wrong_type_is_a_clear_error(tmp_path, text, msg):
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        load_config_file(str(path))
+
+
+def test_values_of_the_right_type_load(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text('[server]\nmax_body_size = "64KiB"\n[engine]\nkv_cache_memory = 4096\n[policy]\nschedule_interval = 1\n')
+    got = load_config_file(str(path))
+    assert got["server"]["max_body_size"] == 65536 and got["engine"]["kv_cache_memory"] == 4096
+    assert got["policy"]["schedule_interval"] == 1

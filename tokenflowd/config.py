@@ -201,7 +201,6 @@ def load_config_file(path: str) -> dict[str, dict]:
     EngineConfig / PolicyConfig fields (sizes may carry units: kv_cache_memory = "4GiB").
     Unknown tables or keys are errors."""
     import tomllib
-    from dataclasses import fields
 
     try:
         with open(path, "rb") as f:
@@ -210,17 +209,19 @@ def load_config_file(path: str) -> dict[str, dict]:
         raise ValueError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-    known = {"server": {f.name for f in fields(ServerConfig)},
-             "engine": {f.name for f in fields(EngineConfig)} - {"policy_params"},
-             "policy": {f.name for f in fields(PolicyConfig)}}
+    known = _known_fields()
     out: dict[str, dict] = {"server": {}, "engine": {}, "policy": {}}
     for table, values in data.items():
         if table not in known or not isinstance(values, dict):
             raise ValueError(f"{path}: unknown table [{table}]; use [server], [engine] and [policy]")
-        for key in values:
-            if key.replace("-", "_") not in known[table]:
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in known[table]:
                 raise ValueError(f"{path}: unknown key {key!r} in [{table}]; known: {', '.join(sorted(known[table]))}")
-        out[table] = {k.replace("-", "_"): v for k, v in values.items()}
+            if not _has_type(name, known[table][name], value):
+                raise ValueError(f"{path}: [{table}] {key} must be {_type_name(name, known[table][name])}, "
+                                 f"got {value!r}")
+            out[table][name] = value
     if "max_body_size" in out["server"]:
         out["server"]["max_body_size"] = parse_size(out["server"]["max_body_size"])
     return out
@@ -240,12 +241,36 @@ def _known_fields() -> dict[str, dict[str, str]]:
             "policy": {f.name: f.type for f in fields(PolicyConfig)}}
 
 
+_SIZE_FIELDS = ("kv_cache_memory", "max_body_size")  # a number of bytes, or a text with a unit
+
+
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _type_name(name: str, annotation: str) -> str:
+    return "a size such as 4GiB" if name in _SIZE_FIELDS else _TYPE_NAMES[annotation.split(" ")[0]]
+
+
+def _has_type(name: str, annotation: str, value) -> bool:
+    """A TOML value fits its field's declared type (ints pass for floats; no bool for a number)."""
+    if name in _SIZE_FIELDS:
+        return isinstance(value, (int, str)) and not isinstance(value, bool)
+    kind = annotation.split(" ")[0]
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
 def _from_text(name: str, annotation: str, text: str):
     """A config value from an environment string, by its field's declared type."""
     if text == "" and "None" in annotation:
         return None
     try:
-        if name in ("kv_cache_memory", "max_body_size"):
+        if name in _SIZE_FIELDS:
             return parse_size(text)
         if annotation.startswith("bool"):
             if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):

@@ -82,7 +82,7 @@ def reload_live(reload: Reload, server: ServerConfig, engine: EngineConfig, supe
     notifier.send(RELOADING=1, MONOTONIC_USEC=time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000)
     try:
         new_server, new_engine = reload()
-    except Exception as e:  # noqa: BLE001 — any fault of the new file leaves the running config as it is
+    except (ValueError, TypeError) as e:  # a file that does not parse or validate (a wrong type: TypeError)
         log.error("reload failed, configuration unchanged: %s", e)
         notifier.send(READY=1, STATUS=f"reload failed: {e}"[:200])
         return
