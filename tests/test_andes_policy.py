@@ -233,10 +233,13 @@ def test_a_burst_over_a_small_pool_keeps_greedy_tokens(hf_dirs):
             if not core.has_unfinished():
                 break
             batch = core.scheduler.schedule()
+            core.scheduler.issue_copies(batch)
             assert batch.total_tokens <= core.config.max_num_batched_tokens
-            core.scheduler.update(batch, core.runner.execute(batch))
+            if batch.requests:
+                core.scheduler.update(batch, core.runner.execute(batch))
             clock[0] += step_time
         assert not core.has_unfinished()
+        core.wait_copies()
         return {r.request_id: r.output_token_ids for r in reqs}, reqs
 
     g = torch.Generator().manual_seed(0)

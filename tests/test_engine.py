@@ -86,6 +86,7 @@ def test_stop_strings_and_max_tokens(embedded):
     assert cut.finish_reason is FinishReason.STOP
     short = engine.generate({"m": dict(messages=QUESTION, sampling_params=SamplingParams(temperature=0, max_tokens=3))})["m"]
     assert short.num_output_tokens == 3 and short.finish_reason is FinishReason.LENGTH
+    engine.core.wait_copies()
     assert engine.core.pool.num_used == 0
 
 
@@ -123,4 +124,5 @@ def test_abort_frees_pages(embedded):
     engine.step()
     assert engine.core.pool.num_used > 0
     assert engine.abort("a")
+    engine.core.wait_copies()
     assert engine.core.pool.num_used == 0 and not engine.has_unfinished()

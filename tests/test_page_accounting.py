@@ -21,7 +21,12 @@ def core(hf_dirs):
 
 
 def check_refcounts(core: EngineCore) -> None:
-    held = Counter(p for r in core.scheduler.running for p in r.block_table)
+    """Each page's references are the block tables (running and loading requests) and the pins
+    of the host-tier copies in flight; a waiting request holds none."""
+    loading = core.offload.loading if core.offload else []
+    held = Counter(p for r in [*core.scheduler.running, *loading] for p in r.block_table)
+    if core.offload:
+        held.update(core.offload.pins()[0])
     for r in core.scheduler.waiting:
         assert not r.block_table, "a waiting request holds pages"
     pool = core.pool
@@ -29,6 +34,12 @@ def check_refcounts(core: EngineCore) -> None:
         assert pool.ref_count(page) == held[page], f"page {page}: ref {pool.ref_count(page)} held {held[page]}"
     assert pool.num_used == len(held)
     assert pool.num_free + pool.num_used == pool.num_pages
+    if core.offload:  # the host tier: the same rule over the requests' host tables
+        host = core.offload.host.pool
+        held = Counter(p for r in core.scheduler.requests.values() for p in r.host_pages)
+        held.update(core.offload.pins()[1])
+        for page in range(host.num_pages):
+            assert host.ref_count(page) == held[page], f"host page {page}: ref {host.ref_count(page)} held {held[page]}"
 
 
 ops = st.lists(
@@ -71,6 +82,7 @@ def test_pages_are_free_or_cached_after_any_sequence(core, ops, finish):
         for rid in ids:
             core.abort(rid)
     assert not core.has_unfinished()
+    core.wait_copies()
     assert core.pool.num_used == 0
     assert core.pool.num_free == core.pool.num_pages
 

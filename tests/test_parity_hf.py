@@ -83,4 +83,5 @@ def test_logits_match_transformers(hf_dirs, arch):
         assert err < 2e-4 * max(1.0, ref.abs().max().item()), f"{req.request_id}: max |diff| {err}"
         # and the greedy tokens are HF's argmax
         assert req.output_token_ids == ref.argmax(-1).tolist()
+    core.wait_copies()
     assert core.pool.num_used == 0

@@ -28,6 +28,7 @@ def burst(core: EngineCore, max_tokens: int, rates: list[float]) -> tuple[dict[s
         for out in core.step():
             streams[out.request_id] += out.new_token_ids
     assert not core.has_unfinished()
+    core.wait_copies()
     return streams, reqs
 
 

@@ -31,6 +31,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, help="CPU threads for torch")
+    g.add_argument("--offload", choices=["none", "write-back", "write-through"],
+                   help="host KV tier: none (preempted KV is recomputed), write-back (written at preemption) "
+                        "or write-through (written as it is computed; the default)")
+    g.add_argument("--host-kv-memory", help="host KV tier size, e.g. 8GiB (default: as large as the device pool, "
+                                            "within a quarter of RAM per GPU); pinned on a GPU box")
+    g.add_argument("--disk-kv-memory", help="disk KV tier size, e.g. 64GiB (default 0: none); host evictions of "
+                                            "prefix pages spill to it")
+    g.add_argument("--disk-kv-dir", help="directory of the disk tier's file (default: $STATE_DIRECTORY)")
+    g.add_argument("--no-load-evict-overlap", action="store_true",
+                   help="loads wait for evictions in flight (a benchmark baseline)")
     _policy_args(p)
 
 
@@ -61,7 +71,8 @@ _ENGINE_FLAGS = {
     "gpu_memory_utilization": "gpu_memory_utilization", "page_size": "page_size",
     "max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
     "max_model_len": "max_model_len", "attention_backend": "attention_backend", "threads": "num_threads",
-    "policy": "policy",
+    "policy": "policy", "offload": "offload", "host_kv_memory": "host_kv_memory",
+    "disk_kv_memory": "disk_kv_memory", "disk_kv_dir": "disk_kv_dir",
 }
 
 
@@ -90,6 +101,8 @@ def engine_config(a: argparse.Namespace, file_values: dict | None = None,
         kw["enable_prefix_caching"] = False
     if getattr(a, "no_cuda_graphs", False):
         kw["cuda_graphs"] = False
+    if getattr(a, "no_load_evict_overlap", False):
+        kw["load_evict_overlap"] = False
     return EngineConfig.resolve(**kw)
 
 

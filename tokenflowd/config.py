@@ -1,6 +1,7 @@
 """Frozen, validated configuration. "auto" values are resolved before freezing."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -90,6 +91,12 @@ class EngineConfig:
     policy_params: PolicyConfig = field(default_factory=PolicyConfig)
     seed: int = 0
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+    # The host KV tier (offload/): none (preempted KV is recomputed) | write-back | write-through
+    offload: str = "write-through"
+    host_kv_memory: int | None = None  # bytes; None: as much as the device pool, within a quarter of RAM per GPU
+    disk_kv_memory: int = 0  # bytes of disk tier under disk_kv_dir; 0: none
+    disk_kv_dir: str | None = None  # None: $STATE_DIRECTORY (systemd's StateDirectory=)
+    load_evict_overlap: bool = True  # loads run while evictions are in flight (off: the ablation's baseline)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -120,6 +127,16 @@ class EngineConfig:
             raise ValueError("policy_params must be a PolicyConfig")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.offload not in ("none", "write-back", "write-through"):
+            raise ValueError(f"offload must be none, write-back or write-through, got {self.offload!r}")
+        if self.host_kv_memory is not None and self.host_kv_memory < 0:
+            raise ValueError("host_kv_memory must be >= 0 bytes")
+        if self.disk_kv_memory < 0:
+            raise ValueError("disk_kv_memory must be >= 0 bytes")
+        if self.disk_kv_memory and self.offload == "none":
+            raise ValueError("a disk KV tier needs a host tier: set offload to write-through or write-back")
+        if self.disk_kv_memory and not (self.disk_kv_dir or os.environ.get("STATE_DIRECTORY")):
+            raise ValueError("disk_kv_memory needs disk_kv_dir (or systemd's STATE_DIRECTORY) to put its file in")
 
     @classmethod
     def resolve(
@@ -130,6 +147,8 @@ class EngineConfig:
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
         kv_cache_memory: str | int | None = None,
+        host_kv_memory: str | int | None = None,
+        disk_kv_memory: str | int = 0,
         **kw,
     ) -> "EngineConfig":
         """Turn user-level choices ("auto", "1GiB") into a concrete, frozen config."""
@@ -154,6 +173,8 @@ class EngineConfig:
             attention_backend=attention_backend,
             cuda_graphs=cuda_graphs,
             kv_cache_memory=mem,
+            host_kv_memory=None if host_kv_memory is None else parse_size(host_kv_memory),
+            disk_kv_memory=parse_size(disk_kv_memory),
             **kw,
         )
 
@@ -241,7 +262,7 @@ def _known_fields() -> dict[str, dict[str, str]]:
             "policy": {f.name: f.type for f in fields(PolicyConfig)}}
 
 
-_SIZE_FIELDS = ("kv_cache_memory", "max_body_size")  # a number of bytes, or a text with a unit
+_SIZE_FIELDS = ("kv_cache_memory", "host_kv_memory", "disk_kv_memory", "max_body_size")  # a number of bytes, or a text with a unit
 
 
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}

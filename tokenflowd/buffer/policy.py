@@ -35,7 +35,9 @@ class RequestView:
     buffer: float = 0.0  # tokens its client holds unread at view.now (0 before the first token)
     num_output_tokens: int = 0
     max_output_tokens: int | None = None  # the most it may generate in all (None: to the context)
-    io_time: float | None = None  # waiting: s to bring its KV back from the host tier; None: no host copy
+    # waiting: s to bring its KV back from the host tier (None: no host copy); running: s to write
+    # what the host lacks and load it all back were it preempted now (None: no host tier)
+    io_time: float | None = None
     host_tokens: int = 0  # waiting: leading tokens whose KV the host tier holds (a reload restores them)
 
     @property
@@ -84,7 +86,9 @@ class Plan:
 
     scheduled: tuple[tuple[str, int], ...] = ()  # (request_id, num_tokens), num_tokens >= 1
     preempted: tuple[str, ...] = ()
-    reload: tuple[str, ...] = ()  # admitted requests whose KV comes back from the host tier, not recompute
+    # admitted requests whose KV comes back from the host tier, not recompute (the scheduler also
+    # loads any other admitted request whose host copy is faster to load than to recompute)
+    reload: tuple[str, ...] = ()
 
 
 class SchedulingPolicy(abc.ABC):

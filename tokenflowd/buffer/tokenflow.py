@@ -74,6 +74,7 @@ class _WorkingSet:
     overhead: np.ndarray  # s before it produces again: 0 running, else min(t_IO, t_recompute)
     expected: np.ndarray  # output tokens it is expected to produce in all
     reloaded: np.ndarray  # bool: its overhead is the host tier's t_IO, not a recompute
+    away: np.ndarray  # running: s it would take to come back if preempted now, min(t_IO, t_recompute)
 
 
 class TokenFlowPolicy(SchedulingPolicy):
@@ -175,7 +176,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         # down to μ× its way back, and only a running one whose buffer outlasts its time away.
         u = self._utility(ws, g)
         utility = u.tolist()
-        tier, admission_victim = self._tiers(ws, view.cost, t)
+        tier, admission_victim = self._tiers(ws, t)
         order = self._within_recompute_budget(np.lexsort((-u, tier)), ws, tier, (1.0 - load / gamma_cap) * t)
         chosen = self._fill(order, pages, capacity, view.max_num_seqs)
         chosen = self._local_search(order, chosen, pages, utility, capacity, view.max_num_seqs, tier.tolist())
@@ -236,7 +237,11 @@ class TokenFlowPolicy(SchedulingPolicy):
                         overhead[i] = t_io
                         reloaded[i] = True
         b_pred = np.maximum(buffer - rate * overhead, 0.0)
-        return _WorkingSet(reqs, nr, num_tokens, rate, buffer, b_pred, overhead, expected, reloaded)
+        away = view.cost.recompute_time(1) * num_tokens[:nr].astype(np.float64)
+        for i, r in enumerate(view.running):
+            if r.io_time is not None:
+                away[i] = min(away[i], r.io_time)
+        return _WorkingSet(reqs, nr, num_tokens, rate, buffer, b_pred, overhead, expected, reloaded, away)
 
     @staticmethod
     def _within_recompute_budget(order: np.ndarray, ws: _WorkingSet, tier: np.ndarray, budget: float) -> list[int]:
@@ -257,7 +262,7 @@ class TokenFlowPolicy(SchedulingPolicy):
             over[costly[0]] = False
         return order[~(over & (cost > 0))].tolist()
 
-    def _tiers(self, ws: _WorkingSet, cost, interval: float) -> tuple[np.ndarray, np.ndarray]:
+    def _tiers(self, ws: _WorkingSet, interval: float) -> tuple[np.ndarray, np.ndarray]:
         """The swap tier of each request in W (lower goes first in the greedy fill), and which
         running ones a *new* request may displace (§4.2.1's rule, μ× the time away):
             PINNED_RUNNING  running, its buffer would not last the shortest time away (its
@@ -268,7 +273,9 @@ class TokenFlowPolicy(SchedulingPolicy):
         mu = self.params.buffer_conservativeness
         running = np.arange(len(ws.reqs)) < ws.num_running
         seconds = ws.buffer / ws.rate
-        away = cost.recompute_time(1) * ws.num_tokens + interval  # a running request's time away if preempted now
+        away = np.zeros(len(ws.reqs))
+        away[: ws.num_running] = ws.away
+        away += interval  # a running request's time away if preempted now
         back = ws.overhead + interval  # a preempted request's way back (io or recompute) plus a pass
         tier = np.where(running, np.where(seconds >= away, SAFE_RUNNING, PINNED_RUNNING),
                         np.where(seconds <= mu * back, URGENT, RESTING))

@@ -58,8 +58,11 @@ class EngineCore:
         self.stats = StepStats()
 
     def _init_scheduler(self) -> None:
+        from tokenflowd.offload import build_offload
+
         self.pool = PagePool(self.runner.num_pages, self.config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, self.config.page_size)
+        self.offload = build_offload(self.config, self.runner.kv_cache, self.runner.attn.page_axis, self.pool)
+        self.kv = KVCacheManager(self.pool, self.config.page_size, self.offload)
         self.scheduler = Scheduler(
             self.kv, make_policy(self.config.policy, self.config.policy_params),
             self.config.max_num_batched_tokens, self.config.max_num_seqs,
@@ -96,6 +99,20 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def copies_in_flight(self) -> bool:
+        return self.offload is not None and self.offload.copier.busy_any()
+
+    def wait_copies(self) -> None:
+        """Block until the host-tier copies in flight have ended, and account for them."""
+        if self.offload is not None:
+            self.offload.wait()
+            self.scheduler.poll_copies()
+
+    def close(self) -> None:
+        """Finish the copies in flight and let go of the host and disk tiers."""
+        if self.offload is not None:
+            self.offload.close()
+
     def set_reading_rate(self, request_id: str, reading_rate: float, now: float) -> bool:
         req = self.scheduler.requests.get(request_id)
         if req is None:
@@ -105,7 +122,10 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         batch = self.scheduler.schedule()
+        self.scheduler.issue_copies(batch)
         if not batch.requests:
+            if self.offload is not None and self.offload.loading:
+                self.offload.copier.wait_oldest()  # nothing to compute until KV is back in place
             return []
         t0 = time.perf_counter()
         try:

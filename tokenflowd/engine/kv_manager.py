@@ -1,11 +1,15 @@
-"""Per-request page bookkeeping on top of the PagePool: prefix hits, growth, publication, release."""
+"""Per-request page bookkeeping on top of the PagePool: prefix hits, growth, publication, release;
+and, with a host tier (offload/), preemption that keeps the KV and admission that loads it back."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from tokenflowd.buffer.policy import cdiv
 from tokenflowd.engine.page_pool import PagePool, chain_page_keys
 from tokenflowd.engine.request import Request
+
+if TYPE_CHECKING:
+    from tokenflowd.offload.manager import OffloadManager
 
 
 class PrefixHit(NamedTuple):
@@ -18,9 +22,10 @@ class PrefixHit(NamedTuple):
 
 
 class KVCacheManager:
-    def __init__(self, pool: PagePool, page_size: int) -> None:
+    def __init__(self, pool: PagePool, page_size: int, offload: "OffloadManager | None" = None) -> None:
         self.pool = pool
         self.page_size = page_size
+        self.offload = offload  # None: no host tier, a preempted request's KV is recomputed
 
     def prefix_hit(self, req: Request) -> PrefixHit:
         """The longest cached run of full pages covering at most num_tokens - 1 tokens: the last
@@ -66,9 +71,29 @@ class KVCacheManager:
             self.pool.register(req.block_table[i], req.page_hashes[i])
         req.num_published_pages = max(req.num_published_pages, num_full)
 
+    def start_load(self, req: Request, hit: PrefixHit, num_tokens: int) -> bool:
+        """Admit `req` to come back from the host tier with its first `num_tokens` tokens computed:
+        device-cached pages are taken as they are, the others loaded (offload/manager.py)."""
+        assert self.offload is not None and not req.block_table and req.num_computed_tokens == 0
+        self.offload.attach_host_prefix(req)
+        return self.offload.start_load(req, hit.pages, num_tokens)
+
+    def preempt(self, req: Request) -> None:
+        """Give up the request's device pages. With a host tier what the host lacks is written
+        first (those pages are freed when the copy ends); without, the KV is recomputed later."""
+        if self.offload is not None:
+            self.offload.preempt(req)
+        self._release_device(req)
+
     def free(self, req: Request) -> None:
-        """Release the request's pages, tail first, so that LRU eviction takes the tails of
-        prefixes before their heads. Its computed tokens are forgotten (recompute on resume)."""
+        """The request ends: release its pages in every tier."""
+        self._release_device(req)
+        if self.offload is not None:
+            self.offload.release(req)
+
+    def _release_device(self, req: Request) -> None:
+        """Release the request's device pages, tail first, so that LRU eviction takes the tails of
+        prefixes before their heads; a page a copy still reads stays pinned until it ends."""
         for page in reversed(req.block_table):
             self.pool.decref(page)
         req.block_table = []

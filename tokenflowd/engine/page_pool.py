@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 def chain_page_keys(
@@ -35,11 +35,17 @@ class OutOfPages(RuntimeError):
 
 
 class PagePool:
-    def __init__(self, num_pages: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, enable_prefix_caching: bool = True, *, reuse_first: bool = False,
+                 on_evict: Callable[[int, bytes], None] | None = None) -> None:
+        """`reuse_first`: hand out the most recently freed page first (a host tier in untouched
+        memory then touches only what it uses at peak). `on_evict(page, key)`: called before a
+        cached page is taken for reuse, while it still holds its data (the host tier spills it)."""
         if num_pages < 1:
             raise ValueError("the KV pool needs at least one page")
         self.num_pages = num_pages
         self.enable_prefix_caching = enable_prefix_caching
+        self.reuse_first = reuse_first
+        self.on_evict = on_evict
         self._ref = [0] * num_pages
         self._key: list[bytes | None] = [None] * num_pages
         self._free: deque[int] = deque(range(num_pages))
@@ -71,6 +77,12 @@ class PagePool:
     def is_evictable(self, page: int) -> bool:
         return page in self._lru
 
+    def key_of(self, page: int) -> bytes | None:
+        return self._key[page]
+
+    def has_key(self, key: bytes) -> bool:
+        return key in self._by_key
+
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self) -> int:
         """A fresh page with ref 1; evicts the least recently used cached page if none is free."""
@@ -79,6 +91,8 @@ class PagePool:
         elif self._lru:
             page, _ = self._lru.popitem(last=False)
             key = self._key[page]
+            if self.on_evict is not None:
+                self.on_evict(page, key)  # type: ignore[arg-type]
             del self._by_key[key]  # type: ignore[arg-type]
             if self.track_key_events:
                 self._keys_removed.append(key)  # type: ignore[arg-type]
@@ -99,6 +113,8 @@ class PagePool:
         if self._ref[page] == 0:
             if self._key[page] is not None:
                 self._lru[page] = None  # most recently used end
+            elif self.reuse_first:
+                self._free.appendleft(page)
             else:
                 self._free.append(page)
 

@@ -57,11 +57,14 @@ class EngineProcess(EngineEndpoint):
             elif not trimmed:
                 trim_heap()
                 trimmed = True
-            if self.inbox.poll(0 if busy else heartbeat_ms):
+            copying = core.copies_in_flight()  # they pin KV pages: account for them soon, even idle
+            if self.inbox.poll(0 if busy else 1 if copying else heartbeat_ms):
                 self.drain_inbox()
             deltas = self.take_rejected()
             if core.has_unfinished():
                 deltas += [_delta(out) for out in core.step()]
+            elif copying:
+                core.scheduler.poll_copies()
             now = time.monotonic()
             if self.must_report(deltas, now, last_sent):
                 added, removed = core.pool.drain_key_events()
@@ -70,6 +73,7 @@ class EngineProcess(EngineEndpoint):
                 last_sent = now
             if not busy and self.orphaned(log):
                 break
+        core.close()
         self.close()
 
     def abort(self, request_id: str) -> None:

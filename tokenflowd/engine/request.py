@@ -57,6 +57,7 @@ class SamplingParams:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"  # admitted; its KV is coming back from the host tier
     PREEMPTED = "preempted"
     FINISHED = "finished"
 
@@ -75,6 +76,8 @@ class Request:
         token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... ]
                       <- num_prompt_tokens -> <- num_output_tokens ->
         computed:   [=========== num_computed_tokens ===)     KV of these is in block_table's pages
+        host tier:  [== num_offloaded_tokens ==)[ in flight )    KV of these is in host_pages
+                    write frontier ------------^           ^---- num_offload_issued
     """
 
     request_id: str
@@ -96,6 +99,14 @@ class Request:
     error: str | None = None
     block_table: list[int] = field(default_factory=list)  # page ids, in token order
     page_hashes: list[bytes] = field(default_factory=list)  # chained keys of full pages, lazily extended
+    # The host tier (offload/): host_pages[i] holds token page i; len == cdiv(num_offload_issued, page_size),
+    # and only its last page can be partial (private: a partial page is never in the prefix cache).
+    host_pages: list[int] = field(default_factory=list)
+    num_offloaded_tokens: int = 0  # the write frontier: leading tokens whose KV the host holds
+    num_offload_issued: int = 0  # leading tokens whose copy to the host is issued (>= the frontier)
+    load_queue: list[tuple[int, int]] = field(default_factory=list)  # LOADING: (device, host) pages not yet issued
+    num_loading_pages: int = 0  # LOADING: loads issued and not yet done
+    num_load_tokens: int = 0  # LOADING: num_computed_tokens once its pages are in place
     buffer: TokenBuffer = field(init=False)  # the client's token buffer, fed as tokens are sampled
     generator: torch.Generator | None = None
 

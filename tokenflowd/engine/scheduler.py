@@ -1,7 +1,11 @@
 """Turns the policy's plan into page allocations and a batch; applies the step's sampled tokens.
 
-    schedule() -> ScheduledBatch      (view -> policy.plan -> preempt / admit / grow)
+    schedule() -> ScheduledBatch      (loads done -> view -> policy.plan -> preempt / admit / grow)
+    issue_copies(batch)               (with a host tier: the step's write-through and load chunks)
     update(batch, sampled)            (counters, new tokens, stop checks, page publication)
+
+A request is waiting (new or preempted), running, or loading (admitted, its KV coming back from
+the host tier; it rejoins the running set when every page is in place).
 """
 from __future__ import annotations
 
@@ -12,16 +16,17 @@ from typing import Callable
 
 from tokenflowd.buffer.estimates import StepTimeModel
 from tokenflowd.buffer.policy import RequestView, SchedulerView, SchedulingPolicy
-from tokenflowd.engine.kv_manager import KVCacheManager
+from tokenflowd.engine.kv_manager import KVCacheManager, PrefixHit
 from tokenflowd.engine.request import FinishReason, Request, RequestStatus
 
 
 def _request_view(req: Request, now: float, num_computed: int, pages_held: int, pages_reclaimed: int = 0,
-                  pages_exclusive: int | None = None) -> RequestView:
+                  pages_exclusive: int | None = None, io_time: float | None = None,
+                  host_tokens: int = 0) -> RequestView:
     """What a policy sees of `req`: the memory fields given, its client's side read from it."""
     return RequestView(req.request_id, req.arrival_time, req.num_tokens, num_computed, pages_held, pages_reclaimed,
                        pages_exclusive, req.priority, req.buffer.reading_rate, req.buffer.buffer(now),
-                       req.num_output_tokens, req.max_tokens)
+                       req.num_output_tokens, req.max_tokens, io_time, host_tokens)
 
 
 def _queue_order(req: Request) -> tuple[int, float]:
@@ -55,6 +60,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: list[Request] = []  # queue order: priority (higher first), then arrival
         self.running: list[Request] = []  # arrival order
+        self.offload = kv.offload  # None: no host tier
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.step_model = StepTimeModel()  # fed by observe_step; read by policies through the view
@@ -71,20 +77,25 @@ class Scheduler:
     # -- schedule -----------------------------------------------------------------------------
     def _view(self) -> SchedulerView:
         now = self.clock()
-        pool = self.kv.pool
+        pool, off = self.kv.pool, self.offload
         # Preemption is possible only when the free pages cannot give every running request one
         # more page; only then is it worth counting which of a request's pages are its alone.
         tight = pool.num_free < len(self.running)
         running = tuple(
             _request_view(r, now, r.num_computed_tokens, len(r.block_table),
-                          pages_exclusive=sum(pool.ref_count(p) == 1 for p in r.block_table) if tight else None)
+                          pages_exclusive=sum(pool.ref_count(p) == 1 for p in r.block_table) if tight else None,
+                          # were it preempted now: write what the host lacks, then load it all back
+                          io_time=off.write_time(r) + off.io_time(len(r.block_table)) if off and tight else None)
             for r in self.running
         )
         waiting = []
         # Only requests that could be admitted this step need a prefix lookup.
+        seats = self.max_num_seqs - len(off.loading) if off else self.max_num_seqs
         for r in self.waiting[: self.max_num_seqs]:
             hit = self.kv.prefix_hit(r)
-            waiting.append(_request_view(r, now, hit.num_pages * self.kv.page_size, hit.num_pages, hit.num_evictable))
+            io, host_tokens = self._host_prefix(r, hit.num_pages)
+            waiting.append(_request_view(r, now, hit.num_pages * self.kv.page_size, hit.num_pages, hit.num_evictable,
+                                         io_time=io, host_tokens=host_tokens))
         return SchedulerView(
             now=now,
             running=running,
@@ -93,11 +104,56 @@ class Scheduler:
             total_pages=pool.num_pages,
             page_size=self.kv.page_size,
             token_budget=self.token_budget,
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=max(1, seats),
             cost=self.step_model.cost,
+            host_pages=off.host.num_pages if off else 0,
         )
 
+    def _host_prefix(self, req: Request, device_hit_pages: int) -> tuple[float | None, int]:
+        """(t_IO, tokens) of bringing `req`'s KV back from the host tier; (None, 0): nothing to load."""
+        if self.offload is None:
+            return None, 0
+        hp = self.offload.host_prefix(req, device_hit_pages)
+        if not hp.num_tokens:
+            return None, 0
+        return self.offload.io_time(hp.num_pages_to_load, hp.num_disk_pages), hp.num_tokens
+
+    def _try_load(self, req: Request, hit: PrefixHit, planned: bool) -> bool | None:
+        """Admit `req` by loading its KV from the host tier when the plan says so or it is faster
+        than recomputing. None: not a load (admit as usual); else whether it was admitted."""
+        io, tokens = self._host_prefix(req, hit.num_pages)
+        if io is None:
+            return None
+        if not planned and io >= self.step_model.cost.recompute_time(tokens - hit.num_pages * self.kv.page_size):
+            return None
+        if not self.kv.start_load(req, hit, tokens):
+            return False
+        self.waiting.remove(req)
+        return True
+
+    def _resume(self, req: Request) -> None:
+        """Its pages are in place: it runs again with its loaded tokens computed."""
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = req.num_load_tokens
+        self.kv.commit(req)
+        bisect.insort(self.running, req, key=lambda r: r.arrival_time)
+
+    def issue_copies(self, batch: ScheduledBatch) -> None:
+        """Before the step runs: write-through and load chunks sized to end within it (§5.2)."""
+        if self.offload is None:
+            return
+        seconds = self.step_model.cost.step_time(batch.total_tokens, batch.num_context_tokens)
+        now = self.clock()
+        self.offload.issue(seconds, self.running, lambda r: r.buffer.buffer(now))
+
+    def poll_copies(self) -> None:
+        """Account for the host-tier copies that ended; requests whose pages are in place run again."""
+        if self.offload is not None:
+            for req in self.offload.poll():
+                self._resume(req)
+
     def schedule(self) -> ScheduledBatch:
+        self.poll_copies()
         plan = self.policy.plan(self._view())
         ids = [rid for rid, _ in plan.scheduled]
         assert len(set(ids)) == len(ids), f"{self.policy.name} scheduled a request twice"
@@ -107,7 +163,7 @@ class Scheduler:
         for rid in plan.preempted:
             req = self.requests[rid]
             assert req.status is RequestStatus.RUNNING, f"policy preempted {rid}, which is not running"
-            self.kv.free(req)
+            self.kv.preempt(req)
             req.status = RequestStatus.PREEMPTED
             req.num_preemptions += 1
             self.num_preemptions += 1
@@ -116,7 +172,8 @@ class Scheduler:
             batch.preempted.append(req)
         if plan.preempted:
             self.waiting.sort(key=_queue_order)
-        assert not plan.reload, f"{self.policy.name} planned a reload, but there is no host KV tier"
+        assert self.offload or not plan.reload, f"{self.policy.name} planned a reload, but there is no host KV tier"
+        reload = set(plan.reload)
         admitted = blocked = False
         for rid, n in plan.scheduled:
             req = self.requests[rid]
@@ -127,7 +184,12 @@ class Scheduler:
             elif blocked:
                 continue  # keep arrival order: nothing jumps a request that could not be admitted
             else:
-                ok = self.kv.admit(req, self.kv.prefix_hit(req), n)
+                hit = self.kv.prefix_hit(req)
+                loading = self._try_load(req, hit, rid in reload) if self.offload is not None else None
+                if loading is not None:  # it rejoins the batch once its pages are in place
+                    blocked = not loading
+                    continue
+                ok = self.kv.admit(req, hit, n)
                 blocked = not ok
                 if ok:
                     req.status = RequestStatus.RUNNING
@@ -184,7 +246,7 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif req.status is not RequestStatus.LOADING:  # a loading one leaves the offload manager in kv.free
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED

@@ -55,6 +55,12 @@ class AttentionBackend(abc.ABC):
     def kv_cache_shape(self, num_pages: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache, K and V planes first."""
 
+    @property
+    def page_axis(self) -> int:
+        """The axis of kv_cache_shape that indexes pages (where the host tier's copies slice)."""
+        a, b = self.kv_cache_shape(1), self.kv_cache_shape(2)
+        return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
     @abc.abstractmethod
     def prepare(self, inputs: AttentionInputs) -> object:
         """Per-step metadata shared by every layer."""

@@ -1,0 +1,241 @@
+"""The copier: moves whole KV pages between the device tier and the host tier, off the compute path.
+
+Two lanes, one per direction, each first-in first-out:
+
+    write  device -> host   (write-through, evictions)
+    load   host -> device   (resumes, prefix hits on the host)
+
+On a GPU each lane is its own CUDA stream, ordered after the compute stream by an event recorded
+when the copy is submitted, and a job is done when its end event has passed. On a CPU each lane is
+a worker thread (torch copies drop the GIL, so they overlap the step the main thread computes).
+
+Layouts (the device's page axis moved to the front, so a page is one index on both sides):
+
+    device: kv_cache.movedim(1 + page_axis, 0) -> [num_pages + 1, layers, *rest]   a strided view
+    host:   [num_host_pages, layers, *rest]                                         contiguous;
+                                                                                     pinned on a GPU box
+
+Invariants: a job reads and writes only the pages it names; the caller pins every one of them
+(a reference in its pool) from submit until `poll` returns the job, so none is freed or handed to
+another request while the copy runs. Jobs of one lane complete in submission order.
+"""
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+WRITE, LOAD = "write", "load"
+
+
+@dataclass(eq=False)
+class CopyJob:
+    lane: str  # WRITE (device -> host) or LOAD (host -> device)
+    device_pages: list[int]
+    host_pages: list[int]  # host_pages[i] pairs with device_pages[i]
+    nbytes: int
+    tag: Any = None  # the offload manager's bookkeeping for this job
+    submitted: float = 0.0  # time.perf_counter() at submit
+    seconds: float = 0.0  # the copy's own duration, measured where it ran
+    done: bool = False
+    _events: Any = field(default=None, repr=False)
+
+
+class Bandwidth:
+    """Bytes/s of one lane: an exponential average over the jobs it completed, from a prior."""
+
+    def __init__(self, prior: float, weight: float = 0.2) -> None:
+        self.value = prior
+        self.weight = weight
+        self.samples = 0
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if seconds <= 0 or nbytes <= 0:
+            return
+        bw = nbytes / seconds
+        self.value = bw if self.samples == 0 else (1 - self.weight) * self.value + self.weight * bw
+        self.samples += 1
+
+
+class Copier(abc.ABC):
+    """Submit jobs; `poll` hands back the finished ones (each exactly once). See the module doc."""
+
+    def __init__(self, device_pages: torch.Tensor, host_pages: torch.Tensor, prior_bandwidth: float) -> None:
+        self.dev = device_pages  # [num_pages + 1, layers, *rest] view of the device KV cache
+        self.host = host_pages  # [num_host_pages, layers, *rest]
+        self.bandwidth = {WRITE: Bandwidth(prior_bandwidth), LOAD: Bandwidth(prior_bandwidth)}
+        self.in_flight: dict[str, deque[CopyJob]] = {WRITE: deque(), LOAD: deque()}
+        self._queued = {WRITE: 0, LOAD: 0}  # bytes submitted and not yet polled, per lane
+
+    def submit(self, job: CopyJob) -> CopyJob:
+        job.submitted = time.perf_counter()
+        self.in_flight[job.lane].append(job)
+        self._queued[job.lane] += job.nbytes
+        self._start(job)
+        return job
+
+    def poll(self) -> list[CopyJob]:
+        """Jobs finished since the last call, each lane in submission order."""
+        done = []
+        for lane, jobs in self.in_flight.items():
+            while jobs and self._finished(jobs[0]):
+                job = jobs.popleft()
+                job.done = True
+                self._queued[lane] -= job.nbytes
+                self.bandwidth[lane].observe(job.nbytes, job.seconds)
+                done.append(job)
+        return done
+
+    def busy(self, lane: str) -> bool:
+        return bool(self.in_flight[lane])
+
+    def busy_any(self) -> bool:
+        return any(self.in_flight.values())
+
+    def queued_bytes(self, lane: str) -> int:
+        return self._queued[lane]
+
+    def wait_oldest(self) -> None:
+        """Block until the oldest job in flight has ended (loads first): a step with nothing to
+        compute waits here instead of spinning."""
+        for lane in (LOAD, WRITE):
+            if self.in_flight[lane]:
+                self._wait(self.in_flight[lane][0])
+                return
+
+    def wait(self) -> None:
+        """Block until every submitted job has ended (the next poll hands them back)."""
+        for jobs in self.in_flight.values():
+            for job in jobs:
+                self._wait(job)
+
+    def close(self) -> None:
+        self.wait()
+
+    @abc.abstractmethod
+    def _start(self, job: CopyJob) -> None: ...
+
+    @abc.abstractmethod
+    def _finished(self, job: CopyJob) -> bool: ...
+
+    @abc.abstractmethod
+    def _wait(self, job: CopyJob) -> None: ...
+
+
+def copy_pages(dev: torch.Tensor, host: torch.Tensor, job: CopyJob) -> None:
+    """The copy itself on a CPU: one gather (write) or scatter (load) per run of consecutive host
+    pages, straight between the two tiers (one pass over the bytes, few calls into torch)."""
+    for i, j, h in _runs(job.host_pages):
+        idx = torch.tensor(job.device_pages[i:j], dtype=torch.int64)
+        if job.lane == WRITE:
+            torch.index_select(dev, 0, idx, out=host[h : h + j - i])
+        else:
+            dev.index_copy_(0, idx, host[h : h + j - i])
+
+
+class ThreadCopier(Copier):
+    """CPU: one worker thread per lane."""
+
+    def __init__(self, device_pages: torch.Tensor, host_pages: torch.Tensor, prior_bandwidth: float = 4e9) -> None:
+        super().__init__(device_pages, host_pages, prior_bandwidth)
+        self._queues = {lane: queue.SimpleQueue() for lane in (WRITE, LOAD)}
+        self._threads = [threading.Thread(target=self._worker, args=(q,), name=f"kv-{lane}", daemon=True)
+                         for lane, q in self._queues.items()]
+        for t in self._threads:
+            t.start()
+
+    def _worker(self, q: queue.SimpleQueue) -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                self._run(job)
+            finally:
+                job.seconds = time.perf_counter() - t0
+                job._events.set()
+
+    def _run(self, job: CopyJob) -> None:
+        copy_pages(self.dev, self.host, job)
+
+    def _start(self, job: CopyJob) -> None:
+        job._events = threading.Event()
+        self._queues[job.lane].put(job)
+
+    def _finished(self, job: CopyJob) -> bool:
+        return job._events.is_set()
+
+    def _wait(self, job: CopyJob) -> None:
+        job._events.wait()
+
+    def close(self) -> None:
+        super().close()
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join()
+
+
+class CudaCopier(Copier):
+    """GPU: one CUDA stream per lane, each ordered after the compute stream at submit.
+
+    A write gathers the job's device pages into one contiguous block on the copy stream, then
+    copies each run of consecutive host pages with one cudaMemcpyAsync into pinned memory; a load
+    does the reverse (one copy per host run into a device block, then one scatter)."""
+
+    def __init__(self, device_pages: torch.Tensor, host_pages: torch.Tensor, prior_bandwidth: float = 20e9) -> None:
+        super().__init__(device_pages, host_pages, prior_bandwidth)
+        self.device = device_pages.device
+        self._streams = {lane: torch.cuda.Stream(self.device) for lane in (WRITE, LOAD)}
+
+    def _start(self, job: CopyJob) -> None:
+        stream = self._streams[job.lane]
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the step that wrote the pages
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            idx = torch.tensor(job.device_pages, dtype=torch.int64).to(self.device, non_blocking=True)
+            if job.lane == WRITE:
+                block = self.dev.index_select(0, idx)  # [n, layers, *rest] contiguous, on the copy stream
+                for i, j, h in _runs(job.host_pages):
+                    self.host[h : h + j - i].copy_(block[i:j], non_blocking=True)
+            else:
+                block = torch.empty((len(idx), *self.dev.shape[1:]), dtype=self.dev.dtype, device=self.device)
+                for i, j, h in _runs(job.host_pages):
+                    block[i:j].copy_(self.host[h : h + j - i], non_blocking=True)
+                self.dev.index_copy_(0, idx, block)
+            end.record(stream)
+        job._events = (start, end, block, idx)  # the block and index live until the copy is done
+
+    def _finished(self, job: CopyJob) -> bool:
+        start, end, _, _ = job._events
+        if not end.query():
+            return False
+        job.seconds = start.elapsed_time(end) / 1e3
+        return True
+
+    def _wait(self, job: CopyJob) -> None:
+        job._events[1].synchronize()
+
+
+def _runs(host_pages: list[int]) -> list[tuple[int, int, int]]:
+    """(i, j, first host page) for each maximal run host_pages[i:j] of consecutive pages."""
+    runs, i = [], 0
+    for k in range(1, len(host_pages) + 1):
+        if k == len(host_pages) or host_pages[k] != host_pages[k - 1] + 1:
+            runs.append((i, k, host_pages[i]))
+            i = k
+    return runs
+
+
+def make_copier(device_pages: torch.Tensor, host_pages: torch.Tensor) -> Copier:
+    if device_pages.device.type == "cuda":
+        return CudaCopier(device_pages, host_pages)
+    return ThreadCopier(device_pages, host_pages)

@@ -1,0 +1,142 @@
+"""The tiers below the device: host memory (pinned on a GPU box) and, optionally, a file on disk.
+
+    device pages ──write / load──> host tier ──spill / promote──> disk tier
+    (engine/page_pool.py)          HostTier                        DiskTier
+
+A host page is in one of PagePool's three states: free; cached (ref 0, keyed: a prefix page
+nobody holds, evictable in LRU order); in use (held by requests' host tables, and pinned by the
+copier while a copy reads or writes it). When the host tier needs room it reuses the least
+recently used cached page, and spills it to the disk tier first, where one is configured. The disk
+tier holds only keyed pages (the hierarchical prefix cache); a hit is promoted back to the host.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import tempfile
+from collections import OrderedDict
+
+import torch
+
+from tokenflowd.engine.page_pool import PagePool
+
+log = logging.getLogger(__name__)
+
+
+class KVTier(abc.ABC):
+    """Whole KV pages in one place, one layout: a page is `page_bytes` bytes, addressed by id or key."""
+
+    page_bytes: int
+    num_pages: int
+
+
+class DiskTier(KVTier):
+    """Keyed pages in one unlinked file under `directory`: nothing outlives the process.
+
+    Invariants: a key maps to one slot; a slot's bytes are the page written under its key; when the
+    file is full, the least recently used key is dropped (its slot reused)."""
+
+    def __init__(self, directory: str, num_pages: int, page_bytes: int) -> None:
+        if num_pages < 1:
+            raise ValueError("the disk KV tier needs room for at least one page")
+        os.makedirs(directory, exist_ok=True)
+        self._file = tempfile.TemporaryFile(dir=directory, prefix="kv-")
+        self._fd = self._file.fileno()
+        os.ftruncate(self._fd, num_pages * page_bytes)
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self._slot: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
+        self._free = list(range(num_pages - 1, -1, -1))
+        self.num_writes = self.num_reads = 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slot
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def put(self, key: bytes, page: torch.Tensor) -> None:
+        """Store `page` (a contiguous CPU tensor of page_bytes) under `key`."""
+        if key in self._slot:
+            self._slot.move_to_end(key)
+            return
+        slot = self._free.pop() if self._free else self._slot.popitem(last=False)[1]
+        os.pwrite(self._fd, _bytes_of(page), slot * self.page_bytes)
+        self._slot[key] = slot
+        self.num_writes += 1
+
+    def touch(self, key: bytes) -> None:
+        """Mark `key` most recently used (so that a spill made to read it back does not drop it)."""
+        if key in self._slot:
+            self._slot.move_to_end(key)
+
+    def get(self, key: bytes, out: torch.Tensor) -> bool:
+        """Read the page stored under `key` into `out`; False (out unchanged) if it is not here."""
+        slot = self._slot.get(key)
+        if slot is None:
+            return False
+        view = _bytes_of(out)
+        n = os.preadv(self._fd, [view], slot * self.page_bytes)
+        if n != self.page_bytes:
+            raise OSError(f"short read from the disk KV tier: {n} of {self.page_bytes} bytes")
+        self._slot.move_to_end(key)
+        self.num_reads += 1
+        return True
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+class HostTier(KVTier):
+    """Host memory for KV pages, in the device pages' layout, with its own allocator and LRU.
+
+    pages: [num_pages, layers, *rest] dtype cpu (pinned when the device is a GPU). Allocated
+    empty: the OS backs only the pages ever written, and the allocator reuses the most recently
+    freed page first, so a lightly used tier stays small."""
+
+    def __init__(self, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+                 enable_prefix_caching: bool, disk: DiskTier | None = None) -> None:
+        self.pages = torch.empty((num_pages, *page_shape), dtype=dtype, pin_memory=pin)
+        self.num_pages = num_pages
+        self.page_bytes = self.pages[0].numel() * self.pages.element_size()
+        self.disk = disk
+        self.pool = PagePool(num_pages, enable_prefix_caching, reuse_first=True,
+                             on_evict=self._spill if disk is not None else None)
+
+    def _spill(self, page: int, key: bytes) -> None:
+        self.disk.put(key, self.pages[page])  # type: ignore[union-attr]
+
+    def lookup(self, keys: list[bytes]) -> tuple[list[int], int]:
+        """The longest prefix of `keys` held here (page ids, no references taken), and how many
+        more keys after it the disk tier holds."""
+        pages = self.pool.lookup(keys)
+        on_disk = 0
+        if self.disk is not None:
+            for key in keys[len(pages):]:
+                if key not in self.disk:
+                    break
+                on_disk += 1
+        return pages, on_disk
+
+    def promote(self, key: bytes) -> int | None:
+        """A host page (ref 1, keyed) holding the disk tier's copy of `key`, or None if there is no
+        room or the disk no longer holds it."""
+        if self.disk is None or key not in self.disk or self.pool.num_free == 0:
+            return None
+        self.disk.touch(key)
+        page = self.pool.allocate()
+        if not self.disk.get(key, self.pages[page]):
+            self.pool.decref(page)
+            return None
+        self.pool.register(page, key)
+        return page
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
