@@ -116,7 +116,7 @@ class Scheduler:
         hp = self.offload.host_prefix(req, device_hit_pages)
         if not hp.num_tokens:
             return None, 0
-        return self.offload.io_time(hp.num_pages_to_load, hp.num_disk_pages), hp.num_tokens
+        return self.offload.io_time(hp.num_pages_to_load, hp.num_disk_pages, hp.num_unwritten_pages), hp.num_tokens
 
     def _try_load(self, req: Request, hit: PrefixHit, planned: bool) -> bool | None:
         """Admit `req` by loading its KV from the host tier when the plan says so or it is faster

@@ -48,15 +48,20 @@ class CopyJob:
 
 
 class Bandwidth:
-    """Bytes/s of one lane: an exponential average over the jobs it completed, from a prior."""
+    """Bytes/s of one lane: an exponential average over the jobs it completed, from a prior.
 
-    def __init__(self, prior: float, weight: float = 0.2) -> None:
+    NOTE: only jobs of at least `min_bytes` count: a small job's time is mostly the fixed cost of
+    starting it (a thread wake-up, a kernel launch), and its bytes/s would make the chunked writer
+    issue a page a step where hundreds fit."""
+
+    def __init__(self, prior: float, weight: float = 0.2, min_bytes: int = 1 << 20) -> None:
         self.value = prior
         self.weight = weight
+        self.min_bytes = min_bytes
         self.samples = 0
 
     def observe(self, nbytes: int, seconds: float) -> None:
-        if seconds <= 0 or nbytes <= 0:
+        if seconds <= 0 or nbytes < self.min_bytes:
             return
         bw = nbytes / seconds
         self.value = bw if self.samples == 0 else (1 - self.weight) * self.value + self.weight * bw

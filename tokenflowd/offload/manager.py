@@ -63,6 +63,7 @@ class HostPrefix(NamedTuple):
     num_tokens: int  # leading tokens whose KV comes back by loading (0: nothing to load)
     num_pages_to_load: int
     num_disk_pages: int  # of those, how many must first be read from the disk tier
+    num_unwritten_pages: int = 0  # of those, how many are still being written to the host
 
 
 class OffloadManager:
@@ -193,6 +194,8 @@ class OffloadManager:
         for req in self.loading:
             if budget <= 0:
                 break
+            if req.num_offloaded_tokens < req.num_offload_issued:
+                continue  # its eviction is still being written: nothing to read yet
             n = min(budget, len(req.load_queue))
             if n:
                 chunk, req.load_queue = req.load_queue[:n], req.load_queue[n:]
@@ -213,10 +216,9 @@ class OffloadManager:
         self.stats.pages_freed_at_once += sum(self.device.ref_count(p) == 1 for p in req.block_table)
 
     def reloadable_tokens(self, req: Request) -> int:
-        """Leading tokens a load restores now: its own copy once no write of it is in flight."""
-        if req.num_offload_issued != req.num_offloaded_tokens:
-            return 0
-        return min(req.num_offloaded_tokens, req.num_tokens - 1)
+        """Leading tokens a load restores: its own host copy, counting writes still in flight (its
+        loads start once they have landed)."""
+        return min(req.num_offload_issued, req.num_tokens - 1)
 
     def host_prefix(self, req: Request, device_hit_pages: int) -> HostPrefix:
         """What loading would restore beyond the device hit (no state changes: the view asks every step)."""
@@ -226,18 +228,23 @@ class OffloadManager:
         if not req.host_pages:  # never offloaded: the host (and disk) prefix cache
             max_pages = (req.num_tokens - 1) // ps
             chain_page_keys(req.token_ids, ps, req.page_hashes)
-            pages, disk = self.host.lookup(req.page_hashes[:max_pages])
-            tokens = (len(pages) + disk) * ps
+            found = self.host.lookup(req.page_hashes[:max_pages])
+            tokens, disk = len(found) * ps, found[device_hit_pages:].count(None)
         to_load = cdiv(tokens, ps) - device_hit_pages
         if to_load <= 0:
             return HostPrefix(0, 0, 0)
-        return HostPrefix(tokens, to_load, min(disk, to_load))
+        unwritten = cdiv(req.num_offload_issued, ps) - req.num_offloaded_tokens // ps if req.host_pages else 0
+        return HostPrefix(tokens, to_load, disk, unwritten)
 
-    def io_time(self, num_pages: int, num_disk_pages: int = 0) -> float:
-        """t_IO: seconds until `num_pages` loaded now would be in place (the load queue first)."""
+    def io_time(self, num_pages: int, num_disk_pages: int = 0, num_unwritten_pages: int = 0) -> float:
+        """t_IO: seconds until `num_pages` loaded now would be in place: the load queue first, and
+        pages still being written (or on disk) must reach the host before they can be read."""
         bw = self.copier.bandwidth[LOAD].value
         queued = self.copier.queued_bytes(LOAD) + self.num_unissued_loads * self.page_bytes
-        return (queued + num_pages * self.page_bytes) / bw + num_disk_pages * self.page_bytes / DISK_BANDWIDTH
+        t = (queued + num_pages * self.page_bytes) / bw + num_disk_pages * self.page_bytes / DISK_BANDWIDTH
+        if num_unwritten_pages:
+            t += self.copier.queued_bytes(WRITE) / self.copier.bandwidth[WRITE].value
+        return t
 
     def write_time(self, req: Request) -> float:
         """Seconds to write what the host lacks of a running request were it preempted now."""
@@ -246,21 +253,23 @@ class OffloadManager:
 
     def attach_host_prefix(self, req: Request) -> None:
         """A request that never offloaded takes the host prefix cache's pages as its own host copy
-        (promoting disk hits to the host first), so neither a load nor a write repeats them."""
+        (promoting disk hits to the host), so neither a load nor a write repeats them."""
         if req.host_pages:
             return
-        ps = self.page_size
-        max_pages = (req.num_tokens - 1) // ps
-        pages, on_disk = self.host.lookup(req.page_hashes[:max_pages])
-        for p in pages:
-            self.host.pool.incref(p)
-        req.host_pages = list(pages)
-        for key in req.page_hashes[len(pages) : len(pages) + on_disk]:
-            page = self.host.promote(key)
+        found = self.host.lookup(req.page_hashes[: (req.num_tokens - 1) // self.page_size])
+        for page in found:  # held first, so that promotions cannot evict them
+            if page is not None:
+                self.host.pool.incref(page)
+        for i, page in enumerate(found):
             if page is None:
-                break
+                page = self.host.promote(req.page_hashes[i])
+                if page is None:  # no room: keep the prefix up to here
+                    for p in found[i + 1 :]:
+                        if p is not None:
+                            self.host.pool.decref(p)
+                    break
             req.host_pages.append(page)
-        req.num_offloaded_tokens = req.num_offload_issued = len(req.host_pages) * ps
+        req.num_offloaded_tokens = req.num_offload_issued = len(req.host_pages) * self.page_size
 
     def start_load(self, req: Request, device_hit: list[int], num_tokens: int) -> bool:
         """Admit `req` as LOADING: take its device hit, allocate pages for the rest of its first

@@ -112,17 +112,19 @@ class HostTier(KVTier):
     def _spill(self, page: int, key: bytes) -> None:
         self.disk.put(key, self.pages[page])  # type: ignore[union-attr]
 
-    def lookup(self, keys: list[bytes]) -> tuple[list[int], int]:
-        """The longest prefix of `keys` held here (page ids, no references taken), and how many
-        more keys after it the disk tier holds."""
-        pages = self.pool.lookup(keys)
-        on_disk = 0
-        if self.disk is not None:
-            for key in keys[len(pages):]:
-                if key not in self.disk:
-                    break
-                on_disk += 1
-        return pages, on_disk
+    def lookup(self, keys: list[bytes]) -> list[int | None]:
+        """The longest prefix of `keys` held here or on the disk tier: for each, its host page (no
+        reference taken), or None where only the disk holds it."""
+        found: list[int | None] = []
+        for key in keys:
+            page = self.pool.lookup([key])
+            if page:
+                found.append(page[0])
+            elif self.disk is not None and key in self.disk:
+                found.append(None)
+            else:
+                break
+        return found
 
     def promote(self, key: bytes) -> int | None:
         """A host page (ref 1, keyed) holding the disk tier's copy of `key`, or None if there is no

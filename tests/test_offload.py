@@ -1,0 +1,365 @@
+"""The hierarchical KV cache (offload/) on a tiny model, CPU: greedy output unchanged by any
+preempt / resume schedule, byte-identical KV through host and disk, no page leaked in any tier,
+written-through pages freed at once on preemption, pages pinned while a copy uses them."""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenflowd.buffer.fcfs import FCFSPolicy
+from tokenflowd.buffer.policy import Plan, SchedulerView, SchedulingPolicy
+from tokenflowd.config import EngineConfig
+from tokenflowd.engine.core import EngineCore
+from tokenflowd.engine.loader import load_model_source
+from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
+from tokenflowd.engine.scheduler import ScheduledBatch
+from tokenflowd.offload.copier import LOAD, WRITE, CopyJob, ThreadCopier
+from tokenflowd.offload.tiers import DiskTier
+
+PAGE = 4
+FAMILIES = [[5 + 7 * f + i for i in range(48)] for f in range(3)]  # shared prefixes: prefix hits in every tier
+
+
+class ScriptedPolicy(SchedulingPolicy):
+    """FCFS, plus whatever preemptions `preempt(step, view)` names; every admitted request whose
+    KV the host holds is reloaded when `reload` says so (else the scheduler picks the faster way)."""
+
+    name = "scripted"
+
+    def __init__(self, preempt: Callable[[int, SchedulerView], tuple[str, ...]], reload: bool = True) -> None:
+        self.fcfs = FCFSPolicy()
+        self.preempt = preempt
+        self.reload = reload
+        self.num_plans = 0
+
+    def plan(self, view: SchedulerView) -> Plan:
+        plan = self.fcfs.plan(view)
+        victims = self.preempt(self.num_plans, view)
+        self.num_plans += 1
+        scheduled = tuple((rid, n) for rid, n in plan.scheduled if rid not in victims)
+        reload = tuple(r.request_id for r in view.waiting if self.reload and r.host_tokens)
+        return Plan(scheduled, tuple(dict.fromkeys(plan.preempted + victims)), reload)
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_dirs):
+    return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
+
+
+def make(tiny, policy: SchedulingPolicy | None = None, **kw) -> EngineCore:
+    base = dict(model="tiny", device="cpu", dtype="float32", page_size=PAGE, num_pages=24,
+                max_num_batched_tokens=16, max_num_seqs=4)
+    core = EngineCore(EngineConfig.resolve(**{**base, **kw}), tiny)
+    if policy is not None:
+        core.scheduler.policy = policy
+    return core
+
+
+def page_bytes(tiny) -> int:
+    from tokenflowd.engine.runner import page_bytes as bytes_of_page
+
+    return bytes_of_page(tiny.config, PAGE, torch.float32)
+
+
+def device_pages(core: EngineCore) -> torch.Tensor:
+    """[num_pages + 1, layers, *rest]: page i of every layer is row i."""
+    return core.runner.kv_cache.movedim(1 + core.runner.attn.page_axis, 0)
+
+
+def check_tiers(core: EngineCore) -> None:
+    """Every page's reference count in each tier is exactly the tables holding it plus the pins
+    of copies in flight."""
+    off = core.offload
+    dev = Counter(p for r in core.scheduler.requests.values() for p in r.block_table)
+    host = Counter(p for r in core.scheduler.requests.values() for p in r.host_pages)
+    if off:
+        pins = off.pins()
+        dev.update(pins[0])
+        host.update(pins[1])
+    for page in range(core.pool.num_pages):
+        assert core.pool.ref_count(page) == dev[page], f"device page {page}"
+    if off:
+        for page in range(off.host.num_pages):
+            assert off.host.pool.ref_count(page) == host[page], f"host page {page}"
+    for r in core.scheduler.waiting:
+        assert not r.block_table
+
+
+def run(core: EngineCore, prompts: list[list[int]], max_tokens: list[int],
+        abort_at: dict[int, int] | None = None) -> dict[str, list[int]]:
+    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+            for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    for r in reqs:
+        core.add_request(r)
+    for step in range(3000):  # a cap: a livelock fails instead of hanging
+        if not core.has_unfinished():
+            break
+        for i, at in (abort_at or {}).items():
+            if at == step:
+                core.abort(reqs[i].request_id)
+        core.step()
+        check_tiers(core)
+    assert not core.has_unfinished()
+    core.wait_copies()
+    check_tiers(core)
+    assert core.pool.num_used == 0
+    if core.offload:
+        assert core.offload.host.pool.num_used == 0 and not core.offload.loading
+    return {r.request_id: r.output_token_ids for r in reqs}
+
+
+_REFERENCE: dict[tuple, list[int]] = {}
+
+
+def reference(tiny, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Each request's uninterrupted run (roomy pool, no host tier), computed once per prompt."""
+    keys = [(tuple(p), m) for p, m in zip(prompts, max_tokens)]
+    todo = [k for k in dict.fromkeys(keys) if k not in _REFERENCE]
+    if todo:
+        core = make(tiny, num_pages=400, offload="none", max_num_seqs=16)
+        out = run(core, [list(p) for p, _ in todo], [m for _, m in todo])
+        _REFERENCE.update({k: out[f"r{i}"] for i, k in enumerate(todo)})
+    return [_REFERENCE[k] for k in keys]
+
+
+# -- greedy equivalence under any preempt / resume schedule ------------------------------------------------
+schedules = st.fixed_dictionaries({
+    "mode": st.sampled_from(["write-through", "write-back", "none"]),
+    "overlap": st.booleans(),
+    "host_pages": st.sampled_from([6, 64]),  # 6: the host fills up, and writes stop short
+    "disk": st.booleans(),
+    "prompts": st.lists(st.tuples(st.integers(0, 2), st.integers(3, 40)), min_size=1, max_size=4),
+    "max_tokens": st.lists(st.integers(2, 14), min_size=4, max_size=4),
+    "preempt": st.lists(st.integers(0, 15), min_size=5, max_size=40),  # per step: a bit per running request
+    "reload": st.booleans(),
+    "prefix_caching": st.booleans(),  # off: nothing survives on the device, every resume loads
+    "abort": st.one_of(st.none(), st.tuples(st.integers(0, 3), st.integers(0, 30))),
+})
+
+COVERAGE: Counter = Counter()
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(s=schedules)
+def test_greedy_tokens_equal_the_uninterrupted_run_under_any_preempt_resume_schedule(tiny, tmp_path, s):
+    prompts = [FAMILIES[f][:n] for f, n in s["prompts"]]
+    max_tokens = s["max_tokens"][: len(prompts)]
+    expected = reference(tiny, prompts, max_tokens)
+
+    def preempt(step: int, view: SchedulerView) -> tuple[str, ...]:
+        bits = s["preempt"][step] if step < len(s["preempt"]) else 0
+        return tuple(r.request_id for i, r in enumerate(view.running) if bits >> i & 1)
+
+    pb = page_bytes(tiny)
+    core = make(tiny, ScriptedPolicy(preempt, s["reload"]), offload=s["mode"], load_evict_overlap=s["overlap"],
+                host_kv_memory=s["host_pages"] * pb, disk_kv_memory=32 * pb if s["disk"] and s["mode"] != "none" else 0,
+                disk_kv_dir=str(tmp_path), enable_prefix_caching=s["prefix_caching"])
+    assert core.offload is None or core.offload.page_bytes == pb
+    abort_at = {s["abort"][0]: s["abort"][1]} if s["abort"] and s["abort"][0] < len(prompts) else {}
+    try:
+        got = run(core, prompts, max_tokens, abort_at)
+    finally:
+        core.close()
+    for i, want in enumerate(expected):
+        tokens = got[f"r{i}"]
+        if i in abort_at:
+            assert tokens == want[: len(tokens)]
+        else:
+            assert tokens == want, f"r{i}"
+    COVERAGE["preemptions"] += core.scheduler.num_preemptions
+    if core.offload:
+        COVERAGE["pages_loaded"] += core.offload.stats.pages_loaded
+        COVERAGE["pages_evicted"] += core.offload.stats.pages_evicted
+        COVERAGE["host_full"] += core.offload.stats.host_full
+        COVERAGE["disk_reads"] += core.offload.host.disk.num_reads if core.offload.host.disk else 0
+
+
+def test_the_schedules_above_exercised_every_path():
+    """The property test is only as good as what its schedules reached."""
+    assert COVERAGE["preemptions"] > 50
+    assert COVERAGE["pages_loaded"] > 50 and COVERAGE["pages_evicted"] > 10
+    assert COVERAGE["host_full"] > 0
+
+
+# -- byte-identical round trips ----------------------------------------------------------------------------
+def test_copier_round_trip_is_byte_identical():
+    g = torch.Generator().manual_seed(0)
+    dev = torch.randn(10, 3, 2, 4, 8, generator=g)  # [pages, layers, *rest]
+    host = torch.zeros(6, 3, 2, 4, 8)
+    copier = ThreadCopier(dev, host)
+    try:
+        before = dev.clone()
+        copier.submit(CopyJob(WRITE, [7, 2, 5], [3, 4, 0], 0))
+        copier.wait()
+        assert [j.lane for j in copier.poll()] == [WRITE]
+        dev[[7, 2, 5]] = float("nan")
+        copier.submit(CopyJob(LOAD, [7, 2, 5], [3, 4, 0], 0))
+        copier.wait()
+        copier.poll()
+        assert torch.equal(dev.view(torch.int32), before.view(torch.int32))  # bit for bit
+    finally:
+        copier.close()
+
+
+def test_disk_tier_round_trip_is_byte_identical_and_evicts_least_recently_used(tmp_path):
+    page = torch.randn(3, 2, 4, 8)
+    disk = DiskTier(str(tmp_path), 2, page.numel() * 4)
+    try:
+        disk.put(b"a", page)
+        disk.put(b"b", page * 2)
+        out = torch.empty_like(page)
+        assert disk.get(b"a", out) and torch.equal(out, page)  # a is now the most recent
+        disk.put(b"c", page * 3)  # the file holds two: b goes
+        assert b"b" not in disk and disk.get(b"c", out) and torch.equal(out, page * 3)
+        assert not disk.get(b"b", out)
+        assert list(tmp_path.iterdir()) == []  # the file is unlinked: nothing outlives the process
+    finally:
+        disk.close()
+
+
+def step_until(core: EngineCore, cond: Callable[[], bool], limit: int = 200) -> None:
+    for _ in range(limit):
+        if cond():
+            return
+        core.step()
+    raise AssertionError("condition never held")
+
+
+def test_a_resumed_request_has_byte_identical_kv(tiny):
+    """Device -> host -> device: the pages a resumed request gets back hold exactly the bytes it
+    had when it was preempted (prefix caching off, so every page comes back by a load)."""
+    victim: list[str] = []
+    core = make(tiny, ScriptedPolicy(lambda step, view: tuple(victim)), enable_prefix_caching=False)
+    req = Request("a", FAMILIES[0][:30], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    core.add_request(req)
+    step_until(core, lambda: req.num_output_tokens >= 5)
+    n_pages = -(-req.num_computed_tokens // PAGE)  # a partial last page: 30 + 4 computed tokens
+    snapshot = device_pages(core)[req.block_table[:n_pages]].clone()
+    victim.append("a")
+    core.step()  # preempted; the pages the host lacked are written, then freed
+    victim.clear()
+    assert req.status is RequestStatus.PREEMPTED and core.scheduler.num_preemptions == 1
+    core.wait_copies()
+    device_pages(core)[: core.pool.num_pages] = float("nan")  # nothing on the device survives
+    core.step()  # admitted: LOADING
+    assert req.status is RequestStatus.LOADING
+    core.wait_copies()  # the loads end; the request runs again
+    assert req.status is RequestStatus.RUNNING and req.num_computed_tokens == 34
+    got = device_pages(core)[req.block_table[:n_pages]]
+    assert torch.equal(got.view(torch.int32), snapshot.view(torch.int32))
+    core.close()
+
+
+def test_prefix_pages_come_back_from_the_disk_tier_byte_identical(tiny, tmp_path):
+    """A finished request's prefix pages: written through to the host, spilled to disk when the
+    host fills, evicted from the device, then loaded back for a new request with that prefix."""
+    pb = page_bytes(tiny)
+    core = make(tiny, num_pages=12, host_kv_memory=10 * pb, disk_kv_memory=64 * pb, disk_kv_dir=str(tmp_path))
+    a = Request("a", FAMILIES[0][:33], SamplingParams(temperature=0, max_tokens=1))
+    core.add_request(a)
+    step_until(core, lambda: a.is_finished)
+    core.wait_copies()
+    host = core.offload.host
+    keys = list(a.page_hashes[:8])
+    pages = host.pool.lookup(keys)
+    assert len(pages) == 8  # all eight full prompt pages are on the host, under their keys
+    prefix = host.pages[pages].clone()
+    # Another family fills the device and the host: a's pages leave the device and spill to disk.
+    b = Request("b", FAMILIES[1][:45], SamplingParams(temperature=0, max_tokens=1))
+    core.add_request(b)
+    step_until(core, lambda: b.is_finished)
+    core.wait_copies()
+    found = host.lookup(keys)
+    assert core.pool.lookup(keys) == [] and len(found) == 8 and found.count(None) >= 4  # >= 4 on disk only
+    reads = host.disk.num_reads
+    c = Request("c", FAMILIES[0][:33] + [99, 98, 97], SamplingParams(temperature=0, max_tokens=3))
+    core.add_request(c)
+    step_until(core, lambda: c.status is RequestStatus.LOADING)
+    assert host.disk.num_reads > reads
+    core.wait_copies()
+    assert c.status is RequestStatus.RUNNING and c.num_computed_tokens == 32
+    got = device_pages(core)[c.block_table[:8]]
+    assert torch.equal(got.view(torch.int32), prefix.view(torch.int32))
+    step_until(core, lambda: c.is_finished)
+    want = reference(tiny, [c.prompt_token_ids], [3])[0]
+    assert c.output_token_ids == want
+    core.close()
+
+
+# -- preemption frees written-through pages at once; copies pin their pages ---------------------------------
+def test_preempting_a_written_through_request_frees_its_device_pages_at_once(tiny):
+    victim: list[str] = []
+    core = make(tiny, ScriptedPolicy(lambda step, view: tuple(victim)))
+    req = Request("a", FAMILIES[0][:32], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    core.add_request(req)
+    step_until(core, lambda: req.num_computed_tokens == 32)  # two prompt chunks: 8 full pages
+    core.scheduler.issue_copies(ScheduledBatch())  # the write-through of the last chunk's pages
+    core.wait_copies()
+    assert req.num_offloaded_tokens == 32
+    victim.append("a")
+    core.scheduler.schedule()  # the preemption, and no poll after it
+    assert req.status is RequestStatus.PREEMPTED
+    assert core.pool.num_used == 0  # every device page free at once
+    assert not core.offload.copier.busy(WRITE) and core.offload.stats.pages_evicted == 0
+    core.close()
+
+
+def gate(core: EngineCore) -> threading.Event:
+    """Hold every copy of `core` until the returned event is set."""
+    release = threading.Event()
+    copier = core.offload.copier
+    run_copy = copier._run
+    copier._run = lambda job: (release.wait(10), run_copy(job))
+    return release
+
+
+def test_a_page_is_never_freed_while_a_copy_reads_it(tiny):
+    core = make(tiny, offload="write-back")
+    req = Request("a", FAMILIES[0][:30], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    core.add_request(req)
+    step_until(core, lambda: req.num_output_tokens >= 2)
+    release = gate(core)
+    pages, computed = list(req.block_table), req.num_computed_tokens
+    core.kv.preempt(req)  # write-back: every page is written now, and pinned while it is
+    core.scheduler.running.remove(req)
+    assert core.pool.num_used == len(pages)
+    grabbed = [core.pool.allocate() for _ in range(core.pool.num_free)]  # everything allocatable
+    assert not set(grabbed) & set(pages)  # none of the pages in flight is handed out
+    for p in grabbed:
+        core.pool.decref(p)
+    release.set()
+    core.wait_copies()
+    assert core.pool.num_used == 0 and req.num_offloaded_tokens == req.num_offload_issued == computed
+    core.kv.free(req)
+    assert core.offload.host.pool.num_used == 0
+    core.close()
+
+
+def test_a_host_page_is_not_reused_while_a_load_reads_it(tiny):
+    victim: list[str] = []
+    core = make(tiny, ScriptedPolicy(lambda step, view: tuple(victim)), enable_prefix_caching=False)
+    req = Request("a", FAMILIES[0][:30], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    core.add_request(req)
+    step_until(core, lambda: req.num_output_tokens >= 2)
+    victim.append("a")
+    core.step()
+    victim.clear()
+    core.wait_copies()
+    release = gate(core)
+    core.step()
+    assert req.status is RequestStatus.LOADING and core.offload.copier.busy(LOAD)
+    host_pages = list(req.host_pages)
+    core.abort("a")  # mid-load: the request lets go, the copy still holds its pages
+    assert all(core.offload.host.pool.ref_count(h) == 1 for h in host_pages)  # the load's pin
+    assert core.offload.host.pool.num_used > 0 and core.pool.num_used > 0
+    release.set()
+    core.wait_copies()
+    assert core.pool.num_used == 0 and core.offload.host.pool.num_used == 0
+    core.close()
