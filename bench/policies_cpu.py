@@ -51,16 +51,17 @@ def decode_rate(loaded, slots: int) -> float:
     return steps / (time.perf_counter() - t0)
 
 
-def workload(tokenizer, n: int, rates: tuple[float, float], seed: int) -> list[tuple[list[int], int, float]]:
-    """(prompt ids, output length, reading rate) per request: prompts ~N(64, 16) tokens of varied
-    text, outputs ~N(64, 16), 40% at the lower rate."""
+def workload(tokenizer, n: int, rates: tuple[float, float], seed: int, prompt_mean: int = 64,
+             output_mean: int = 64) -> list[tuple[list[int], int, float]]:
+    """(prompt ids, output length, reading rate) per request: prompts ~N(prompt_mean, prompt_mean/4)
+    tokens of varied text, outputs ~N(output_mean, output_mean/4), 40% at the lower rate."""
     rng = random.Random(seed)
-    ids = tokenizer.encode(TEXT * 40)
+    ids = tokenizer.encode(TEXT * max(40, 2 * prompt_mean // 20))
     out = []
     for _ in range(n):
-        plen = max(8, int(rng.gauss(64, 16)))
+        plen = max(8, int(rng.gauss(prompt_mean, prompt_mean / 4)))
         start = rng.randrange(0, len(ids) - plen)
-        olen = max(8, int(rng.gauss(64, 16)))
+        olen = max(8, int(rng.gauss(output_mean, output_mean / 4)))
         out.append((ids[start : start + plen], olen, rates[0] if rng.random() < 0.4 else rates[1]))
     return out
 
@@ -80,6 +81,7 @@ def run(core: EngineCore, work: list[tuple[list[int], int, float]]) -> dict:
     timelines = [Timeline(t0, rate, times[f"r{i}"]) for i, (_, _, rate) in enumerate(work)]
     summary = summarize(timelines)
     summary["preemptions"] = core.scheduler.num_preemptions
+    core.wait_copies()  # host-tier copies still in flight pin their pages
     assert core.pool.num_used == 0
     assert all(len(times[f"r{i}"]) == olen for i, (_, olen, _) in enumerate(work)), "a stream came out short"
     return summary

@@ -65,8 +65,9 @@ class EngineProcess(EngineEndpoint):
                 deltas += [_delta(out) for out in core.step()]
             elif copying:
                 core.scheduler.poll_copies()
+            settled = copying and not core.copies_in_flight()  # the pages they pinned are free: say so
             now = time.monotonic()
-            if self.must_report(deltas, now, last_sent):
+            if self.must_report(deltas, now, last_sent) or settled:
                 added, removed = core.pool.drain_key_events()
                 self.send(p.StepOutputs(self.spec.engine_id, self.spec.incarnation, now, deltas,
                                         self._stats(), added, removed))
