@@ -74,6 +74,11 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int  # since the engine started
     num_steps: int
     last_step_time: float
+    host_kv_pages_used: int = 0  # the host tier (offload/): referenced by requests or copies
+    host_kv_pages_cached: int = 0
+    host_kv_pages_total: int = 0  # 0: no host tier
+    kv_pages_written: int = 0  # device -> host, since the engine started
+    kv_pages_loaded: int = 0  # host -> device
 
 
 class Ready(msgspec.Struct, tag=True):

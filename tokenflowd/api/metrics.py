@@ -33,6 +33,11 @@ class EngineCollector(Collector):
             "kv_pages_used": ("KV pages referenced by live requests", lambda s: s.kv_pages_used),
             "kv_pages_cached": ("Unreferenced KV pages kept for prefix-cache hits", lambda s: s.kv_pages_cached),
             "kv_pages_total": ("KV pages in an engine's device pool", lambda s: s.kv_pages_total),
+            "host_kv_pages_used": ("Host-tier KV pages held by requests or copies in flight",
+                                   lambda s: s.host_kv_pages_used),
+            "host_kv_pages_cached": ("Unreferenced host-tier KV pages kept for prefix-cache hits",
+                                     lambda s: s.host_kv_pages_cached),
+            "host_kv_pages_total": ("KV pages in an engine's host tier (0: offload off)", lambda s: s.host_kv_pages_total),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(f"tokenflowd_{name}", doc, labels=["engine"])
@@ -45,6 +50,13 @@ class EngineCollector(Collector):
         for slot in self.supervisor.slots:
             c.add_metric([str(slot.engine_id)], slot.num_preemptions)
         yield c
+        moved = CounterMetricFamily("tokenflowd_kv_offload_pages", "KV pages copied between the device and the host "
+                                    "tier (write: device to host; load: host to device)", labels=["engine", "direction"])
+        for slot in self.supervisor.slots:
+            if slot.stats is not None:
+                moved.add_metric([str(slot.engine_id), "write"], slot.stats.kv_pages_written)
+                moved.add_metric([str(slot.engine_id), "load"], slot.stats.kv_pages_loaded)
+        yield moved
         up = GaugeMetricFamily("tokenflowd_engine_up", "1 while an engine serves", labels=["engine"])
         restarts = CounterMetricFamily("tokenflowd_engine_restarts", "Engine processes restarted", labels=["engine"])
         for slot in self.supervisor.slots:

@@ -118,12 +118,16 @@ class EngineProcess(EngineEndpoint):
         ]
 
     def _stats(self) -> p.EngineStats:
-        sched, pool = self.core.scheduler, self.core.pool
+        sched, pool, off = self.core.scheduler, self.core.pool, self.core.offload
+        host = off.host.pool if off else None
         return p.EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             kv_pages_used=pool.num_used, kv_pages_cached=pool.num_cached,
             kv_pages_total=pool.num_pages, num_preemptions=sched.num_preemptions,
             num_steps=self.core.stats.num_steps, last_step_time=self.core.stats.last_step_time,
+            host_kv_pages_used=host.num_used if host else 0, host_kv_pages_cached=host.num_cached if host else 0,
+            host_kv_pages_total=host.num_pages if host else 0,
+            kv_pages_written=off.stats.pages_written if off else 0, kv_pages_loaded=off.stats.pages_loaded if off else 0,
         )
 
 
