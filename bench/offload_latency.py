@@ -7,9 +7,10 @@ The request prefills its prompt and decodes a few tokens, the write-through (if 
 as it would between steps, then the scheduler is told to preempt it:
   preempt latency  decision -> every device page of the request free (the preemption call, plus
                    waiting for the eviction copy where the host lacked pages);
-  pages in place   admission -> its KV back in device pages (loads; 0 without a host tier);
+  pages in place   admission -> its KV back in device pages (the loads; none without a host tier);
   resume latency   admission -> its next token (loads, then one decode step; a recompute of its
                    whole context without a host tier).
+Prefix caching is off, so nothing of the request survives on the device: every page comes back.
 """
 from __future__ import annotations
 
@@ -46,7 +47,10 @@ class PreemptOnCue(SchedulingPolicy):
 
 
 def measure(loaded, device: str, dtype: str, offload: str, prompt: list[int]) -> dict:
-    cfg = EngineConfig.resolve(device=device, dtype=dtype, offload=offload, max_num_batched_tokens=512)
+    # Prefix caching off: the preempted pages must not simply wait on the device (under memory
+    # pressure, what preemption is for, they would be reused at once).
+    cfg = EngineConfig.resolve(device=device, dtype=dtype, offload=offload, max_num_batched_tokens=512,
+                               enable_prefix_caching=False)
     core = EngineCore(cfg, loaded)
     policy = PreemptOnCue()
     core.scheduler.policy = policy
@@ -75,10 +79,15 @@ def measure(loaded, device: str, dtype: str, offload: str, prompt: list[int]) ->
     n_out = req.num_output_tokens
     t0 = time.perf_counter()
     t_in_place = None
-    while req.num_output_tokens == n_out:
+    core.scheduler.issue_copies(core.scheduler.schedule())  # admitted: its loads are queued
+    while req.status is RequestStatus.LOADING:
+        core.offload.copier.wait_oldest()
+        core.scheduler.poll_copies()
+        core.scheduler.issue_copies(ScheduledBatch())  # the next chunk of its loads, if any
+    if req.num_computed_tokens >= computed:
+        t_in_place = time.perf_counter() - t0
+    while req.num_output_tokens == n_out:  # without a host tier: the recompute's prompt chunks
         core.step()
-        if t_in_place is None and req.status is RequestStatus.RUNNING and req.num_computed_tokens >= computed:
-            t_in_place = time.perf_counter() - t0
     t_resume = time.perf_counter() - t0
     core.close()
     return {"context_tokens": computed, "pages": pages, "offloaded_tokens_before": offloaded,
@@ -102,7 +111,8 @@ def main() -> None:
         rows[mode] = r = measure(loaded, a.device, dtype, mode, prompt)
         print(f"{mode:14} context {r['context_tokens']} tokens ({r['pages']} pages, {r['offloaded_tokens_before']} "
               f"on the host): preempt {1e3 * r['preempt_s']:8.2f} ms ({r['pages_freed_at_once']} pages free at "
-              f"once, call {1e3 * r['preempt_call_s']:.2f} ms)  in place {1e3 * (r['pages_in_place_s'] or 0):8.2f} ms  "
+              f"once, call {1e3 * r['preempt_call_s']:.2f} ms)  in place "
+              f"{'-' if r['pages_in_place_s'] is None else format(1e3 * r['pages_in_place_s'], '.2f')} ms  "
               f"resume -> next token {1e3 * r['resume_s']:8.1f} ms")
     if a.out:
         with open(a.out, "w") as f:

@@ -134,10 +134,18 @@ class Copier(abc.ABC):
 
 
 def copy_pages(dev: torch.Tensor, host: torch.Tensor, job: CopyJob) -> None:
-    """The copy itself on a CPU: one gather (write) or scatter (load) per run of consecutive host
-    pages, straight between the two tiers (one pass over the bytes, few calls into torch)."""
+    """The copy itself on a CPU, straight between the tiers (one pass over the bytes): one strided
+    copy per run of pages consecutive on both sides (torch spreads it over its threads), else one
+    gather (write) or scatter (load) per run of consecutive host pages."""
     for i, j, h in _runs(job.host_pages):
-        idx = torch.tensor(job.device_pages[i:j], dtype=torch.int64)
+        d = job.device_pages[i:j]
+        if d[-1] - d[0] == j - i - 1 and d == list(range(d[0], d[0] + j - i)):
+            if job.lane == WRITE:
+                host[h : h + j - i].copy_(dev[d[0] : d[0] + j - i])
+            else:
+                dev[d[0] : d[0] + j - i].copy_(host[h : h + j - i])
+            continue
+        idx = torch.tensor(d, dtype=torch.int64)
         if job.lane == WRITE:
             torch.index_select(dev, 0, idx, out=host[h : h + j - i])
         else:
