@@ -356,3 +356,22 @@ def test_cli_scenarios_and_errors(tmp_path, capsys):
     h200a = scenario("h200-a")
     assert len(h200a.workload) == 400 and h200a.cost.name == "h200-llama3-8b"
     assert math.isclose(np.mean([r.output_len for r in h200a.workload]), 2048, rel_tol=0.03)  # SL outputs ×2
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_a_host_tier_in_the_simulator_reloads_instead_of_recomputing(mode):
+    """The real offload manager over a virtual-time copier: a burst the pool cannot hold is
+    served with preempted KV loaded back, not recomputed, and no page of either tier is left."""
+    spec = WorkloadSpec.parse("burst:8", lengths=parse_lengths("normal:256:16:120:30"),
+                              reading_rates=parse_reading_rates("15:0.5,30:0.5"))
+    sc = custom(spec, small_cost(pages=96, max_num_seqs=6))
+    runs = {}
+    for offload in ("none", mode):
+        sim = Simulator(sc.cost, sc.workload, make_policy("tokenflow", PolicyConfig(schedule_interval=0.2)),
+                        offload=offload, host_kv_memory=2048 * 16 * 2)  # 2048 pages
+        runs[offload] = (sim, sim.run())
+    sim, result = runs[mode]
+    assert sim.pool.num_used == 0 and sim.offload.host.pool.num_used == 0
+    assert [len(r.token_times) for r in result.records] == [w.output_len for w in sc.workload]
+    assert result.num_preemptions > 0 and sim.offload.stats.pages_loaded > 0
+    assert result.computed_tokens < runs["none"][1].computed_tokens  # reloads replaced recomputes

@@ -48,9 +48,9 @@ def build_offload(config: EngineConfig, kv_cache: torch.Tensor, page_axis: int, 
     if config.disk_kv_memory:
         directory = config.disk_kv_dir or os.environ["STATE_DIRECTORY"].split(":")[0]
         disk = DiskTier(directory, max(1, config.disk_kv_memory // page_bytes), page_bytes)
-    host = HostTier(num_host, tuple(device_pages.shape[1:]), device_pages.dtype,
-                    pin=device_pages.device.type == "cuda", enable_prefix_caching=config.enable_prefix_caching,
-                    disk=disk)
+    host = HostTier.allocate(num_host, tuple(device_pages.shape[1:]), device_pages.dtype,
+                             pin=device_pages.device.type == "cuda", enable_prefix_caching=config.enable_prefix_caching,
+                             disk=disk)
     log.info("host KV tier: %d pages (%.1f MiB, %s)%s", num_host, num_host * page_bytes / 2**20, config.offload,
              f", disk tier {disk.num_pages} pages in {directory}" if disk else "")
     return OffloadManager(device_pool, host, make_copier(device_pages, host.pages), config.page_size,

@@ -71,8 +71,9 @@ class Bandwidth:
 class Copier(abc.ABC):
     """Submit jobs; `poll` hands back the finished ones (each exactly once). See the module doc."""
 
-    def __init__(self, device_pages: torch.Tensor, host_pages: torch.Tensor, prior_bandwidth: float) -> None:
-        self.dev = device_pages  # [num_pages + 1, layers, *rest] view of the device KV cache
+    def __init__(self, device_pages: torch.Tensor | None, host_pages: torch.Tensor | None,
+                 prior_bandwidth: float) -> None:
+        self.dev = device_pages  # [num_pages + 1, layers, *rest] view of the device KV cache (None: simulated)
         self.host = host_pages  # [num_host_pages, layers, *rest]
         self.bandwidth = {WRITE: Bandwidth(prior_bandwidth), LOAD: Bandwidth(prior_bandwidth)}
         self.in_flight: dict[str, deque[CopyJob]] = {WRITE: deque(), LOAD: deque()}

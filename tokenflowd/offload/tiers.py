@@ -98,16 +98,23 @@ class HostTier(KVTier):
 
     pages: [num_pages, layers, *rest] dtype cpu (pinned when the device is a GPU). Allocated
     empty: the OS backs only the pages ever written, and the allocator reuses the most recently
-    freed page first, so a lightly used tier stays small."""
+    freed page first, so a lightly used tier stays small. None in the simulator, which keeps the
+    bookkeeping and moves no bytes."""
 
-    def __init__(self, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
-                 enable_prefix_caching: bool, disk: DiskTier | None = None) -> None:
-        self.pages = torch.empty((num_pages, *page_shape), dtype=dtype, pin_memory=pin)
+    def __init__(self, num_pages: int, page_bytes: int, pages: torch.Tensor | None, enable_prefix_caching: bool,
+                 disk: DiskTier | None = None) -> None:
+        self.pages = pages
         self.num_pages = num_pages
-        self.page_bytes = self.pages[0].numel() * self.pages.element_size()
+        self.page_bytes = page_bytes
         self.disk = disk
         self.pool = PagePool(num_pages, enable_prefix_caching, reuse_first=True,
                              on_evict=self._spill if disk is not None else None)
+
+    @classmethod
+    def allocate(cls, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+                 enable_prefix_caching: bool, disk: DiskTier | None = None) -> "HostTier":
+        pages = torch.empty((num_pages, *page_shape), dtype=dtype, pin_memory=pin)
+        return cls(num_pages, pages[0].numel() * pages.element_size(), pages, enable_prefix_caching, disk)
 
     def _spill(self, page: int, key: bytes) -> None:
         self.disk.put(key, self.pages[page])  # type: ignore[union-attr]

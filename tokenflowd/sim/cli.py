@@ -45,6 +45,9 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int)
     e.add_argument("--page-size", type=int)
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--offload", choices=["none", "write-back", "write-through"], default="none",
+                   help="a host KV tier behind the pool, copies at the cost model's host link (default none)")
+    e.add_argument("--host-kv-memory", default="64GiB", help="its size with --offload (default 64GiB)")
     e.add_argument("--max-steps", type=int, help="fail beyond this many steps (default: from the workload)")
     _policy_args(s)
     s.set_defaults(func=cmd_sim)
@@ -150,7 +153,8 @@ def cmd_sim(a: argparse.Namespace) -> int:
     for name in policies:
         t0 = time.perf_counter()
         result, doc = run_simulation(sc, name, seed=a.seed, enable_prefix_caching=not a.no_prefix_caching,
-                                     max_steps=a.max_steps)
+                                     max_steps=a.max_steps, offload=a.offload,
+                                     host_kv_memory=parse_size(a.host_kv_memory) if a.offload != "none" else 0)
         print(f"[sim] {sc.name} {name}: {result.num_steps} steps, {result.makespan:.1f} virtual s, "
               f"{time.perf_counter() - t0:.1f} s wall", file=sys.stderr)
         docs[name] = doc

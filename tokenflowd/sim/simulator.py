@@ -26,6 +26,9 @@ from tokenflowd.engine.kv_manager import KVCacheManager
 from tokenflowd.engine.page_pool import PagePool
 from tokenflowd.engine.request import Request, SamplingParams
 from tokenflowd.engine.scheduler import Scheduler
+from tokenflowd.offload.manager import OffloadManager
+from tokenflowd.offload.tiers import HostTier
+from tokenflowd.sim.copier import SimCopier
 from tokenflowd.sim.cost import CostModel
 from tokenflowd.sim.executor import CostModelExecutor
 from tokenflowd.sim.workload import WorkloadRequest, prompt_token_ids
@@ -92,14 +95,16 @@ class SimResult:
 class Simulator:
     def __init__(self, cost: CostModel, workload: Sequence[WorkloadRequest], policy: SchedulingPolicy, *,
                  enable_prefix_caching: bool = True, max_steps: int | None = None,
-                 max_steps_without_token: int = 100_000) -> None:
+                 max_steps_without_token: int = 100_000, offload: str = "none", host_kv_memory: int = 0,
+                 load_evict_overlap: bool = True) -> None:
         self.cost = cost
         self.workload = sorted(workload, key=lambda r: r.arrival_time)  # stable: ties keep workload order
         self._check_fits()
         self.clock = VirtualClock()
         self.pool = PagePool(cost.num_pages, enable_prefix_caching)
-        self.scheduler = Scheduler(KVCacheManager(self.pool, cost.page_size), policy, cost.max_num_batched_tokens,
-                                   cost.max_num_seqs, clock=self.clock)
+        self.offload = self._offload(offload, host_kv_memory, load_evict_overlap, enable_prefix_caching)
+        self.scheduler = Scheduler(KVCacheManager(self.pool, cost.page_size, self.offload), policy,
+                                   cost.max_num_batched_tokens, cost.max_num_seqs, clock=self.clock)
         self.executor = CostModelExecutor(cost)
         # Enough for every token in its own step and every prompt re-run a few times; a run that
         # needs more is stuck, and says so instead of running for hours.
@@ -110,6 +115,21 @@ class Simulator:
                                                     r.output_len) for r in workload}
         if len(self.records) != len(workload):
             raise ValueError("workload request ids must be unique")
+
+    def _offload(self, mode: str, host_kv_memory: int, overlap: bool, prefix_caching: bool) -> OffloadManager | None:
+        """The engine's offload manager over a bookkeeping-only host tier and a virtual-time copier."""
+        if mode == "none":
+            return None
+        page_bytes = self.cost.kv_bytes_per_token * self.cost.page_size
+        if host_kv_memory < page_bytes:
+            raise ValueError(f"offload {mode} needs a host tier of at least one page ({page_bytes} bytes)")
+
+        def advance(t: float) -> None:
+            self.clock.now = max(self.clock.now, t)
+
+        copier = SimCopier(self.cost.host_link_bandwidth * self.cost.host_link_efficiency, self.clock, advance)
+        host = HostTier(host_kv_memory // page_bytes, page_bytes, None, prefix_caching)
+        return OffloadManager(self.pool, host, copier, self.cost.page_size, mode, overlap)
 
     def _check_fits(self) -> None:
         room = self.cost.max_tokens_in_pool
@@ -141,6 +161,7 @@ class Simulator:
                 continue
             start = clock.now
             batch = sched.schedule()
+            sched.issue_copies(batch)
             for req in batch.preempted:
                 records[req.request_id].preempt_times.append(start)
                 on_device.discard(req.request_id)
@@ -193,6 +214,11 @@ class Simulator:
         return SimResult(ordered, steps, sched.num_preemptions, computed, makespan, sched.policy.name)
 
     def _check_end(self) -> None:
+        if self.offload is not None:  # copies still in flight pin pages: let them end
+            self.offload.wait()
+            self.scheduler.poll_copies()
+            if self.offload.host.pool.num_used:
+                raise SimulationError(f"{self.offload.host.pool.num_used} host KV pages still held at the end")
         if self.pool.num_used:
             raise SimulationError(f"{self.pool.num_used} KV pages still held after every request finished")
         short = [r.request_id for r in self.records.values() if len(r.token_times) != r.output_len]
