@@ -2,8 +2,8 @@
 on one seeded burst with (a) no offload (preempted KV is recomputed), (b) write-back on
 preemption, (c) write-through without load–evict overlap, (d) everything.
 
-    python bench/offload_ablation.py [--slots 8] [--burst 3] [--prompt 384] [--device cpu]
-                                     [--model smollm2-135m] [--out bench/results/offload_ablation.json]
+    python bench/offload_ablation.py [--slots 8] [--burst 3] [--prompt 384] [--kv-cache-memory 96MiB]
+                                     [--device cpu] [--model smollm2-135m] [--out bench/results/offload_ablation.json]
 
 CPU-sized on the embedded model by default; on a GPU pass --device cuda --model dummy:llama3-8b.
 Long prompts make a preempted request's KV worth keeping (recompute costs a prefill of its whole
@@ -49,7 +49,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--kv-cache-memory", default=None, help="device KV pool (default: the engine's)")
+    ap.add_argument("--kv-cache-memory", default="96MiB",
+                    help="device KV pool (default 96MiB: on the embedded model about half of what the slots' "
+                         "contexts need, so preemption is what memory forces, as on the paper's 4090)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

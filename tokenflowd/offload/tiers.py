@@ -96,10 +96,10 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 class HostTier(KVTier):
     """Host memory for KV pages, in the device pages' layout, with its own allocator and LRU.
 
-    pages: [num_pages, layers, *rest] dtype cpu (pinned when the device is a GPU). Allocated
-    empty: the OS backs only the pages ever written, and the allocator reuses the most recently
-    freed page first, so a lightly used tier stays small. None in the simulator, which keeps the
-    bookkeeping and moves no bytes."""
+    pages: [num_pages, layers, *rest] dtype cpu (pinned when the device is a GPU). Committed at
+    start (zeroed): the tier's memory shows in the engine's RSS from the first moment, not as a
+    slow climb while the host prefix cache fills, and an operator's memory limit fails at start.
+    None in the simulator, which keeps the bookkeeping and moves no bytes."""
 
     def __init__(self, num_pages: int, page_bytes: int, pages: torch.Tensor | None, enable_prefix_caching: bool,
                  disk: DiskTier | None = None) -> None:
@@ -107,13 +107,13 @@ class HostTier(KVTier):
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.disk = disk
-        self.pool = PagePool(num_pages, enable_prefix_caching, reuse_first=True,
+        self.pool = PagePool(num_pages, enable_prefix_caching, reuse_first=True,  # warm pages first
                              on_evict=self._spill if disk is not None else None)
 
     @classmethod
     def allocate(cls, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
                  enable_prefix_caching: bool, disk: DiskTier | None = None) -> "HostTier":
-        pages = torch.empty((num_pages, *page_shape), dtype=dtype, pin_memory=pin)
+        pages = torch.zeros((num_pages, *page_shape), dtype=dtype, pin_memory=pin)
         return cls(num_pages, pages[0].numel() * pages.element_size(), pages, enable_prefix_caching, disk)
 
     def _spill(self, page: int, key: bytes) -> None:
