@@ -117,7 +117,7 @@ class StepOutputs(msgspec.Struct, tag=True):
 
 class RequestInfo(msgspec.Struct):
     request_id: str
-    state: str  # waiting | running | preempted
+    state: str  # waiting | running | loading (KV coming back from the host tier) | preempted
     reading_rate: float
     priority: int
     arrival_time: float
