@@ -25,6 +25,7 @@ import abc
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,27 +155,20 @@ def copy_pages(dev: torch.Tensor, host: torch.Tensor, job: CopyJob) -> None:
 
 
 class ThreadCopier(Copier):
-    """CPU: one worker thread per lane."""
+    """CPU: one worker thread per lane.
+
+    NOTE: the threads hold the copier only weakly and stop when it is collected: an engine dropped
+    without close() (tests, the in-process API) must not keep its KV tensors alive through them."""
 
     def __init__(self, device_pages: torch.Tensor, host_pages: torch.Tensor, prior_bandwidth: float = 4e9) -> None:
         super().__init__(device_pages, host_pages, prior_bandwidth)
         self._queues = {lane: queue.SimpleQueue() for lane in (WRITE, LOAD)}
-        self._threads = [threading.Thread(target=self._worker, args=(q,), name=f"kv-{lane}", daemon=True)
+        me = weakref.ref(self)
+        self._threads = [threading.Thread(target=_worker, args=(q, me), name=f"kv-{lane}", daemon=True)
                          for lane, q in self._queues.items()]
         for t in self._threads:
             t.start()
-
-    def _worker(self, q: queue.SimpleQueue) -> None:
-        while True:
-            job = q.get()
-            if job is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                self._run(job)
-            finally:
-                job.seconds = time.perf_counter() - t0
-                job._events.set()
+        self._stop = weakref.finalize(self, _stop_workers, list(self._queues.values()))
 
     def _run(self, job: CopyJob) -> None:
         copy_pages(self.dev, self.host, job)
@@ -191,10 +185,29 @@ class ThreadCopier(Copier):
 
     def close(self) -> None:
         super().close()
-        for q in self._queues.values():
-            q.put(None)
+        self._stop()
         for t in self._threads:
             t.join()
+
+
+def _worker(q: queue.SimpleQueue, copier_ref: "weakref.ref[ThreadCopier]") -> None:
+    while True:
+        job = q.get()
+        copier = copier_ref()
+        if job is None or copier is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            copier._run(job)
+        finally:
+            job.seconds = time.perf_counter() - t0
+            job._events.set()
+            del copier, job
+
+
+def _stop_workers(queues: list[queue.SimpleQueue]) -> None:
+    for q in queues:
+        q.put(None)
 
 
 class CudaCopier(Copier):
