@@ -363,3 +363,22 @@ def test_a_host_page_is_not_reused_while_a_load_reads_it(tiny):
     core.wait_copies()
     assert core.pool.num_used == 0 and core.offload.host.pool.num_used == 0
     core.close()
+
+
+# -- configuration -------------------------------------------------------------------------------------------
+def test_offload_settings_are_validated_and_sizes_parsed(tmp_path, monkeypatch):
+    from tokenflowd.config import env_config, load_config_file
+
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    with pytest.raises(ValueError, match="offload must be"):
+        EngineConfig(offload="sometimes")
+    with pytest.raises(ValueError, match="disk_kv_dir"):
+        EngineConfig(disk_kv_memory=1 << 20)
+    with pytest.raises(ValueError, match="needs a host tier"):
+        EngineConfig(offload="none", disk_kv_memory=1 << 20, disk_kv_dir=str(tmp_path))
+    cfg = EngineConfig.resolve(device="cpu", host_kv_memory="2GiB", disk_kv_memory="1GiB", disk_kv_dir=str(tmp_path))
+    assert (cfg.host_kv_memory, cfg.disk_kv_memory, cfg.offload) == (2 << 30, 1 << 30, "write-through")
+    f = tmp_path / "c.toml"
+    f.write_text('[engine]\noffload = "write-back"\nhost_kv_memory = "512MiB"\n')
+    assert load_config_file(str(f))["engine"] == {"offload": "write-back", "host_kv_memory": "512MiB"}
+    assert env_config({"TOKENFLOWD_HOST_KV_MEMORY": "1GiB"})["engine"] == {"host_kv_memory": 1 << 30}
