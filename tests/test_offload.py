@@ -250,7 +250,9 @@ def test_a_resumed_request_has_byte_identical_kv(tiny):
     device_pages(core)[: core.pool.num_pages] = float("nan")  # nothing on the device survives
     core.step()  # admitted: LOADING
     assert req.status is RequestStatus.LOADING
-    core.wait_copies()  # the loads end; the request runs again
+    while req.status is RequestStatus.LOADING:  # the loads end; the request runs again (no step computes)
+        core.wait_copies()
+        core.scheduler.issue_copies(ScheduledBatch())
     assert req.status is RequestStatus.RUNNING and req.num_computed_tokens == 34
     got = device_pages(core)[req.block_table[:n_pages]]
     assert torch.equal(got.view(torch.int32), snapshot.view(torch.int32))
@@ -283,7 +285,9 @@ def test_prefix_pages_come_back_from_the_disk_tier_byte_identical(tiny, tmp_path
     core.add_request(c)
     step_until(core, lambda: c.status is RequestStatus.LOADING)
     assert host.disk.num_reads > reads
-    core.wait_copies()
+    while c.status is RequestStatus.LOADING:
+        core.wait_copies()
+        core.scheduler.issue_copies(ScheduledBatch())
     assert c.status is RequestStatus.RUNNING and c.num_computed_tokens == 32
     got = device_pages(core)[c.block_table[:8]]
     assert torch.equal(got.view(torch.int32), prefix.view(torch.int32))

@@ -10,6 +10,7 @@ the host tier; it rejoins the running set when every page is in place).
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -142,7 +143,9 @@ class Scheduler:
         """Before the step runs: write-through and load chunks sized to end within it (§5.2)."""
         if self.offload is None:
             return
-        seconds = self.step_model.cost.step_time(batch.total_tokens, batch.num_context_tokens)
+        # An empty step hides nothing: then every queued load and write goes at once.
+        seconds = self.step_model.cost.step_time(batch.total_tokens, batch.num_context_tokens) if batch.requests \
+            else math.inf
         now = self.clock()
         self.offload.issue(seconds, self.running, lambda r: r.buffer.buffer(now))
 

@@ -25,6 +25,8 @@ waits until no eviction is in flight (the ablation's serialized baseline).
 from __future__ import annotations
 
 import logging
+import math
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
@@ -170,6 +172,8 @@ class OffloadManager:
             self._issue_writes(step_seconds, running, buffer_of)
 
     def _budget_pages(self, lane: str, step_seconds: float) -> int:
+        if step_seconds == math.inf:
+            return sys.maxsize
         room = self.copier.bandwidth[lane].value * step_seconds - self.copier.queued_bytes(lane)
         pages = int(room // self.page_bytes)
         return max(pages, 0 if self.copier.busy(lane) else 1)  # an idle lane always moves a page
