@@ -57,10 +57,7 @@ def main() -> None:
     a = ap.parse_args()
     dtype = "float32" if a.device == "cpu" else "bfloat16"
     loaded = load_model_source(a.model, getattr(torch, dtype), a.device)
-    g = decode_rate(loaded, a.slots) if a.device == "cpu" else None
-    if g is None:  # decode_rate builds a CPU engine; measure on the device the same way
-        core = engine(loaded, a.device, dtype, a.slots, "none", True, a.kv_cache_memory)
-        g = _decode_rate(core, a.slots)
+    g = decode_rate(engine(loaded, a.device, dtype, a.slots, "none", True, a.kv_cache_memory), a.slots)
     rates = (round(0.375 * g, 2), round(0.5 * g, 2))
     n = int(a.burst * a.slots)
     print(f"decode rate at {a.slots} slots: {g:.1f} tokens/s per request; readers at {rates}; burst of {n}, "
@@ -88,22 +85,6 @@ def main() -> None:
                        "output_mean": a.output, "decode_rate_per_request": g, "reading_rates": rates, "seed": a.seed,
                        "results": results}, f, indent=2)
 
-
-def _decode_rate(core: EngineCore, slots: int) -> float:
-    import time
-
-    from tokenflowd.engine.request import Request, SamplingParams
-
-    for i in range(slots):
-        core.add_request(Request(f"w{i}", list(range(100 + i, 148 + i)),
-                                 SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)))
-    for _ in range(8):
-        core.step()
-    t0, steps = time.perf_counter(), 0
-    while core.has_unfinished():
-        core.step()
-        steps += 1
-    return steps / (time.perf_counter() - t0)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,8 @@ def engine(loaded, policy: str, slots: int, params: PolicyConfig) -> EngineCore:
     return EngineCore(cfg, loaded)
 
 
-def decode_rate(loaded, slots: int) -> float:
-    """Tokens/s one request gets when `slots` requests decode together."""
-    core = engine(loaded, "fcfs", slots, PolicyConfig())
+def decode_rate(core: EngineCore, slots: int) -> float:
+    """Tokens/s one request gets when `slots` requests decode together on `core` (a fresh engine)."""
     ids = core.tokenizer.encode(TEXT * 4)
     for i in range(slots):
         core.add_request(Request(f"w{i}", ids[i : i + 48], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
@@ -99,7 +98,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     loaded = load_model_source("smollm2-135m", torch.float32, "cpu")
-    g = decode_rate(loaded, a.slots)
+    g = decode_rate(engine(loaded, "fcfs", a.slots, PolicyConfig()), a.slots)
     rates = (round(0.375 * g, 2), round(0.5 * g, 2))
     n = int(a.burst * a.slots)
     print(f"decode rate at {a.slots} slots: {g:.1f} tokens/s per request; readers at {rates[0]} (40%) and "

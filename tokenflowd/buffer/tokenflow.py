@@ -237,10 +237,8 @@ class TokenFlowPolicy(SchedulingPolicy):
                         overhead[i] = t_io
                         reloaded[i] = True
         b_pred = np.maximum(buffer - rate * overhead, 0.0)
-        away = view.cost.recompute_time(1) * num_tokens[:nr].astype(np.float64)
-        for i, r in enumerate(view.running):
-            if r.io_time is not None:
-                away[i] = min(away[i], r.io_time)
+        io = np.array([np.inf if r.io_time is None else r.io_time for r in view.running], dtype=np.float64)
+        away = np.minimum(view.cost.recompute_time(1) * num_tokens[:nr], io)
         return _WorkingSet(reqs, nr, num_tokens, rate, buffer, b_pred, overhead, expected, reloaded, away)
 
     @staticmethod

@@ -77,12 +77,6 @@ class PagePool:
     def is_evictable(self, page: int) -> bool:
         return page in self._lru
 
-    def key_of(self, page: int) -> bytes | None:
-        return self._key[page]
-
-    def has_key(self, key: bytes) -> bool:
-        return key in self._by_key
-
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self) -> int:
         """A fresh page with ref 1; evicts the least recently used cached page if none is free."""

@@ -42,7 +42,6 @@ class CopyJob:
     host_pages: list[int]  # host_pages[i] pairs with device_pages[i]
     nbytes: int
     tag: Any = None  # the offload manager's bookkeeping for this job
-    submitted: float = 0.0  # time.perf_counter() at submit
     seconds: float = 0.0  # the copy's own duration, measured where it ran
     done: bool = False
     _events: Any = field(default=None, repr=False)
@@ -81,7 +80,6 @@ class Copier(abc.ABC):
         self._queued = {WRITE: 0, LOAD: 0}  # bytes submitted and not yet polled, per lane
 
     def submit(self, job: CopyJob) -> CopyJob:
-        job.submitted = time.perf_counter()
         self.in_flight[job.lane].append(job)
         self._queued[job.lane] += job.nbytes
         self._start(job)
@@ -141,7 +139,7 @@ def copy_pages(dev: torch.Tensor, host: torch.Tensor, job: CopyJob) -> None:
     gather (write) or scatter (load) per run of consecutive host pages."""
     for i, j, h in _runs(job.host_pages):
         d = job.device_pages[i:j]
-        if d[-1] - d[0] == j - i - 1 and d == list(range(d[0], d[0] + j - i)):
+        if d == list(range(d[0], d[0] + j - i)):
             if job.lane == WRITE:
                 host[h : h + j - i].copy_(dev[d[0] : d[0] + j - i])
             else:

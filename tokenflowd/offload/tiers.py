@@ -11,8 +11,6 @@ tier holds only keyed pages (the hierarchical prefix cache); a hit is promoted b
 """
 from __future__ import annotations
 
-import abc
-import logging
 import os
 import tempfile
 from collections import OrderedDict
@@ -21,17 +19,8 @@ import torch
 
 from tokenflowd.engine.page_pool import PagePool
 
-log = logging.getLogger(__name__)
 
-
-class KVTier(abc.ABC):
-    """Whole KV pages in one place, one layout: a page is `page_bytes` bytes, addressed by id or key."""
-
-    page_bytes: int
-    num_pages: int
-
-
-class DiskTier(KVTier):
+class DiskTier:
     """Keyed pages in one unlinked file under `directory`: nothing outlives the process.
 
     Invariants: a key maps to one slot; a slot's bytes are the page written under its key; when the
@@ -48,7 +37,7 @@ class DiskTier(KVTier):
         self.page_bytes = page_bytes
         self._slot: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self._free = list(range(num_pages - 1, -1, -1))
-        self.num_writes = self.num_reads = 0
+        self.num_reads = 0  # pages promoted back (tests and benchmarks read it)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._slot
@@ -64,7 +53,6 @@ class DiskTier(KVTier):
         slot = self._free.pop() if self._free else self._slot.popitem(last=False)[1]
         os.pwrite(self._fd, _bytes_of(page), slot * self.page_bytes)
         self._slot[key] = slot
-        self.num_writes += 1
 
     def touch(self, key: bytes) -> None:
         """Mark `key` most recently used (so that a spill made to read it back does not drop it)."""
@@ -93,7 +81,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
-class HostTier(KVTier):
+class HostTier:
     """Host memory for KV pages, in the device pages' layout, with its own allocator and LRU.
 
     pages: [num_pages, layers, *rest] dtype cpu (pinned when the device is a GPU). Committed at

@@ -7,27 +7,29 @@ the steps: a job submitted before a step may end during it, and the next schedul
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from tokenflowd.offload.copier import LOAD, WRITE, Copier, CopyJob
 
+if TYPE_CHECKING:
+    from tokenflowd.sim.simulator import VirtualClock
+
 
 class SimCopier(Copier):
-    def __init__(self, bandwidth: float, clock: Callable[[], float], advance: Callable[[float], None]) -> None:
+    def __init__(self, bandwidth: float, clock: "VirtualClock") -> None:
         super().__init__(None, None, bandwidth)
         self.rate = bandwidth
-        self.clock = clock
-        self.advance = advance  # moves the virtual clock forward to a time (wait())
+        self.clock = clock  # wait() moves it forward to the job's end
         self._lane_free_at = {WRITE: 0.0, LOAD: 0.0}
 
     def _start(self, job: CopyJob) -> None:
-        start = max(self.clock(), self._lane_free_at[job.lane])
+        start = max(self.clock.now, self._lane_free_at[job.lane])
         job.seconds = job.nbytes / self.rate
         job._events = start + job.seconds  # the virtual time it ends
         self._lane_free_at[job.lane] = job._events
 
     def _finished(self, job: CopyJob) -> bool:
-        return self.clock() >= job._events
+        return self.clock.now >= job._events
 
     def _wait(self, job: CopyJob) -> None:
-        self.advance(job._events)
+        self.clock.now = max(self.clock.now, job._events)

@@ -123,11 +123,7 @@ class Simulator:
         page_bytes = self.cost.kv_bytes_per_token * self.cost.page_size
         if host_kv_memory < page_bytes:
             raise ValueError(f"offload {mode} needs a host tier of at least one page ({page_bytes} bytes)")
-
-        def advance(t: float) -> None:
-            self.clock.now = max(self.clock.now, t)
-
-        copier = SimCopier(self.cost.host_link_bandwidth * self.cost.host_link_efficiency, self.clock, advance)
+        copier = SimCopier(self.cost.host_link_bandwidth * self.cost.host_link_efficiency, self.clock)
         host = HostTier(host_kv_memory // page_bytes, page_bytes, None, prefix_caching)
         return OffloadManager(self.pool, host, copier, self.cost.page_size, mode, overlap)
 
