@@ -92,29 +92,64 @@ def test_utility_order_by_seconds_of_buffer_and_token_value():
     assert u(100, 20, max_out=10_000) > u(100, 20)
 
 
-def test_schedulability_fallback_is_fcfs_over_the_working_set():
-    # Γ = 2 slots · 40 tok/s = 80 < Σ r = 45 + 30 + 25: arrival order; the new request finds no slot
-    v = view([running("late", 2.0, 0.0, 30), running("early", 0.0, 50.0, 45)],
-             [preempted("mid", 1.0, 0.0, 25), new("n", 3.0)], now=4.0)
+def test_fallback_serves_running_requests_that_count_then_new_then_the_rest():
+    # Three slots at ~40 tokens/s: Γ ≈ 119 < Σ min(r, g) ≈ 30 + 40 + 40 + 25. "rich" holds 100
+    # tokens (a fifth of its expected 400: its next tokens are worth nothing, §7.1.3) and 2.2 s of
+    # reading, more than μ× its time away: it makes way. The new request's first token comes before
+    # the preempted member, which waits for a seat.
+    v = view([running("late", 2.0, 0.0, 30), running("early", 0.0, 50.0, 45), running("rich", 1.0, 100.0, 45)],
+             [preempted("mid", 1.0, 0.0, 25), new("n", 3.0)], now=4.0, max_num_seqs=3)
     pol = TokenFlowPolicy(PARAMS)
     d = pol.balance(v)
     assert d.fallback
-    assert d.run == ("early", "mid")
+    assert d.run == ("early", "late", "n")
     plan = pol.plan(v)
-    assert plan.preempted == ("late",) and "n" not in dict(plan.scheduled)
+    assert plan.preempted == ("rich",) and "n" in dict(plan.scheduled)
 
 
-def test_fallback_admits_new_requests_only_into_room_left_over():
-    # Four slots at 40 tokens/s: Γ = 160 < Σ r = 60 + 60 + 50 over W, so W runs by arrival and the
-    # new request takes the slot left over; with three slots it waits and no one is displaced for it.
+def test_fallback_keeps_running_requests_that_count_and_admits_into_room_left_over():
+    # Five readers at 35 tokens/s and at most four slots of ~40: Σ r = 175 > Γ. With four slots the
+    # new request and the first preempted member both fit; with three the new one takes the last
+    # slot; with two, no one is displaced for it.
     def v(slots):
-        return view([running("a", 0.0, 0.0, 60), running("b", 1.0, 0.0, 60)],
-                    [preempted("c", 0.5, 0.0, 50), new("n", 3.0)], free=100, max_num_seqs=slots, now=4.0)
+        return view([running("a", 0.0, 0.0, 35), running("b", 1.0, 0.0, 35)],
+                    [preempted("c", 0.5, 0.0, 35), preempted("d", 0.6, 0.0, 35), preempted("e", 0.7, 0.0, 35),
+                     new("n", 3.0)], free=100, max_num_seqs=slots, now=4.0)
 
     d = TokenFlowPolicy(PARAMS).balance(v(4))
     assert d.fallback
-    assert d.run == ("a", "c", "b", "n")
-    assert TokenFlowPolicy(PARAMS).balance(v(3)).run == ("a", "c", "b")
+    assert d.run == ("a", "b", "c", "n")
+    assert TokenFlowPolicy(PARAMS).balance(v(3)).run == ("a", "b", "n")
+    assert TokenFlowPolicy(PARAMS).balance(v(2)).run == ("a", "b")
+
+
+def test_one_client_stating_an_absurd_rate_does_not_switch_the_policy_to_fallback():
+    # A request is never fed faster than one decode stream (g ≈ 40 tokens/s here), so a stated
+    # 1e6 tokens/s counts as g in the schedulability test.
+    honest = [running(f"h{i}", float(i), 30.0, 10) for i in range(3)]
+    v = view([*honest, running("greedy", 3.0, 0.0, 1e6)], [new("n", 5.0)], max_num_seqs=4, now=6.0)
+    assert not TokenFlowPolicy(PARAMS).balance(v).fallback
+
+
+def test_a_new_request_takes_free_room_whatever_the_working_set_bound():
+    # Σ r = 35 of Γ ≈ 119 and three free slots: the new requests go in at once, and no one is
+    # displaced (every running buffer is low).
+    v = view([running("a", 0.0, 2.0, 20), running("b", 1.0, 2.0, 15)], [new("n1", 2.0), new("n2", 2.5)],
+             max_num_seqs=4, now=3.0)
+    d = TokenFlowPolicy(PARAMS).balance(v)
+    assert not d.fallback
+    assert d.run == ("a", "b", "n1", "n2")
+
+
+def test_a_loading_request_holds_its_place_through_a_pass():
+    # "l" is coming back from the host tier: it keeps its pages and seat, so a pass neither gives
+    # them to the new request nor leaves it out of the decision (it would be preempted on landing).
+    loading = RequestView("l", 0.5, 20, 19, 5, reading_rate=20.0, buffer=1.0, num_output_tokens=5,
+                          max_output_tokens=400)
+    v = SchedulerView(now=3.0, running=(running("a", 0.0, 2.0, 20),), waiting=(new("n", 2.0),), free_pages=30,
+                      total_pages=40, page_size=PS, token_budget=64, max_num_seqs=1, cost=COST, loading=(loading,))
+    d = TokenFlowPolicy(PARAMS).balance(v)
+    assert "l" in d.run and "a" in d.run and "n" not in d.run
 
 
 def test_reload_is_chosen_when_io_beats_recompute():

@@ -260,7 +260,7 @@ class AndesPolicy(SchedulingPolicy):
         the horizon. `due` is when its expected timeline reaches the tokens it has, `room` the tokens
         it may still generate."""
         p = self.params
-        length = math.inf if r.max_output_tokens is None else float(r.max_output_tokens)
+        length = _expected_length(r)
         room = length - r.num_output_tokens
         start = r.arrival_time + p.andes_expected_ttft
         due = start + r.num_output_tokens / r.reading_rate
@@ -307,3 +307,10 @@ class AndesPolicy(SchedulingPolicy):
                 used += sum(c.pages for c in admits[:dropped])
                 count += dropped
         return kept + admits
+
+
+def _expected_length(r: RequestView) -> float:
+    """Output tokens r is expected to produce in all: the engine's prediction, else its bound."""
+    if r.expected_output_tokens is not None:
+        return r.expected_output_tokens
+    return math.inf if r.max_output_tokens is None else float(r.max_output_tokens)

@@ -91,3 +91,49 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
         if err < best_err:
             best, best_err = coef, err
     return best
+
+
+class OutputLengthModel:
+    """Predicts how many output tokens a request will produce in all, from the lengths of the
+    requests that finished on this engine: what a real engine knows (the simulator must not hand
+    the policy the workload's true length).
+
+    For a request that has produced n tokens the prediction is E[L | L > n] over the last `window`
+    finished lengths: a long answer already under way is expected to go on. Until `min_samples`
+    requests have finished the prior stands in; past the longest length seen, n·(1 + tail) (the
+    request has outlived every sample, so its end is not in sight). A client's max_tokens caps
+    the prediction: it is the one bound the engine knows for certain.
+    """
+
+    def __init__(self, prior: float, window: int = 512, min_samples: int = 8, tail: float = 0.5) -> None:
+        self.prior = float(prior)
+        self._lengths: deque[int] = deque(maxlen=window)
+        self._min_samples = min_samples
+        self._tail = tail
+        self._sorted: np.ndarray | None = None  # ascending lengths; None: stale
+        self._suffix: np.ndarray | None = None  # _suffix[i] = sum of _sorted[i:]
+
+    def observe(self, num_output_tokens: int) -> None:
+        """A request finished by itself (a stop token or its max_tokens) with this many tokens."""
+        self._lengths.append(num_output_tokens)
+        self._sorted = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._lengths)
+
+    def expected(self, num_output_tokens: np.ndarray, max_tokens: np.ndarray) -> np.ndarray:
+        """Expected total output per request (float64), given the tokens each has produced so far
+        and its client's bound (np.inf where none)."""
+        n = np.asarray(num_output_tokens, dtype=np.float64)
+        if len(self._lengths) < self._min_samples:
+            guess = np.maximum(self.prior, n * (1.0 + self._tail))
+        else:
+            if self._sorted is None:
+                self._sorted = np.sort(np.fromiter(self._lengths, dtype=np.float64))
+                self._suffix = np.concatenate([np.cumsum(self._sorted[::-1])[::-1], [0.0]])
+            first = np.searchsorted(self._sorted, n, side="right")  # samples with L > n
+            count = len(self._sorted) - first
+            mean = self._suffix[first] / np.maximum(count, 1)
+            guess = np.where(count > 0, mean, n * (1.0 + self._tail))
+        return np.maximum(np.minimum(guess, max_tokens), n + 1.0)

@@ -35,6 +35,10 @@ class RequestView:
     buffer: float = 0.0  # tokens its client holds unread at view.now (0 before the first token)
     num_output_tokens: int = 0
     max_output_tokens: int | None = None  # the most it may generate in all (None: to the context)
+    # what the engine expects it to generate in all: its max_tokens capping a prediction learned
+    # from finished requests (buffer/estimates.py OutputLengthModel); None: the policy's prior
+    expected_output_tokens: float | None = None
+    arrival_seq: int = 0  # arrival order at the engine: breaks ties of arrival_time (a burst at one instant)
     # waiting: s to bring its KV back from the host tier (None: no host copy); running: s to write
     # what the host lacks and load it all back were it preempted now (None: no host tier)
     io_time: float | None = None
@@ -70,7 +74,9 @@ class RequestView:
 class SchedulerView:
     now: float
     running: tuple[RequestView, ...]  # in arrival order
-    waiting: tuple[RequestView, ...]  # in queue order (preempted requests included)
+    # in queue order: every preempted request and the first max_num_seqs new ones (no more could
+    # be admitted this step); a started request is never left out of the view
+    waiting: tuple[RequestView, ...]
     free_pages: int  # free + evictable cached pages
     total_pages: int
     page_size: int
@@ -78,6 +84,10 @@ class SchedulerView:
     max_num_seqs: int
     cost: StepCost = field(default_factory=StepCost)  # live step-time estimate (buffer/estimates.py)
     host_pages: int = 0  # pages of the host KV tier (0: none; preempted KV is recomputed)
+    # admitted, their KV coming back from the host tier: they hold pages_held device pages and a
+    # seat (counted out of max_num_seqs already), and rejoin `running` when the load lands. A plan
+    # neither schedules nor preempts them; a policy that decides for a while keeps them in mind.
+    loading: tuple[RequestView, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

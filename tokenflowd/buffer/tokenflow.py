@@ -61,12 +61,13 @@ class Decision:
 
 @dataclass(slots=True)
 class _WorkingSet:
-    """The pass's working set W as columns (running requests first, in arrival order, then
-    preempted ones in queue order): one numpy array per quantity, so that a pass over a thousand
+    """The pass's working set W as columns (running requests first, in arrival order, then loading
+    ones, then preempted ones in queue order): one numpy array per quantity, so that a pass over a thousand
     requests stays under half a millisecond."""
 
     reqs: list[RequestView]
     num_running: int
+    num_on_device: int  # running, then loading (admitted, KV coming back): reqs[num_running:num_on_device]
     num_tokens: np.ndarray  # int64
     rate: np.ndarray  # tokens/s its client reads
     buffer: np.ndarray  # tokens its client holds unread now
@@ -144,102 +145,139 @@ class TokenFlowPolicy(SchedulingPolicy):
 
         # 1. Estimates at the batch the device can hold.
         mean_ctx = float(ws.num_tokens.mean()) if reqs else new[0].num_tokens
-        capacity = view.free_pages + sum(r.pages_held for r in view.running)
+        capacity = view.free_pages + sum(r.pages_held for r in (*view.running, *view.loading))
         footprint = max(1, cdiv(int(mean_ctx), view.page_size))
-        batch = max(1, min(view.max_num_seqs, capacity // footprint))
+        batch = max(1, min(view.max_num_seqs + len(view.loading), capacity // footprint))
         g = 1.0 / view.cost.decode_step_time(batch, mean_ctx)  # tokens/s of one running request
         gamma_cap = batch * g  # Γ
         growth = int(g * t) + 1  # tokens a chosen request adds over the interval
         pages = (-(-(ws.num_tokens + growth) // view.page_size)).tolist()  # held through the interval
+        pages[ws.num_running: ws.num_on_device] = [r.pages_held for r in view.loading]  # in place already
+        max_seqs = view.max_num_seqs + len(view.loading)  # loading requests hold seats of their own
+        # A request can never be fed faster than one running request decodes: a stated rate above g
+        # asks for what no schedule gives, and must not let one client tip the test below.
+        demand = np.minimum(ws.rate, g)
+        load = float(demand.sum())
+        tier, victim_ok = self._tiers(ws, t)
+        new_pages = [cdiv(r.num_tokens + growth, view.page_size) for r in new]
 
-        # 2. Schedulability: Σ_{i∈W} r_i ≤ Γ, else FCFS with memory-aware admission (§4.3): W by
-        # arrival within device memory, then new requests only into room left over, displacing no one.
-        load = float(ws.rate.sum())
+        # 2. Schedulability (§4.3): Σ_{i∈W} min(r_i, g) > Γ cannot be balanced; serve in FCFS
+        # spirit instead, with what each token is worth deciding who holds the device.
         if load > gamma_cap:
-            priority = np.array([r.priority for r in reqs])
-            order = np.lexsort((np.array([r.arrival_time for r in reqs]), -priority)).tolist()
-            chosen = self._fill(order, pages, capacity, view.max_num_seqs)
-            room = capacity - sum(pages[i] for i in chosen)
-            admitted = []
-            for r in new:
-                need = cdiv(r.num_tokens + growth, view.page_size)
-                if need > room or len(chosen) + len(admitted) >= view.max_num_seqs:
-                    break
-                admitted.append(r.request_id)
-                room -= need
-            run = tuple(reqs[i].request_id for i in chosen) + tuple(admitted)
-            return Decision(run, self._reloads(ws, chosen), fallback=True)
+            return self._fallback(ws, tier, victim_ok, new, new_pages, pages, capacity, max_seqs)
 
         # 3. Buffer balancing inside W: greedy by utility within swap tiers, then adjacent swaps
         # inside a tier. A swap costs a recompute (or a reload), so it happens only where a buffer
         # asks for it: a preempted request displaces a running one only once its own buffer is
         # down to μ× its way back, and only a running one whose buffer outlasts its time away.
+        # Resting members (buffer to spare) wait for room left once new requests are in.
         u = self._utility(ws, g)
         utility = u.tolist()
-        tier, admission_victim = self._tiers(ws, t)
         order = self._within_recompute_budget(np.lexsort((-u, tier)), ws, tier, (1.0 - load / gamma_cap) * t)
-        chosen = self._fill(order, pages, capacity, view.max_num_seqs)
-        chosen = self._local_search(order, chosen, pages, utility, capacity, view.max_num_seqs, tier.tolist())
+        resting = [i for i in order if tier[i] == RESTING]
+        order = [i for i in order if tier[i] != RESTING]
+        chosen = self._fill(order, pages, capacity, max_seqs)
+        chosen = self._local_search(order, chosen, pages, utility, capacity, max_seqs, tier.tolist())
 
-        # 4. Admission of new requests into the working set (eq. 4–5 and the buffer rule).
+        # 4. Admission of new requests (§4.2.1). Free device room always takes the next new
+        # request: an empty device serves no one, and a resting member can wait. Displacing a
+        # running request needs more: the working set below W_scheduled (eq. 4–5), Σ r ≤ Γ with
+        # the newcomer, and a victim whose buffer covers μ× its swap time.
         used = sum(pages[i] for i in chosen)
         w_sched = self._working_set_size(view, footprint, gamma_cap)
         size = len(reqs)
-        victims: list[int] | None = None  # chosen running requests, cheapest to displace first (when needed)
-        num_displaced = 0
+        victims = sorted((i for i in chosen if i < ws.num_running and victim_ok[i]), key=utility.__getitem__)
+        displaced: list[int] = []
         seqs = len(chosen)
         admitted: list[str] = []
-        for r in new:  # queue order
-            idle = not chosen and not admitted  # an idle device admits its head whatever the estimates say
-            if not idle and (size >= w_sched or load + r.reading_rate > gamma_cap):
-                break
-            need = cdiv(r.num_tokens + growth, view.page_size)
-            while used + need > capacity or seqs >= view.max_num_seqs:
-                if victims is None:
-                    victims = sorted((i for i in chosen if i < ws.num_running), key=utility.__getitem__)
-                if num_displaced == len(victims):
+        for r, need in zip(new, new_pages):  # queue order
+            if used + need > capacity or seqs >= max_seqs:
+                if size >= w_sched or load + min(r.reading_rate, g) > gamma_cap:
                     break
-                v = victims[num_displaced]
-                if not admission_victim[v]:
-                    break
-                num_displaced += 1
-                used -= pages[v]
-                seqs -= 1
-            if used + need > capacity or seqs >= view.max_num_seqs:
+                while (used + need > capacity or seqs >= max_seqs) and len(displaced) < len(victims):
+                    v = victims[len(displaced)]
+                    displaced.append(v)
+                    used -= pages[v]
+                    seqs -= 1
+            if used + need > capacity or seqs >= max_seqs:
                 break  # head of line: nothing behind it jumps the queue
             admitted.append(r.request_id)
             used += need
             seqs += 1
             size += 1
-            load += r.reading_rate
-        if num_displaced:
-            displaced = set(victims[:num_displaced])
-            chosen = [i for i in chosen if i not in displaced]
-        kept = chosen
+            load += min(r.reading_rate, g)
+        gone = set(displaced)
+        kept = [i for i in chosen if i not in gone]
+        for i in resting:  # room nobody else takes
+            if seqs < max_seqs and used + pages[i] <= capacity:
+                kept.append(i)
+                used += pages[i]
+                seqs += 1
+        # Admitted requests come last in `run`: carrying the decision out, FCFS serves the working
+        # set's decodes before their prompts.
         return Decision(tuple(reqs[i].request_id for i in kept) + tuple(admitted), self._reloads(ws, kept))
 
+    def _fallback(self, ws: _WorkingSet, tier: np.ndarray, victim_ok: np.ndarray, new: list[RequestView],
+                  new_pages: list[int], pages: list[int], capacity: int, max_seqs: int) -> Decision:
+        """Σr > Γ: not every reader can be kept fed, so who holds the device goes by what its next
+        tokens are worth, in three groups:
+          1. running (and loading) requests whose next tokens still count, by priority then arrival;
+          2. new requests, in queue order (their first token is the one a reader waits for most);
+          3. preempted members and running ones whose tokens are worth little now: the §7.1.3
+             weight of their next token below 0.5 with a buffer that outlasts μ× their time away;
+             urgent preempted first, then those running, then resting ones (the swap tiers).
+        Greedy within the device's pages and seats; a new request that does not fit stops the
+        queue behind it."""
+        weight = effective_weights(ws.buffer, ws.expected)
+        worthless = victim_ok & (weight < 0.5)
+        arrival = np.array([r.arrival_time for r in ws.reqs], dtype=np.float64)
+        seq = np.array([r.arrival_seq for r in ws.reqs], dtype=np.int64)
+        priority = np.array([r.priority for r in ws.reqs], dtype=np.int64)
+        on_device = np.arange(len(ws.reqs)) < ws.num_on_device
+        first = np.flatnonzero(on_device & ~worthless)
+        first = first[np.lexsort((seq[first], arrival[first], -priority[first]))].tolist()
+        rest = np.flatnonzero(~on_device | worthless)
+        rest = rest[np.lexsort((ws.buffer[rest] / ws.rate[rest], tier[rest]))].tolist()
+        chosen = self._fill(first, pages, capacity, max_seqs)
+        used = sum(pages[i] for i in chosen)
+        admitted = []
+        for r, need in zip(new, new_pages):
+            if used + need > capacity or len(chosen) + len(admitted) >= max_seqs:
+                break
+            admitted.append(r.request_id)
+            used += need
+        for i in rest:
+            if len(chosen) + len(admitted) >= max_seqs:
+                break
+            if used + pages[i] <= capacity:
+                chosen.append(i)
+                used += pages[i]
+        return Decision(tuple(ws.reqs[i].request_id for i in chosen) + tuple(admitted), self._reloads(ws, chosen),
+                        fallback=True)
+
     def _working_set(self, view: SchedulerView, members: list[RequestView]) -> _WorkingSet:
-        nr = len(view.running)
-        reqs = [*view.running, *members]
+        nr, nd = len(view.running), len(view.running) + len(view.loading)
+        reqs = [*view.running, *view.loading, *members]
         num_tokens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
         rate = np.array([r.reading_rate for r in reqs], dtype=np.float64)
         buffer = np.array([r.buffer for r in reqs], dtype=np.float64)
-        expected = np.array([r.max_output_tokens or self.params.expected_output_len for r in reqs], dtype=np.float64)
+        expected = np.array([r.expected_output_tokens or r.max_output_tokens or self.params.expected_output_len
+                             for r in reqs], dtype=np.float64)
         overhead = np.zeros(len(reqs))
         reloaded = np.zeros(len(reqs), dtype=bool)
         if members:
             computed = np.array([r.num_computed_tokens for r in members], dtype=np.int64)
-            overhead[nr:] = view.cost.recompute_time(1) * (num_tokens[nr:] - computed)  # linear in tokens
+            overhead[nd:] = view.cost.recompute_time(1) * (num_tokens[nd:] - computed)  # linear in tokens
             io = [r.io_time for r in members]
             if io.count(None) < len(io):  # some have a host copy: reload where that is faster
-                for i, t_io in enumerate(io, nr):
+                for i, t_io in enumerate(io, nd):
                     if t_io is not None and t_io < overhead[i]:
                         overhead[i] = t_io
                         reloaded[i] = True
         b_pred = np.maximum(buffer - rate * overhead, 0.0)
         io = np.array([np.inf if r.io_time is None else r.io_time for r in view.running], dtype=np.float64)
         away = np.minimum(view.cost.recompute_time(1) * num_tokens[:nr], io)
-        return _WorkingSet(reqs, nr, num_tokens, rate, buffer, b_pred, overhead, expected, reloaded, away)
+        return _WorkingSet(reqs, nr, nd, num_tokens, rate, buffer, b_pred, overhead, expected, reloaded, away)
 
     @staticmethod
     def _within_recompute_budget(order: np.ndarray, ws: _WorkingSet, tier: np.ndarray, budget: float) -> list[int]:
@@ -256,7 +294,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         cost = np.where(ws.reloaded | (tier != URGENT), 0.0, ws.overhead)[order]
         over = np.cumsum(cost) > budget
         costly = np.flatnonzero(cost > 0)
-        if ws.num_running == 0 and costly.size:
+        if ws.num_on_device == 0 and costly.size:
             over[costly[0]] = False
         return order[~(over & (cost > 0))].tolist()
 
@@ -264,12 +302,13 @@ class TokenFlowPolicy(SchedulingPolicy):
         """The swap tier of each request in W (lower goes first in the greedy fill), and which
         running ones a *new* request may displace (§4.2.1's rule, μ× the time away):
             PINNED_RUNNING  running, its buffer would not last the shortest time away (its
-                            recompute or reload plus one pass): must stay
+                            recompute or reload plus one pass): must stay; and every loading one
             URGENT          preempted, its buffer down to μ× its way back plus a pass: must return
             SAFE_RUNNING    running, its buffer outlasts a swap: may make way for an urgent one
             RESTING         preempted with buffer to spare: only free room takes it"""
         mu = self.params.buffer_conservativeness
-        running = np.arange(len(ws.reqs)) < ws.num_running
+        index = np.arange(len(ws.reqs))
+        running = index < ws.num_running
         seconds = ws.buffer / ws.rate
         away = np.zeros(len(ws.reqs))
         away[: ws.num_running] = ws.away
@@ -277,6 +316,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         back = ws.overhead + interval  # a preempted request's way back (io or recompute) plus a pass
         tier = np.where(running, np.where(seconds >= away, SAFE_RUNNING, PINNED_RUNNING),
                         np.where(seconds <= mu * back, URGENT, RESTING))
+        tier[ws.num_running: ws.num_on_device] = PINNED_RUNNING  # its load is under way: it stays
         return tier, running & (seconds >= mu * away)
 
     def _utility(self, ws: _WorkingSet, g: float) -> np.ndarray:

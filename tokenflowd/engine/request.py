@@ -88,6 +88,7 @@ class Request:
     max_model_len: int = 0
     reading_rate: float = DEFAULT_READING_RATE  # tokens/s the client stated; the live rate is buffer.reading_rate
     priority: int = 0  # higher is sooner
+    arrival_seq: int = 0  # set by the scheduler: arrival order, the tie-break of equal arrival times
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

@@ -15,23 +15,32 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tokenflowd.buffer.estimates import StepTimeModel
+import numpy as np
+
+from tokenflowd.buffer.estimates import OutputLengthModel, StepTimeModel
 from tokenflowd.buffer.policy import RequestView, SchedulerView, SchedulingPolicy
 from tokenflowd.engine.kv_manager import KVCacheManager, PrefixHit
 from tokenflowd.engine.request import FinishReason, Request, RequestStatus
 
 
-def _request_view(req: Request, now: float, num_computed: int, pages_held: int, pages_reclaimed: int = 0,
-                  pages_exclusive: int | None = None, io_time: float | None = None,
+def _request_view(req: Request, now: float, num_computed: int, pages_held: int, expected: float,
+                  pages_reclaimed: int = 0, pages_exclusive: int | None = None, io_time: float | None = None,
                   host_tokens: int = 0) -> RequestView:
     """What a policy sees of `req`: the memory fields given, its client's side read from it."""
     return RequestView(req.request_id, req.arrival_time, req.num_tokens, num_computed, pages_held, pages_reclaimed,
                        pages_exclusive, req.priority, req.buffer.reading_rate, req.buffer.buffer(now),
-                       req.num_output_tokens, req.max_tokens, io_time, host_tokens)
+                       req.num_output_tokens, req.sampling_params.max_tokens, expected, req.arrival_seq, io_time,
+                       host_tokens)
 
 
-def _queue_order(req: Request) -> tuple[int, float]:
-    return -req.priority, req.arrival_time
+def _queue_order(req: Request) -> tuple[int, float, int]:
+    """Priority (higher first), then arrival; equal arrival times (a burst) keep the order in which
+    the engine took the requests, preempted or not."""
+    return -req.priority, req.arrival_time, req.arrival_seq
+
+
+def _arrival_order(req: Request) -> tuple[float, int]:
+    return req.arrival_time, req.arrival_seq
 
 
 @dataclass
@@ -53,7 +62,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, token_budget: int, max_num_seqs: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, expected_output_len: float = 1024.0) -> None:
         self.kv = kv
         self.clock = clock  # the simulator passes its virtual clock
         self.policy = policy
@@ -64,12 +73,18 @@ class Scheduler:
         self.offload = kv.offload  # None: no host tier
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._num_arrivals = 0
+        self._num_preempted_waiting = 0  # of self.waiting, those admitted before (num_preemptions > 0)
         self.step_model = StepTimeModel()  # fed by observe_step; read by policies through the view
+        # fed by the requests that finish; the view's expected output lengths (the prior until then)
+        self.output_lengths = OutputLengthModel(expected_output_len)
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        req.arrival_seq = self._num_arrivals
+        self._num_arrivals += 1
         bisect.insort(self.waiting, req, key=_queue_order)
 
     def has_unfinished(self) -> bool:
@@ -79,36 +94,63 @@ class Scheduler:
     def _view(self) -> SchedulerView:
         now = self.clock()
         pool, off = self.kv.pool, self.offload
+        loading = off.loading if off else []
+        # Every started request (preempted ones wait here too) and the new ones that could be
+        # admitted this step: a policy that saw only the queue's head could starve a preempted
+        # request queued behind newer ones of higher priority.
+        waiting = self._visible_waiting()
+        expected = self._expected_outputs([*self.running, *waiting, *loading]).tolist()
         # Preemption is possible only when the free pages cannot give every running request one
         # more page; only then is it worth counting which of a request's pages are its alone.
         tight = pool.num_free < len(self.running)
+        nr, nw = len(self.running), len(waiting)
         running = tuple(
-            _request_view(r, now, r.num_computed_tokens, len(r.block_table),
+            _request_view(r, now, r.num_computed_tokens, len(r.block_table), e,
                           pages_exclusive=sum(pool.ref_count(p) == 1 for p in r.block_table) if tight else None,
                           # were it preempted now: write what the host lacks, then load it all back
                           io_time=off.write_time(r) + off.io_time(len(r.block_table)) if off and tight else None)
-            for r in self.running
+            for r, e in zip(self.running, expected)
         )
-        waiting = []
-        # Only requests that could be admitted this step need a prefix lookup.
-        seats = self.max_num_seqs - len(off.loading) if off else self.max_num_seqs
-        for r in self.waiting[: self.max_num_seqs]:
+        waiting_views = []
+        for r, e in zip(waiting, expected[nr:]):
             hit = self.kv.prefix_hit(r)
             io, host_tokens = self._host_prefix(r, hit.num_pages)
-            waiting.append(_request_view(r, now, hit.num_pages * self.kv.page_size, hit.num_pages, hit.num_evictable,
-                                         io_time=io, host_tokens=host_tokens))
+            waiting_views.append(_request_view(r, now, hit.num_pages * self.kv.page_size, hit.num_pages, e,
+                                               hit.num_evictable, io_time=io, host_tokens=host_tokens))
+        loading_views = tuple(_request_view(r, now, r.num_load_tokens, len(r.block_table), e)
+                              for r, e in zip(loading, expected[nr + nw:]))
         return SchedulerView(
             now=now,
             running=running,
-            waiting=tuple(waiting),
+            waiting=tuple(waiting_views),
             free_pages=pool.num_free,
             total_pages=pool.num_pages,
             page_size=self.kv.page_size,
             token_budget=self.token_budget,
-            max_num_seqs=max(1, seats),
+            max_num_seqs=max(1, self.max_num_seqs - len(loading)),
             cost=self.step_model.cost,
             host_pages=off.host.num_pages if off else 0,
+            loading=loading_views,
         )
+
+    def _visible_waiting(self) -> list[Request]:
+        """The waiting requests a plan may touch: every preempted one, and new ones up to
+        max_num_seqs (no more could be admitted in one step), in queue order."""
+        out, num_new = [], 0
+        for r in self.waiting:
+            if r.num_preemptions:
+                out.append(r)
+            elif num_new < self.max_num_seqs:
+                out.append(r)
+                num_new += 1
+            elif self._num_preempted_waiting == len(out) - num_new:
+                break  # every preempted request is in already
+        return out
+
+    def _expected_outputs(self, reqs: list[Request]) -> np.ndarray:
+        n = np.fromiter((r.num_output_tokens for r in reqs), dtype=np.float64, count=len(reqs))
+        bound = np.fromiter((r.max_tokens for r in reqs), dtype=np.float64, count=len(reqs))
+        return self.output_lengths.expected(n, bound)
 
     def _host_prefix(self, req: Request, device_hit_pages: int) -> tuple[float | None, int]:
         """(t_IO, tokens) of bringing `req`'s KV back from the host tier; (None, 0): nothing to load."""
@@ -129,15 +171,20 @@ class Scheduler:
             return None
         if not self.kv.start_load(req, hit, tokens):
             return False
-        self.waiting.remove(req)
+        self._leave_queue(req)
         return True
+
+    def _leave_queue(self, req: Request) -> None:
+        self.waiting.remove(req)
+        if req.num_preemptions:
+            self._num_preempted_waiting -= 1
 
     def _resume(self, req: Request) -> None:
         """Its pages are in place: it runs again with its loaded tokens computed."""
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = req.num_load_tokens
         self.kv.commit(req)
-        bisect.insort(self.running, req, key=lambda r: r.arrival_time)
+        bisect.insort(self.running, req, key=_arrival_order)
 
     def issue_copies(self, batch: ScheduledBatch) -> None:
         """Before the step runs: write-through and load chunks sized to end within it (§5.2)."""
@@ -172,6 +219,7 @@ class Scheduler:
             self.num_preemptions += 1
             self.running.remove(req)
             self.waiting.append(req)
+            self._num_preempted_waiting += 1
             batch.preempted.append(req)
         if plan.preempted:
             self.waiting.sort(key=_queue_order)
@@ -196,7 +244,7 @@ class Scheduler:
                 blocked = not ok
                 if ok:
                     req.status = RequestStatus.RUNNING
-                    self.waiting.remove(req)
+                    self._leave_queue(req)
                     self.running.append(req)
                     admitted = True
             # The plan can overestimate room (its prefix hit was evicted by an earlier admission
@@ -207,7 +255,7 @@ class Scheduler:
                 batch.num_tokens.append(n)
                 batch.num_context_tokens += req.num_computed_tokens + n
         if admitted:
-            self.running.sort(key=lambda r: r.arrival_time)
+            self.running.sort(key=_arrival_order)
         return batch
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
@@ -250,7 +298,9 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is not RequestStatus.LOADING:  # a loading one leaves the offload manager in kv.free
-            self.waiting.remove(req)
+            self._leave_queue(req)
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.output_lengths.observe(req.num_output_tokens)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

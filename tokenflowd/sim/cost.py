@@ -107,6 +107,7 @@ class CostModel:
     page_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192  # the model's context: what bounds a request with no max_tokens (Llama 3: 8,192)
     source: str = ""  # where the figures come from (a preset's docstring, a calibration run)
 
     def __post_init__(self) -> None:

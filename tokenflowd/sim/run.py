@@ -17,7 +17,8 @@ def run_simulation(sc: Scenario, policy: str, seed: int = 0, enable_prefix_cachi
     host tier of `host_kv_memory` bytes behind the device pool (offload/, copies in virtual time)."""
     sim = Simulator(sc.cost, sc.workload, make_policy(policy, sc.policy_params),
                     enable_prefix_caching=enable_prefix_caching, max_steps=max_steps, offload=offload,
-                    host_kv_memory=host_kv_memory, load_evict_overlap=load_evict_overlap)
+                    host_kv_memory=host_kv_memory, load_evict_overlap=load_evict_overlap,
+                    expected_output_len=sc.policy_params.expected_output_len)
     result = sim.run()
     config = {
         "scenario": sc.name,

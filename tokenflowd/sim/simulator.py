@@ -10,8 +10,11 @@ One step, as EngineCore.step runs it (engine/core.py):
     scheduler.observe_step(batch, dt)            the live step-time model the policies read
 
 When nothing is unfinished the clock jumps to the next arrival. A request ends at its workload
-output length (max_tokens = output_len, ignore_eos). Arrivals during a step join at its end, as
-they would join a real engine's queue between steps.
+output length: the executor samples the end-of-sequence token there, so the engine learns a
+request's length only when it ends, as a real one does (it knows the client's max_tokens where the
+workload sets one). Arrivals during a step join at its end, as they would join a real engine's
+queue between steps; arrivals at one instant join in workload order, and the scheduler's arrival
+sequence keeps that order through preemptions.
 
 Per step the loop outside the scheduler does O(batch) work; nothing here walks all requests.
 """
@@ -34,6 +37,7 @@ from tokenflowd.sim.executor import CostModelExecutor
 from tokenflowd.sim.workload import WorkloadRequest, prompt_token_ids
 
 SIM_VOCAB_SIZE = 32_000  # prompt token ids are drawn below it; the cost model does not care which
+SIM_EOS = 1  # the token the executor ends a response with
 IDLE_LIMIT = 120.0  # virtual s a policy may schedule nothing while requests wait and none arrives
 
 
@@ -96,7 +100,7 @@ class Simulator:
     def __init__(self, cost: CostModel, workload: Sequence[WorkloadRequest], policy: SchedulingPolicy, *,
                  enable_prefix_caching: bool = True, max_steps: int | None = None,
                  max_steps_without_token: int = 100_000, offload: str = "none", host_kv_memory: int = 0,
-                 load_evict_overlap: bool = True) -> None:
+                 load_evict_overlap: bool = True, expected_output_len: float = 1024.0) -> None:
         self.cost = cost
         self.workload = sorted(workload, key=lambda r: r.arrival_time)  # stable: ties keep workload order
         self._check_fits()
@@ -104,8 +108,9 @@ class Simulator:
         self.pool = PagePool(cost.num_pages, enable_prefix_caching)
         self.offload = self._offload(offload, host_kv_memory, load_evict_overlap, enable_prefix_caching)
         self.scheduler = Scheduler(KVCacheManager(self.pool, cost.page_size, self.offload), policy,
-                                   cost.max_num_batched_tokens, cost.max_num_seqs, clock=self.clock)
-        self.executor = CostModelExecutor(cost)
+                                   cost.max_num_batched_tokens, cost.max_num_seqs, clock=self.clock,
+                                   expected_output_len=expected_output_len)
+        self.executor = CostModelExecutor(cost, {r.request_id: r.output_len for r in self.workload}, eos_token_id=SIM_EOS)
         # Enough for every token in its own step and every prompt re-run a few times; a run that
         # needs more is stuck, and says so instead of running for hours.
         self.max_steps = max_steps or 10 * sum(r.output_len + r.prompt_len // cost.max_num_batched_tokens + 1
@@ -137,10 +142,10 @@ class Simulator:
                 )
 
     def _request(self, w: WorkloadRequest) -> Request:
-        req = Request(w.request_id, prompt_token_ids(w, SIM_VOCAB_SIZE),
-                      SamplingParams(max_tokens=w.output_len, ignore_eos=True),
-                      arrival_time=w.arrival_time, reading_rate=w.reading_rate)
-        req.max_model_len = w.prompt_len + w.output_len
+        req = Request(w.request_id, prompt_token_ids(w, SIM_VOCAB_SIZE), SamplingParams(max_tokens=w.max_tokens),
+                      eos_token_ids=(SIM_EOS,), arrival_time=w.arrival_time, reading_rate=w.reading_rate,
+                      priority=w.priority)
+        req.max_model_len = max(self.cost.max_model_len, w.prompt_len + w.output_len)
         return req
 
     def run(self) -> SimResult:

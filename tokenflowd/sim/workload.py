@@ -6,7 +6,9 @@ lengths and reading rates, so changing one leaves the others as they were): the 
 the same requests, bit for bit.
 
 Arrival processes (`WorkloadSpec.arrival`):
-    burst              every request at t = 0 (TokenFlow Table 1, "burst b")
+    burst              every request at t = 0 (TokenFlow Table 1, "burst b"), or spread uniformly
+                       over [0, burst_spread] s; requests at one instant reach the engine in
+                       workload order, and the engine keeps that order (its arrival sequence)
     poisson            exponential gaps of mean 1/rate; the first request at t = 0
     gamma              gamma gaps of mean 1/rate and shape k = burstiness (the meaning of
                        `vllm bench serve --burstiness`: k = 1 is Poisson, k < 1 burstier, k > 1 steadier)
@@ -39,6 +41,10 @@ class WorkloadRequest:
     output_len: int  # tokens the response has (the simulator ends the request there)
     reading_rate: float  # tokens/s its client reads
     hash_ids: tuple[int, ...]  # the prompt's blocks, ceil(prompt_len / BLOCK_TOKENS) of them
+    # the max_tokens its client sets (None: none, as most chat clients): a loose bound, never the
+    # answer's length; the engine learns lengths from finished requests, as a real one must
+    max_tokens: int | None = None
+    priority: int = 0  # higher is sooner (an operator-allowed client's request priority)
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,11 @@ class WorkloadSpec:
     trace: str | None = None  # Mooncake trace file (arrival "trace"); None: DEFAULT_TRACE if it exists
     time_scale: float = 1.0  # trace: arrival = timestamp · time_scale (below 1 replays faster)
     max_prompt_len: int | None = None  # trace: truncate longer prompts (their block ids with them)
+    burst_spread: float = 0.0  # burst: arrivals uniform over [0, burst_spread] s (0: all at t = 0)
+    # the share of requests whose client sets max_tokens = max_tokens_bound (where the answer fits
+    # in it); the others set none
+    max_tokens_share: float = 0.0
+    max_tokens_bound: int = 4096
 
     def __post_init__(self) -> None:
         if self.arrival not in ARRIVALS:
@@ -158,6 +169,12 @@ class WorkloadSpec:
             raise ValueError("max_prompt_len must be >= 1")
         if not self.reading_rates or abs(sum(f for _, f in self.reading_rates) - 1.0) > 1e-6:
             raise ValueError("reading rate fractions must add up to 1")
+        if not self.burst_spread >= 0:
+            raise ValueError(f"burst_spread must be >= 0 s, got {self.burst_spread}")
+        if not 0.0 <= self.max_tokens_share <= 1.0:
+            raise ValueError(f"max_tokens_share must be in [0, 1], got {self.max_tokens_share}")
+        if self.max_tokens_bound < 1:
+            raise ValueError(f"max_tokens_bound must be >= 1, got {self.max_tokens_bound}")
 
     @classmethod
     def parse(cls, arrival: str, **kw) -> "WorkloadSpec":
@@ -185,10 +202,13 @@ class WorkloadSpec:
 
 
 # -- building ---------------------------------------------------------------------------------
-def arrival_times(kind: str, n: int, rate: float | None, burstiness: float, rng: np.random.Generator) -> list[float]:
+def arrival_times(kind: str, n: int, rate: float | None, burstiness: float, rng: np.random.Generator,
+                  burst_spread: float = 0.0) -> list[float]:
     """n non-decreasing arrival times (s), the first at 0."""
     if kind == "burst":
-        return [0.0] * n
+        if burst_spread <= 0:
+            return [0.0] * n
+        return [0.0] + np.sort(rng.uniform(0.0, burst_spread, n - 1)).tolist()
     if kind == "poisson":
         gaps = rng.exponential(1.0 / rate, n - 1)
     elif kind == "gamma":
@@ -237,7 +257,9 @@ def read_trace(path: Path, limit: int | None) -> list[dict]:
 
 def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
     """The requests of `spec`, in arrival order."""
-    arrivals_rng, lengths_rng, rates_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(spec.seed).spawn(3))
+    # spawn(k)'s first children do not depend on k: a stream added later leaves the others as they were
+    arrivals_rng, lengths_rng, rates_rng, bounds_rng = (np.random.default_rng(s)
+                                                        for s in np.random.SeedSequence(spec.seed).spawn(4))
     if spec.arrival == "trace":
         rows = read_trace(resolve_trace_path(spec.trace), spec.num_requests)
         if not rows:
@@ -251,7 +273,7 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
             raise ValueError("a trace record has fewer hash_ids than its input_length needs")
     else:
         n = spec.num_requests
-        arrivals = arrival_times(spec.arrival, n, spec.rate, spec.burstiness, arrivals_rng)
+        arrivals = arrival_times(spec.arrival, n, spec.rate, spec.burstiness, arrivals_rng, spec.burst_spread)
         prompts, outputs = spec.lengths.sample(lengths_rng, n, spec.output_scale)
         blocks, next_id = [], 0
         for p in prompts:  # fresh block ids per request: no prefix is shared
@@ -260,8 +282,10 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
             next_id += k
     n = len(arrivals)
     rates = assign_reading_rates(spec.reading_rates, n, rates_rng)
+    bounded = bounds_rng.random(n) < spec.max_tokens_share
+    bounds = [spec.max_tokens_bound if b and out <= spec.max_tokens_bound else None for b, out in zip(bounded, outputs)]
     width = len(str(n - 1))
-    return [WorkloadRequest(f"r{i:0{width}d}", arrivals[i], prompts[i], outputs[i], rates[i], blocks[i])
+    return [WorkloadRequest(f"r{i:0{width}d}", arrivals[i], prompts[i], outputs[i], rates[i], blocks[i], bounds[i])
             for i in range(n)]
 
 
