@@ -131,6 +131,9 @@ class NullEngine(EngineEndpoint):
         if req is not None:
             req.reading_rate = msg.reading_rate
 
+    def set_read_cursor(self, msg: p.SetReadCursor) -> None:
+        pass  # no buffer model: tokens go out on a fixed schedule whatever the reader does
+
     def add(self, msg: p.AddRequest) -> str | None:
         n = len(msg.prompt_token_ids)
         max_tokens = msg.sampling.max_tokens

@@ -45,3 +45,22 @@ def test_rate_change_reads_the_past_at_the_old_rate():
 def test_rate_must_be_finite_and_positive(rate):
     with pytest.raises(ValueError, match="reading_rate"):
         TokenBuffer(rate)
+
+
+def test_a_read_cursor_moves_the_reading_position_and_reading_goes_on_from_it():
+    b = TokenBuffer(reading_rate=2.0)
+    b.set_read(5, 0.0)  # before the first token: nothing to have read
+    assert b.num_read == 0.0 and b.buffer(0.0) == 0.0
+    b.on_tokens(20, 0.0)
+    assert b.buffer(1.0) == pytest.approx(18.0)  # the model: 2 tokens/s
+    b.set_read(10, 1.0)  # the reader is faster than modelled: it is at 10
+    assert b.buffer(1.0) == pytest.approx(10.0) and b.buffer(2.0) == pytest.approx(8.0)
+    b.set_read(9, 2.0)  # behind the model's 12: the model follows the cursor back
+    assert b.buffer(2.0) == pytest.approx(11.0)
+    b.set_read(50, 3.0)  # beyond what was delivered: capped, the buffer is dry
+    assert b.num_read == 20.0 and b.buffer(3.0) == 0.0
+    b.on_tokens(4, 5.0)  # dry from 3 to 5: a stall counted from the cursor
+    assert (b.num_stalls, b.stall_time) == (1, pytest.approx(2.0))
+    b.on_tokens(10, 6.0)
+    b.set_read(22, 5.5)  # a report that arrives after the model moved on: read on at the rate since
+    assert b.num_read == pytest.approx(23.0) and b.buffer(6.0) == pytest.approx(11.0)

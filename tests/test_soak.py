@@ -1,6 +1,10 @@
 """A CI-sized soak of the daemon on the embedded model, driven by the bundled load generator:
 five minutes of repeated bursts of readers, a tenth of them abandoning mid-stream. No 5xx, every
-KV page back to idle afterwards, and the daemon's memory (supervisor and engine RSS) flat."""
+KV page back to idle afterwards, and the daemon's memory (supervisor and engine RSS) flat.
+
+The load is a share of what this machine serves, measured first through the daemon (a closed
+loop at the seat count), never an assumed speed: a slow 2-core box and a fast one both run at
+LOAD of their capacity, under the default policy."""
 from __future__ import annotations
 
 import os
@@ -16,7 +20,11 @@ from tokenflowd.sim.workload import parse_lengths
 
 MODEL = "smollm2-135m"
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", 300))
-BURST, PERIOD = 10, 8.0  # a burst of 10 readers every 8 s: more than the 8 slots hold at once
+SEATS = 8
+PROMPT_LEN, OUTPUT_LEN = 40, 48
+BURST = 10  # readers at once: more than the 8 seats hold
+LOAD = 0.6  # of the measured capacity, in generated tokens/s
+READING_RATES = ((4.0, 0.5), (6.0, 0.5))
 
 
 def rss_bytes(pid: int) -> int:
@@ -31,10 +39,28 @@ def daemon_rss(d: Daemon) -> int:
     return rss_bytes(d.proc.pid) + sum(rss_bytes(e["pid"]) for e in d.health()["engines"])
 
 
-def bursts(d: Daemon, seconds: float, seed: int):
-    n = max(1, int(seconds / PERIOD)) * BURST
-    w = LoadWorkload(num_prompts=n, burst_size=BURST, burst_period=PERIOD, lengths=parse_lengths("fixed:40:48"),
-                     reading_rates=((4.0, 0.5), (6.0, 0.5)), abandon_fraction=0.1, seed=seed)
+def capacity(d: Daemon) -> tuple[float, float]:
+    """(generated tokens/s, s a request takes) of a closed loop at the seat count: SEATS clients,
+    each sending its next request as its last one ends, two rounds. One request first takes the
+    engine's one-time set-up out of the measurement."""
+    lengths = parse_lengths(f"fixed:{PROMPT_LEN}:{OUTPUT_LEN}")
+    url = d.base_url + "/v1/completions"
+    for n, seed in ((1, 200), (2 * SEATS, 201)):
+        w = LoadWorkload(num_prompts=n, lengths=lengths, reading_rates=READING_RATES, seed=seed)
+        result = run_blocking(load_requests(w, BodyFormat(model=MODEL)),
+                              ClientConfig(url=url, timeout=120, max_concurrency=SEATS))
+        assert all(r.outcome == "completed" for r in result.records), [r.error for r in result.records]
+    recs = result.records
+    tokens = sum(len(r.token_times) for r in recs)
+    span = max(r.token_times[-1] for r in recs) - min(r.arrival for r in recs)
+    return tokens / span, sum(r.token_times[-1] - r.arrival for r in recs) / len(recs)
+
+
+def bursts(d: Daemon, seconds: float, period: float, seed: int):
+    n = max(1, int(seconds / period)) * BURST
+    w = LoadWorkload(num_prompts=n, burst_size=BURST, burst_period=period,
+                     lengths=parse_lengths(f"fixed:{PROMPT_LEN}:{OUTPUT_LEN}"), reading_rates=READING_RATES,
+                     abandon_fraction=0.1, seed=seed)
     reqs = load_requests(w, BodyFormat(model=MODEL))
     result = run_blocking(reqs, ClientConfig(url=d.base_url + "/v1/completions", timeout=60))
     return reqs, result
@@ -52,12 +78,17 @@ def wait_idle(d: Daemon, timeout: float = 10.0) -> float:
 
 @pytest.mark.slow
 def test_soak_repeated_bursts_with_abandoning_readers():
-    d = Daemon("--policy", "tokenflow", "--max-num-seqs", "8", "--kv-cache-memory", "48MiB", "--log-level", "WARNING")
+    d = Daemon("--max-num-seqs", str(SEATS), "--kv-cache-memory", "48MiB", "--log-level", "WARNING")  # default policy
     try:
-        bursts(d, 60, seed=100)  # warm-up: allocator pools, kernel caches, the step-time model, prefix cache
+        tokens_per_s, service = capacity(d)
+        period = BURST * OUTPUT_LEN / (LOAD * tokens_per_s)  # a burst every `period` s: LOAD of the capacity
+        print(f"\nsoak: measured {tokens_per_s:.1f} tokens/s at {SEATS} seats ({service:.1f} s a request); "
+              f"offering {LOAD:.0%} of it: bursts of {BURST} x {OUTPUT_LEN} tokens every {period:.1f} s "
+              f"({BURST * OUTPUT_LEN / period:.1f} tokens/s, policy {d.health()['engines'][0]['policy']})")
+        bursts(d, 60, period, seed=100)  # warm-up: allocator pools, kernel caches, the step-time model, prefix cache
         assert wait_idle(d) == 0
         rss_before = daemon_rss(d)
-        reqs, result = bursts(d, SOAK_SECONDS, seed=1)
+        reqs, result = bursts(d, SOAK_SECONDS, period, seed=1)
         s = summary(result.records, SLO(), result.duration)
         assert wait_idle(d) == 0  # every page of finished and abandoned requests is back
         rss_after = daemon_rss(d)

@@ -72,7 +72,7 @@ _ENGINE_FLAGS = {
     "max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
     "max_model_len": "max_model_len", "attention_backend": "attention_backend", "threads": "num_threads",
     "policy": "policy", "offload": "offload", "host_kv_memory": "host_kv_memory",
-    "disk_kv_memory": "disk_kv_memory", "disk_kv_dir": "disk_kv_dir",
+    "disk_kv_memory": "disk_kv_memory", "disk_kv_dir": "disk_kv_dir", "max_queue_delay": "max_queue_delay",
 }
 
 
@@ -135,8 +135,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-_SERVER_FLAGS = ("host", "port", "engines", "served_model_name", "default_reading_rate", "max_waiting_requests",
-                 "max_body_size", "runtime_dir", "shutdown_timeout", "api_key_file", "log_level")
+_SERVER_FLAGS = ("host", "port", "engines", "served_model_name", "default_reading_rate", "max_reading_rate",
+                 "max_waiting_requests", "max_body_size", "runtime_dir", "shutdown_timeout", "api_key_file",
+                 "log_level")
 
 
 def serve_configs(a: argparse.Namespace, environ: dict[str, str] | None = None):
@@ -209,8 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--served-model-name", help="the model name clients send (default: the --model value)")
     v.add_argument("--default-reading-rate", type=float,
                    help="tokens/s assumed for clients that state no reading rate (default 20)")
+    v.add_argument("--max-reading-rate", type=float,
+                   help="tokens/s: a stated or learned reading rate above it is clamped to it (default 100)")
     v.add_argument("--max-waiting-requests", type=int,
                    help="requests waiting for their first token beyond which new ones get 429 (default 512)")
+    v.add_argument("--max-queue-delay", type=float,
+                   help="s: a request whose predicted time to first token (the queue ahead of it at the engine's "
+                        "measured speed) exceeds it gets 429 with Retry-After at once (default: off)")
     v.add_argument("--max-body-size", help="largest request body, e.g. 4MiB (default); beyond: 413")
     v.add_argument("--runtime-dir", help="where the private socket directory is made (default: the temp dir)")
     v.add_argument("--shutdown-timeout", type=float,

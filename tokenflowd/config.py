@@ -97,6 +97,8 @@ class EngineConfig:
     disk_kv_memory: int = 0  # bytes of disk tier under disk_kv_dir; 0: none
     disk_kv_dir: str | None = None  # None: $STATE_DIRECTORY (systemd's StateDirectory=)
     load_evict_overlap: bool = True  # loads run while evictions are in flight (off: the ablation's baseline)
+    # s: a request whose predicted time to first token exceeds it gets 429 at once (engine/admission.py); None: off
+    max_queue_delay: float | None = None
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -137,6 +139,9 @@ class EngineConfig:
             raise ValueError("a disk KV tier needs a host tier: set offload to write-through or write-back")
         if self.disk_kv_memory and not (self.disk_kv_dir or os.environ.get("STATE_DIRECTORY")):
             raise ValueError("disk_kv_memory needs disk_kv_dir (or systemd's STATE_DIRECTORY) to put its file in")
+        if self.max_queue_delay is not None and not 0 < self.max_queue_delay < float("inf"):
+            raise ValueError(f"max_queue_delay must be a finite number of seconds above 0 (leave it out to never "
+                             f"shed load), got {self.max_queue_delay}")
 
     @classmethod
     def resolve(
@@ -179,6 +184,74 @@ class EngineConfig:
         )
 
 
+MAX_PRIORITY = 1000  # the largest |priority| a request may carry (api/schema.py)
+
+
+@dataclass(frozen=True)
+class KeyGrant:
+    """One API key of the [auth] table and what its requests may do. The key is a secret: it is
+    never printed (`--print-config` leaves [auth] out) nor logged."""
+
+    key: str
+    role: str = "user"  # a label for the operator ("operator", "agent"); rights come from max_priority alone
+    max_priority: int = 0  # the highest `priority` its requests may set; 0: none above the default
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key or self.key != self.key.strip() or "," in self.key:
+            raise ValueError("an [auth] key must be a non-empty string without surrounding spaces or commas")
+        if not isinstance(self.role, str) or not self.role:
+            raise ValueError(f"[auth] role must be a non-empty string, got {self.role!r}")
+        if type(self.max_priority) is not int or not 0 <= self.max_priority <= MAX_PRIORITY:
+            raise ValueError(f"[auth] max_priority must be an integer in [0, {MAX_PRIORITY}], "
+                             f"got {self.max_priority!r}")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """The config file's [auth] table: API keys with the scheduling rights of their requests.
+
+        [auth]
+        default_max_priority = 0          # keys not listed here (--api-key-file, TOKENFLOWD_API_KEY), or anyone
+                                          # when no key is configured at all
+        [auth.keys."sk-ops-1"]            # the key itself, as clients send it: keep the file 0600
+        role = "operator"
+        max_priority = 10                 # its requests may set priority up to 10
+
+    A request's `priority` above its caller's ceiling is refused (403). Listed keys are API keys
+    too: with any key configured, /v1/* needs one (api/auth.py)."""
+
+    keys: tuple[KeyGrant, ...] = ()
+    default_max_priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(g, KeyGrant) for g in self.keys):
+            raise ValueError("auth keys must be KeyGrant entries")
+        if len({g.key for g in self.keys}) != len(self.keys):
+            raise ValueError("an [auth] key is listed twice")
+        if type(self.default_max_priority) is not int or not 0 <= self.default_max_priority <= MAX_PRIORITY:
+            raise ValueError(f"[auth] default_max_priority must be an integer in [0, {MAX_PRIORITY}], "
+                             f"got {self.default_max_priority!r}")
+
+    @classmethod
+    def from_table(cls, table: dict) -> "AuthConfig":
+        """The [auth] table as TOML parsed it; raises ValueError naming what is wrong."""
+        unknown = set(table) - {"keys", "default_max_priority"}
+        if unknown:
+            raise ValueError(f"unknown key {sorted(unknown)[0]!r} in [auth]; known: default_max_priority, keys")
+        keys = table.get("keys", {})
+        if not isinstance(keys, dict):
+            raise ValueError('[auth] keys must be a table of tables: [auth.keys."KEY"] with role and max_priority')
+        grants = []
+        for key, grant in keys.items():
+            if not isinstance(grant, dict):
+                raise ValueError(f'[auth.keys."…"] must be a table with role and max_priority, got {grant!r}')
+            extra = set(grant) - {"role", "max_priority"}
+            if extra:
+                raise ValueError(f"unknown key {sorted(extra)[0]!r} in an [auth.keys] entry; known: role, max_priority")
+            grants.append(KeyGrant(key, grant.get("role", "user"), grant.get("max_priority", 0)))
+        return cls(tuple(grants), table.get("default_max_priority", 0))
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The supervisor and its HTTP front."""
@@ -188,6 +261,7 @@ class ServerConfig:
     engines: int | None = None  # None: one per visible GPU, or 1 on CPU
     served_model_name: str | None = None  # the name /v1/models lists; None: the --model value
     default_reading_rate: float = 20.0  # tokens/s for clients that state none (a fast human reader)
+    max_reading_rate: float = 100.0  # tokens/s: a stated or learned rate above it is clamped to it
     max_waiting_requests: int = 512  # requests without a first token yet, over all engines; beyond: 429
     max_body_size: int = 4 * 2**20  # bytes; beyond: 413
     heartbeat_interval: float = 0.5  # an idle engine reports this often
@@ -197,6 +271,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # s open streams may take to finish after SIGTERM
     api_key_file: str | None = None  # one key a line; with TOKENFLOWD_API_KEY, /v1/* needs a key (else 401)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR; a SIGHUP reload changes it live
+    auth: AuthConfig = field(default_factory=AuthConfig)  # the file's [auth] table: keys and their rights
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -205,6 +280,13 @@ class ServerConfig:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
         if not 0 < self.default_reading_rate < float("inf"):
             raise ValueError(f"default_reading_rate must be a finite rate above 0 tokens/s, got {self.default_reading_rate}")
+        if not 0 < self.max_reading_rate < float("inf"):
+            raise ValueError(f"max_reading_rate must be a finite rate above 0 tokens/s, got {self.max_reading_rate}")
+        if self.default_reading_rate > self.max_reading_rate:
+            raise ValueError(f"default_reading_rate ({self.default_reading_rate}) is above max_reading_rate "
+                             f"({self.max_reading_rate}): lower the default or raise the maximum")
+        if not isinstance(self.auth, AuthConfig):
+            raise ValueError("auth must be an AuthConfig (the [auth] table)")
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be >= 1")
         if self.max_body_size < 1024:
@@ -219,8 +301,8 @@ class ServerConfig:
 
 def load_config_file(path: str) -> dict[str, dict]:
     """A TOML file with [server], [engine] and [policy] tables whose keys are ServerConfig /
-    EngineConfig / PolicyConfig fields (sizes may carry units: kv_cache_memory = "4GiB").
-    Unknown tables or keys are errors."""
+    EngineConfig / PolicyConfig fields (sizes may carry units: kv_cache_memory = "4GiB"), and
+    an optional [auth] table (AuthConfig, returned as server["auth"]). Unknown tables or keys are errors."""
     import tomllib
 
     try:
@@ -233,8 +315,14 @@ def load_config_file(path: str) -> dict[str, dict]:
     known = _known_fields()
     out: dict[str, dict] = {"server": {}, "engine": {}, "policy": {}}
     for table, values in data.items():
+        if table == "auth" and isinstance(values, dict):
+            try:
+                out["server"]["auth"] = AuthConfig.from_table(values)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+            continue
         if table not in known or not isinstance(values, dict):
-            raise ValueError(f"{path}: unknown table [{table}]; use [server], [engine] and [policy]")
+            raise ValueError(f"{path}: unknown table [{table}]; use [server], [engine], [policy] and [auth]")
         for key, value in values.items():
             name = key.replace("-", "_")
             if name not in known[table]:
@@ -257,7 +345,7 @@ def _known_fields() -> dict[str, dict[str, str]]:
     """table -> field -> its annotation (a string: this module postpones annotations)."""
     from dataclasses import fields
 
-    return {"server": {f.name: f.type for f in fields(ServerConfig)},
+    return {"server": {f.name: f.type for f in fields(ServerConfig) if f.name != "auth"},
             "engine": {f.name: f.type for f in fields(EngineConfig) if f.name != "policy_params"},
             "policy": {f.name: f.type for f in fields(PolicyConfig)}}
 
@@ -340,6 +428,11 @@ def config_toml(server: ServerConfig, engine: EngineConfig) -> str:
     import tomli_w
 
     def table(obj) -> dict:
-        return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None and k != "policy_params"}
+        skip = ("policy_params", "auth")
+        return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None and k not in skip}
 
-    return tomli_w.dumps({"server": table(server), "engine": table(engine), "policy": table(engine.policy_params)})
+    text = tomli_w.dumps({"server": table(server), "engine": table(engine), "policy": table(engine.policy_params)})
+    if server.auth != AuthConfig():  # keys are secrets: say that there are some, never what they are
+        text += (f"\n# [auth]: {len(server.auth.keys)} key grant(s) and default_max_priority = "
+                 f"{server.auth.default_max_priority}, not printed (secrets)\n")
+    return text

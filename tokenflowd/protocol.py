@@ -38,10 +38,19 @@ class AbortRequests(msgspec.Struct, tag=True):
 
 
 class SetReadingRate(msgspec.Struct, tag=True):
-    """The client reads slower than it said (send-side backpressure): use the measured rate."""
+    """The front measured the client's rate (read cursor, send-side backpressure): use it from `time`."""
 
     request_id: str
     reading_rate: float
+    time: float
+
+
+class SetReadCursor(msgspec.Struct, tag=True):
+    """The client's reader has read `num_read` of the tokens delivered to it, by `time` (its
+    `POST /v1/requests/{id}/read`): the engine's buffer model is generated − read from there."""
+
+    request_id: str
+    num_read: int
     time: float
 
 
@@ -61,7 +70,7 @@ class Reconfigure(msgspec.Struct, tag=True):
     policy_params: dict  # PolicyConfig fields
 
 
-ToEngine = AddRequest | AbortRequests | SetReadingRate | QueryRequests | Shutdown | Reconfigure
+ToEngine = AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure
 
 
 # -- engine → supervisor ---------------------------------------------------------------------
@@ -79,6 +88,7 @@ class EngineStats(msgspec.Struct):
     host_kv_pages_total: int = 0  # 0: no host tier
     kv_pages_written: int = 0  # device -> host, since the engine started
     kv_pages_loaded: int = 0  # host -> device
+    num_shed: int = 0  # requests refused by --max-queue-delay (engine/admission.py), since the engine started
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -99,10 +109,11 @@ class Delta(msgspec.Struct):
 
     request_id: str
     token_ids: list[int]
-    finish_reason: str | None = None  # stop | length | abort | error | rejected
+    finish_reason: str | None = None  # stop | length | abort | error | rejected | shed (--max-queue-delay)
     error: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0  # of the request so far
+    retry_after: float | None = None  # shed: s after which a retry can expect to be admitted
 
 
 class StepOutputs(msgspec.Struct, tag=True):

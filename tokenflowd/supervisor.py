@@ -1,7 +1,7 @@
 """Starts, feeds, watches and restarts the engine processes; routes their outputs to streams.
 
-    Supervisor ──AddRequest/Abort/SetReadingRate/Query──► engine i (zmq PUSH, one per incarnation)
-               ◄──Ready/StepOutputs/QueryReply────────── all engines (one zmq PULL)
+    Supervisor ──AddRequest/Abort/SetReadingRate/SetReadCursor/Query──► engine i (zmq PUSH, one per incarnation)
+               ◄──Ready/StepOutputs/QueryReply─────────────────────── all engines (one zmq PULL)
 
 Each engine slot has an incarnation number: a restarted engine gets a fresh input socket, and
 messages from an older incarnation are dropped, so nothing meant for a dead engine reaches its
@@ -320,6 +320,10 @@ class Supervisor:
         slot = stream.engine
         if not stream.finished:
             self._send(slot, p.SetReadingRate(stream.request_id, reading_rate, time.monotonic()))
+
+    def set_read_cursor(self, stream: Stream, num_read: int, now: float) -> None:
+        if not stream.finished:
+            self._send(stream.engine, p.SetReadCursor(stream.request_id, num_read, now))
 
     async def query(self, request_ids: list[str] | None = None, timeout: float = 5.0) -> list[p.RequestInfo]:
         """Live request state from every serving engine (all requests when `request_ids` is None)."""

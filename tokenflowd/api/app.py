@@ -1,10 +1,13 @@
 """The aiohttp application: OpenAI-compatible routes, SSE, /health, /metrics, request inspection.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
-    GET  /v1/requests[/{id}]    GET /health            GET /metrics        GET /openapi.json
+    GET  /v1/requests[/{id}]    POST /v1/requests/{id}/read (the client's read cursor)
+    GET  /health                GET /metrics           GET /openapi.json
 
-A request: decode and validate the body (schema.py) → tokens → admission checks (context, queue
-bound) → router picks an engine → Generation turns its deltas into text pieces → JSON or SSE.
+A request: decode and validate the body (schema.py) → the caller's rights (priority: auth.py) →
+tokens → its reading rate (stated, learned from its conversation, or the default: rates.py,
+cadence.py) → admission checks (context, queue bound) → router picks an engine → Generation turns
+its deltas into text pieces → JSON or SSE.
 Response headers of a stream are sent with its first token, so a request the engine refuses still
 gets a 4xx; after that, pieces are written as they come, from the supervisor's loop.
 """
@@ -23,13 +26,15 @@ from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenflowd.api import schema as s
-from tokenflowd.api.auth import auth_middleware, load_api_keys
+from tokenflowd.api.auth import CALLER, KeyTable, auth_middleware, load_api_keys, priority_refusal
+from tokenflowd.api.cadence import CadenceEstimator, ConversationKeys, Lookup
 from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
 from tokenflowd.api.generation import Generation, Piece
 from tokenflowd.api.metrics import Metrics
+from tokenflowd.api.rates import RateChoice, RateMonitor, choose_rate
 from tokenflowd.config import ServerConfig
 from tokenflowd.engine.tokenizer import Tokenizer
-from tokenflowd.protocol import AddRequest, Sampling
+from tokenflowd.protocol import AddRequest, RequestInfo, Sampling
 from tokenflowd.router import Router
 from tokenflowd.supervisor import NoEngineReady, Supervisor
 
@@ -63,6 +68,24 @@ class _Prepared:
     priority: int
     stream: bool
     include_usage: bool
+    rate: RateChoice  # reading_rate and where it came from
+    cadence: _Cadence | None = None  # chat turns and requests with `user`: the reply feeds the cadence
+
+
+@dataclass(frozen=True)
+class _Cadence:
+    lookup: Lookup
+    user: str | None  # scoped to the caller
+    keys: ConversationKeys | None  # chat requests
+
+
+@dataclass(frozen=True)
+class _Live:
+    """A request the front is serving, for /v1/requests and the read cursor."""
+
+    gen: Generation
+    rate: RateChoice
+    caller: str  # the identity of its API key: only it may move the cursor
 
 
 class Front:
@@ -77,6 +100,9 @@ class Front:
         self.created = int(time.time())
         self._chat_decoder = msgspec.json.Decoder(s.ChatCompletionRequest)
         self._completion_decoder = msgspec.json.Decoder(s.CompletionRequest)
+        self._cursor_decoder = msgspec.json.Decoder(s.ReadCursor)
+        self.cadence = CadenceEstimator(max_rate=config.max_reading_rate)
+        self.live: dict[str, _Live] = {}
 
     # -- request preparation ------------------------------------------------------------------
     async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
@@ -93,8 +119,34 @@ class Front:
             raise APIError(404, f"model {model!r} is not served here; this server serves {self.model_name!r} "
                                 "(GET /v1/models)", param="model", code="model_not_found")
 
+    def _check_priority(self, priority: int, request: web.Request) -> None:
+        why = priority_refusal(request[CALLER], priority)
+        if why is not None:
+            raise APIError(403, why, param="priority", code="priority_not_allowed")
+
+    def _cadence(self, request: web.Request, user: str | None, messages: list[tuple[str, str]] | None,
+                 now: float) -> _Cadence | None:
+        """Match the request with the reply it follows (by `user`, or by conversation for a chat)."""
+        scope = request[CALLER].identity
+        user_key = f"user:{scope}:{user}" if user else None
+        keys = ConversationKeys.of(scope, messages) if messages else None
+        if user_key is None and keys is None:
+            return None
+        return _Cadence(self.cadence.on_request(now, user_key, keys), user_key, keys)
+
+    def _file_reply(self, prep: _Prepared, gen: Generation) -> None:
+        """A reply that ended normally is what the next turn of its conversation follows."""
+        c = prep.cadence
+        if c is None or gen.finish_reason not in ("stop", "length") or gen.last_sent is None:
+            return
+        # A whole (non-streamed) reply reaches the reader at once: reading starts when it ends.
+        t_first = gen.first_sent if prep.stream and gen.first_sent is not None else gen.last_sent
+        reply_key = c.keys.reply("".join(gen.text_parts or ())) if c.keys is not None else None
+        self.cadence.on_reply(c.lookup.owner, t_first, gen.last_sent, gen.num_delivered, user=c.user,
+                              reply_key=reply_key)
+
     def _prepare(self, body: s.ChatCompletionRequest | s.CompletionRequest, prompt_ids: list[int],
-                 max_tokens: int | None, request: web.Request) -> _Prepared:
+                 max_tokens: int | None, request: web.Request, cadence: _Cadence | None = None) -> _Prepared:
         max_len = self._max_model_len()
         n = len(prompt_ids)
         if n == 0:
@@ -121,15 +173,19 @@ class Front:
             ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens,
         )
-        return _Prepared(prompt_ids, sampling, stop, self._reading_rate(body, request), body.priority,
-                         body.stream, bool(body.stream_options and body.stream_options.include_usage))
+        learned = cadence.lookup.reading_rate if cadence is not None else None
+        rate = choose_rate(self._stated_rate(body, request), learned, self.config.default_reading_rate,
+                           self.config.max_reading_rate)
+        return _Prepared(prompt_ids, sampling, stop, rate.reading_rate, body.priority, body.stream,
+                         bool(body.stream_options and body.stream_options.include_usage), rate, cadence)
 
-    def _reading_rate(self, body: s.ChatCompletionRequest | s.CompletionRequest, request: web.Request) -> float:
+    def _stated_rate(self, body: s.ChatCompletionRequest | s.CompletionRequest, request: web.Request) -> float | None:
+        """The client's own rate (the body's, else the X-Reading-Rate header's), before the clamp."""
         if body.reading_rate is not None:
             return body.reading_rate
         header = request.headers.get("X-Reading-Rate")
         if header is None:
-            return self.config.default_reading_rate
+            return None
         try:
             rate = float(header)
         except ValueError:
@@ -165,7 +221,10 @@ class Front:
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival)
         try:
             return Generation(self.supervisor, slot, add, self.tokenizer, prep.stop,
-                              self.metrics.engine(slot.engine_id), arrival)
+                              self.metrics.engine(slot.engine_id), arrival,
+                              rate=RateMonitor(prep.reading_rate, max_rate=self.config.max_reading_rate,
+                                               initial_source=prep.rate.source),
+                              keep_text=prep.cadence is not None and prep.cadence.keys is not None)
         except NoEngineReady:
             raise self._unavailable() from None
 
@@ -174,13 +233,15 @@ class Front:
         arrival = time.monotonic()
         body: s.ChatCompletionRequest = await self._decode(request, self._chat_decoder)
         self._check_model(body.model)
+        self._check_priority(body.priority, request)
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
         try:
             prompt_ids = self.tokenizer.encode_chat(messages)
         except Exception as e:  # the model's chat template refused the conversation
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        prep = self._prepare(body, prompt_ids, body.max_completion_tokens or body.max_tokens, request)
+        cadence = self._cadence(request, body.user, [(m["role"], m["content"]) for m in messages], arrival)
+        prep = self._prepare(body, prompt_ids, body.max_completion_tokens or body.max_tokens, request, cadence)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await self._respond(request, prep, arrival, _ChatChunks(rid, self.created_now(), self.model_name))
 
@@ -188,20 +249,28 @@ class Front:
         arrival = time.monotonic()
         body: s.CompletionRequest = await self._decode(request, self._completion_decoder)
         self._check_model(body.model)
+        self._check_priority(body.priority, request)
         prompt_ids = self._completion_prompt(body.prompt)
-        prep = self._prepare(body, prompt_ids, body.max_tokens, request)
+        cadence = self._cadence(request, body.user, None, arrival)
+        prep = self._prepare(body, prompt_ids, body.max_tokens, request, cadence)
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await self._respond(request, prep, arrival, _CompletionChunks(rid, self.created_now(), self.model_name))
 
     async def _respond(self, request: web.Request, prep: _Prepared, arrival: float, chunks: Any) -> web.StreamResponse:
         gen = self._start(prep, chunks.rid, arrival)
+        self.live[chunks.rid] = _Live(gen, prep.rate, request[CALLER].identity)
         try:
             if prep.stream:
                 return await self._stream(request, gen, prep, chunks)
             text, piece = await _collect(gen)
-            return _json(chunks.whole(text, piece.finish_reason, _usage(gen)), chunks.rid)
+            return _json(chunks.whole(text, piece.finish_reason, _usage(gen)), chunks.rid, headers=_rate_headers(gen))
         finally:
             gen.close()
+            del self.live[chunks.rid]
+            if gen.finish_reason == "shed":
+                self.metrics.rejected.labels("429").inc()
+            if not prep.stream:  # a stream files its reply before it ends
+                self._file_reply(prep, gen)
 
     def _completion_prompt(self, prompt: str | list) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
@@ -220,7 +289,7 @@ class Front:
         """Headers go out with the first piece. Then the handler attaches the connection to the
         generation, which writes each piece from the supervisor's loop (see generation.py), and
         wakes only for what needs it: a client that stopped reading, the end, an error."""
-        resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": gen.request_id})
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": gen.request_id, **_rate_headers(gen)})
         pieces = await _first_pieces(gen)  # raises APIError (no headers sent yet) if refused or failed
         if request.version >= HttpVersion11:
             resp.enable_chunked_encoding()
@@ -247,6 +316,7 @@ class Front:
             blocked = time.monotonic() - t0
             gen.attach(conn.push)
             pieces = await gen.take()
+        self._file_reply(prep, gen)  # before the end reaches the client, which may send its next turn at once
         conn.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -264,10 +334,43 @@ class Front:
         infos = await self.supervisor.query([rid])
         if not infos:
             raise APIError(404, f"no live request {rid!r} (finished requests are not kept)", code="request_not_found")
-        return _json(infos[0])
+        return _json(self._describe(infos[0]))
 
     async def request_list(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": await self.supervisor.query(None)})
+        return _json({"object": "list", "data": [self._describe(i) for i in await self.supervisor.query(None)]})
+
+    def _describe(self, info: RequestInfo) -> dict[str, Any]:
+        """The engine's view of a request (its state, the rate it schedules by, the modelled
+        buffer) and the front's: the rate the client stated and whether it was clamped, where the
+        rate now used comes from (rates.py), the tokens delivered and the read cursor."""
+        out = msgspec.to_builtins(info)
+        live = self.live.get(info.request_id)
+        if live is not None:
+            monitor = live.gen.rate
+            out.update(stated_reading_rate=live.rate.stated, reading_rate_clamped=live.rate.clamped,
+                       reading_rate_source=monitor.source, delivered_tokens=live.gen.num_delivered,
+                       read_tokens=monitor.num_read)
+        return out
+
+    async def read_cursor(self, request: web.Request) -> web.Response:
+        """POST /v1/requests/{id}/read {"tokens": n}: the client's reader has read n tokens of the
+        output delivered so far. The engine's model of its buffer follows (delivered − read, read
+        on at the rate in use), and so does the rate (rates.py). A cursor behind the last one is
+        ignored ("accepted": false): reports can cross on the way, reading does not go back."""
+        rid = request.match_info["request_id"]
+        body: s.ReadCursor = await self._decode(request, self._cursor_decoder)
+        live = self.live.get(rid)
+        if live is None or live.caller != request[CALLER].identity:  # another key's request: not yours to see
+            raise APIError(404, f"no live request {rid!r} of this API key (finished requests take no cursor)",
+                           code="request_not_found")
+        gen = live.gen
+        if body.tokens > gen.num_delivered:
+            raise APIError(400, f"tokens ({body.tokens}) is beyond the {gen.num_delivered} tokens delivered to this "
+                                f"client so far: report at most {gen.num_delivered}", param="tokens")
+        accepted = gen.read(body.tokens)
+        return _json({"object": "request.read", "id": rid, "accepted": accepted, "read_tokens": gen.rate.num_read,
+                      "delivered_tokens": gen.num_delivered, "reading_rate": gen.rate.current,
+                      "reading_rate_source": gen.rate.source})
 
     async def health(self, request: web.Request) -> web.Response:
         engines = [{"engine": slot.engine_id, "state": slot.state, "restarts": slot.num_restarts,
@@ -288,7 +391,7 @@ class Front:
 
 
 def build_app(front: Front) -> web.Application:
-    keys = load_api_keys(front.config.api_key_file)
+    keys = KeyTable(load_api_keys(front.config.api_key_file), front.config.auth)
     app = web.Application(middlewares=[auth_middleware(keys), error_middleware],
                           client_max_size=front.config.max_body_size)
     app[MAX_BODY_SIZE] = front.config.max_body_size
@@ -297,6 +400,7 @@ def build_app(front: Front) -> web.Application:
     app.router.add_get("/v1/models", front.models)
     app.router.add_get("/v1/requests", front.request_list)
     app.router.add_get("/v1/requests/{request_id}", front.request_info)
+    app.router.add_post("/v1/requests/{request_id}/read", front.read_cursor)
     app.router.add_get("/health", front.health)
     app.router.add_get("/metrics", front.metrics_endpoint)
     app.router.add_get("/openapi.json", front.openapi)
@@ -353,6 +457,10 @@ async def _first_pieces(gen: Generation) -> list[Piece]:
     first = pieces[0]
     if first.finish_reason == "rejected":
         raise APIError(400, first.error or "the engine refused the request")
+    if first.finish_reason == "shed":  # --max-queue-delay: refused at once rather than answered late
+        retry = str(max(1, math.ceil(first.retry_after or 1)))
+        raise APIError(429, first.error or f"the server is overloaded: retry after {retry} s", code="overloaded",
+                       headers={"Retry-After": retry})
     if first.finish_reason == "error" and not first.num_tokens:
         raise APIError(503, f"{first.error}", code="engine_failed", headers={"Retry-After": "1"})
     return pieces
@@ -411,8 +519,14 @@ def _usage(gen: Generation) -> s.Usage:
                    s.PromptTokensDetails(gen.num_cached_tokens))
 
 
-def _json(obj: Any, request_id: str | None = None, status: int = 200) -> web.Response:
-    headers = {"X-Request-Id": request_id} if request_id else None
+def _rate_headers(gen: Generation) -> dict[str, str]:
+    """The reading rate the request started with, and where it came from (rates.py)."""
+    return {"X-Reading-Rate": f"{gen.rate.initial_rate:g}", "X-Reading-Rate-Source": gen.rate.initial_source}
+
+
+def _json(obj: Any, request_id: str | None = None, status: int = 200,
+          headers: dict[str, str] | None = None) -> web.Response:
+    headers = {"X-Request-Id": request_id, **(headers or {})} if request_id else headers
     return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json", headers=headers)
 
 

@@ -15,7 +15,7 @@ from tokenflowd.api.schema import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("tokenflowd.api")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable"}
 

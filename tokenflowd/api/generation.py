@@ -13,8 +13,10 @@ client is not reading (`push` refuses them; the handler waits for room and sends
 
 `delivered()` is called as pieces are handed to the connection: TTFT, inter-token latency and the
 client's rebuffering are measured then, as the client sees them, with the same TokenBuffer model
-the engine schedules by. `close()` always runs: a request that did not finish (client gone, stop
-string, error in the handler) is aborted in its engine, which frees its pages.
+the engine schedules by, and so is the client's real reading rate (api/rates.py: send-side
+backpressure, and the read cursor a client may report with `read()`). `close()` always runs: a
+request that did not finish (client gone, stop string, error in the handler) is aborted in its
+engine, which frees its pages.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tokenflowd.api.metrics import EngineMetrics
+from tokenflowd.api.rates import RateMonitor
 from tokenflowd.buffer.tracker import TokenBuffer
 from tokenflowd.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from tokenflowd.protocol import AddRequest, Delta
@@ -37,16 +40,20 @@ request_log = logging.getLogger("tokenflowd.requests")
 class Piece:
     text: str
     num_tokens: int  # tokens behind this text (text can lag a multi-byte character)
-    finish_reason: str | None = None  # stop | length | error | rejected
+    finish_reason: str | None = None  # stop | length | error | rejected | shed
     error: str | None = None
+    retry_after: float | None = None  # shed: s after which a retry can expect to be admitted
 
 
 class Generation:
-    """Submits `add` to the engine in `slot` on construction (raises NoEngineReady if it is not serving)."""
+    """Submits `add` to the engine in `slot` on construction (raises NoEngineReady if it is not
+    serving). `rate` measures the client's rate (default: from add.reading_rate, unclamped);
+    `keep_text` keeps the text sent, for the conversation's cadence (api/cadence.py)."""
 
     def __init__(
         self, supervisor: Supervisor, slot: EngineSlot, add: AddRequest, tokenizer: Tokenizer,
-        stop: tuple[str, ...], metrics: EngineMetrics, arrival_time: float,
+        stop: tuple[str, ...], metrics: EngineMetrics, arrival_time: float, *,
+        rate: RateMonitor | None = None, keep_text: bool = False,
     ) -> None:
         self.supervisor = supervisor
         self.request_id = add.request_id
@@ -65,7 +72,8 @@ class Generation:
         self._waiter: asyncio.Future[None] | None = None
         self._push: Callable[[Piece], bool] | None = None
         self.buffer = TokenBuffer(add.reading_rate)  # the client's buffer as delivered by the front
-        self.rate = RateMonitor(add.reading_rate)
+        self.rate = rate or RateMonitor(add.reading_rate)
+        self.text_parts: list[str] | None = [] if keep_text else None
         self.stream = supervisor.submit(slot, add, self.on_delta)
 
     # -- the supervisor's side ---------------------------------------------------------------
@@ -85,6 +93,9 @@ class Generation:
         if delta.finish_reason == "rejected":
             self.finish_reason = "rejected"
             return Piece("", 0, "rejected", delta.error or "the engine refused the request")
+        if delta.finish_reason == "shed":  # --max-queue-delay: it would wait too long for a first token
+            self.finish_reason = "shed"
+            return Piece("", 0, "shed", delta.error or "the engine is overloaded", delta.retry_after)
         self.num_output_tokens += len(delta.token_ids)
         if delta.num_cached_tokens > self.num_cached_tokens:
             self.num_cached_tokens = delta.num_cached_tokens
@@ -99,6 +110,8 @@ class Generation:
             text += tail if matched else tail + self._stops.flush()
             reason = "stop" if matched else reason
         self.finish_reason = reason
+        if text and self.text_parts is not None:
+            self.text_parts.append(text)
         if text or delta.token_ids or reason:
             return Piece(text, len(delta.token_ids), reason, delta.error)
         return None
@@ -106,7 +119,7 @@ class Generation:
     # -- the handler's side ------------------------------------------------------------------
     async def take(self) -> list[Piece]:
         """The pieces held since the last call, in order; waits for at least one. The first piece
-        of a refused request has finish_reason "rejected"."""
+        of a refused request has finish_reason "rejected" (what it asks) or "shed" (the load)."""
         while not self._held:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
@@ -135,9 +148,37 @@ class Generation:
         self.buffer.on_tokens(num_tokens, now)
         m.generation_tokens.inc(num_tokens)
         rate = self.rate.observe(num_tokens, blocked, now)
-        if rate is not None:  # the client reads slower than it said (or is back to its rate)
+        if rate is not None:  # the client set the pace (or is back to its rate)
             self.buffer.set_rate(rate, now)
             self.supervisor.set_reading_rate(self.stream, rate)
+
+    @property
+    def num_delivered(self) -> int:
+        """Tokens handed to the client's connection so far."""
+        return self.buffer.num_generated
+
+    @property
+    def first_sent(self) -> float | None:
+        return self._first_sent
+
+    @property
+    def last_sent(self) -> float | None:
+        return self._last_sent
+
+    def read(self, num_read: int, now: float | None = None) -> bool:
+        """The client's reader has read `num_read` of the delivered tokens (a read cursor; the
+        caller checked 0 <= num_read <= num_delivered). A cursor behind the last one is ignored
+        (False): reports may cross on the way, and reading does not go back."""
+        if self.rate.num_read is not None and num_read < self.rate.num_read:
+            return False
+        now = time.monotonic() if now is None else now
+        self.buffer.set_read(num_read, now)
+        self.supervisor.set_read_cursor(self.stream, num_read, now)
+        rate = self.rate.on_read(num_read, self.num_delivered, now)
+        if rate is not None:
+            self.buffer.set_rate(rate, now)
+            self.supervisor.set_reading_rate(self.stream, rate)
+        return True
 
     def close(self) -> None:
         """End of the handler, whatever the reason. Aborts an unfinished request; records metrics."""
@@ -152,6 +193,8 @@ class Generation:
         if outcome == "rejected":
             return
         self._log_line(outcome, now)
+        if outcome == "shed":  # counted by the front with its 429s
+            return
         m.requests(outcome).inc()
         m.prompt_tokens.inc(self.num_prompt_tokens)
         if outcome in ("stop", "length") and self._last_sent is not None:
@@ -166,42 +209,6 @@ class Generation:
         request_log.info(
             "request id=%s engine=%d outcome=%s reading_rate=%.2f ttft=%s prompt_tokens=%d cached_tokens=%d "
             "output_tokens=%d preemptions=%d rebuffer=%.3f duration=%.3f", self.request_id,
-            self.stream.engine.engine_id, outcome, self.rate.stated_rate, ttft, self.num_prompt_tokens,
+            self.stream.engine.engine_id, outcome, self.rate.initial_rate, ttft, self.num_prompt_tokens,
             self.num_cached_tokens, self.num_output_tokens, self.num_preemptions, stall, now - self._arrival)
 
-
-class RateMonitor:
-    """Estimates a client's real reading rate from send-side backpressure.
-
-    Over windows of `window` seconds it counts tokens accepted by the connection and the time
-    writes spent blocked. A window blocked more than half the time means the client, not the
-    engine, set the pace: its tokens/s is the client's rate. A new rate is reported when it is
-    more than 10% below the rate in use; when writes stop blocking, the stated rate comes back.
-    """
-
-    def __init__(self, stated_rate: float, window: float = 2.0) -> None:
-        self.stated_rate = stated_rate
-        self.current = stated_rate
-        self.window = window
-        self._start: float | None = None
-        self._tokens = 0
-        self._blocked = 0.0
-
-    def observe(self, num_tokens: int, blocked: float, now: float) -> float | None:
-        if self._start is None:
-            self._start = now
-        self._tokens += num_tokens
-        self._blocked += blocked
-        span = now - self._start
-        if span < self.window:
-            return None
-        measured = self._tokens / span
-        blocked_share = self._blocked / span
-        self._start, self._tokens, self._blocked = now, 0, 0.0
-        if blocked_share > 0.5 and measured < 0.9 * self.current:
-            self.current = max(measured, 0.1)
-            return self.current
-        if blocked_share < 0.1 and self.current < self.stated_rate:
-            self.current = self.stated_rate
-            return self.current
-        return None

@@ -57,6 +57,12 @@ class EngineCollector(Collector):
                 moved.add_metric([str(slot.engine_id), "write"], slot.stats.kv_pages_written)
                 moved.add_metric([str(slot.engine_id), "load"], slot.stats.kv_pages_loaded)
         yield moved
+        shed = CounterMetricFamily("tokenflowd_requests_shed", "Requests an engine refused at once because their "
+                                   "predicted time to first token exceeded --max-queue-delay", labels=["engine"])
+        for slot in self.supervisor.slots:
+            if slot.stats is not None:
+                shed.add_metric([str(slot.engine_id)], slot.stats.num_shed)
+        yield shed
         up = GaugeMetricFamily("tokenflowd_engine_up", "1 while an engine serves", labels=["engine"])
         restarts = CounterMetricFamily("tokenflowd_engine_restarts", "Engine processes restarted", labels=["engine"])
         for slot in self.supervisor.slots:
@@ -85,7 +91,8 @@ class Metrics:
         self.generation_tokens = Counter("tokenflowd_generation_tokens", "Tokens generated", ["engine"], registry=r)
         self.requests = Counter("tokenflowd_requests", "Requests finished, by outcome", ["engine", "outcome"],
                                 registry=r)
-        self.rejected = Counter("tokenflowd_requests_rejected", "Requests refused before reaching an engine",
+        self.rejected = Counter("tokenflowd_requests_rejected", "Requests refused before a first token (the waiting "
+                                "bound, an engine's --max-queue-delay), by HTTP status",
                                 ["status"], registry=r)
         self._engines: dict[int, EngineMetrics] = {}
 

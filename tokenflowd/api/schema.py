@@ -12,8 +12,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-Rate = Annotated[float, Meta(gt=0, le=1e6, description="tokens/s this client reads")]
-Priority = Annotated[int, Meta(ge=-1000, le=1000, description="higher is scheduled sooner")]
+Rate = Annotated[float, Meta(gt=0, le=1e6, description="tokens/s this client reads; above the server's "
+                                                       "max_reading_rate it is clamped to it")]
+Priority = Annotated[int, Meta(ge=-1000, le=1000, description="higher is scheduled sooner; above 0 only for API keys "
+                                                             "granted it (else 403), below 0 for anyone")]
 TokenCount = Annotated[int, Meta(ge=1)]
 Stop = str | Annotated[list[str], Meta(max_length=16)] | None
 
@@ -38,6 +40,12 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class ReadCursor(Struct, forbid_unknown_fields=True):
+    """`POST /v1/requests/{id}/read`: how far the client's reader has got in the streamed output."""
+
+    tokens: Annotated[int, Meta(ge=0, description="output tokens read so far, at most those delivered")]
 
 
 class ResponseFormat(Struct, forbid_unknown_fields=True):
@@ -182,15 +190,16 @@ class ErrorResponse(Struct):
 
 def openapi() -> dict[str, Any]:
     """The OpenAPI 3.1 document of the endpoints and the bodies they accept."""
-    (chat, comp, cc, chunk, cmpl, models, err), components = msgspec.json.schema_components(
+    (chat, comp, cc, chunk, cmpl, models, err, cursor), components = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList,
-         ErrorResponse],
+         ErrorResponse, ReadCursor],
         ref_template="#/components/schemas/{name}",
     )
     errors = {
         str(code): {"description": why, "content": {"application/json": {"schema": err}}}
         for code, why in (
             (400, "the body is malformed, a value is out of range, or the prompt does not fit the context"),
+            (403, "`priority` above what the API key may set"),
             (404, "the model is not served here"),
             (413, "the body is larger than the server's limit"),
             (429, "the waiting queue is full; retry after the Retry-After header's seconds"),
@@ -221,6 +230,16 @@ def openapi() -> dict[str, Any]:
             "/v1/models": {"get": {"summary": "Served models",
                                    "responses": {"200": {"description": "the models",
                                                          "content": {"application/json": {"schema": models}}}}}},
+            "/v1/requests/{request_id}/read": {"post": {
+                "summary": "Report how far the client's reader has got (its read cursor)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": cursor}}},
+                "responses": {
+                    "200": {"description": "the cursor taken (or ignored, if behind the last one), the rate now used"},
+                    "400": errors["400"],
+                    "404": {"description": "no live request with that id for this API key",
+                            "content": {"application/json": {"schema": err}}},
+                },
+            }},
         },
         "components": {"schemas": components},
     }

@@ -68,6 +68,20 @@ class TokenBuffer:
         self.advance(now)
         self.reading_rate = reading_rate
 
+    def set_read(self, num_read: int, now: float) -> None:
+        """The client reports that it has read `num_read` tokens by `now` (a read cursor): the
+        model's reading position moves there, forwards or back, and from `now` on the client reads
+        on at reading_rate. A report from before `clock` counts as made at `clock`, read on at the
+        rate; a position beyond what was delivered is capped at it. Stall time already counted
+        stays (it is the model's: a cursor says where the reader is, not when it waited)."""
+        if self.first_token_time is None:
+            return  # nothing delivered yet: nothing can have been read
+        self.advance(now)
+        lag = max(0.0, self.clock - now)
+        self.num_read = min(max(0.0, num_read + self.reading_rate * lag), float(self.num_generated))
+        if self.num_read < self.num_generated:
+            self.stalled = False  # the reader has tokens in hand: a later dry spell is a new stall
+
     def buffer(self, now: float) -> float:
         """Tokens the client holds unread at `now` (0 before the first token and while stalled)."""
         if self.first_token_time is None:

@@ -14,6 +14,7 @@ import torch
 
 from tokenflowd.buffer import make_policy
 from tokenflowd.config import EngineConfig
+from tokenflowd.engine.admission import AdmissionControl
 from tokenflowd.engine.kv_manager import KVCacheManager
 from tokenflowd.engine.loader import LoadedModel, load_model_source
 from tokenflowd.engine.page_pool import PagePool
@@ -56,6 +57,8 @@ class EngineCore:
         self.max_model_len = self.runner.max_model_len
         self._init_scheduler()
         self.stats = StepStats()
+        # --max-queue-delay: None, off
+        self.admission = AdmissionControl(config.max_queue_delay) if config.max_queue_delay is not None else None
 
     def _init_scheduler(self) -> None:
         from tokenflowd.offload import build_offload
@@ -66,11 +69,13 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv, make_policy(self.config.policy, self.config.policy_params),
             self.config.max_num_batched_tokens, self.config.max_num_seqs,
+            expected_output_len=self.config.policy_params.expected_output_len,
         )
 
     # -- API ----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        """Validate and queue. Raises InvalidRequestError (nothing changes) when it cannot be served."""
+        """Validate and queue. Raises InvalidRequestError (nothing changes) when it cannot be served,
+        QueueDelayExceeded (nothing changes) when it would wait longer than --max-queue-delay."""
         n = req.num_prompt_tokens
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
@@ -91,6 +96,8 @@ class EngineCore:
         req.max_model_len = self.max_model_len
         if not req.eos_token_ids:
             req.eos_token_ids = self.eos_token_ids
+        if self.admission is not None:
+            self.admission.check(self.scheduler, req)
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> bool:
@@ -120,7 +127,16 @@ class EngineCore:
         req.buffer.set_rate(reading_rate, now)
         return True
 
+    def set_read_cursor(self, request_id: str, num_read: int, now: float) -> bool:
+        """The client has read `num_read` tokens by `now`: its buffer is what it holds unread."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        req.buffer.set_read(num_read, now)
+        return True
+
     def step(self) -> list[EngineCoreOutput]:
+        entered = time.perf_counter()
         batch = self.scheduler.schedule()
         self.scheduler.issue_copies(batch)
         if not batch.requests:
@@ -140,7 +156,11 @@ class EngineCore:
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.total_tokens
         self.stats.last_step_time = time.perf_counter() - t0
-        self.scheduler.observe_step(batch, self.stats.last_step_time)
+        priced = self.scheduler.step_model.cost.step_time(batch.total_tokens, batch.num_context_tokens)
+        # NOTE: an engine's first step carries one-time costs (kernel and allocator set-up): 8 s for
+        # a 0.2 s step on a 2-core CPU. Fitted, it inflated per_token eightfold for the model's window.
+        if self.stats.num_steps > 1:
+            self.scheduler.observe_step(batch, self.stats.last_step_time)
         done = {r.request_id for r in finished}
         outs = []
         for req, token in zip(batch.requests, sampled):
@@ -155,4 +175,7 @@ class EngineCore:
                     num_preemptions=req.num_preemptions,
                 )
             )
+        if self.admission is not None and self.stats.num_steps > 1:
+            # the whole step, scheduling and bookkeeping too: what a request waiting behind it waits
+            self.admission.observe_step(priced, time.perf_counter() - entered)
         return outs

@@ -35,13 +35,16 @@ class EngineEndpoint(abc.ABC):
     # -- what an engine does with requests ----------------------------------------------------
     @abc.abstractmethod
     def add(self, msg: p.AddRequest) -> str | None:
-        """Take the request; return why it is refused, or None."""
+        """Take the request; return why it is refused, or None. (Load shed instead: call `shed`.)"""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None: ...
 
     @abc.abstractmethod
     def set_reading_rate(self, msg: p.SetReadingRate) -> None: ...
+
+    @abc.abstractmethod
+    def set_read_cursor(self, msg: p.SetReadCursor) -> None: ...
 
     @abc.abstractmethod
     def infos(self, request_ids: list[str] | None) -> list[p.RequestInfo]: ...
@@ -71,6 +74,8 @@ class EngineEndpoint(abc.ABC):
             self._aborted = True
         elif isinstance(msg, p.SetReadingRate):
             self.set_reading_rate(msg)
+        elif isinstance(msg, p.SetReadCursor):
+            self.set_read_cursor(msg)
         elif isinstance(msg, p.QueryRequests):
             self.send(p.QueryReply(self.spec.engine_id, self.spec.incarnation, msg.query_id,
                                    self.infos(msg.request_ids)))
@@ -79,6 +84,10 @@ class EngineEndpoint(abc.ABC):
         elif isinstance(msg, p.Reconfigure):
             params = self.reconfigure(msg)
             self.send(p.Reconfigured(self.spec.engine_id, self.spec.incarnation, msg.log_level, params))
+
+    def shed(self, request_id: str, error: str, retry_after: float) -> None:
+        """Refuse an add for load, not for what it asks (the front answers 429 with Retry-After)."""
+        self._rejected.append(p.Delta(request_id, [], "shed", error, retry_after=retry_after))
 
     def take_rejected(self) -> list[p.Delta]:
         """Refusals to report in the next message (a new list the caller may extend)."""

@@ -28,6 +28,7 @@ import msgspec
 
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, PolicyConfig
+from tokenflowd.engine.admission import QueueDelayExceeded
 from tokenflowd.engine.core import EngineCore, EngineCoreOutput
 from tokenflowd.engine.endpoint import EngineEndpoint
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
@@ -91,6 +92,9 @@ class EngineProcess(EngineEndpoint):
     def set_reading_rate(self, msg: p.SetReadingRate) -> None:
         self.core.set_reading_rate(msg.request_id, msg.reading_rate, msg.time)
 
+    def set_read_cursor(self, msg: p.SetReadCursor) -> None:
+        self.core.set_read_cursor(msg.request_id, msg.num_read, msg.time)
+
     def add(self, msg: p.AddRequest) -> str | None:
         s = msg.sampling
         try:
@@ -99,6 +103,8 @@ class EngineProcess(EngineEndpoint):
             req = Request(msg.request_id, msg.prompt_token_ids, params, arrival_time=msg.arrival_time,
                           reading_rate=msg.reading_rate, priority=msg.priority)
             self.core.add_request(req)
+        except QueueDelayExceeded as e:
+            self.shed(msg.request_id, str(e), e.retry_after)
         except (InvalidRequestError, ValueError) as e:
             return str(e)
         return None
@@ -128,6 +134,7 @@ class EngineProcess(EngineEndpoint):
             host_kv_pages_used=host.num_used if host else 0, host_kv_pages_cached=host.num_cached if host else 0,
             host_kv_pages_total=host.num_pages if host else 0,
             kv_pages_written=off.stats.pages_written if off else 0, kv_pages_loaded=off.stats.pages_loaded if off else 0,
+            num_shed=self.core.admission.num_shed if self.core.admission else 0,
         )
 
 
