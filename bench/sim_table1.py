@@ -21,22 +21,26 @@ import math
 import time
 
 from tokenflowd.config import parse_size
+from tokenflowd.offload import HOST_POOLS_PER_DEVICE_POOL
 from tokenflowd.sim.run import run_simulation
 from tokenflowd.sim.scenarios import TABLE1, scenario
 
 SETUPS = tuple(TABLE1)
-POLICIES = ("fcfs", "andes", "tokenflow", "tokenflow+offload")
+POLICIES = ("fcfs", "andes", "tokenflow+offload")  # tokenflow+offload: the daemon's default
 KEYS = ("effective_throughput", "throughput", "ttft_mean", "ttft_p99", "rebuffer_total", "qos", "preemptions",
         "computed_tokens", "makespan")
 RATIO_KEYS = ("effective_throughput", "throughput", "ttft_mean", "ttft_p99")
 
 
-def run_policy(name: str, policy: str, seed: int, host_kv_memory: int, **overrides) -> dict:
-    """One setup under one policy (`name+offload`: with a write-through host tier): its summary."""
+def run_policy(name: str, policy: str, seed: int, host_kv_memory: int | None, **overrides) -> dict:
+    """One setup under one policy (`name+offload`: with a write-through host tier of
+    `host_kv_memory` bytes, None: the daemon's default on a GPU box with RAM to spare, 4× the
+    device pool): its summary."""
     base, _, extra = policy.partition("+")
-    _, doc = run_simulation(scenario(name, seed=seed, **overrides), base, seed=seed,
-                            offload="write-through" if extra == "offload" else "none",
-                            host_kv_memory=host_kv_memory if extra == "offload" else 0)
+    sc = scenario(name, seed=seed, **overrides)
+    _, doc = run_simulation(sc, base, seed=seed, offload="write-through" if extra == "offload" else "none",
+                            host_kv_memory=(host_kv_memory or HOST_POOLS_PER_DEVICE_POOL * sc.cost.kv_memory)
+                            if extra == "offload" else 0)
     return {k: doc["summary"][k] for k in KEYS}
 
 
@@ -50,11 +54,12 @@ def main() -> None:
     ap.add_argument("--setups", default=",".join(SETUPS))
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--host-kv-memory", default="64GiB", help="the host tier of the +offload runs")
+    ap.add_argument("--host-kv-memory", default="default",
+                    help="the host tier of the +offload runs: a size, or default (the daemon's GPU default, 4× the device pool)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     policies, seeds = a.policies.split(","), [int(s) for s in a.seeds.split(",")]
-    host = parse_size(a.host_kv_memory)
+    host = None if a.host_kv_memory == "default" else parse_size(a.host_kv_memory)
     out = {}
     for name in a.setups.split(","):
         runs = {}

@@ -48,3 +48,19 @@ def test_follows_a_slowdown_within_a_window():
     feed(m, fast, 128)
     feed(m, slow, 128, seed=1)
     assert m.cost.step_time(8, 8000) == pytest.approx(slow.step_time(8, 8000), rel=1e-3)
+
+
+def test_output_lengths_are_learned_from_finished_requests():
+    import numpy as np
+
+    from tokenflowd.buffer.estimates import OutputLengthModel
+
+    m = OutputLengthModel(prior=1024, min_samples=4)
+    inf = np.array([np.inf])
+    assert m.expected(np.array([10.0]), inf)[0] == 1024  # the prior until enough have finished
+    for n in (100, 200, 300, 400):
+        m.observe(n)
+    assert m.expected(np.array([0.0]), inf)[0] == 250  # E[L]
+    assert m.expected(np.array([250.0]), inf)[0] == 350  # E[L | L > 250]: an answer under way goes on
+    assert m.expected(np.array([500.0]), inf)[0] == 750  # past every sample: n·1.5
+    assert m.expected(np.array([250.0]), np.array([300.0]))[0] == 300  # a client's max_tokens caps it

@@ -61,3 +61,33 @@ def test_a_started_request_is_never_missing_from_the_view(reqs, max_seqs, pages,
     result = sim.run()
     assert watching.num_views > 0
     assert all(len(r.token_times) == r.output_len for r in result.records)
+
+
+def test_the_simulator_hands_the_policy_only_what_a_real_engine_knows():
+    """No output length from the workload: a client's loose max_tokens or nothing; responses end
+    when the executor samples the end token, at the workload's length."""
+    import dataclasses
+
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload
+
+    spec = WorkloadSpec("burst", num_requests=24, max_tokens_share=0.5, max_tokens_bound=4096, seed=3)
+    workload = [dataclasses.replace(w, prompt_len=40, output_len=20 + i, hash_ids=(i,))
+                for i, w in enumerate(build_workload(spec))]
+    assert {w.max_tokens for w in workload} == {None, 4096}
+    bounds = []
+
+    class Spy(Watching):
+        def plan(self, view):
+            bounds.extend(r.max_output_tokens for r in (*view.running, *view.waiting))
+            return super().plan(view)
+
+    cost = fig6_cost_model().replace(name="tiny", kv_memory=64 * 16 * 2 * 4, page_size=16, max_num_seqs=4,
+                                     max_num_batched_tokens=128, step_overhead=0.01, num_params=1e9, peak_flops=1e12,
+                                     max_model_len=8192)
+    spy = Spy(make_policy("tokenflow", PolicyConfig(schedule_interval=0.2)))
+    sim = Simulator(cost, workload, spy)
+    spy.scheduler = sim.scheduler
+    result = sim.run()
+    assert set(bounds) == {None, 4096}
+    assert [len(r.token_times) for r in result.records] == [w.output_len for w in workload]
+    assert sim.scheduler.output_lengths.num_samples == len(workload)

@@ -17,7 +17,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="smollm2-135m (embedded, the default), a .gguf file, a Hugging Face "
                                    "directory, or dummy:<preset>")
-    g.add_argument("--policy", help="scheduling policy (default fcfs)")
+    g.add_argument("--policy", help="scheduling policy: tokenflow (the default: buffer-aware, it preempts readers who "
+                   "are far ahead for those about to stall or still waiting; with write-through offload a "
+                   "preemption costs a copy), fcfs (first come, first served) or andes")
     g.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default auto")
     g.add_argument("--kv-cache-memory",
@@ -34,8 +36,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload", choices=["none", "write-back", "write-through"],
                    help="host KV tier: none (preempted KV is recomputed), write-back (written at preemption) "
                         "or write-through (written as it is computed; the default)")
-    g.add_argument("--host-kv-memory", help="host KV tier size, e.g. 8GiB (default: as large as the device pool, "
-                                            "within a quarter of RAM per GPU); pinned on a GPU box")
+    g.add_argument("--host-kv-memory", help="host KV tier size, e.g. 8GiB (default: 4x the device pool within a "
+                                            "quarter of RAM per GPU; on CPU as large as the device pool); pinned on a GPU box")
     g.add_argument("--disk-kv-memory", help="disk KV tier size, e.g. 64GiB (default 0: none); host evictions of "
                                             "prefix pages spill to it")
     g.add_argument("--disk-kv-dir", help="directory of the disk tier's file (default: $STATE_DIRECTORY)")

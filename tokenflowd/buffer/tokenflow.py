@@ -5,23 +5,30 @@ prefill-first FCFS. While stressed, every `schedule_interval` seconds a buffer-b
 decides which requests hold the device until the next pass; the steps in between carry that
 decision out (FCFS inside it: decodes first, then prompt and recompute chunks).
 
-A pass, over the working set W (requests whose clients are reading: running or preempted after
-their first token) and the queue of new requests:
+A pass, over the working set W (requests whose clients are reading: running, loading or preempted
+after their first token) and the queue of new requests:
 
   1. Estimates: per-request decode rate g and capacity Γ at the batch the device holds, from the
      live step-time model (view.cost); the overhead of resuming a preempted request,
-     min(t_IO, t_recompute) (§4.2.3), which also says whether it is reloaded or recomputed.
-  2. Schedulability (§4.3): if Σ_{i∈W} r_i > Γ, fall back to FCFS over W within device memory;
-     new requests enter only room left over (memory-aware admission), displacing no one.
+     min(t_IO, t_recompute) (§4.2.3), which also says whether it is reloaded or recomputed. Each
+     reader's demand is min(r_i, g): no schedule feeds one request faster than g, so a client
+     stating an absurd rate counts as one stream, not as a reason to give up balancing.
+  2. Schedulability (§4.3): if Σ_{i∈W} min(r_i, g) > Γ not every reader can be fed; the device
+     goes first to running requests whose next tokens still count, then to new requests (a first
+     token is what a reader waits for most), then to preempted members and running ones whose
+     tokens are worth little now (_fallback).
   3. Buffer balancing in W (§4.2.2): utility
          U_i = v_i·(t − t_i^overhead) + γ·φ(b_i^pred),   φ(b) = e^(−b / r_i)
      with v_i = g·w(b_i^pred) (w: the §7.1.3 token weight, so tokens that would pile up beyond
      10–20% of the output are worth less), t the interval, b^pred the buffer left once the
-     overhead has passed. Greedy fill by U under the device's pages and max_num_seqs, then a
-     local search over adjacent swaps that keeps the memory constraint.
-  4. Admission (§4.2.1): new requests in queue order while |W| < W_scheduled (eq. 4–5) and
-     Σ r ≤ Γ; each takes free room, or displaces the lowest-utility chosen running request whose
-     buffer covers μ× its swap time: b ≥ μ·r·(τ_evict + τ_load + τ_schedule).
+     overhead has passed. Greedy fill by swap tier, then U, under the device's pages and seats,
+     then a local search over adjacent swaps inside a tier that keeps the memory constraint.
+  4. Admission (§4.2.1): new requests in queue order. Free room always takes the next one;
+     displacing a running request needs |W| < W_scheduled (eq. 4–5), Σ r ≤ Γ with the newcomer,
+     and a victim whose buffer covers μ× its swap time: b ≥ μ·r·(τ_evict + τ_load + τ_schedule).
+     Room left then goes to running requests whose readers are far ahead (idle), then to
+     preempted members with buffer to spare. The output lengths behind w are the engine's
+     prediction (buffer/estimates.py OutputLengthModel), capped by a client's max_tokens.
 
 NOTE: eq. 3 writes the penalty as −γ·φ(b) in U, which would favour full buffers; §4.2.2 says
 requests with nearly empty buffers must come first. The penalty is what *not* running a request
@@ -47,7 +54,7 @@ if TYPE_CHECKING:
 
 
 # Swap tiers of the working set (TokenFlowPolicy._tiers), in the order the greedy fill takes them.
-PINNED_RUNNING, URGENT, SAFE_RUNNING, RESTING = 0, 1, 2, 3
+PINNED_RUNNING, URGENT, SAFE_RUNNING, IDLE_RUNNING, RESTING, DORMANT = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +93,9 @@ class TokenFlowPolicy(SchedulingPolicy):
         self._fcfs = FCFSPolicy()
         self._decision: Decision | None = None
         self._next_pass = -math.inf
-        self._room_key: tuple[int, int] | None = None  # (running, waiting) when the last pass found no room
+        # (the queue's first new request, running requests) at the last pass: room for that head
+        # then or since is what a pass between intervals looks for
+        self._room_key: tuple[str | None, int] | None = None
         self.num_passes = 0
 
     # -- the per-step entry point ---------------------------------------------------------------
@@ -97,7 +106,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         if self._decision is None or view.now >= self._next_pass or self._room_opened(view):
             self._decision = self.balance(view)
             self._next_pass = view.now + self.params.schedule_interval
-            self._room_key = (len(view.running), len(view.waiting))
+            self._room_key = self._head_key(view)
             self.num_passes += 1
         return self._carry_out(view, self._decision)
 
@@ -108,13 +117,23 @@ class TokenFlowPolicy(SchedulingPolicy):
         t_crit = self.params.critical_buffer
         return any(r.started and r.time_to_empty < t_crit for r in view.running)
 
+    @staticmethod
+    def _head(view: SchedulerView) -> RequestView | None:
+        return next((r for r in view.waiting if not r.started), None)
+
+    def _head_key(self, view: SchedulerView) -> tuple[str | None, int]:
+        head = self._head(view)
+        return (head.request_id if head else None, len(view.running))
+
     def _room_opened(self, view: SchedulerView) -> bool:
-        """A request left or arrived since the last pass and the next new one would fit in the free
-        room: a pass now admits it without waiting out the interval (no one is displaced)."""
-        if (len(view.running), len(view.waiting)) == self._room_key or len(view.running) >= view.max_num_seqs:
+        """The queue's first new request changed (it arrived, or the one before it was admitted) or
+        a running request left since the last pass, and that head would fit in the free room: a
+        pass now admits it without waiting out the interval (no one is displaced). Keyed by the
+        head's id, not the queue's length: one admitted and one arrived leave the length as it was."""
+        if self._head_key(view) == self._room_key or len(view.running) >= view.max_num_seqs:
             return False
-        head = next((r for r in view.waiting if not r.started), None)
-        if head is None:
+        head = self._head(view)
+        if head is None or head.request_id in self._decision.run:
             return False
         return head.pages_to_run(min(head.tokens_left, view.token_budget), view.page_size) <= view.free_pages
 
@@ -174,8 +193,8 @@ class TokenFlowPolicy(SchedulingPolicy):
         u = self._utility(ws, g)
         utility = u.tolist()
         order = self._within_recompute_budget(np.lexsort((-u, tier)), ws, tier, (1.0 - load / gamma_cap) * t)
-        resting = [i for i in order if tier[i] == RESTING]
-        order = [i for i in order if tier[i] != RESTING]
+        later = [i for i in order if tier[i] >= IDLE_RUNNING]  # in tier order: idle running, resting, dormant
+        order = [i for i in order if tier[i] < IDLE_RUNNING]
         chosen = self._fill(order, pages, capacity, max_seqs)
         chosen = self._local_search(order, chosen, pages, utility, capacity, max_seqs, tier.tolist())
 
@@ -208,7 +227,7 @@ class TokenFlowPolicy(SchedulingPolicy):
             load += min(r.reading_rate, g)
         gone = set(displaced)
         kept = [i for i in chosen if i not in gone]
-        for i in resting:  # room nobody else takes
+        for i in later:  # room nobody else takes
             if seqs < max_seqs and used + pages[i] <= capacity:
                 kept.append(i)
                 used += pages[i]
@@ -228,8 +247,7 @@ class TokenFlowPolicy(SchedulingPolicy):
              urgent preempted first, then those running, then resting ones (the swap tiers).
         Greedy within the device's pages and seats; a new request that does not fit stops the
         queue behind it."""
-        weight = effective_weights(ws.buffer, ws.expected)
-        worthless = victim_ok & (weight < 0.5)
+        worthless = tier == IDLE_RUNNING
         arrival = np.array([r.arrival_time for r in ws.reqs], dtype=np.float64)
         seq = np.array([r.arrival_seq for r in ws.reqs], dtype=np.int64)
         priority = np.array([r.priority for r in ws.reqs], dtype=np.int64)
@@ -305,7 +323,15 @@ class TokenFlowPolicy(SchedulingPolicy):
                             recompute or reload plus one pass): must stay; and every loading one
             URGENT          preempted, its buffer down to μ× its way back plus a pass: must return
             SAFE_RUNNING    running, its buffer outlasts a swap: may make way for an urgent one
-            RESTING         preempted with buffer to spare: only free room takes it"""
+            RESTING         preempted with buffer to spare, its next tokens worth their full
+                            weight (§7.1.3: buffer within 10% of its expected output)
+            IDLE_RUNNING    running, its buffer covers μ× its time away and its next tokens are
+                            worth less than half (buffer past 15% of its output): it makes way
+                            for a resting member or a new request
+            DORMANT         preempted, buffer to spare and tokens worth less than their full weight
+        RESTING before IDLE_RUNNING before DORMANT, with the hysteresis between 10% and 15%, is
+        what keeps a long burst's readers fed in turns: a running request whose reader is far
+        ahead yields to one that is catching up, and not back and forth."""
         mu = self.params.buffer_conservativeness
         index = np.arange(len(ws.reqs))
         running = index < ws.num_running
@@ -314,10 +340,13 @@ class TokenFlowPolicy(SchedulingPolicy):
         away[: ws.num_running] = ws.away
         away += interval  # a running request's time away if preempted now
         back = ws.overhead + interval  # a preempted request's way back (io or recompute) plus a pass
+        weight = effective_weights(ws.b_pred, ws.expected)
+        victim = running & (seconds >= mu * away)
         tier = np.where(running, np.where(seconds >= away, SAFE_RUNNING, PINNED_RUNNING),
-                        np.where(seconds <= mu * back, URGENT, RESTING))
+                        np.where(seconds <= mu * back, URGENT, np.where(weight >= 1.0, RESTING, DORMANT)))
+        tier[victim & (weight < 0.5)] = IDLE_RUNNING
         tier[ws.num_running: ws.num_on_device] = PINNED_RUNNING  # its load is under way: it stays
-        return tier, running & (seconds >= mu * away)
+        return tier, victim
 
     def _utility(self, ws: _WorkingSet, g: float) -> np.ndarray:
         """U = v·(t − overhead) + γ·e^(−b_pred / r), with v = g·w(b_pred) (the §7.1.3 weight)."""
