@@ -3,7 +3,7 @@ policy learning output lengths), quick version: the four RTX 4090 setups at thei
 size (60–80 requests), seeds 0–2. tokenflow with write-through offload (the daemon's default,
 its host tier 4× the device pool) against fcfs: effective throughput ≥ fcfs, P99 TTFT ≤ 1.05×,
 raw throughput ≥ 0.97×. The H200 setups (200–400 requests, a minute of simulation each) run in
-bench/sim_table1.py; a miniature of them is not faithful (its scale changes who queues)."""
+bench/sim_table1.py; a scaled-down copy of them is not faithful (its scale changes who queues and how far readers run ahead)."""
 from __future__ import annotations
 
 import pytest

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
@@ -178,23 +178,28 @@ class TokenFlowPolicy(SchedulingPolicy):
         demand = np.minimum(ws.rate, g)
         load = float(demand.sum())
         tier, victim_ok = self._tiers(ws, t)
-        new_pages = [cdiv(r.num_tokens + growth, view.page_size) for r in new]
+        # pages a new request holds through the interval (a generator: the queue is read only as
+        # far as admission goes)
+        new_pages = (cdiv(r.num_tokens + growth, view.page_size) for r in new)
 
         # 2. Schedulability (§4.3): Σ_{i∈W} min(r_i, g) > Γ cannot be balanced; serve in FCFS
         # spirit instead, with what each token is worth deciding who holds the device.
         if load > gamma_cap:
-            return self._fallback(ws, tier, victim_ok, new, new_pages, pages, capacity, max_seqs)
+            return self._fallback(ws, tier, new, new_pages, pages, capacity, max_seqs)
 
         # 3. Buffer balancing inside W: greedy by utility within swap tiers, then adjacent swaps
         # inside a tier. A swap costs a recompute (or a reload), so it happens only where a buffer
         # asks for it: a preempted request displaces a running one only once its own buffer is
         # down to μ× its way back, and only a running one whose buffer outlasts its time away.
-        # Resting members (buffer to spare) wait for room left once new requests are in.
+        # Idle running requests (their readers far ahead), resting and dormant members (buffer to
+        # spare) get the room left once new requests are in, in that order.
         u = self._utility(ws, g)
         utility = u.tolist()
         order = self._within_recompute_budget(np.lexsort((-u, tier)), ws, tier, (1.0 - load / gamma_cap) * t)
-        later = [i for i in order if tier[i] >= IDLE_RUNNING]  # in tier order: idle running, resting, dormant
-        order = [i for i in order if tier[i] < IDLE_RUNNING]
+        order = np.asarray(order, dtype=np.int64)
+        in_core = tier[order] < IDLE_RUNNING
+        later = order[~in_core].tolist()  # in tier order: idle running, resting, dormant
+        order = order[in_core].tolist()
         chosen = self._fill(order, pages, capacity, max_seqs)
         chosen = self._local_search(order, chosen, pages, utility, capacity, max_seqs, tier.tolist())
 
@@ -236,15 +241,15 @@ class TokenFlowPolicy(SchedulingPolicy):
         # set's decodes before their prompts.
         return Decision(tuple(reqs[i].request_id for i in kept) + tuple(admitted), self._reloads(ws, kept))
 
-    def _fallback(self, ws: _WorkingSet, tier: np.ndarray, victim_ok: np.ndarray, new: list[RequestView],
-                  new_pages: list[int], pages: list[int], capacity: int, max_seqs: int) -> Decision:
+    def _fallback(self, ws: _WorkingSet, tier: np.ndarray, new: list[RequestView], new_pages: Iterable[int],
+                  pages: list[int], capacity: int, max_seqs: int) -> Decision:
         """Σr > Γ: not every reader can be kept fed, so who holds the device goes by what its next
         tokens are worth, in three groups:
           1. running (and loading) requests whose next tokens still count, by priority then arrival;
           2. new requests, in queue order (their first token is the one a reader waits for most);
-          3. preempted members and running ones whose tokens are worth little now: the §7.1.3
-             weight of their next token below 0.5 with a buffer that outlasts μ× their time away;
-             urgent preempted first, then those running, then resting ones (the swap tiers).
+          3. preempted members and running ones whose tokens are worth little now (IDLE_RUNNING:
+             the §7.1.3 weight of their next token below 0.5, a buffer that outlasts μ× their time
+             away), in swap-tier order: urgent, idle running, resting, dormant.
         Greedy within the device's pages and seats; a new request that does not fit stops the
         queue behind it."""
         worthless = tier == IDLE_RUNNING

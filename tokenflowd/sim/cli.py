@@ -39,6 +39,11 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     w.add_argument("--trace", help="Mooncake conversation_trace.jsonl (default: the shared copy, if present)")
     w.add_argument("--time-scale", type=float, help="trace arrivals × this (below 1 replays faster)")
     w.add_argument("--max-prompt-len", type=int, help="truncate longer trace prompts to this many tokens")
+    w.add_argument("--burst-spread", type=float, help="s: a burst's arrivals spread uniformly over [0, S] (default 0)")
+    w.add_argument("--max-tokens-share", type=float,
+                   help="share of requests whose client sets a loose max_tokens (--max-tokens-bound); the "
+                        "engine learns output lengths either way (default 0; Table 1 scenarios 0.25)")
+    w.add_argument("--max-tokens-bound", type=int, help="that max_tokens (default 4096)")
     e = s.add_argument_group("engine limits (override the cost model's)")
     e.add_argument("--kv-memory", help="KV pool size, e.g. 4GiB")
     e.add_argument("--max-num-seqs", type=int)
@@ -100,7 +105,8 @@ def _workload_overrides(a: argparse.Namespace) -> dict:
         kw["lengths"] = parse_lengths(a.lengths)
     if a.reading_rate is not None:
         kw["reading_rates"] = parse_reading_rates(a.reading_rate)
-    for flag in ("output_scale", "trace", "time_scale", "max_prompt_len"):
+    for flag in ("output_scale", "trace", "time_scale", "max_prompt_len", "burst_spread", "max_tokens_share",
+                 "max_tokens_bound"):
         if getattr(a, flag) is not None:
             kw[flag] = getattr(a, flag)
     return kw

@@ -78,25 +78,6 @@ def scenario(name: str, seed: int = 0, policy_params: PolicyConfig | None = None
     return Scenario(name, desc, cost_model(preset), tuple(build_workload(spec)), policy_params or PolicyConfig(), spec)
 
 
-def miniature(sc: Scenario, scale: float) -> Scenario:
-    """`sc` at `scale` (0 < scale ≤ 1) of its size, for quick checks: scale× the requests (and
-    of a Poisson workload's rate) on a card whose memory side is scale× as large — weight bytes,
-    memory and host-link bandwidth, KV memory, max_num_seqs. A decode step of a scale× batch then
-    takes as long as the full one, and a prompt prefills as fast (FLOP/s and the token budget stay):
-    every request sees the full setup's decode rate, prefill time, memory pressure and Σr/Γ. What
-    does change is that a burst's prompts, scale× as many, are all prefilled scale× as soon."""
-    if sc.spec is None or not 0 < scale <= 1:
-        raise ValueError("a miniature needs a Table 1 scenario and a scale in (0, 1]")
-    c = sc.cost
-    cost = c.replace(name=f"{c.name}@{scale:g}", weight_bytes=c.weight_bytes * scale,
-                     mem_bandwidth=c.mem_bandwidth * scale, host_link_bandwidth=c.host_link_bandwidth * scale,
-                     kv_memory=int(c.kv_memory * scale), max_num_seqs=max(1, round(c.max_num_seqs * scale)))
-    spec = dataclasses.replace(sc.spec, num_requests=max(2, round(sc.spec.num_requests * scale)),
-                               rate=sc.spec.rate * scale if sc.spec.rate else None)
-    return dataclasses.replace(sc, name=f"{sc.name}@{scale:g}", description=f"{sc.description} at {scale:g} of its size",
-                               cost=cost, workload=tuple(build_workload(spec)), spec=spec)
-
-
 def workload_config(spec: WorkloadSpec | None, requests: tuple[WorkloadRequest, ...]) -> dict:
     """The workload as the result's config records it."""
     if spec is not None:
