@@ -211,18 +211,22 @@ def row_values(run: dict) -> dict:
     return s
 
 
+def cell(v, fmt: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return fmt.format(int(v) if fmt == "{:d}" else v)
+
+
 def print_table(name: str, title: str, scen: dict) -> None:
     (la, ra), (lb, rb) = scen["runs"].items()
     va, vb = row_values(ra), row_values(rb)
     print(f"\n== {name}: {title}")
-    print(f"{'':30}{la:>14}{lb:>20}{lb + ' / ' + la:>26}")
+    print(f"{'':30}{la:>16}{lb:>18}{'B/A':>8}")
     for key, text, fmt in TABLE:
         x, y = va.get(key), vb.get(key)
-        cell = lambda v: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(
-            int(v) if fmt == "{:d}" else v)
-        ratio = y / x if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x and not (
-            math.isnan(x) or math.isnan(y)) else None
-        print(f"{text:30}{cell(x):>14}{cell(y):>20}{'-' if ratio is None else f'{ratio:.2f}':>26}")
+        numbers = all(isinstance(v, (int, float)) and not math.isnan(v) for v in (x, y))
+        ratio = f"{y / x:.2f}" if numbers and x > 0 else "-"  # no ratio to a negative QoS
+        print(f"{text:30}{cell(x, fmt):>16}{cell(y, fmt):>18}{ratio:>8}")
     other = {k: v for r in (ra, rb) for k, v in r["errors_by_kind"].items() if k != "HTTP 429"}
     if other:
         print(f"   other failures: {other}")

@@ -141,6 +141,14 @@ def test_a_new_request_takes_free_room_whatever_the_working_set_bound():
     assert d.run == ("a", "b", "n1", "n2")
 
 
+def test_an_idle_device_admits_a_prompt_that_fits_even_if_its_growth_over_the_interval_would_not():
+    # 12 free pages of 4 tokens: the 33-token prompt needs 9, its next interval's ~40 tokens would
+    # need 19. Nobody runs, so nobody's room is at stake: it is admitted (it once waited forever).
+    v = view([], [new("a", 0.0, n=33)], free=12, total=12, max_num_seqs=4)
+    assert TokenFlowPolicy(PARAMS).balance(v).run == ("a",)
+    assert dict(TokenFlowPolicy(PARAMS).plan(v).scheduled) == {"a": 33}
+
+
 def test_a_loading_request_holds_its_place_through_a_pass():
     # "l" is coming back from the host tier: it keeps its pages and seat, so a pass neither gives
     # them to the new request nor leaves it out of the decision (it would be preempted on landing).

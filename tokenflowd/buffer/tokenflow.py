@@ -170,7 +170,10 @@ class TokenFlowPolicy(SchedulingPolicy):
         g = 1.0 / view.cost.decode_step_time(batch, mean_ctx)  # tokens/s of one running request
         gamma_cap = batch * g  # Γ
         growth = int(g * t) + 1  # tokens a chosen request adds over the interval
-        pages = (-(-(ws.num_tokens + growth) // view.page_size)).tolist()  # held through the interval
+        # held through the interval, capped at the device: a request the device can hold at all is
+        # never left out for the growth of an interval it may not even need (it once preempted the
+        # only running request of a small pool, over and over)
+        pages = np.minimum(-(-(ws.num_tokens + growth) // view.page_size), max(capacity, 1)).tolist()
         pages[ws.num_running: ws.num_on_device] = [r.pages_held for r in view.loading]  # in place already
         max_seqs = view.max_num_seqs + len(view.loading)  # loading requests hold seats of their own
         # A request can never be fed faster than one running request decodes: a stated rate above g
@@ -185,7 +188,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         # 2. Schedulability (§4.3): Σ_{i∈W} min(r_i, g) > Γ cannot be balanced; serve in FCFS
         # spirit instead, with what each token is worth deciding who holds the device.
         if load > gamma_cap:
-            return self._fallback(ws, tier, new, new_pages, pages, capacity, max_seqs)
+            return self._fallback(ws, tier, new, new_pages, pages, capacity, max_seqs, view.page_size)
 
         # 3. Buffer balancing inside W: greedy by utility within swap tiers, then adjacent swaps
         # inside a tier. A swap costs a recompute (or a reload), so it happens only where a buffer
@@ -215,6 +218,8 @@ class TokenFlowPolicy(SchedulingPolicy):
         seqs = len(chosen)
         admitted: list[str] = []
         for r, need in zip(new, new_pages):  # queue order
+            if not chosen and not admitted:  # an idle device takes its head if the prompt fits at all
+                need = min(need, cdiv(r.num_tokens + 1, view.page_size))
             if used + need > capacity or seqs >= max_seqs:
                 if size >= w_sched or load + min(r.reading_rate, g) > gamma_cap:
                     break
@@ -242,7 +247,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         return Decision(tuple(reqs[i].request_id for i in kept) + tuple(admitted), self._reloads(ws, kept))
 
     def _fallback(self, ws: _WorkingSet, tier: np.ndarray, new: list[RequestView], new_pages: Iterable[int],
-                  pages: list[int], capacity: int, max_seqs: int) -> Decision:
+                  pages: list[int], capacity: int, max_seqs: int, page_size: int) -> Decision:
         """Σr > Γ: not every reader can be kept fed, so who holds the device goes by what its next
         tokens are worth, in three groups:
           1. running (and loading) requests whose next tokens still count, by priority then arrival;
@@ -265,6 +270,8 @@ class TokenFlowPolicy(SchedulingPolicy):
         used = sum(pages[i] for i in chosen)
         admitted = []
         for r, need in zip(new, new_pages):
+            if not chosen and not admitted:  # an idle device takes its head if the prompt fits at all
+                need = min(need, cdiv(r.num_tokens + 1, page_size))
             if used + need > capacity or len(chosen) + len(admitted) >= max_seqs:
                 break
             admitted.append(r.request_id)
