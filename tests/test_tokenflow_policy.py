@@ -12,6 +12,7 @@ from tokenflowd.buffer.estimates import StepCost
 from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import RequestView, SchedulerView, cdiv
 from tokenflowd.buffer.tokenflow import TokenFlowPolicy
+from tokenflowd.buffer.working_set import buffer_utility, build_working_set
 from tokenflowd.config import PolicyConfig
 
 from policy_checks import assert_plan_keeps_the_seam
@@ -78,12 +79,11 @@ def test_utility_brings_back_the_emptiest_buffer_and_preempts_the_fullest():
 
 
 def test_utility_order_by_seconds_of_buffer_and_token_value():
-    pol = TokenFlowPolicy(PARAMS)
-
     def u(buffer, rate, max_out=400):
         r = RequestView("x", 0, 20, 19, 5, reading_rate=rate, buffer=buffer, num_output_tokens=5,
                         max_output_tokens=max_out)
-        return float(pol._utility(pol._working_set(view([r]), []), g=40.0)[0])
+        ws = build_working_set(view([r]), [], PARAMS.expected_output_len)
+        return float(buffer_utility(ws, 40.0, PARAMS.schedule_interval, PARAMS.stall_penalty)[0])
 
     assert u(0, 20) > u(10, 20) > u(30, 20) > u(60, 20)
     assert u(20, 20) == u(40, 40)  # one second of reading either way

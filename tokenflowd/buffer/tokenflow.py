@@ -47,14 +47,12 @@ import numpy as np
 
 from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import Plan, RequestView, SchedulerView, SchedulingPolicy, cdiv
-from tokenflowd.buffer.qos import effective_weights
+from tokenflowd.buffer.working_set import (
+    IDLE_RUNNING, URGENT, WorkingSet, buffer_utility, build_working_set, swap_tiers,
+)
 
 if TYPE_CHECKING:
     from tokenflowd.config import PolicyConfig
-
-
-# Swap tiers of the working set (TokenFlowPolicy._tiers), in the order the greedy fill takes them.
-PINNED_RUNNING, URGENT, SAFE_RUNNING, IDLE_RUNNING, RESTING, DORMANT = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,25 +62,6 @@ class Decision:
     run: tuple[str, ...]  # running requests kept and waiting requests to admit, in priority order
     reload: tuple[str, ...] = ()  # of the admitted, those whose KV comes back from the host tier
     fallback: bool = False  # Σ r > Γ: FCFS over the working set, nothing new admitted
-
-
-@dataclass(slots=True)
-class _WorkingSet:
-    """The pass's working set W as columns (running requests first, in arrival order, then loading
-    ones, then preempted ones in queue order): one numpy array per quantity, so that a pass over a thousand
-    requests stays under half a millisecond."""
-
-    reqs: list[RequestView]
-    num_running: int
-    num_on_device: int  # running, then loading (admitted, KV coming back): reqs[num_running:num_on_device]
-    num_tokens: np.ndarray  # int64
-    rate: np.ndarray  # tokens/s its client reads
-    buffer: np.ndarray  # tokens its client holds unread now
-    b_pred: np.ndarray  # tokens buffered once its overhead has passed: b − r·overhead, ≥ 0
-    overhead: np.ndarray  # s before it produces again: 0 running, else min(t_IO, t_recompute)
-    expected: np.ndarray  # output tokens it is expected to produce in all
-    reloaded: np.ndarray  # bool: its overhead is the host tier's t_IO, not a recompute
-    away: np.ndarray  # running: s it would take to come back if preempted now, min(t_IO, t_recompute)
 
 
 class TokenFlowPolicy(SchedulingPolicy):
@@ -159,7 +138,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         t = self.params.schedule_interval
         members = [r for r in view.waiting if r.num_output_tokens]  # started: their clients read
         new = [r for r in view.waiting if not r.num_output_tokens]
-        ws = self._working_set(view, members)
+        ws = build_working_set(view, members, self.params.expected_output_len)
         reqs = ws.reqs
 
         # 1. Estimates at the batch the device can hold.
@@ -180,7 +159,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         # asks for what no schedule gives, and must not let one client tip the test below.
         demand = np.minimum(ws.rate, g)
         load = float(demand.sum())
-        tier, victim_ok = self._tiers(ws, t)
+        tier, victim_ok = swap_tiers(ws, t, self.params.buffer_conservativeness)
         # pages a new request holds through the interval (a generator: the queue is read only as
         # far as admission goes)
         new_pages = (cdiv(r.num_tokens + growth, view.page_size) for r in new)
@@ -196,7 +175,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         # down to μ× its way back, and only a running one whose buffer outlasts its time away.
         # Idle running requests (their readers far ahead), resting and dormant members (buffer to
         # spare) get the room left once new requests are in, in that order.
-        u = self._utility(ws, g)
+        u = buffer_utility(ws, g, t, self.params.stall_penalty)
         utility = u.tolist()
         order = self._within_recompute_budget(np.lexsort((-u, tier)), ws, tier, (1.0 - load / gamma_cap) * t)
         order = np.asarray(order, dtype=np.int64)
@@ -246,7 +225,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         # set's decodes before their prompts.
         return Decision(tuple(reqs[i].request_id for i in kept) + tuple(admitted), self._reloads(ws, kept))
 
-    def _fallback(self, ws: _WorkingSet, tier: np.ndarray, new: list[RequestView], new_pages: Iterable[int],
+    def _fallback(self, ws: WorkingSet, tier: np.ndarray, new: list[RequestView], new_pages: Iterable[int],
                   pages: list[int], capacity: int, max_seqs: int, page_size: int) -> Decision:
         """Σr > Γ: not every reader can be kept fed, so who holds the device goes by what its next
         tokens are worth, in three groups:
@@ -285,32 +264,8 @@ class TokenFlowPolicy(SchedulingPolicy):
         return Decision(tuple(ws.reqs[i].request_id for i in chosen) + tuple(admitted), self._reloads(ws, chosen),
                         fallback=True)
 
-    def _working_set(self, view: SchedulerView, members: list[RequestView]) -> _WorkingSet:
-        nr, nd = len(view.running), len(view.running) + len(view.loading)
-        reqs = [*view.running, *view.loading, *members]
-        num_tokens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
-        rate = np.array([r.reading_rate for r in reqs], dtype=np.float64)
-        buffer = np.array([r.buffer for r in reqs], dtype=np.float64)
-        expected = np.array([r.expected_output_tokens or r.max_output_tokens or self.params.expected_output_len
-                             for r in reqs], dtype=np.float64)
-        overhead = np.zeros(len(reqs))
-        reloaded = np.zeros(len(reqs), dtype=bool)
-        if members:
-            computed = np.array([r.num_computed_tokens for r in members], dtype=np.int64)
-            overhead[nd:] = view.cost.recompute_time(1) * (num_tokens[nd:] - computed)  # linear in tokens
-            io = [r.io_time for r in members]
-            if io.count(None) < len(io):  # some have a host copy: reload where that is faster
-                for i, t_io in enumerate(io, nd):
-                    if t_io is not None and t_io < overhead[i]:
-                        overhead[i] = t_io
-                        reloaded[i] = True
-        b_pred = np.maximum(buffer - rate * overhead, 0.0)
-        io = np.array([np.inf if r.io_time is None else r.io_time for r in view.running], dtype=np.float64)
-        away = np.minimum(view.cost.recompute_time(1) * num_tokens[:nr], io)
-        return _WorkingSet(reqs, nr, nd, num_tokens, rate, buffer, b_pred, overhead, expected, reloaded, away)
-
     @staticmethod
-    def _within_recompute_budget(order: np.ndarray, ws: _WorkingSet, tier: np.ndarray, budget: float) -> list[int]:
+    def _within_recompute_budget(order: np.ndarray, ws: WorkingSet, tier: np.ndarray, budget: float) -> list[int]:
         """`order` without the urgent preempted requests whose recompute would overrun `budget` s.
 
         An urgent request comes back by displacing a running one: work thrown away and redone,
@@ -327,44 +282,6 @@ class TokenFlowPolicy(SchedulingPolicy):
         if ws.num_on_device == 0 and costly.size:
             over[costly[0]] = False
         return order[~(over & (cost > 0))].tolist()
-
-    def _tiers(self, ws: _WorkingSet, interval: float) -> tuple[np.ndarray, np.ndarray]:
-        """The swap tier of each request in W (lower goes first in the greedy fill), and which
-        running ones a *new* request may displace (§4.2.1's rule, μ× the time away):
-            PINNED_RUNNING  running, its buffer would not last the shortest time away (its
-                            recompute or reload plus one pass): must stay; and every loading one
-            URGENT          preempted, its buffer down to μ× its way back plus a pass: must return
-            SAFE_RUNNING    running, its buffer outlasts a swap: may make way for an urgent one
-            RESTING         preempted with buffer to spare, its next tokens worth their full
-                            weight (§7.1.3: buffer within 10% of its expected output)
-            IDLE_RUNNING    running, its buffer covers μ× its time away and its next tokens are
-                            worth less than half (buffer past 15% of its output): it makes way
-                            for a resting member or a new request
-            DORMANT         preempted, buffer to spare and tokens worth less than their full weight
-        RESTING before IDLE_RUNNING before DORMANT, with the hysteresis between 10% and 15%, is
-        what keeps a long burst's readers fed in turns: a running request whose reader is far
-        ahead yields to one that is catching up, and not back and forth."""
-        mu = self.params.buffer_conservativeness
-        index = np.arange(len(ws.reqs))
-        running = index < ws.num_running
-        seconds = ws.buffer / ws.rate
-        away = np.zeros(len(ws.reqs))
-        away[: ws.num_running] = ws.away
-        away += interval  # a running request's time away if preempted now
-        back = ws.overhead + interval  # a preempted request's way back (io or recompute) plus a pass
-        weight = effective_weights(ws.b_pred, ws.expected)
-        victim = running & (seconds >= mu * away)
-        tier = np.where(running, np.where(seconds >= away, SAFE_RUNNING, PINNED_RUNNING),
-                        np.where(seconds <= mu * back, URGENT, np.where(weight >= 1.0, RESTING, DORMANT)))
-        tier[victim & (weight < 0.5)] = IDLE_RUNNING
-        tier[ws.num_running: ws.num_on_device] = PINNED_RUNNING  # its load is under way: it stays
-        return tier, victim
-
-    def _utility(self, ws: _WorkingSet, g: float) -> np.ndarray:
-        """U = v·(t − overhead) + γ·e^(−b_pred / r), with v = g·w(b_pred) (the §7.1.3 weight)."""
-        p = self.params
-        v = g * effective_weights(ws.b_pred, ws.expected)
-        return v * np.maximum(p.schedule_interval - ws.overhead, 0.0) + p.stall_penalty * np.exp(-ws.b_pred / ws.rate)
 
     @staticmethod
     def _fill(order: list[int], pages: list[int], capacity: int, max_seqs: int) -> list[int]:
@@ -423,6 +340,6 @@ class TokenFlowPolicy(SchedulingPolicy):
         return w_static
 
     @staticmethod
-    def _reloads(ws: _WorkingSet, chosen: list[int]) -> tuple[str, ...]:
+    def _reloads(ws: WorkingSet, chosen: list[int]) -> tuple[str, ...]:
         """Preempted requests brought back from the host tier rather than recomputed (§4.2.3)."""
         return tuple(ws.reqs[i].request_id for i in chosen if ws.reloaded[i])
