@@ -160,6 +160,10 @@ def measure_pair(pair: dict[str, Daemon]) -> dict[str, dict]:
         print(f"[bench] {label}: C = {out[label]['capacity']:.1f} tokens/s at {SLOTS} streams "
               f"(g = {out[label]['capacity'] / SLOTS:.2f} per stream; window {out[label]['window_s']:.1f} s)",
               flush=True)
+    caps = [m["capacity"] for m in out.values()]
+    if max(caps) > 1.15 * min(caps):
+        print(f"[bench] WARNING: the pair's full-batch rates differ by {max(caps) / min(caps) - 1:.0%}: something "
+              f"else is using the CPU (load {os.getloadavg()[0]:.2f})", flush=True)
     return out
 
 
@@ -176,7 +180,8 @@ def compare(name: str, a: tuple[str, Daemon], b: tuple[str, Daemon], workload: l
     cmd = [sys.executable, "-m", "loadgen", "compare", "--base-url", a[1].base_url, "--base-url-b", b[1].base_url,
            "--label-a", a[0], "--label-b", b[0], *workload, "--quiet", "--out", str(out)]
     shown = " ".join(["tokenflowd-loadgen", *cmd[3:]])
-    print(f"[bench] {name}: {shown}  (load {os.getloadavg()[0]:.2f})", flush=True)
+    load = os.getloadavg()
+    print(f"[bench] {name}: {shown}  (load {load[0]:.2f})", flush=True)
     before = {label: counters(d) for label, d in (a, b)}
     t0 = time.monotonic()
     try:
@@ -200,7 +205,7 @@ def compare(name: str, a: tuple[str, Daemon], b: tuple[str, Daemon], workload: l
             r.pop("token_times")
         runs[label] = {"summary": run["summary"], "errors_by_kind": errors,
                        "daemon_counters": delta(before[label], after[label]), "requests": run["requests"]}
-    return {"command": shown, "wall_s": time.monotonic() - t0, "config": doc["config"]["workload"],
+    return {"command": shown, "wall_s": time.monotonic() - t0, "load_before": load, "config": doc["config"]["workload"],
             "runs": runs, "ratios": doc["ratios"], "loadgen_table": proc.stdout}
 
 
@@ -237,11 +242,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench/results/daemon_policies.json"))
     ap.add_argument("--repeat-burst-size", type=int, default=SLOTS, help="requests per burst in load60/load120")
-    ap.add_argument("--bursts-60", type=int, default=5)
-    ap.add_argument("--bursts-120", type=int, default=8)
+    ap.add_argument("--bursts-60", type=int, default=4)
+    ap.add_argument("--bursts-120", type=int, default=6)
     ap.add_argument("--max-queue-delay", type=float, help="S for load120-bound (default: half a full batch's "
                                                           "128-token reply time, rounded to 0.5 s)")
-    ap.add_argument("--wait-for", default="sim_table1", help="wait until no process matching this runs")
+    ap.add_argument("--wait-for", default="sim_table1", help="wait until no process whose command line matches this (pgrep -f regex) runs")
     ap.add_argument("--max-wait", type=float, default=2400.0, help="s to wait for --wait-for at most")
     ap.add_argument("--compare-timeout", type=float, default=600.0, help="s one loadgen compare may take")
     a = ap.parse_args()
