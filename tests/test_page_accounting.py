@@ -15,7 +15,10 @@ from tokenflowd.engine.request import Request, SamplingParams
 
 @pytest.fixture(scope="module")
 def core(hf_dirs):
-    cfg = EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cpu", dtype="float32",
+    # fcfs: its preemptions depend on the sequence alone; tokenflow's passes follow the wall clock,
+    # so how often it preempts here would depend on the machine's speed (the offload tests drive
+    # tokenflow-like preempt/resume schedules deterministically with a scripted policy)
+    cfg = EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cpu", dtype="float32", policy="fcfs",
                                page_size=4, num_pages=16, max_num_batched_tokens=16, max_num_seqs=6)
     return EngineCore(cfg)
 
