@@ -122,18 +122,16 @@ class EngineCore:
 
     def set_reading_rate(self, request_id: str, reading_rate: float, now: float) -> bool:
         req = self.scheduler.requests.get(request_id)
-        if req is None:
-            return False
-        req.buffer.set_rate(reading_rate, now)
-        return True
+        if req is not None:
+            req.buffer.set_rate(reading_rate, now)
+        return req is not None
 
     def set_read_cursor(self, request_id: str, num_read: int, now: float) -> bool:
         """The client has read `num_read` tokens by `now`: its buffer is what it holds unread."""
         req = self.scheduler.requests.get(request_id)
-        if req is None:
-            return False
-        req.buffer.set_read(num_read, now)
-        return True
+        if req is not None:
+            req.buffer.set_read(num_read, now)
+        return req is not None
 
     def step(self) -> list[EngineCoreOutput]:
         entered = time.perf_counter()
@@ -156,7 +154,9 @@ class EngineCore:
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.total_tokens
         self.stats.last_step_time = time.perf_counter() - t0
-        priced = self.scheduler.step_model.cost.step_time(batch.total_tokens, batch.num_context_tokens)
+        # the step as the model priced it before seeing it (only load shedding's pace reads it)
+        priced = (self.scheduler.step_model.cost.step_time(batch.total_tokens, batch.num_context_tokens)
+                  if self.admission is not None else 0.0)
         # NOTE: an engine's first step carries one-time costs (kernel and allocator set-up): 8 s for
         # a 0.2 s step on a 2-core CPU. Fitted, it inflated per_token eightfold for the model's window.
         if self.stats.num_steps > 1:
