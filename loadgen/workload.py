@@ -161,7 +161,7 @@ def burstgpt_requests(path: Path, w: LoadWorkload) -> list[WorkloadRequest]:
         raise ValueError(f"{path}: no rows with response tokens")
     rates_rng = np.random.default_rng(np.random.SeedSequence(w.seed).spawn(3)[2])
     rates = assign_reading_rates(w.reading_rates, len(rows), rates_rng)
-    t0, out, next_block = rows[0][0], [], 0
+    t0, out, next_block = rows[0][0], [], w.seed << 32  # from the seed: two seeds, two prompt sets
     width = len(str(len(rows) - 1))
     for i, (ts, prompt_len, output_len) in enumerate(rows):
         prompt_len = min(prompt_len, w.max_prompt_len or prompt_len)

@@ -23,6 +23,19 @@ def test_stalls_are_counted_when_the_buffer_runs_dry():
     assert b.stall_time == pytest.approx(2.0)  # querying does not advance the model
 
 
+def test_dry_for_is_the_current_silence_whether_or_not_the_model_was_advanced():
+    b = TokenBuffer(reading_rate=2.0)
+    assert b.dry_for(5.0) == 0.0  # no first token: nothing to wait on yet
+    b.on_tokens(2, 0.0)  # dry at 1.0
+    assert b.dry_for(0.5) == 0.0 and b.dry_for(3.0) == pytest.approx(2.0)
+    b.advance(2.0)  # the model reads on into the stall
+    assert b.dry_for(3.0) == pytest.approx(2.0)
+    b.set_rate(4.0, 2.5)  # a new rate does not restart the stall
+    assert b.dry_for(3.0) == pytest.approx(2.0)
+    b.on_tokens(1, 3.0)
+    assert b.dry_for(3.0) == 0.0 and b.dry_for(3.5) == pytest.approx(0.25)
+
+
 def test_a_buffer_that_never_runs_dry_never_stalls():
     b = TokenBuffer(reading_rate=10.0)
     for i in range(100):

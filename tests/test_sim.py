@@ -48,6 +48,15 @@ def test_burst_puts_every_request_at_zero():
     assert len(blocks) == len(set(blocks)) == 7
 
 
+def test_each_seed_sends_its_own_prompts():
+    def prompts(seed):
+        spec = WorkloadSpec.parse("burst:3", lengths=parse_lengths("fixed:30:40"), seed=seed)
+        return [prompt_token_ids(r, 1000) for r in build_workload(spec)]
+
+    assert prompts(1) == prompts(1)
+    assert not {tuple(p) for p in prompts(0)} & {tuple(p) for p in prompts(1)}
+
+
 def test_poisson_rate_and_order():
     reqs = build_workload(WorkloadSpec.parse("poisson:4", num_requests=4000, seed=3))
     t = np.array([r.arrival_time for r in reqs])

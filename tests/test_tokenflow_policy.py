@@ -3,7 +3,9 @@ the schedulability fallback, and the seam's invariants over random views."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -96,15 +98,33 @@ def test_fallback_serves_running_requests_that_count_then_new_then_the_rest():
     # Three slots at ~40 tokens/s: Γ ≈ 119 < Σ min(r, g) ≈ 30 + 40 + 40 + 25. "rich" holds 100
     # tokens (a fifth of its expected 400: its next tokens are worth nothing, §7.1.3) and 2.2 s of
     # reading, more than μ× its time away: it makes way. The new request's first token comes before
-    # the preempted member, which waits for a seat.
+    # the preempted member, which waits for a seat (its reader has not been silent for max_stall).
+    # Running requests that count come least buffered first.
     v = view([running("late", 2.0, 0.0, 30), running("early", 0.0, 50.0, 45), running("rich", 1.0, 100.0, 45)],
              [preempted("mid", 1.0, 0.0, 25), new("n", 3.0)], now=4.0, max_num_seqs=3)
     pol = TokenFlowPolicy(PARAMS)
     d = pol.balance(v)
     assert d.fallback
-    assert d.run == ("early", "late", "n")
+    assert d.run == ("late", "early", "n")
     plan = pol.plan(v)
     assert plan.preempted == ("rich",) and "n" in dict(plan.scheduled)
+
+
+def test_fallback_brings_silent_streams_back_before_new_requests_and_overdue_ones_by_displacement():
+    # Σ r > Γ as above. A member silent for max_stall (10 s) takes the free seat before the new
+    # request; one silent for 2×max_stall takes the seat of the running request with the most
+    # buffer, whatever the new requests.
+    def v(dry, slots):
+        return view([running("a", 0.0, 0.0, 35), running("b", 1.0, 30.0, 35)],
+                    [replace(preempted("c", 0.5, 0.0, 35), dry_for=dry), preempted("d", 0.6, 0.0, 35), new("n", 3.0)],
+                    free=100, max_num_seqs=slots, now=40.0)
+
+    assert TokenFlowPolicy(PARAMS).balance(v(5.0, 3)).run == ("a", "b", "n")
+    assert TokenFlowPolicy(PARAMS).balance(v(12.0, 3)).run == ("a", "b", "c")
+    assert TokenFlowPolicy(PARAMS).balance(v(12.0, 2)).run == ("a", "b")
+    assert TokenFlowPolicy(PARAMS).balance(v(25.0, 2)).run == ("c", "a")
+    plan = TokenFlowPolicy(PARAMS).plan(v(25.0, 2))
+    assert plan.preempted == ("b",)
 
 
 def test_fallback_keeps_running_requests_that_count_and_admits_into_room_left_over():
@@ -185,7 +205,8 @@ def test_greedy_and_local_search_never_break_the_memory_constraint(items, capaci
     pages = [p for p, _ in items]
     utility = [u for _, u in items]
     order = sorted(range(len(items)), key=lambda i: -utility[i])
-    greedy = TokenFlowPolicy._fill(order, pages, capacity, max_seqs)
+    greedy, used = TokenFlowPolicy._fill(order, np.array(pages), capacity, max_seqs)
+    assert greedy == one_by_one(order, pages, capacity, max_seqs) and used == sum(pages[i] for i in greedy)
     chosen = TokenFlowPolicy._local_search(order, greedy, pages, utility, capacity, max_seqs)
     assert sum(pages[i] for i in chosen) <= capacity
     assert len(chosen) <= max_seqs
@@ -193,9 +214,19 @@ def test_greedy_and_local_search_never_break_the_memory_constraint(items, capaci
     assert sum(utility[i] for i in chosen) >= sum(utility[i] for i in greedy)
 
 
+def one_by_one(order, pages, capacity, max_seqs):
+    """The greedy fill, candidate by candidate."""
+    chosen, used = [], 0
+    for i in order:
+        if len(chosen) < max_seqs and used + pages[i] <= capacity:
+            chosen.append(i)
+            used += pages[i]
+    return chosen
+
+
 def test_local_search_swaps_a_big_request_for_two_that_fit():
     pages, utility = [10, 4, 5], [10.0, 9.0, 8.0]  # big, small, other
-    greedy = TokenFlowPolicy._fill([0, 1, 2], pages, 10, 4)
+    greedy, _ = TokenFlowPolicy._fill([0, 1, 2], np.array(pages), 10, 4)
     assert greedy == [0]
     assert sorted(TokenFlowPolicy._local_search([0, 1, 2], greedy, pages, utility, 10, 4)) == [1, 2]
 

@@ -56,6 +56,9 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--working-set-lambda", type=float, help="λ of eq. 5, in [0, 1] (default 0.5)")
     q.add_argument("--critical-buffer", type=float,
                    help="T_critical: s of buffered reading below which the engine counts as stressed (default 1)")
+    q.add_argument("--max-stall", type=float,
+                   help="s a started stream may wait on an empty buffer before it comes back ahead of new "
+                        "requests (default 10)")
     q.add_argument("--expected-output-len", type=int,
                    help="output tokens assumed for requests without max_tokens (default 1024)")
     q.add_argument("--andes-horizon", type=float, help="s Andes looks ahead (default 2)")
@@ -79,7 +82,7 @@ _ENGINE_FLAGS = {
 
 
 _POLICY_FLAGS = ("schedule_interval", "buffer_conservativeness", "stall_penalty", "working_set_lambda",
-                 "critical_buffer", "expected_output_len", "andes_horizon", "andes_interval", "andes_expected_ttft",
+                 "critical_buffer", "max_stall", "expected_output_len", "andes_horizon", "andes_interval", "andes_expected_ttft",
                  "andes_max_preempt_fraction", "andes_memory_trigger")
 
 

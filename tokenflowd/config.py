@@ -38,6 +38,10 @@ class PolicyConfig:
     working_set_lambda: float = 0.5  # λ of eq. 5: how far the working set shrinks towards N_running
     critical_buffer: float = 1.0  # T_critical, s of reading: a buffer below it makes the engine "stressed"
     expected_output_len: int = 1024  # tokens assumed for the §7.1.3 value of a request with no max_tokens
+    # s a started stream may wait on an empty buffer before it comes back ahead of new requests, even
+    # when not every reader can be fed (Σr > Γ): bounds the silences of an overloaded engine (proxies
+    # and clients give up after 60 s without a byte)
+    max_stall: float = 10.0
     # andes
     andes_horizon: float = 2.0  # s: the look-ahead over which Andes compares QoE gains
     andes_max_preempt_fraction: float = 0.5  # Andes' cap on preemptions per pass, as a fraction of the batch
@@ -56,6 +60,8 @@ class PolicyConfig:
             raise ValueError(f"working_set_lambda (λ) must be in [0, 1], got {self.working_set_lambda}")
         if not self.critical_buffer >= 0:
             raise ValueError(f"critical_buffer must be >= 0 s, got {self.critical_buffer}")
+        if not self.max_stall >= 0:
+            raise ValueError(f"max_stall must be >= 0 s, got {self.max_stall}")
         if self.expected_output_len < 1:
             raise ValueError("expected_output_len must be >= 1")
         if not self.andes_horizon > 0:

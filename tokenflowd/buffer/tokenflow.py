@@ -16,7 +16,9 @@ after their first token) and the queue of new requests:
   2. Schedulability (§4.3): if Σ_{i∈W} min(r_i, g) > Γ not every reader can be fed; the device
      goes first to running requests whose next tokens still count, then to new requests (a first
      token is what a reader waits for most), then to preempted members and running ones whose
-     tokens are worth little now (_fallback).
+     tokens are worth little now (_fallback). A member whose reader has waited on an empty buffer
+     for max_stall comes before new requests, and after twice that displaces a running one: an
+     overloaded engine spreads its stalls instead of silencing some streams for minutes.
   3. Buffer balancing in W (§4.2.2): utility
          U_i = v_i·(t − t_i^overhead) + γ·φ(b_i^pred),   φ(b) = e^(−b / r_i)
      with v_i = g·w(b_i^pred) (w: the §7.1.3 token weight, so tokens that would pile up beyond
@@ -177,12 +179,13 @@ class TokenFlowPolicy(SchedulingPolicy):
         # spare) get the room left once new requests are in, in that order.
         u = buffer_utility(ws, g, t, self.params.stall_penalty)
         utility = u.tolist()
-        order = self._within_recompute_budget(np.lexsort((-u, tier)), ws, tier, (1.0 - load / gamma_cap) * t)
+        order = self._within_recompute_budget(np.lexsort((-u, tier)), ws, tier, (1.0 - load / gamma_cap) * t,
+                                              self.params.max_stall)
         order = np.asarray(order, dtype=np.int64)
         in_core = tier[order] < IDLE_RUNNING
         later = order[~in_core].tolist()  # in tier order: idle running, resting, dormant
         order = order[in_core].tolist()
-        chosen = self._fill(order, pages, capacity, max_seqs)
+        chosen, _ = self._fill(order, np.asarray(pages), capacity, max_seqs)
         chosen = self._local_search(order, chosen, pages, utility, capacity, max_seqs, tier.tolist())
 
         # 4. Admission of new requests (§4.2.1). Free device room always takes the next new
@@ -228,25 +231,38 @@ class TokenFlowPolicy(SchedulingPolicy):
     def _fallback(self, ws: WorkingSet, tier: np.ndarray, new: list[RequestView], new_pages: Iterable[int],
                   pages: list[int], capacity: int, max_seqs: int, page_size: int) -> Decision:
         """Σr > Γ: not every reader can be kept fed, so who holds the device goes by what its next
-        tokens are worth, in three groups:
-          1. running (and loading) requests whose next tokens still count, by priority then arrival;
-          2. new requests, in queue order (their first token is the one a reader waits for most);
-          3. preempted members and running ones whose tokens are worth little now (IDLE_RUNNING:
-             the §7.1.3 weight of their next token below 0.5, a buffer that outlasts μ× their time
-             away), in swap-tier order: urgent, idle running, resting, dormant.
+        tokens are worth, in this order:
+          1. loading requests, then preempted members whose readers have waited on an empty buffer
+             for 2×max_stall or more (longest first): these displace running requests, the least
+             needed last in line;
+          2. running requests whose next tokens still count, by priority, then the least buffered
+             first (the ones that make way are the ones that can best afford it);
+          3. preempted members silent for max_stall or more: free room goes to them before new
+             requests, so a stream does not go silent for good while new requests keep coming;
+          4. new requests, in queue order (their first token is the one a reader waits for most);
+          5. other preempted members and running ones whose tokens are worth little now
+             (IDLE_RUNNING: the §7.1.3 weight of their next token below 0.5, a buffer that
+             outlasts μ× their time away), in swap-tier order: urgent, idle running, resting,
+             dormant.
         Greedy within the device's pages and seats; a new request that does not fit stops the
-        queue behind it."""
+        queue behind it. Bringing silent streams back in two steps keeps the swaps few: most come
+        back in room that finishing requests free, and only the ones that room does not reach in
+        time cost a running request its place."""
+        index = np.arange(len(ws.reqs))
         worthless = tier == IDLE_RUNNING
-        arrival = np.array([r.arrival_time for r in ws.reqs], dtype=np.float64)
-        seq = np.array([r.arrival_seq for r in ws.reqs], dtype=np.int64)
+        seconds = ws.buffer / ws.rate
         priority = np.array([r.priority for r in ws.reqs], dtype=np.int64)
-        on_device = np.arange(len(ws.reqs)) < ws.num_on_device
-        first = np.flatnonzero(on_device & ~worthless)
-        first = first[np.lexsort((seq[first], arrival[first], -priority[first]))].tolist()
-        rest = np.flatnonzero(~on_device | worthless)
-        rest = rest[np.lexsort((ws.buffer[rest] / ws.rate[rest], tier[rest]))].tolist()
-        chosen = self._fill(first, pages, capacity, max_seqs)
-        used = sum(pages[i] for i in chosen)
+        preempted = index >= ws.num_on_device
+        silent = preempted & (ws.dry >= self.params.max_stall)
+        overdue = preempted & (ws.dry >= 2.0 * self.params.max_stall)
+        longest = np.argsort(-ws.dry, kind="stable")
+        counting = np.flatnonzero((index < ws.num_running) & ~worthless)
+        counting = counting[np.lexsort((seconds[counting], -priority[counting]))]
+        first = [*range(ws.num_running, ws.num_on_device), *longest[overdue[longest]].tolist(),
+                 *counting.tolist(), *longest[silent[longest] & ~overdue[longest]].tolist()]
+        rest = np.flatnonzero((preempted & ~silent) | worthless)
+        rest = rest[np.lexsort((seconds[rest], tier[rest]))].tolist()
+        chosen, used = self._fill(first, np.asarray(pages), capacity, max_seqs)
         admitted = []
         for r, need in zip(new, new_pages):
             if not chosen and not admitted:  # an idle device takes its head if the prompt fits at all
@@ -265,7 +281,8 @@ class TokenFlowPolicy(SchedulingPolicy):
                         fallback=True)
 
     @staticmethod
-    def _within_recompute_budget(order: np.ndarray, ws: WorkingSet, tier: np.ndarray, budget: float) -> list[int]:
+    def _within_recompute_budget(order: np.ndarray, ws: WorkingSet, tier: np.ndarray, budget: float,
+                                 max_stall: float) -> list[int]:
         """`order` without the urgent preempted requests whose recompute would overrun `budget` s.
 
         An urgent request comes back by displacing a running one: work thrown away and redone,
@@ -275,8 +292,9 @@ class TokenFlowPolicy(SchedulingPolicy):
         only take room nobody runs in (they come after every running request in `order`): their
         recompute is owed anyway and idle room only delays it. Reloads use the host link, not the
         compute, and are not counted. An idle device stalls no decode, so there the first
-        recompute always goes ahead: a pass never leaves the device idle with requests to serve."""
-        cost = np.where(ws.reloaded | (tier != URGENT), 0.0, ws.overhead)[order]
+        recompute always goes ahead: a pass never leaves the device idle with requests to serve.
+        A stream silent for max_stall or more comes back whatever its recompute costs."""
+        cost = np.where(ws.reloaded | (tier != URGENT) | (ws.dry >= max_stall), 0.0, ws.overhead)[order]
         over = np.cumsum(cost) > budget
         costly = np.flatnonzero(cost > 0)
         if ws.num_on_device == 0 and costly.size:
@@ -284,16 +302,23 @@ class TokenFlowPolicy(SchedulingPolicy):
         return order[~(over & (cost > 0))].tolist()
 
     @staticmethod
-    def _fill(order: list[int], pages: list[int], capacity: int, max_seqs: int) -> list[int]:
-        """Greedy: in `order`, take each candidate that still fits the pages and the batch."""
-        chosen, used = [], 0
-        for i in order:
-            if len(chosen) >= max_seqs:
-                break
-            if used + pages[i] <= capacity:
-                chosen.append(i)
-                used += pages[i]
-        return chosen
+    def _fill(order: list[int], pages: np.ndarray, capacity: int, max_seqs: int) -> tuple[list[int], int]:
+        """Greedy: in `order`, take each candidate that still fits the pages and the batch. The
+        chosen, and the pages they take. (The run of candidates that fit from the start is one
+        cumulative sum; only those after the first misfit are tried one by one.)"""
+        order = np.asarray(order, dtype=np.int64)
+        need = pages[order]
+        k = min(int(np.searchsorted(np.cumsum(need), capacity, side="right")), max_seqs)
+        chosen, used = order[:k].tolist(), int(need[:k].sum())
+        if k < max_seqs:
+            later = np.flatnonzero(need[k + 1:] <= capacity - used) + k + 1
+            for i, n in zip(order[later].tolist(), need[later].tolist()):
+                if len(chosen) >= max_seqs:
+                    break
+                if used + n <= capacity:
+                    chosen.append(i)
+                    used += n
+        return chosen, used
 
     @staticmethod
     def _local_search(order: list[int], chosen: list[int], pages: list[int], utility: list[float], capacity: int,

@@ -30,6 +30,7 @@ class TokenBuffer:
     num_stalls: int = 0
     clock: float = 0.0  # the time num_read and stall_time were advanced to
     stalled: bool = False  # the buffer ran dry before `clock` and no token has come since
+    dry_since: float = 0.0  # while stalled: when the buffer ran dry
 
     def __post_init__(self) -> None:
         _check_rate(self.reading_rate)
@@ -47,6 +48,7 @@ class TokenBuffer:
             if not self.stalled:
                 self.num_stalls += 1
                 self.stalled = True
+                self.dry_since = self.clock + have / self.reading_rate
             self.stall_time += dt - have / self.reading_rate
             self.num_read = float(self.num_generated)
         self.clock = now
@@ -92,6 +94,15 @@ class TokenBuffer:
     def time_to_empty(self, now: float) -> float:
         """Seconds until the buffer runs dry if no token arrives."""
         return self.buffer(now) / self.reading_rate
+
+    def dry_for(self, now: float) -> float:
+        """Seconds the client has been waiting with an empty buffer at `now` (0 while it holds
+        tokens, and before its first token)."""
+        if self.first_token_time is None:
+            return 0.0
+        if self.stalled:
+            return max(0.0, now - self.dry_since)
+        return max(0.0, now - self.clock - (self.num_generated - self.num_read) / self.reading_rate)
 
     def stall_time_at(self, now: float) -> float:
         """Stall seconds up to `now`, including a stall still going on (without advancing)."""

@@ -30,7 +30,7 @@ def _request_view(req: Request, now: float, num_computed: int, pages_held: int, 
     return RequestView(req.request_id, req.arrival_time, req.num_tokens, num_computed, pages_held, pages_reclaimed,
                        pages_exclusive, req.priority, req.buffer.reading_rate, req.buffer.buffer(now),
                        req.num_output_tokens, req.sampling_params.max_tokens, expected, req.arrival_seq, io_time,
-                       host_tokens)
+                       host_tokens, req.buffer.dry_for(now))
 
 
 def _queue_order(req: Request) -> tuple[int, float, int]:

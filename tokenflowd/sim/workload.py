@@ -275,8 +275,10 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
         n = spec.num_requests
         arrivals = arrival_times(spec.arrival, n, spec.rate, spec.burstiness, arrivals_rng, spec.burst_spread)
         prompts, outputs = spec.lengths.sample(lengths_rng, n, spec.output_scale)
-        blocks, next_id = [], 0
-        for p in prompts:  # fresh block ids per request: no prefix is shared
+        # fresh block ids per request, so no prefix is shared; numbered from the seed, so that two
+        # seeds send different prompts
+        blocks, next_id = [], spec.seed << 32
+        for p in prompts:
             k = math.ceil(p / BLOCK_TOKENS)
             blocks.append(tuple(range(next_id, next_id + k)))
             next_id += k
