@@ -112,3 +112,21 @@ def test_values_of_the_right_type_load(tmp_path):
     got = load_config_file(str(path))
     assert got["server"]["max_body_size"] == 65536 and got["engine"]["kv_cache_memory"] == 4096
     assert got["policy"]["schedule_interval"] == 1
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("[policy]\nschedule_interval = inf\n", "schedule_interval must be a finite number"),
+    ("[policy]\nstall_penalty = inf\n", "stall_penalty must be a finite number"),
+    ("[policy]\nmax_stall = nan\n", "max_stall must be a finite number"),
+    ("[server]\nrestart_backoff_max = -1.0\n", "restart_backoff_max must be a finite number of seconds >= 0"),
+    ("[server]\nheartbeat_interval = 1e-6\n", "heartbeat_interval must be at least 0.01 s"),
+    ("[engine]\nnum_pages = -4\n", "num_pages must be >= 0"),
+    ("[engine]\nnum_threads = -1\n", "num_threads must be >= 1"),
+    ("[engine]\nnum_threads = 0\n", "num_threads must be >= 1"),
+    ('[engine]\nkv_cache_memory = "0"\n', "kv_cache_memory must be above 0 bytes"),
+])
+def test_values_that_would_break_the_daemon_are_refused_by_config_check(tmp_path, capsys, text, msg):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    assert main(["config", "check", str(path)]) == 2
+    assert msg in capsys.readouterr().err

@@ -98,3 +98,44 @@ def test_sigkill_of_an_engine_ends_its_streams_and_it_comes_back(daemon):
     for body in (chat_body("Name a color.", max_tokens=3), chat_body("Name a fruit.", max_tokens=3)):
         assert daemon.http.post("/v1/chat/completions", json=body).status_code == 200
     assert daemon.metric("tokenflowd_engine_restarts_total") >= 1
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for a reaper counts: it holds no memory and runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_engines_exit_within_5_s_of_a_sigkilled_supervisor():
+    # Engines busy (a busy engine once checked for its parent only when idle, and went on stepping
+    # and pushing into a socket nobody read).
+    d = Daemon("--engines", "2", "--dtype", "float32", "--kv-cache-memory", "64MiB")
+    clients = []
+    try:
+        d.wait_all_engines()
+        for i in range(4):
+            c = httpx.Client(base_url=d.base_url, timeout=60)
+            clients.append(c)
+            r = c.send(c.build_request("POST", "/v1/chat/completions", json=chat_body(
+                f"Story {i}", max_tokens=400, stream=True, ignore_eos=True)), stream=True)
+            assert r.status_code == 200, r.read()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum(e["requests"] for e in d.health()["engines"]) < 4:
+            time.sleep(0.1)
+        engines = d.health()["engines"]
+        assert sum(e["requests"] for e in engines) == 4, engines
+        pids = [e["pid"] for e in engines]
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not all(map(_gone, pids)):
+            time.sleep(0.05)
+        assert all(map(_gone, pids)), [p for p in pids if not _gone(p)]
+    finally:
+        for c in clients:
+            c.close()
+        if d.proc.poll() is None:
+            d.proc.kill()

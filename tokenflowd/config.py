@@ -1,6 +1,7 @@
 """Frozen, validated configuration. "auto" values are resolved before freezing."""
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -50,6 +51,11 @@ class PolicyConfig:
     andes_memory_trigger: float = 0.9  # device-page use at which Andes starts choosing (its selective triggering)
 
     def __post_init__(self) -> None:
+        for name in ("schedule_interval", "buffer_conservativeness", "stall_penalty", "critical_buffer", "max_stall",
+                     "andes_horizon", "andes_expected_ttft", "andes_interval"):
+            value = getattr(self, name)
+            if not math.isfinite(value):  # inf passes every lower bound below, and no pass would ever run
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if not self.schedule_interval > 0:
             raise ValueError(f"schedule_interval must be above 0 s, got {self.schedule_interval}")
         if not self.buffer_conservativeness >= 1.0:
@@ -116,6 +122,13 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0 (0: from kv_cache_memory), got {self.num_pages}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be above 0 bytes (leave it out for the default), "
+                             f"got {self.kv_cache_memory}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 (leave it out for torch's default), got {self.num_threads}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -193,6 +206,7 @@ class EngineConfig:
         )
 
 
+MIN_HEARTBEAT_INTERVAL = 0.01  # s: an idle engine wakes this often at most (below: a busy spin)
 MAX_PRIORITY = 1000  # the largest |priority| a request may carry (api/schema.py)
 
 
@@ -304,8 +318,13 @@ class ServerConfig:
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout}")
-        if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
-            raise ValueError("heartbeat_interval must be above 0 and below heartbeat_timeout")
+        if not MIN_HEARTBEAT_INTERVAL <= self.heartbeat_interval < self.heartbeat_timeout < float("inf"):
+            raise ValueError(f"heartbeat_interval must be at least {MIN_HEARTBEAT_INTERVAL} s (an idle engine wakes "
+                             f"that often) and below heartbeat_timeout, itself finite; got {self.heartbeat_interval} "
+                             f"and {self.heartbeat_timeout}")
+        if not 0 <= self.restart_backoff_max < float("inf"):
+            raise ValueError(f"restart_backoff_max must be a finite number of seconds >= 0, "
+                             f"got {self.restart_backoff_max}")
 
 
 def load_config_file(path: str) -> dict[str, dict]:

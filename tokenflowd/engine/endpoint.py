@@ -7,8 +7,12 @@ no torch, so a model-free engine stays light.
 from __future__ import annotations
 
 import abc
+import ctypes
+import ctypes.util
 import logging
 import os
+import signal
+import sys
 
 import msgspec
 import zmq
@@ -20,6 +24,7 @@ class EngineEndpoint(abc.ABC):
     def __init__(self, spec: p.EngineSpec) -> None:
         self.spec = spec
         self.parent_pid = os.getppid()
+        die_with_parent()
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.connect(spec.input_address)
@@ -101,7 +106,8 @@ class EngineEndpoint(abc.ABC):
         return report
 
     def orphaned(self, log: logging.Logger) -> bool:
-        """The supervisor is gone (this process was re-parented): time to exit."""
+        """The supervisor is gone (this process was re-parented): time to exit. Checked every loop
+        (one getppid); on Linux the kernel's parent-death signal usually ends the engine first."""
         if os.getppid() == self.parent_pid:
             return False
         log.warning("supervisor is gone; engine %d exits", self.spec.engine_id)
@@ -112,3 +118,21 @@ class EngineEndpoint(abc.ABC):
 
     def close(self) -> None:
         self.ctx.destroy(linger=1000)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux prctl PR_SET_PDEATHSIG):
+    an engine must not outlive a supervisor killed with SIGKILL, holding its GPU and memory. The
+    signal follows the parent's *thread* that spawned it; the supervisor spawns engines from its
+    event loop's thread, which lives as long as the supervisor. Elsewhere a no-op (the loop's
+    orphan check still ends the engine)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return

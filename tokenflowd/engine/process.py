@@ -11,7 +11,8 @@ The loop, one iteration per model step:
         prefix-cache keys published and evicted since the last message (the router's index)
 
 An idle engine still sends a StepOutputs (no deltas) every heartbeat interval: that is its
-heartbeat. It exits on Shutdown, or when its parent process goes away.
+heartbeat. It exits on Shutdown, or when its parent process goes away (the kernel's parent-death
+signal, and a check every loop).
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ class EngineProcess(EngineEndpoint):
                 self.send(p.StepOutputs(self.spec.engine_id, self.spec.incarnation, now, deltas,
                                         self._stats(), added, removed))
                 last_sent = now
-            if not busy and self.orphaned(log):
+            if self.orphaned(log):
                 break
         core.close()
         self.close()
