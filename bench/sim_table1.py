@@ -1,6 +1,6 @@
 """The TokenFlow paper's controlled setups (Table 1 of tokenflow.txt) in the simulator, under
 fcfs, andes and tokenflow on the same seeded workloads: effective and raw throughput, mean and
-P99 TTFT, total rebuffer time, QoS and preemptions, with each policy's ratio to fcfs, per seed and
+P99 TTFT, total rebuffer time, the longest single stall, QoS and preemptions, with each policy's ratio to fcfs, per seed and
 as the geometric mean over seeds.
 
     python bench/sim_table1.py [--setups h200-a,...] [--seeds 0,1,2] [--out bench/results/sim_table1.json]
@@ -27,7 +27,7 @@ from tokenflowd.sim.scenarios import TABLE1, scenario
 
 SETUPS = tuple(TABLE1)
 POLICIES = ("fcfs", "andes", "tokenflow+offload")  # tokenflow+offload: the daemon's default
-KEYS = ("effective_throughput", "throughput", "ttft_mean", "ttft_p99", "rebuffer_total", "qos", "preemptions",
+KEYS = ("effective_throughput", "throughput", "ttft_mean", "ttft_p99", "rebuffer_total", "stall_max", "qos", "preemptions",
         "computed_tokens", "makespan")
 RATIO_KEYS = ("effective_throughput", "throughput", "ttft_mean", "ttft_p99")
 

@@ -32,7 +32,7 @@ from loadgen.client import RequestRecord, RunResult
 TIME_DECIMALS = 6  # µs
 TABLE_KEYS = ("requests", "completed", "abandoned", "aborted", "errors", "output_tokens", "span", "throughput",
               "effective_throughput", "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "itl_mean", "itl_p99",
-              "rebuffer_total", "rebuffer_mean", "num_stalls", "qos", "slo_attainment", "goodput")
+              "rebuffer_total", "rebuffer_mean", "num_stalls", "stall_max", "qos", "slo_attainment", "goodput")
 
 
 @dataclass(frozen=True)

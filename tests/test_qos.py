@@ -77,6 +77,7 @@ def test_summary_of_two_requests():
     assert s["ttft_mean"] == pytest.approx(1.5)
     assert s["ttft_p99"] == pytest.approx(1.0 + 0.99 * 1.0)
     assert s["rebuffer_total"] == pytest.approx(2.5)
+    assert s["stall_max"] == pytest.approx(2.5)  # a's reader, dry from 2.5 s to 5.0 s
     assert s["qos"] == pytest.approx(7 / 5)
 
 

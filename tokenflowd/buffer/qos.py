@@ -48,6 +48,7 @@ class RequestQoS:
     num_stalls: int
     effective_tokens: float  # Σ_j w_ij with the §7.1.3 thresholds
     buffers: tuple[float, ...]  # B_ij
+    longest_stall: float = 0.0  # s: the longest single wait on an empty buffer (a silent stream)
 
 
 def token_weight(buffer: float, tau: float, alpha: float) -> float:
@@ -75,13 +76,15 @@ def request_qos(t: Timeline) -> RequestQoS:
         return RequestQoS(None, 0, 0.0, 0, 0.0, ())
     buf = TokenBuffer(t.reading_rate)
     buffers = []
+    longest = 0.0
     for now in times:
         buffers.append(buf.buffer(now))
+        longest = max(longest, buf.dry_for(now))
         buf.on_tokens(1, now)
     n = len(times)
     effective = sum(effective_weight(b, n) for b in buffers)
     return RequestQoS(times[0] - t.arrival, n, buf.stall_time_at(times[-1]), buf.num_stalls, effective,
-                      tuple(buffers))
+                      tuple(buffers), longest)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -98,7 +101,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 def summarize(timelines: Sequence[Timeline], ttft_weight: float | None = None,
               rebuffer_weight: float | None = None) -> dict[str, float]:
     """The run's summary: `throughput` and `effective_throughput` (tokens/s), `ttft_mean` and
-    `ttft_p99` (s, over requests that got a token), `rebuffer_total` (s), `qos` (eq. 2 with
+    `ttft_p99` (s, over requests that got a token), `rebuffer_total` (s), `stall_max` (s, the
+    longest time one reader waited on an empty buffer at once), `qos` (eq. 2 with
     λ = `ttft_weight`, μ = `rebuffer_weight`; None: each request's reading rate), `span` (T, s)
     and request counts."""
     per = [request_qos(t) for t in timelines]
@@ -122,5 +126,6 @@ def summarize(timelines: Sequence[Timeline], ttft_weight: float | None = None,
         "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else math.nan,
         "ttft_p99": percentile(ttfts, 99),
         "rebuffer_total": sum(r.rebuffer for r in per),
+        "stall_max": max((r.longest_stall for r in per), default=0.0),
         "qos": value / span if span > 0 else 0.0,
     }
