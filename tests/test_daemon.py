@@ -245,6 +245,14 @@ def test_health_metrics_and_openapi(daemon):
         assert name in text, name
     assert daemon.metric("tokenflowd_kv_pages_total", engine="0") > 0
     assert daemon.metric("tokenflowd_time_to_first_token_seconds_count") > 0
+    # the engine process as the OS sees it: the embedded model alone is ~270 MB of weights
+    proc = h["engines"][0]["process"]
+    assert proc["rss_bytes"] > 100 * 2**20 and proc["cpu_seconds"] > 0 and proc["threads"] >= 1
+    assert proc["open_fds"] >= 3
+    assert daemon.metric("tokenflowd_engine_resident_memory_bytes", engine="0") > 100 * 2**20
+    assert daemon.metric("tokenflowd_engine_cpu_seconds_total", engine="0") > 0
+    assert daemon.metric("tokenflowd_engine_threads", engine="0") >= 1
+    assert daemon.metric("tokenflowd_engine_open_fds", engine="0") >= 3
     spec = daemon.http.get("/openapi.json").json()
     assert spec["openapi"].startswith("3.")
     assert "reading_rate" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]

@@ -126,3 +126,16 @@ def test_abort_frees_pages(embedded):
     assert engine.abort("a")
     engine.core.wait_copies()
     assert engine.core.pool.num_used == 0 and not engine.has_unfinished()
+
+
+def test_warm_up_leaves_no_trace_a_user_sees(embedded_fp32):
+    engine = make_engine(embedded_fp32)
+    prompt = _chats(engine)[TOPICS[5]]
+    cold = make_engine(embedded_fp32).generate({"c": dict(prompt=prompt, sampling_params=GREEDY)})["c"].token_ids
+    core = engine.core
+    core.warm_up()
+    assert not core.has_unfinished() and core.pool.num_used == 0  # its pages are at most cached
+    assert core.stats.num_steps == 0 and core.scheduler.output_lengths.num_samples == 0
+    assert core.scheduler.num_preemptions == 0
+    warm = engine.generate({"w": dict(prompt=prompt, sampling_params=GREEDY)})["w"]
+    assert warm.token_ids == cold and warm.num_cached_tokens == 0  # the warm-up shares no prefix with it

@@ -290,8 +290,14 @@ class ServerConfig:
     heartbeat_interval: float = 0.5  # an idle engine reports this often
     heartbeat_timeout: float = 30.0  # an engine silent this long is killed and restarted
     restart_backoff_max: float = 30.0  # seconds between restarts of an engine that keeps failing
+    # s an engine may take from spawn to ready (loading weights, warm-up); beyond, it is killed and
+    # restarted with backoff. Large models on slow disks take minutes.
+    engine_start_timeout: float = 600.0
     runtime_dir: str | None = None  # where the private 0700 socket directory is made; None: the temp dir
     shutdown_timeout: float = 30.0  # s open streams may take to finish after SIGTERM
+    # s of silence after which an SSE stream gets a comment line (a reader the engine pauses must
+    # not be cut off by a proxy's or client's read timeout); 0: never
+    sse_keepalive: float = 15.0
     api_key_file: str | None = None  # one key a line; with TOKENFLOWD_API_KEY, /v1/* needs a key (else 401)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR; a SIGHUP reload changes it live
     auth: AuthConfig = field(default_factory=AuthConfig)  # the file's [auth] table: keys and their rights
@@ -316,12 +322,17 @@ class ServerConfig:
             raise ValueError("max_body_size must be at least 1KiB")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if not 0 <= self.sse_keepalive < float("inf"):
+            raise ValueError(f"sse_keepalive must be a finite number of seconds >= 0 (0: off), got {self.sse_keepalive}")
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout}")
         if not MIN_HEARTBEAT_INTERVAL <= self.heartbeat_interval < self.heartbeat_timeout < float("inf"):
             raise ValueError(f"heartbeat_interval must be at least {MIN_HEARTBEAT_INTERVAL} s (an idle engine wakes "
                              f"that often) and below heartbeat_timeout, itself finite; got {self.heartbeat_interval} "
                              f"and {self.heartbeat_timeout}")
+        if not 0 < self.engine_start_timeout < float("inf"):
+            raise ValueError(f"engine_start_timeout must be a finite number of seconds above 0, "
+                             f"got {self.engine_start_timeout}")
         if not 0 <= self.restart_backoff_max < float("inf"):
             raise ValueError(f"restart_backoff_max must be a finite number of seconds >= 0, "
                              f"got {self.restart_backoff_max}")

@@ -170,3 +170,6 @@ class EngineSpec(msgspec.Struct):
     output_address: str
     heartbeat_interval: float
     config: dict  # EngineConfig fields
+    # s one message may wait for the supervisor to take it; beyond, the engine exits (the supervisor
+    # kills an engine silent for its heartbeat timeout anyway, so waiting longer serves no one)
+    send_timeout: float = 30.0

@@ -163,7 +163,8 @@ class Supervisor:
         slot.inbox.setsockopt(zmq.SNDHWM, 0)
         slot.inbox.bind(address)
         spec = p.EngineSpec(slot.engine_id, slot.incarnation, address, f"ipc://{self.runtime_dir}/out",
-                            self.server.heartbeat_interval, msgspec.to_builtins(slot.config))
+                            self.server.heartbeat_interval, msgspec.to_builtins(slot.config),
+                            send_timeout=self.server.heartbeat_timeout)
         env = {**ENGINE_ENV_DEFAULTS, **os.environ,
                "TOKENFLOWD_LOG_LEVEL": logging.getLevelName(logging.getLogger().level), **slot.env}
         slot.proc = await asyncio.create_subprocess_exec(*self.engine_command(spec), env=env)
@@ -182,7 +183,7 @@ class Supervisor:
             if self._stopping:
                 return
             up = time.monotonic() - slot.started_at
-            reason = (f"engine {slot.engine_id} stopped sending heartbeats" if code is None
+            reason = (f"engine {slot.engine_id} {code}" if isinstance(code, str)
                       else f"engine {slot.engine_id} exited with code {code}")
             log.error("%s after %.1f s; its %d open requests fail", reason, up, len(slot.streams))
             self._fail_streams(slot, f"{reason}; the request was ended, retry it")
@@ -197,19 +198,26 @@ class Supervisor:
             slot.num_restarts += 1
             await self._spawn(slot)
 
-    async def _wait_exit_or_silence(self, slot: EngineSlot) -> int | None:
-        """The exit code, or None after killing an engine silent for heartbeat_timeout."""
+    async def _wait_exit_or_silence(self, slot: EngineSlot) -> int | str:
+        """The exit code; or, after killing an engine silent for heartbeat_timeout or not ready
+        within engine_start_timeout, why it was killed."""
         assert slot.proc is not None
         while True:
             try:
                 return await asyncio.wait_for(asyncio.shield(slot.proc.wait()), self.server.heartbeat_interval)
             except asyncio.TimeoutError:
                 pass
-            if slot.ready and time.monotonic() - slot.last_heard > self.server.heartbeat_timeout:
-                with contextlib.suppress(ProcessLookupError):
-                    slot.proc.send_signal(signal.SIGKILL)
-                await slot.proc.wait()
-                return None
+            now = time.monotonic()
+            if slot.ready and now - slot.last_heard > self.server.heartbeat_timeout:
+                why = "stopped sending heartbeats"
+            elif slot.state == "starting" and now - slot.started_at > self.server.engine_start_timeout:
+                why = f"was not ready within engine_start_timeout ({self.server.engine_start_timeout:g} s)"
+            else:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                slot.proc.send_signal(signal.SIGKILL)
+            await slot.proc.wait()
+            return why
 
     def _retire(self, slot: EngineSlot) -> None:
         if slot.stats is not None:

@@ -14,12 +14,13 @@ gets a 4xx; after that, pieces are written as they come, from the supervisor's l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import msgspec
 from aiohttp import HttpVersion11, web
@@ -33,6 +34,7 @@ from tokenflowd.api.generation import Generation, Piece
 from tokenflowd.api.metrics import Metrics
 from tokenflowd.api.rates import RateChoice, RateMonitor, choose_rate
 from tokenflowd.config import ServerConfig
+from tokenflowd.procstats import process_figures
 from tokenflowd.engine.tokenizer import Tokenizer
 from tokenflowd.protocol import AddRequest, RequestInfo, Sampling
 from tokenflowd.router import Router
@@ -57,6 +59,7 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _STREAM_SNDBUF = 8 * 1024  # small socket buffers: a slow reader shows as backpressure within ~25 KB
 _STREAM_HIGH_WATER = 4 * 1024
 _ROOM_POLL = 0.01  # seconds between checks of a blocked connection
+_KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: no event, bytes on the wire
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,22 @@ class Front:
         self._cursor_decoder = msgspec.json.Decoder(s.ReadCursor)
         self.cadence = CadenceEstimator(max_rate=config.max_reading_rate)
         self.live: dict[str, _Live] = {}
+        self.streams: set[_SSEConnection] = set()  # open SSE responses, for the keep-alive sweep
+
+    async def keep_alive(self) -> None:
+        """Every half keep-alive interval, an SSE comment to each stream silent for the interval.
+
+        A buffer-aware engine leaves a stream silent while its reader has plenty in hand: tens of
+        seconds for a slow reader far ahead. Proxies and clients drop a connection after 60 s
+        without a byte (nginx's proxy_read_timeout, SDK read timeouts), which would cut off a
+        reader the engine is deliberately pausing. A comment line is ignored by every SSE client."""
+        interval = self.config.sse_keepalive
+        while True:
+            await asyncio.sleep(interval / 2)
+            quiet_since = time.monotonic() - interval
+            for conn in list(self.streams):
+                if conn.last_write < quiet_since:
+                    conn.keep_alive()
 
     # -- request preparation ------------------------------------------------------------------
     async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
@@ -297,6 +316,16 @@ class Front:
         _tune_for_backpressure(request)
         conn = _SSEConnection(request, resp.chunked, chunks, gen)
         conn.write(chunks.role())
+        self.streams.add(conn)
+        try:
+            await self._send_pieces(request, gen, prep, chunks, conn, pieces)
+        finally:
+            self.streams.discard(conn)
+        await resp.write_eof()
+        return resp
+
+    async def _send_pieces(self, request: web.Request, gen: Generation, prep: _Prepared, chunks: Any,
+                           conn: _SSEConnection, pieces: list[Piece]) -> None:
         blocked = 0.0
         while True:
             text, num_tokens, last = _merge(pieces)  # pieces held while the client was not reading: one event
@@ -318,8 +347,6 @@ class Front:
             pieces = await gen.take()
         self._file_reply(prep, gen)  # before the end reaches the client, which may send its next turn at once
         conn.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
 
     def created_now(self) -> int:
         return int(time.time())
@@ -376,7 +403,8 @@ class Front:
         engines = [{"engine": slot.engine_id, "state": slot.state, "restarts": slot.num_restarts,
                     "pid": slot.proc.pid if slot.proc else None, "requests": slot.load,
                     "policy": slot.config.policy, "policy_params": slot.policy_params,
-                    "consecutive_failures": slot.consecutive_failures, "last_failure": slot.last_failure}
+                    "consecutive_failures": slot.consecutive_failures, "last_failure": slot.last_failure,
+                    "process": _figures(slot)}
                    for slot in self.supervisor.slots]
         serving = not self.draining and any(slot.ready for slot in self.supervisor.slots)
         failing = any(slot.consecutive_failures for slot in self.supervisor.slots)
@@ -404,7 +432,20 @@ def build_app(front: Front) -> web.Application:
     app.router.add_get("/health", front.health)
     app.router.add_get("/metrics", front.metrics_endpoint)
     app.router.add_get("/openapi.json", front.openapi)
+    if front.config.sse_keepalive > 0:
+        app.cleanup_ctx.append(_background(front.keep_alive))
     return app
+
+
+def _background(run: Callable[[], Awaitable[None]]):
+    """An aiohttp cleanup context: `run` as a task for the application's life."""
+    async def ctx(app: web.Application):
+        task = asyncio.create_task(run())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    return ctx
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -496,12 +537,21 @@ class _SSEConnection:
         self.chunked = chunked
         self.chunks = chunks
         self.gen = gen
+        self.last_write = time.monotonic()
 
     def write(self, event: bytes) -> None:
         transport = self.transport
         if not event or transport is None or transport.is_closing():
             return  # a client gone: its handler is cancelled and aborts the request
         transport.write(b"%x\r\n%s\r\n" % (len(event), event) if self.chunked else event)
+        self.last_write = time.monotonic()
+
+    def keep_alive(self) -> None:
+        """A comment line, unless bytes still wait to go out (then the line is not idle, the
+        client is not reading, and the backpressure check must see the bytes it did not read)."""
+        transport = self.transport
+        if transport is not None and transport.get_write_buffer_size() == 0:
+            self.write(_KEEP_ALIVE)
 
     def push(self, piece: Piece) -> bool:
         """Write one piece now if the connection has room; False leaves it to the handler."""
@@ -522,6 +572,12 @@ def _usage(gen: Generation) -> s.Usage:
 def _rate_headers(gen: Generation) -> dict[str, str]:
     """The reading rate the request started with, and where it came from (rates.py)."""
     return {"X-Reading-Rate": f"{gen.rate.initial_rate:g}", "X-Reading-Rate-Source": gen.rate.initial_source}
+
+
+def _figures(slot) -> dict | None:
+    """The engine process's RSS, CPU time, threads and open descriptors (None: no live process)."""
+    figures = process_figures(slot.proc.pid if slot.proc and slot.proc.returncode is None else None)
+    return figures.to_dict() if figures else None
 
 
 def _json(obj: Any, request_id: str | None = None, status: int = 200,

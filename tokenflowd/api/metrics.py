@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenflowd.procstats import process_figures
+
 if TYPE_CHECKING:
     from tokenflowd.supervisor import Supervisor
 
@@ -70,6 +72,28 @@ class EngineCollector(Collector):
             restarts.add_metric([str(slot.engine_id)], slot.num_restarts)
         yield up
         yield restarts
+        yield from self._processes()
+
+    def _processes(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Each live engine process as the OS sees it (psutil): a leaking or spinning engine shows."""
+        rss = GaugeMetricFamily("tokenflowd_engine_resident_memory_bytes", "Resident memory of an engine process",
+                                labels=["engine"])
+        cpu = CounterMetricFamily("tokenflowd_engine_cpu_seconds", "CPU time (user + system) of an engine process",
+                                  labels=["engine"])
+        threads = GaugeMetricFamily("tokenflowd_engine_threads", "Threads of an engine process", labels=["engine"])
+        fds = GaugeMetricFamily("tokenflowd_engine_open_fds", "Open file descriptors (files, sockets, pipes) of an "
+                                "engine process", labels=["engine"])
+        for slot in self.supervisor.slots:
+            alive = slot.proc is not None and slot.proc.returncode is None
+            f = process_figures(slot.proc.pid if alive else None)
+            if f is None:
+                continue
+            e = [str(slot.engine_id)]
+            rss.add_metric(e, f.rss_bytes)
+            cpu.add_metric(e, f.cpu_seconds)
+            threads.add_metric(e, f.threads)
+            fds.add_metric(e, f.open_fds)
+        yield from (rss, cpu, threads, fds)
 
 
 class Metrics:

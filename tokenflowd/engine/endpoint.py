@@ -20,6 +20,10 @@ import zmq
 from tokenflowd import protocol as p
 
 
+class SupervisorUnreachable(RuntimeError):
+    """A message to the supervisor waited out EngineSpec.send_timeout: the engine must exit."""
+
+
 class EngineEndpoint(abc.ABC):
     def __init__(self, spec: p.EngineSpec) -> None:
         self.spec = spec
@@ -30,6 +34,7 @@ class EngineEndpoint(abc.ABC):
         self.inbox.connect(spec.input_address)
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.setsockopt(zmq.SNDTIMEO, max(1, int(spec.send_timeout * 1000)))  # never block the loop for good
         self.outbox.connect(spec.output_address)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(p.ToEngine)
@@ -114,7 +119,10 @@ class EngineEndpoint(abc.ABC):
         return True
 
     def send(self, msg: p.FromEngine) -> None:
-        self.outbox.send(self.encoder.encode(msg))
+        try:
+            self.outbox.send(self.encoder.encode(msg))
+        except zmq.Again:
+            raise SupervisorUnreachable(f"the supervisor took no message for {self.spec.send_timeout:g} s") from None
 
     def close(self) -> None:
         self.ctx.destroy(linger=1000)

@@ -31,7 +31,7 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, PolicyConfig
 from tokenflowd.engine.admission import QueueDelayExceeded
 from tokenflowd.engine.core import EngineCore, EngineCoreOutput
-from tokenflowd.engine.endpoint import EngineEndpoint
+from tokenflowd.engine.endpoint import EngineEndpoint, SupervisorUnreachable
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
 
 log = logging.getLogger("tokenflowd.engine")
@@ -42,6 +42,7 @@ class EngineProcess(EngineEndpoint):
         super().__init__(spec)
         self.config = msgspec.convert(spec.config, EngineConfig)
         self.core = EngineCore(self.config)
+        self.core.warm_up()  # before READY: the first user request is as fast as the tenth
         self.core.pool.drain_key_events()  # start recording: the router learns every key from here on
 
     def run(self) -> None:
@@ -172,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = msgspec.json.decode(argv[0], type=p.EngineSpec)
     logging.basicConfig(level=os.environ.get("TOKENFLOWD_LOG_LEVEL", "WARNING").upper(),
                         format=f"%(asctime)s %(levelname)s engine{spec.engine_id}: %(message)s")
-    EngineProcess(spec).run()
+    try:
+        EngineProcess(spec).run()
+    except SupervisorUnreachable as e:
+        log.error("%s; engine %d exits", e, spec.engine_id)
+        return 3
     return 0
 
 

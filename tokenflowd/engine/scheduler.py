@@ -79,6 +79,12 @@ class Scheduler:
         # fed by the requests that finish; the view's expected output lengths (the prior until then)
         self.output_lengths = OutputLengthModel(expected_output_len)
 
+    def reset_models(self) -> None:
+        """Forget what the step-time and output-length models learned (after the engine's warm-up,
+        whose steps and lengths say nothing of its users')."""
+        self.step_model = StepTimeModel()
+        self.output_lengths = OutputLengthModel(self.output_lengths.prior)
+
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
