@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -205,8 +204,8 @@ def test_greedy_and_local_search_never_break_the_memory_constraint(items, capaci
     pages = [p for p, _ in items]
     utility = [u for _, u in items]
     order = sorted(range(len(items)), key=lambda i: -utility[i])
-    greedy, used = TokenFlowPolicy._fill(order, np.array(pages), capacity, max_seqs)
-    assert greedy == one_by_one(order, pages, capacity, max_seqs) and used == sum(pages[i] for i in greedy)
+    greedy, used = TokenFlowPolicy._fill(order, pages, capacity, max_seqs)
+    assert used == sum(pages[i] for i in greedy)
     chosen = TokenFlowPolicy._local_search(order, greedy, pages, utility, capacity, max_seqs)
     assert sum(pages[i] for i in chosen) <= capacity
     assert len(chosen) <= max_seqs
@@ -214,19 +213,9 @@ def test_greedy_and_local_search_never_break_the_memory_constraint(items, capaci
     assert sum(utility[i] for i in chosen) >= sum(utility[i] for i in greedy)
 
 
-def one_by_one(order, pages, capacity, max_seqs):
-    """The greedy fill, candidate by candidate."""
-    chosen, used = [], 0
-    for i in order:
-        if len(chosen) < max_seqs and used + pages[i] <= capacity:
-            chosen.append(i)
-            used += pages[i]
-    return chosen
-
-
 def test_local_search_swaps_a_big_request_for_two_that_fit():
     pages, utility = [10, 4, 5], [10.0, 9.0, 8.0]  # big, small, other
-    greedy, _ = TokenFlowPolicy._fill([0, 1, 2], np.array(pages), 10, 4)
+    greedy, _ = TokenFlowPolicy._fill([0, 1, 2], pages, 10, 4)
     assert greedy == [0]
     assert sorted(TokenFlowPolicy._local_search([0, 1, 2], greedy, pages, utility, 10, 4)) == [1, 2]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 
@@ -43,18 +42,17 @@ def build_working_set(view: SchedulerView, members: list[RequestView], expected_
     else `expected_output_len`."""
     nr, nd = len(view.running), len(view.running) + len(view.loading)
     reqs = [*view.running, *view.loading, *members]
-    inf = math.inf
-    # one pass over the requests, flattened into one array, then columns (a comprehension per column
-    # costs a pass each, and numpy parses a list of tuples three times slower than a flat stream)
-    rows = ((r.num_tokens, r.reading_rate, r.buffer, r.expected_output_tokens or r.max_output_tokens
-             or expected_output_len, r.dry_for, r.num_computed_tokens, inf if r.io_time is None else r.io_time)
-            for r in reqs)
-    cols = np.fromiter(chain.from_iterable(rows), dtype=np.float64, count=7 * len(reqs)).reshape(len(reqs), 7)
-    num_tokens, rate, buffer, expected, dry, computed, io = np.ascontiguousarray(cols.T)
-    num_tokens = num_tokens.astype(np.int64)
+    num_tokens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
+    rate = np.array([r.reading_rate for r in reqs], dtype=np.float64)
+    buffer = np.array([r.buffer for r in reqs], dtype=np.float64)
+    expected = np.array([r.expected_output_tokens or r.max_output_tokens or expected_output_len for r in reqs],
+                        dtype=np.float64)
+    dry = np.array([r.dry_for for r in reqs], dtype=np.float64)
+    computed = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+    io = np.array([math.inf if r.io_time is None else r.io_time for r in reqs], dtype=np.float64)
     per_token = view.cost.recompute_time(1)  # linear in tokens
     overhead = np.zeros(len(reqs))
-    overhead[nd:] = per_token * (num_tokens[nd:] - computed[nd:].astype(np.int64))
+    overhead[nd:] = per_token * (num_tokens[nd:] - computed[nd:])
     reloaded = np.zeros(len(reqs), dtype=bool)
     reloaded[nd:] = io[nd:] < overhead[nd:]  # a host copy, and loading it is faster than recomputing
     overhead[reloaded] = io[reloaded]
