@@ -132,3 +132,14 @@ def test_preempt_and_reload_on_gpu_keep_greedy_tokens(hf_dirs):
     assert core.scheduler.num_preemptions > 0 and core.offload.stats.pages_loaded > 0
     assert core.offload.host.pages.is_pinned()
     assert got == expected
+
+
+def test_unseeded_rows_draw_on_the_device():
+    from tokenflowd.engine.sampler import Sampler
+
+    sampler = Sampler(seed=0)
+    logits = torch.randn(4, 1000, device="cuda")
+    reqs = [Request(f"r{i}", [1, 2], SamplingParams(temperature=1.0, max_tokens=4)) for i in range(4)]
+    tokens = sampler(logits, reqs)
+    assert len(tokens) == 4 and all(0 <= t < 1000 for t in tokens)
+    assert sampler.generator.device.type == "cuda"

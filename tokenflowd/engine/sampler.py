@@ -13,7 +13,15 @@ from tokenflowd.engine.request import Request
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)  # the rows without a seed of their own
+
+    def _shared(self, device: torch.device) -> torch.Generator:
+        """The unseeded rows' generator, on the device of the logits: their [rows, vocab] draw
+        happens where the logits are (on the CPU it was ~1 s a step at batch 256, vocab 128k)."""
+        if self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generator
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         # logits: [N, vocab] fp32, row i belongs to reqs[i]
@@ -29,14 +37,16 @@ class Sampler:
         sub = [reqs[i] for i in rows]
         probs = self._probs(logits[rows], sub)
         # Exponential race (Gumbel-max in probability space): argmax p / E, E ~ Exp(1).
-        race = torch.empty(probs.shape)  # drawn on the CPU, where the seeded generators live
+        dev = probs.device
+        race = torch.empty(probs.shape, device=dev)
         shared = [j for j, r in enumerate(sub) if r.generator is None]
         if shared:
-            race[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(generator=self.generator)
-        for j, r in enumerate(sub):
+            race[shared] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
+                generator=self._shared(dev))
+        for j, r in enumerate(sub):  # a seeded request draws on the CPU, where its generator lives
             if r.generator is not None:
-                race[j] = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
-        out[rows] = (probs / race.to(probs.device)).argmax(dim=-1)
+                race[j] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(dev)
+        out[rows] = (probs / race).argmax(dim=-1)
         return out.tolist()
 
     @staticmethod
