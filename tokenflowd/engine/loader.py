@@ -60,10 +60,7 @@ def load_model_source(spec: str, dtype: torch.dtype = torch.float32, device: str
         from tokenflowd.engine.loader_gguf import load_gguf
 
         return load_gguf(path, dtype, device)
-    if spec.endswith(".gguf") or "/" in spec or spec.startswith((".", "~")):
-        if not path.exists():
-            raise ModelLoadError(f"model path does not exist: {path}")
-    raise ModelLoadError(_unknown_model_message(spec))
+    raise _unrecognised(spec, path)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -81,7 +78,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         from tokenflowd.engine.loader_gguf import open_gguf
 
         return Tokenizer.from_gguf(open_gguf(path))
-    return load_model_source(spec).tokenizer  # raises the same ModelLoadError a load would
+    raise _unrecognised(spec, path)  # never a load of the weights to find out
 
 
 def embedded_gguf_path() -> Path:
@@ -150,6 +147,15 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source:
 def _has_gguf_magic(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
+
+
+def _unrecognised(spec: str, path: Path) -> ModelLoadError:
+    """The error for a spec that names no model this loader knows."""
+    if (spec.endswith(".gguf") or "/" in spec or spec.startswith((".", "~"))) and not path.exists():
+        return ModelLoadError(f"model path does not exist: {path}")
+    if path.is_dir():
+        return ModelLoadError(f"missing config.json in {path}: expected a Hugging Face model directory")
+    return ModelLoadError(_unknown_model_message(spec))
 
 
 def _unknown_model_message(spec: str) -> str:
