@@ -36,7 +36,7 @@ import time
 import msgspec
 
 from tokenflowd import protocol as p
-from tokenflowd.engine.endpoint import EngineEndpoint
+from tokenflowd.engine.endpoint import EngineEndpoint, die_with_parent
 
 log = logging.getLogger("tokenflowd.null_engine")
 DEFAULT_TOKEN_ID = 260  # " the" (tokenflowd.engine.loader.load_tokenizer("smollm2-135m").encode(" the"))
@@ -177,6 +177,7 @@ class NullEngine(EngineEndpoint):
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     spec = msgspec.json.decode(argv[0], type=p.EngineSpec)
     logging.basicConfig(level=os.environ.get("TOKENFLOWD_LOG_LEVEL", "WARNING").upper(),

@@ -118,6 +118,7 @@ def test_values_of_the_right_type_load(tmp_path):
     ("[policy]\nschedule_interval = inf\n", "schedule_interval must be a finite number"),
     ("[policy]\nstall_penalty = inf\n", "stall_penalty must be a finite number"),
     ("[policy]\nmax_stall = nan\n", "max_stall must be a finite number"),
+    ("[policy]\nmax_stall = 0.0\n", "max_stall must be above 0 s"),
     ("[server]\nrestart_backoff_max = -1.0\n", "restart_backoff_max must be a finite number of seconds >= 0"),
     ("[server]\nheartbeat_interval = 1e-6\n", "heartbeat_interval must be at least 0.01 s"),
     ("[engine]\nnum_pages = -4\n", "num_pages must be >= 0"),

@@ -133,7 +133,7 @@ def test_warm_up_leaves_no_trace_a_user_sees(embedded_fp32):
     prompt = _chats(engine)[TOPICS[5]]
     cold = make_engine(embedded_fp32).generate({"c": dict(prompt=prompt, sampling_params=GREEDY)})["c"].token_ids
     core = engine.core
-    core.warm_up()
+    assert core.warm_up() == 4  # a prefill and three decodes
     assert not core.has_unfinished() and core.pool.num_used == 0  # its pages are at most cached
     assert core.stats.num_steps == 0 and core.scheduler.output_lengths.num_samples == 0
     assert core.scheduler.num_preemptions == 0

@@ -143,3 +143,6 @@ def test_unseeded_rows_draw_on_the_device():
     tokens = sampler(logits, reqs)
     assert len(tokens) == 4 and all(0 <= t < 1000 for t in tokens)
     assert sampler.generator.device.type == "cuda"
+    generator = sampler.generator
+    sampler(torch.randn(4, 1000, device="cuda"), reqs)
+    assert sampler.generator is generator  # one stream, not re-seeded each step

@@ -34,8 +34,9 @@ def connection(transport: Transport, age: float) -> _SSEConnection:
 
 def test_silent_streams_get_a_comment_and_busy_or_blocked_ones_do_not():
     quiet, busy, blocked = Transport(), Transport(), Transport(pending=5000)
+    # `busy` wrote "a minute from now": however late the sweep runs on a loaded box, it is not quiet
     front = SimpleNamespace(config=ServerConfig(sse_keepalive=0.2),
-                            streams={connection(quiet, 1.0), connection(busy, 0.0), connection(blocked, 1.0)})
+                            streams={connection(quiet, 1.0), connection(busy, -60.0), connection(blocked, 1.0)})
 
     async def sweep_once() -> None:
         task = asyncio.create_task(Front.keep_alive(front))

@@ -124,6 +124,9 @@ def test_fallback_brings_silent_streams_back_before_new_requests_and_overdue_one
     assert TokenFlowPolicy(PARAMS).balance(v(25.0, 2)).run == ("c", "a")
     plan = TokenFlowPolicy(PARAMS).plan(v(25.0, 2))
     assert plan.preempted == ("b",)
+    # ... but not the place of a running request of higher priority
+    v2 = replace(v(25.0, 2), running=(running("a", 0.0, 0.0, 35), replace(running("b", 1.0, 30.0, 35), priority=1)))
+    assert TokenFlowPolicy(PARAMS).balance(v2).run == ("b", "c")
 
 
 def test_fallback_keeps_running_requests_that_count_and_admits_into_room_left_over():

@@ -66,8 +66,8 @@ class PolicyConfig:
             raise ValueError(f"working_set_lambda (λ) must be in [0, 1], got {self.working_set_lambda}")
         if not self.critical_buffer >= 0:
             raise ValueError(f"critical_buffer must be >= 0 s, got {self.critical_buffer}")
-        if not self.max_stall >= 0:
-            raise ValueError(f"max_stall must be >= 0 s, got {self.max_stall}")
+        if not self.max_stall > 0:  # 0 would make every preempted reader "silent", however full its buffer
+            raise ValueError(f"max_stall must be above 0 s, got {self.max_stall}")
         if self.expected_output_len < 1:
             raise ValueError("expected_output_len must be >= 1")
         if not self.andes_horizon > 0:

@@ -173,3 +173,4 @@ class EngineSpec(msgspec.Struct):
     # s one message may wait for the supervisor to take it; beyond, the engine exits (the supervisor
     # kills an engine silent for its heartbeat timeout anyway, so waiting longer serves no one)
     send_timeout: float = 30.0
+    supervisor_pid: int = 0  # the parent it must not outlive (0: whatever parent it starts with)

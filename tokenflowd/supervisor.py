@@ -164,7 +164,7 @@ class Supervisor:
         slot.inbox.bind(address)
         spec = p.EngineSpec(slot.engine_id, slot.incarnation, address, f"ipc://{self.runtime_dir}/out",
                             self.server.heartbeat_interval, msgspec.to_builtins(slot.config),
-                            send_timeout=self.server.heartbeat_timeout)
+                            send_timeout=self.server.heartbeat_timeout, supervisor_pid=os.getpid())
         env = {**ENGINE_ENV_DEFAULTS, **os.environ,
                "TOKENFLOWD_LOG_LEVEL": logging.getLevelName(logging.getLogger().level), **slot.env}
         slot.proc = await asyncio.create_subprocess_exec(*self.engine_command(spec), env=env)

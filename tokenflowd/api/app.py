@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import socket
 import time
@@ -55,6 +56,8 @@ _UNSUPPORTED = {
     "tool_choice": "tool_choice must be 'none' or 'auto' (tools are not supported)",
     "response_format": "response_format must be {\"type\": \"text\"}: structured output is not supported",
 }
+log = logging.getLogger("tokenflowd.api")
+
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _STREAM_SNDBUF = 8 * 1024  # small socket buffers: a slow reader shows as backpressure within ~25 KB
 _STREAM_HIGH_WATER = 4 * 1024
@@ -121,7 +124,10 @@ class Front:
             quiet_since = time.monotonic() - interval
             for conn in list(self.streams):
                 if conn.last_write < quiet_since:
-                    conn.keep_alive()
+                    try:
+                        conn.keep_alive()
+                    except Exception:  # one broken connection must not end the sweep for every stream
+                        log.exception("SSE keep-alive failed on one stream; the others go on")
 
     # -- request preparation ------------------------------------------------------------------
     async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:

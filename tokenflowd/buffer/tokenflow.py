@@ -233,14 +233,14 @@ class TokenFlowPolicy(SchedulingPolicy):
         """Σr > Γ: not every reader can be kept fed, so who holds the device goes by what its next
         tokens are worth, in this order:
           1. loading requests, then preempted members whose readers have waited on an empty buffer
-             for 2×max_stall or more (longest first): these displace running requests, the least
-             needed last in line;
-          2. running requests whose next tokens still count, by priority, then the least buffered
-             first (the ones that make way are the ones that can best afford it);
-          3. preempted members silent for max_stall or more: free room goes to them before new
+             for 2×max_stall or more (longest first, at most half the batch a pass), and running
+             requests whose next tokens still count (least buffered first), together by priority:
+             the overdue displace running requests of equal or lower priority, those with the
+             most buffer first (they can best afford it);
+          2. preempted members silent for max_stall or more: free room goes to them before new
              requests, so a stream does not go silent for good while new requests keep coming;
-          4. new requests, in queue order (their first token is the one a reader waits for most);
-          5. other preempted members and running ones whose tokens are worth little now
+          3. new requests, in queue order (their first token is the one a reader waits for most);
+          4. other preempted members and running ones whose tokens are worth little now
              (IDLE_RUNNING: the §7.1.3 weight of their next token below 0.5, a buffer that
              outlasts μ× their time away), in swap-tier order: urgent, idle running, resting,
              dormant.
@@ -254,12 +254,19 @@ class TokenFlowPolicy(SchedulingPolicy):
         priority = np.array([r.priority for r in ws.reqs], dtype=np.int64)
         preempted = index >= ws.num_on_device
         silent = preempted & (ws.dry >= self.params.max_stall)
-        overdue = preempted & (ws.dry >= 2.0 * self.params.max_stall)
-        longest = np.argsort(-ws.dry, kind="stable")
+        # overdue: silent for twice as long, longest first, at most half the batch a pass (a swap
+        # costs a reload or a recompute; the rest come back in the next passes or in free room)
+        overdue = np.flatnonzero(preempted & (ws.dry >= 2.0 * self.params.max_stall))
+        overdue = overdue[np.argsort(-ws.dry[overdue], kind="stable")][: max(1, max_seqs // 2)]
         counting = np.flatnonzero((index < ws.num_running) & ~worthless)
-        counting = counting[np.lexsort((seconds[counting], -priority[counting]))]
-        first = [*range(ws.num_running, ws.num_on_device), *longest[overdue[longest]].tolist(),
-                 *counting.tolist(), *longest[silent[longest] & ~overdue[longest]].tolist()]
+        # priority first: an overdue stream takes the place of one of equal or lower priority only
+        ahead = np.concatenate([overdue, counting])
+        group = np.r_[np.zeros(len(overdue)), np.ones(len(counting))]
+        within = np.r_[np.arange(len(overdue)), seconds[counting]]  # overdue: longest silent; counting: least buffered
+        ahead = ahead[np.lexsort((within, group, -priority[ahead]))]
+        waiting_room = np.flatnonzero(silent & ~np.isin(index, overdue))
+        waiting_room = waiting_room[np.argsort(-ws.dry[waiting_room], kind="stable")]
+        first = [*range(ws.num_running, ws.num_on_device), *ahead.tolist(), *waiting_room.tolist()]
         rest = np.flatnonzero((preempted & ~silent) | worthless)
         rest = rest[np.lexsort((seconds[rest], tier[rest]))].tolist()
         chosen, used = self._fill(first, pages, capacity, max_seqs)

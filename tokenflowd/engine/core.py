@@ -74,26 +74,28 @@ class EngineCore:
             expected_output_len=self.config.policy_params.expected_output_len,
         )
 
-    def warm_up(self, prompt_len: int = WARM_UP_PROMPT_LEN, max_tokens: int = 4) -> None:
+    def warm_up(self, prompt_len: int = WARM_UP_PROMPT_LEN, max_tokens: int = 4) -> int:
         """One short prefill and a few decodes before the engine says it is ready: the first
         step of a fresh process pays one-time costs (kernel and allocator set-up, on CUDA the
         graphs), and without this the first user's request paid them (3.5 s to a first token on a
         2-core CPU against about 50 ms warm). Leaves no trace a user sees: the engine's counters,
         step-time model, output-length model and load-shedding pace start afresh, and the prompt's pages are only
-        cached (evictable, ids that no user prompt shares)."""
+        cached (evictable, ids that no user prompt shares). Returns the tokens it generated."""
         n = max(1, min(prompt_len, self.max_model_len - max_tokens - 1))
         vocab = self.model_config.vocab_size
         ids = [(7919 * i + 13) % vocab for i in range(n)]  # no text: a prompt no user sends
         req = Request("warm-up", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                       arrival_time=time.monotonic())
-        self.scheduler.add(req)
+        self.add_request(req)  # validated and given the engine's context and end tokens, as a user's
+        generated = 0
         while self.scheduler.has_unfinished():
-            self.step()
+            generated += sum(len(out.new_token_ids) for out in self.step())
         self.wait_copies()
         self.stats = StepStats()
         self.scheduler.reset_models()
         if self.admission is not None:  # its pace was taken against the models just forgotten
             self.admission = AdmissionControl(self.admission.bound)
+        return generated
 
     # -- API ----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

@@ -27,8 +27,9 @@ class SupervisorUnreachable(RuntimeError):
 class EngineEndpoint(abc.ABC):
     def __init__(self, spec: p.EngineSpec) -> None:
         self.spec = spec
-        self.parent_pid = os.getppid()
-        die_with_parent()
+        # the supervisor's pid as it gave it: a parent that died before this process looked would
+        # otherwise leave the reaper's pid here, and the orphan check would never fire
+        self.parent_pid = spec.supervisor_pid or os.getppid()
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.connect(spec.input_address)
@@ -135,8 +136,9 @@ def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux prctl PR_SET_PDEATHSIG):
     an engine must not outlive a supervisor killed with SIGKILL, holding its GPU and memory. The
     signal follows the parent's *thread* that spawned it; the supervisor spawns engines from its
-    event loop's thread, which lives as long as the supervisor. Elsewhere a no-op (the loop's
-    orphan check still ends the engine)."""
+    event loop's thread, which lives as long as the supervisor. Called first thing in an engine
+    process's main(), never in a library (it would bind the caller's process). Elsewhere than
+    Linux a no-op (the loop's orphan check still ends the engine)."""
     if not sys.platform.startswith("linux"):
         return
     try:

@@ -31,7 +31,7 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, PolicyConfig
 from tokenflowd.engine.admission import QueueDelayExceeded
 from tokenflowd.engine.core import EngineCore, EngineCoreOutput
-from tokenflowd.engine.endpoint import EngineEndpoint, SupervisorUnreachable
+from tokenflowd.engine.endpoint import EngineEndpoint, SupervisorUnreachable, die_with_parent
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
 
 log = logging.getLogger("tokenflowd.engine")
@@ -169,6 +169,7 @@ def _delta(out: EngineCoreOutput) -> p.Delta:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # before the model loads: a supervisor gone meanwhile ends us, not a GPU held for good
     argv = sys.argv[1:] if argv is None else argv
     spec = msgspec.json.decode(argv[0], type=p.EngineSpec)
     logging.basicConfig(level=os.environ.get("TOKENFLOWD_LOG_LEVEL", "WARNING").upper(),
