@@ -11,6 +11,15 @@ import time
 import httpx
 
 
+def exited(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its reaper counts: it runs nothing, holds no memory)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from daemon import Daemon
+from daemon import Daemon, exited
 
 MODEL = "smollm2-135m"
 LONG = ("You are a careful assistant. Answer in one short sentence, and never use lists. " * 3).strip()
@@ -100,15 +100,6 @@ def test_sigkill_of_an_engine_ends_its_streams_and_it_comes_back(daemon):
     assert daemon.metric("tokenflowd_engine_restarts_total") >= 1
 
 
-def _gone(pid: int) -> bool:
-    """Exited (a zombie waiting for a reaper counts: it holds no memory and runs nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def test_engines_exit_within_5_s_of_a_sigkilled_supervisor():
     # Engines busy (a busy engine once checked for its parent only when idle, and went on stepping
     # and pushing into a socket nobody read).
@@ -131,9 +122,9 @@ def test_engines_exit_within_5_s_of_a_sigkilled_supervisor():
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait()
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and not all(map(_gone, pids)):
+        while time.monotonic() < deadline and not all(map(exited, pids)):
             time.sleep(0.05)
-        assert all(map(_gone, pids)), [p for p in pids if not _gone(p)]
+        assert all(map(exited, pids)), [p for p in pids if not exited(p)]
     finally:
         for c in clients:
             c.close()

@@ -34,18 +34,26 @@ def connection(transport: Transport, age: float) -> _SSEConnection:
 
 def test_silent_streams_get_a_comment_and_busy_or_blocked_ones_do_not():
     quiet, busy, blocked = Transport(), Transport(), Transport(pending=5000)
-    # `busy` wrote "a minute from now": however late the sweep runs on a loaded box, it is not quiet
     front = SimpleNamespace(config=ServerConfig(sse_keepalive=0.2),
-                            streams={connection(quiet, 1.0), connection(busy, -60.0), connection(blocked, 1.0)})
-
-    async def sweep_once() -> None:
-        task = asyncio.create_task(Front.keep_alive(front))
-        await asyncio.sleep(0.15)  # one sweep after 0.1 s
-        task.cancel()
-
-    asyncio.run(sweep_once())
+                            streams={connection(quiet, 1.0), connection(busy, 0.0), connection(blocked, 1.0)})
+    Front.sweep_keep_alive(front, time.monotonic())  # one sweep, at a time of the test's choosing
     assert quiet.written == [_KEEP_ALIVE] and _KEEP_ALIVE.startswith(b":")  # a comment: no event
     assert busy.written == [] and blocked.written == []
+
+
+def test_the_background_sweep_runs_every_half_interval():
+    quiet = Transport()
+    front = SimpleNamespace(config=ServerConfig(sse_keepalive=0.02), streams={connection(quiet, 1.0)})
+    front.sweep_keep_alive = lambda now: Front.sweep_keep_alive(front, now)
+
+    async def until_written() -> None:
+        task = asyncio.create_task(Front.keep_alive(front))
+        while not quiet.written:  # however slow the box: no deadline but pytest's own
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(until_written())
+    assert quiet.written[0] == _KEEP_ALIVE
 
 
 def test_a_comment_restarts_the_silence():

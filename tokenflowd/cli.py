@@ -82,8 +82,8 @@ _ENGINE_FLAGS = {
 
 
 _POLICY_FLAGS = ("schedule_interval", "buffer_conservativeness", "stall_penalty", "working_set_lambda",
-                 "critical_buffer", "max_stall", "expected_output_len", "andes_horizon", "andes_interval", "andes_expected_ttft",
-                 "andes_max_preempt_fraction", "andes_memory_trigger")
+                 "critical_buffer", "max_stall", "expected_output_len", "andes_horizon", "andes_interval",
+                 "andes_expected_ttft", "andes_max_preempt_fraction", "andes_memory_trigger")
 
 
 def engine_config(a: argparse.Namespace, file_values: dict | None = None,

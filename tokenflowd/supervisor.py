@@ -83,6 +83,11 @@ class EngineSlot:
         return self.state == "ready"
 
     @property
+    def live_pid(self) -> int | None:
+        """The engine process's pid while it runs (None: not started, or exited)."""
+        return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
+
+    @property
     def load(self) -> int:
         """Requests it holds, running or queued, as this process knows them (no reporting lag)."""
         return len(self.streams)

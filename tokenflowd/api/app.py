@@ -118,16 +118,19 @@ class Front:
         seconds for a slow reader far ahead. Proxies and clients drop a connection after 60 s
         without a byte (nginx's proxy_read_timeout, SDK read timeouts), which would cut off a
         reader the engine is deliberately pausing. A comment line is ignored by every SSE client."""
-        interval = self.config.sse_keepalive
         while True:
-            await asyncio.sleep(interval / 2)
-            quiet_since = time.monotonic() - interval
-            for conn in list(self.streams):
-                if conn.last_write < quiet_since:
-                    try:
-                        conn.keep_alive()
-                    except Exception:  # one broken connection must not end the sweep for every stream
-                        log.exception("SSE keep-alive failed on one stream; the others go on")
+            await asyncio.sleep(self.config.sse_keepalive / 2)
+            self.sweep_keep_alive(time.monotonic())
+
+    def sweep_keep_alive(self, now: float) -> None:
+        """A comment line to each open stream that has written nothing for sse_keepalive s."""
+        quiet_since = now - self.config.sse_keepalive
+        for conn in list(self.streams):
+            if conn.last_write < quiet_since:
+                try:
+                    conn.keep_alive()
+                except Exception:  # one broken connection must not end the sweep for every stream
+                    log.exception("SSE keep-alive failed on one stream; the others go on")
 
     # -- request preparation ------------------------------------------------------------------
     async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
@@ -582,7 +585,7 @@ def _rate_headers(gen: Generation) -> dict[str, str]:
 
 def _figures(slot) -> dict | None:
     """The engine process's RSS, CPU time, threads and open descriptors (None: no live process)."""
-    figures = process_figures(slot.proc.pid if slot.proc and slot.proc.returncode is None else None)
+    figures = process_figures(slot.live_pid)
     return figures.to_dict() if figures else None
 
 

@@ -84,8 +84,7 @@ class EngineCollector(Collector):
         fds = GaugeMetricFamily("tokenflowd_engine_open_fds", "Open file descriptors (files, sockets, pipes) of an "
                                 "engine process", labels=["engine"])
         for slot in self.supervisor.slots:
-            alive = slot.proc is not None and slot.proc.returncode is None
-            f = process_figures(slot.proc.pid if alive else None)
+            f = process_figures(slot.live_pid)
             if f is None:
                 continue
             e = [str(slot.engine_id)]

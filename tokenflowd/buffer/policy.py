@@ -43,7 +43,8 @@ class RequestView:
     # what the host lacks and load it all back were it preempted now (None: no host tier)
     io_time: float | None = None
     host_tokens: int = 0  # waiting: leading tokens whose KV the host tier holds (a reload restores them)
-    dry_for: float = 0.0  # s its client has been waiting on an empty buffer (0: it holds tokens, or has none yet)
+    # waiting only: s its client has been waiting on an empty buffer (0: it holds tokens, or has none yet)
+    dry_for: float = 0.0
 
     @property
     def started(self) -> bool:

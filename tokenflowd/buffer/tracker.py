@@ -102,15 +102,18 @@ class TokenBuffer:
             return 0.0
         if self.stalled:
             return max(0.0, now - self.dry_since)
+        return self._dry_after_clock(now)
+
+    def _dry_after_clock(self, now: float) -> float:
+        """Seconds between the buffer running dry after `clock` (what it held then, read at the rate)
+        and `now`; 0 if it has not run dry by then."""
         return max(0.0, now - self.clock - (self.num_generated - self.num_read) / self.reading_rate)
 
     def stall_time_at(self, now: float) -> float:
         """Stall seconds up to `now`, including a stall still going on (without advancing)."""
         if self.first_token_time is None:
             return self.stall_time
-        have = self.num_generated - self.num_read
-        dry = max(0.0, now - self.clock - have / self.reading_rate)
-        return self.stall_time + dry
+        return self.stall_time + self._dry_after_clock(now)
 
 
 def _check_rate(rate: float) -> None:

@@ -1,8 +1,8 @@
 """The buffer-balancing pass's working set W (tokenflow.txt §4.2): running requests, then loading
 ones, then preempted ones whose clients read, as numpy columns; their swap tiers and utility.
 
-One pass over a thousand requests stays under half a millisecond because every quantity here is
-a column, never a loop over RequestViews.
+Every quantity here is a numpy column, built once per pass; the rules over them never loop over
+RequestViews.
 """
 from __future__ import annotations
 

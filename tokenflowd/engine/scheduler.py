@@ -25,12 +25,12 @@ from tokenflowd.engine.request import FinishReason, Request, RequestStatus
 
 def _request_view(req: Request, now: float, num_computed: int, pages_held: int, expected: float,
                   pages_reclaimed: int = 0, pages_exclusive: int | None = None, io_time: float | None = None,
-                  host_tokens: int = 0) -> RequestView:
+                  host_tokens: int = 0, dry_for: float = 0.0) -> RequestView:
     """What a policy sees of `req`: the memory fields given, its client's side read from it."""
     return RequestView(req.request_id, req.arrival_time, req.num_tokens, num_computed, pages_held, pages_reclaimed,
                        pages_exclusive, req.priority, req.buffer.reading_rate, req.buffer.buffer(now),
                        req.num_output_tokens, req.sampling_params.max_tokens, expected, req.arrival_seq, io_time,
-                       host_tokens, req.buffer.dry_for(now))
+                       host_tokens, dry_for)
 
 
 def _queue_order(req: Request) -> tuple[int, float, int]:
@@ -121,8 +121,11 @@ class Scheduler:
         for r, e in zip(waiting, expected[nr:]):
             hit = self.kv.prefix_hit(r)
             io, host_tokens = self._host_prefix(r, hit.num_pages)
+            # how long its reader has waited: only a waiting request's silence is scheduled on (a
+            # view is built every step, so running requests do not pay for it)
             waiting_views.append(_request_view(r, now, hit.num_pages * self.kv.page_size, hit.num_pages, e,
-                                               hit.num_evictable, io_time=io, host_tokens=host_tokens))
+                                               hit.num_evictable, io_time=io, host_tokens=host_tokens,
+                                               dry_for=r.buffer.dry_for(now)))
         loading_views = tuple(_request_view(r, now, r.num_load_tokens, len(r.block_table), e)
                               for r, e in zip(loading, expected[nr + nw:]))
         return SchedulerView(
