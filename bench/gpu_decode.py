@@ -75,7 +75,7 @@ def main() -> None:
     a = ap.parse_args()
     bw = copy_bandwidth()
     batches = [int(b) for b in a.batches.split(",")]
-    core = EngineCore(EngineConfig.resolve(model=a.model, device="cuda", max_num_seqs=max(batches),
+    core = EngineCore.from_config(EngineConfig.resolve(model=a.model, device="cuda", max_num_seqs=max(batches),
                                            cuda_graphs=False if a.no_cuda_graphs else None))
     rows = []
     for b in batches:

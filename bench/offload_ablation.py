@@ -37,7 +37,7 @@ def engine(loaded, device: str, dtype: str, slots: int, offload: str, overlap: b
     cfg = EngineConfig.resolve(device=device, dtype=dtype, max_num_seqs=slots, max_num_batched_tokens=512,
                                policy="tokenflow", policy_params=PolicyConfig(), offload=offload,
                                load_evict_overlap=overlap, kv_cache_memory=kv_memory)
-    return EngineCore(cfg, loaded)
+    return EngineCore.from_config(cfg, loaded)
 
 
 def main() -> None:
@@ -67,8 +67,8 @@ def main() -> None:
         offload, overlap = CONFIGS[name]
         core = engine(loaded, a.device, dtype, a.slots, offload, overlap, a.kv_cache_memory)
         results[name] = run(core, workload(core.tokenizer, n, rates, a.seed, a.prompt, a.output))
-        if core.offload is not None:
-            results[name]["offload"] = dataclasses.asdict(core.offload.stats)
+        if core.kv.can_reload:
+            results[name]["offload"] = dataclasses.asdict(core.kv.stats)
         core.close()
         r = results[name]
         print(f"{name:24} span {r['span']:7.2f} s  effective {r['effective_throughput']:7.2f} tok/s  "

@@ -19,7 +19,7 @@ import time
 import torch
 
 from tokenflowd.engine.loader_dummy import DUMMY_PRESETS
-from tokenflowd.offload.copier import LOAD, WRITE, CopyJob, make_copier
+from tokenflowd.kv.copier import LOAD, WRITE, CopyJob, make_copier
 
 
 def kv_cache(preset: str, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -51,7 +51,7 @@ def measure(loaded, device: str, dtype: str, offload: str, prompt: list[int]) ->
     # pressure, what preemption is for, they would be reused at once).
     cfg = EngineConfig.resolve(device=device, dtype=dtype, offload=offload, max_num_batched_tokens=512,
                                enable_prefix_caching=False)
-    core = EngineCore(cfg, loaded)
+    core = EngineCore.from_config(cfg, loaded)
     policy = PreemptOnCue()
     core.scheduler.policy = policy
     req = Request("r", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
@@ -60,9 +60,9 @@ def measure(loaded, device: str, dtype: str, offload: str, prompt: list[int]) ->
         core.step()
     core.scheduler.issue_copies(ScheduledBatch())  # the write-through of the last step's pages
     core.wait_copies()
-    pages = len(req.block_table)
+    pages = len(core.kv.block_table(req))
     computed = req.num_computed_tokens
-    offloaded = req.num_offloaded_tokens
+    offloaded = core.kv.num_host_tokens(req)
 
     policy.victims.add("r")
     t0 = time.perf_counter()
@@ -70,8 +70,7 @@ def measure(loaded, device: str, dtype: str, offload: str, prompt: list[int]) ->
     freed_at_once = pages - core.pool.num_used
     t_call = time.perf_counter() - t0
     while core.pool.num_used:
-        if core.offload:
-            core.offload.copier.wait_oldest()
+        core.kv.wait_oldest()
         core.scheduler.poll_copies()
     t_preempt = time.perf_counter() - t0
     assert req.status is RequestStatus.PREEMPTED
@@ -81,7 +80,7 @@ def measure(loaded, device: str, dtype: str, offload: str, prompt: list[int]) ->
     t_in_place = None
     core.scheduler.issue_copies(core.scheduler.schedule())  # admitted: its loads are queued
     while req.status is RequestStatus.LOADING:
-        core.offload.copier.wait_oldest()
+        core.kv.wait_oldest()
         core.scheduler.poll_copies()
         core.scheduler.issue_copies(ScheduledBatch())  # the next chunk of its loads, if any
     if req.num_computed_tokens >= computed:

@@ -33,7 +33,7 @@ TEXT = ("Streaming chat sends each token as soon as it exists, but people read a
 def engine(loaded, policy: str, slots: int, params: PolicyConfig) -> EngineCore:
     cfg = EngineConfig.resolve(device="cpu", dtype="float32", max_num_seqs=slots, max_num_batched_tokens=256,
                                policy=policy, policy_params=params)
-    return EngineCore(cfg, loaded)
+    return EngineCore.from_config(cfg, loaded)
 
 
 def decode_rate(core: EngineCore, slots: int) -> float:

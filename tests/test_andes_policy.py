@@ -220,7 +220,7 @@ def test_a_burst_over_a_small_pool_keeps_greedy_tokens(hf_dirs):
     from tokenflowd.engine.request import Request, SamplingParams
 
     def make(**kw):
-        return EngineCore(EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cpu", dtype="float32", **kw))
+        return EngineCore.from_config(EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cpu", dtype="float32", **kw))
 
     def run(core, prompts, step_time):
         clock = [0.0]
@@ -235,8 +235,8 @@ def test_a_burst_over_a_small_pool_keeps_greedy_tokens(hf_dirs):
             batch = core.scheduler.schedule()
             core.scheduler.issue_copies(batch)
             assert batch.total_tokens <= core.config.max_num_batched_tokens
-            if batch.requests:
-                core.scheduler.update(batch, core.runner.execute(batch))
+            if len(batch):
+                core.scheduler.update(batch, core.executor.execute(batch))
             clock[0] += step_time
         assert not core.has_unfinished()
         core.wait_copies()

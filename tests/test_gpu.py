@@ -22,7 +22,7 @@ def run_logits(core: EngineCore, prompts: list[list[int]], new: int = 16) -> dic
     def record(batch):
         logits, sampling = inner(batch)
         for row, i in enumerate(sampling):
-            got.setdefault(batch.requests[i].request_id, []).append(logits[row].float().cpu())
+            got.setdefault(batch.request_ids[i], []).append(logits[row].float().cpu())
         return logits, sampling
 
     core.runner.compute_logits = record
@@ -50,7 +50,7 @@ def prompts(n=6, seed=0):
 
 def make(path, **kw) -> EngineCore:
     kw.setdefault("dtype", "bfloat16")
-    return EngineCore(EngineConfig.resolve(model=str(path), device="cuda", kv_cache_memory="256MiB",
+    return EngineCore.from_config(EngineConfig.resolve(model=str(path), device="cuda", kv_cache_memory="256MiB",
                                            max_num_batched_tokens=128, **kw))
 
 
@@ -90,7 +90,7 @@ def test_torch_backend_on_gpu_matches_transformers(hf_dirs):
 def test_cuda_copier_round_trip_is_byte_identical():
     """Pages gathered from the flashinfer layout to pinned host memory on the write stream and
     scattered back on the load stream come back bit for bit."""
-    from tokenflowd.offload.copier import LOAD, WRITE, CopyJob, CudaCopier
+    from tokenflowd.kv.copier import LOAD, WRITE, CopyJob, CudaCopier
 
     cache = torch.randn(4, 2, 12, 2, 16, 8, device="cuda").to(torch.bfloat16)  # [layers, 2, pages, heads, page, dim]
     dev = cache.movedim(2, 0)
@@ -115,7 +115,7 @@ def test_preempt_and_reload_on_gpu_keep_greedy_tokens(hf_dirs):
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (30, 22, 41, 17, 35, 26)]
 
     def run(**kw) -> tuple[EngineCore, dict[str, list[int]]]:
-        core = EngineCore(EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cuda", dtype="float32",
+        core = EngineCore.from_config(EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cuda", dtype="float32",
                                                attention_backend="torch", cuda_graphs=False, page_size=4, **kw))
         reqs = [Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
                 for i, p in enumerate(prompts)]
@@ -129,8 +129,8 @@ def test_preempt_and_reload_on_gpu_keep_greedy_tokens(hf_dirs):
 
     _, expected = run(num_pages=200, offload="none")
     core, got = run(num_pages=30, max_num_batched_tokens=24, enable_prefix_caching=False)
-    assert core.scheduler.num_preemptions > 0 and core.offload.stats.pages_loaded > 0
-    assert core.offload.host.pages.is_pinned()
+    assert core.scheduler.num_preemptions > 0 and core.kv.stats.pages_loaded > 0
+    assert core.kv.host.pages.is_pinned()
     assert got == expected
 
 
@@ -139,7 +139,7 @@ def test_unseeded_rows_draw_on_the_device():
 
     sampler = Sampler(seed=0)
     logits = torch.randn(4, 1000, device="cuda")
-    reqs = [Request(f"r{i}", [1, 2], SamplingParams(temperature=1.0, max_tokens=4)) for i in range(4)]
+    reqs = [Request(f"r{i}", [1, 2], SamplingParams(temperature=1.0, max_tokens=4)).sampling_row() for i in range(4)]
     tokens = sampler(logits, reqs)
     assert len(tokens) == 4 and all(0 <= t < 1000 for t in tokens)
     assert sampler.generator.device.type == "cuda"

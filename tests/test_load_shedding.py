@@ -113,7 +113,7 @@ def make_core(tiny, **kw):
 
     cfg = EngineConfig.resolve(model="tiny", device="cpu", dtype="float32", page_size=4, num_pages=64,
                                max_num_batched_tokens=64, max_num_seqs=2, policy="fcfs", offload="none", **kw)
-    return EngineCore(cfg, tiny)
+    return EngineCore.from_config(cfg, tiny)
 
 
 def req(rid: str, n: int = 12, max_tokens: int = 40) -> Request:

@@ -19,8 +19,9 @@ from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.loader import load_model_source
 from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch
-from tokenflowd.offload.copier import LOAD, WRITE, CopyJob, ThreadCopier
-from tokenflowd.offload.tiers import DiskTier
+from tokenflowd.kv.copier import LOAD, WRITE, CopyJob, ThreadCopier
+from tokenflowd.kv.pages import chain_page_keys
+from tokenflowd.kv.tiers import DiskTier
 
 PAGE = 4
 FAMILIES = [[5 + 7 * f + i for i in range(48)] for f in range(3)]  # shared prefixes: prefix hits in every tier
@@ -55,7 +56,7 @@ def tiny(hf_dirs):
 def make(tiny, policy: SchedulingPolicy | None = None, **kw) -> EngineCore:
     base = dict(model="tiny", device="cpu", dtype="float32", page_size=PAGE, num_pages=24,
                 max_num_batched_tokens=16, max_num_seqs=4)
-    core = EngineCore(EngineConfig.resolve(**{**base, **kw}), tiny)
+    core = EngineCore.from_config(EngineConfig.resolve(**{**base, **kw}), tiny)
     if policy is not None:
         core.scheduler.policy = policy
     return core
@@ -75,20 +76,18 @@ def device_pages(core: EngineCore) -> torch.Tensor:
 def check_tiers(core: EngineCore) -> None:
     """Every page's reference count in each tier is exactly the tables holding it plus the pins
     of copies in flight."""
-    off = core.offload
-    dev = Counter(p for r in core.scheduler.requests.values() for p in r.block_table)
-    host = Counter(p for r in core.scheduler.requests.values() for p in r.host_pages)
-    if off:
-        pins = off.pins()
-        dev.update(pins[0])
-        host.update(pins[1])
+    kv = core.kv
+    dev = Counter(p for r in core.scheduler.requests.values() for p in kv.block_table(r))
+    host = Counter(p for r in core.scheduler.requests.values() for p in kv.state(r).host_pages)
+    pins = kv.pins()
+    dev.update(pins[0])
+    host.update(pins[1])
     for page in range(core.pool.num_pages):
         assert core.pool.ref_count(page) == dev[page], f"device page {page}"
-    if off:
-        for page in range(off.host.num_pages):
-            assert off.host.pool.ref_count(page) == host[page], f"host page {page}"
+    for page in range(kv.host.num_pages):
+        assert kv.host.pool.ref_count(page) == host[page], f"host page {page}"
     for r in core.scheduler.waiting:
-        assert not r.block_table
+        assert not kv.block_table(r)
 
 
 def run(core: EngineCore, prompts: list[list[int]], max_tokens: list[int],
@@ -109,8 +108,7 @@ def run(core: EngineCore, prompts: list[list[int]], max_tokens: list[int],
     core.wait_copies()
     check_tiers(core)
     assert core.pool.num_used == 0
-    if core.offload:
-        assert core.offload.host.pool.num_used == 0 and not core.offload.loading
+    assert core.kv.host.pool.num_used == 0 and not core.scheduler.loading
     return {r.request_id: r.output_token_ids for r in reqs}
 
 
@@ -161,7 +159,7 @@ def test_greedy_tokens_equal_the_uninterrupted_run_under_any_preempt_resume_sche
     core = make(tiny, ScriptedPolicy(preempt, s["reload"]), offload=s["mode"], load_evict_overlap=s["overlap"],
                 host_kv_memory=s["host_pages"] * pb, disk_kv_memory=32 * pb if s["disk"] and s["mode"] != "none" else 0,
                 disk_kv_dir=str(tmp_path), enable_prefix_caching=s["prefix_caching"])
-    assert core.offload is None or core.offload.page_bytes == pb
+    assert not core.kv.can_reload or core.kv.page_bytes == pb
     abort_at = {s["abort"][0]: s["abort"][1]} if s["abort"] and s["abort"][0] < len(prompts) else {}
     try:
         got = run(core, prompts, max_tokens, abort_at)
@@ -174,11 +172,11 @@ def test_greedy_tokens_equal_the_uninterrupted_run_under_any_preempt_resume_sche
         else:
             assert tokens == want, f"r{i}"
     COVERAGE["preemptions"] += core.scheduler.num_preemptions
-    if core.offload:
-        COVERAGE["pages_loaded"] += core.offload.stats.pages_loaded
-        COVERAGE["pages_evicted"] += core.offload.stats.pages_evicted
-        COVERAGE["host_full"] += core.offload.stats.host_full
-        COVERAGE["disk_reads"] += core.offload.host.disk.num_reads if core.offload.host.disk else 0
+    if core.kv.can_reload:
+        COVERAGE["pages_loaded"] += core.kv.stats.pages_loaded
+        COVERAGE["pages_evicted"] += core.kv.stats.pages_evicted
+        COVERAGE["host_full"] += core.kv.stats.host_full
+        COVERAGE["disk_reads"] += core.kv.host.disk.num_reads if core.kv.host.disk else 0
 
 
 def test_the_schedules_above_exercised_every_path():
@@ -241,7 +239,7 @@ def test_a_resumed_request_has_byte_identical_kv(tiny):
     core.add_request(req)
     step_until(core, lambda: req.num_output_tokens >= 5)
     n_pages = -(-req.num_computed_tokens // PAGE)  # a partial last page: 30 + 4 computed tokens
-    snapshot = device_pages(core)[req.block_table[:n_pages]].clone()
+    snapshot = device_pages(core)[core.kv.block_table(req)[:n_pages]].clone()
     victim.append("a")
     core.step()  # preempted; the pages the host lacked are written, then freed
     victim.clear()
@@ -254,7 +252,7 @@ def test_a_resumed_request_has_byte_identical_kv(tiny):
         core.wait_copies()
         core.scheduler.issue_copies(ScheduledBatch())
     assert req.status is RequestStatus.RUNNING and req.num_computed_tokens == 34
-    got = device_pages(core)[req.block_table[:n_pages]]
+    got = device_pages(core)[core.kv.block_table(req)[:n_pages]]
     assert torch.equal(got.view(torch.int32), snapshot.view(torch.int32))
     core.close()
 
@@ -268,8 +266,8 @@ def test_prefix_pages_come_back_from_the_disk_tier_byte_identical(tiny, tmp_path
     core.add_request(a)
     step_until(core, lambda: a.is_finished)
     core.wait_copies()
-    host = core.offload.host
-    keys = list(a.page_hashes[:8])
+    host = core.kv.host
+    keys = chain_page_keys(a.token_ids, PAGE, [])[:8]
     pages = host.pool.lookup(keys)
     assert len(pages) == 8  # all eight full prompt pages are on the host, under their keys
     prefix = host.pages[pages].clone()
@@ -289,7 +287,7 @@ def test_prefix_pages_come_back_from_the_disk_tier_byte_identical(tiny, tmp_path
         core.wait_copies()
         core.scheduler.issue_copies(ScheduledBatch())
     assert c.status is RequestStatus.RUNNING and c.num_computed_tokens == 32
-    got = device_pages(core)[c.block_table[:8]]
+    got = device_pages(core)[core.kv.block_table(c)[:8]]
     assert torch.equal(got.view(torch.int32), prefix.view(torch.int32))
     step_until(core, lambda: c.is_finished)
     want = reference(tiny, [c.prompt_token_ids], [3])[0]
@@ -306,19 +304,19 @@ def test_preempting_a_written_through_request_frees_its_device_pages_at_once(tin
     step_until(core, lambda: req.num_computed_tokens == 32)  # two prompt chunks: 8 full pages
     core.scheduler.issue_copies(ScheduledBatch())  # the write-through of the last chunk's pages
     core.wait_copies()
-    assert req.num_offloaded_tokens == 32
+    assert core.kv.state(req).num_offloaded_tokens == 32
     victim.append("a")
     core.scheduler.schedule()  # the preemption, and no poll after it
     assert req.status is RequestStatus.PREEMPTED
     assert core.pool.num_used == 0  # every device page free at once
-    assert not core.offload.copier.busy(WRITE) and core.offload.stats.pages_evicted == 0
+    assert not core.kv.copier.busy(WRITE) and core.kv.stats.pages_evicted == 0
     core.close()
 
 
 def gate(core: EngineCore) -> threading.Event:
     """Hold every copy of `core` until the returned event is set."""
     release = threading.Event()
-    copier = core.offload.copier
+    copier = core.kv.copier
     run_copy = copier._run
     copier._run = lambda job: (release.wait(10), run_copy(job))
     return release
@@ -330,7 +328,7 @@ def test_a_page_is_never_freed_while_a_copy_reads_it(tiny):
     core.add_request(req)
     step_until(core, lambda: req.num_output_tokens >= 2)
     release = gate(core)
-    pages, computed = list(req.block_table), req.num_computed_tokens
+    pages, computed = list(core.kv.block_table(req)), req.num_computed_tokens
     core.kv.preempt(req)  # write-back: every page is written now, and pinned while it is
     core.scheduler.running.remove(req)
     assert core.pool.num_used == len(pages)
@@ -340,9 +338,9 @@ def test_a_page_is_never_freed_while_a_copy_reads_it(tiny):
         core.pool.decref(p)
     release.set()
     core.wait_copies()
-    assert core.pool.num_used == 0 and req.num_offloaded_tokens == req.num_offload_issued == computed
+    assert core.pool.num_used == 0 and core.kv.state(req).num_offloaded_tokens == core.kv.state(req).num_offload_issued == computed
     core.kv.free(req)
-    assert core.offload.host.pool.num_used == 0
+    assert core.kv.host.pool.num_used == 0
     core.close()
 
 
@@ -358,14 +356,14 @@ def test_a_host_page_is_not_reused_while_a_load_reads_it(tiny):
     core.wait_copies()
     release = gate(core)
     core.step()
-    assert req.status is RequestStatus.LOADING and core.offload.copier.busy(LOAD)
-    host_pages = list(req.host_pages)
+    assert req.status is RequestStatus.LOADING and core.kv.copier.busy(LOAD)
+    host_pages = list(core.kv.state(req).host_pages)
     core.abort("a")  # mid-load: the request lets go, the copy still holds its pages
-    assert all(core.offload.host.pool.ref_count(h) == 1 for h in host_pages)  # the load's pin
-    assert core.offload.host.pool.num_used > 0 and core.pool.num_used > 0
+    assert all(core.kv.host.pool.ref_count(h) == 1 for h in host_pages)  # the load's pin
+    assert core.kv.host.pool.num_used > 0 and core.pool.num_used > 0
     release.set()
     core.wait_copies()
-    assert core.pool.num_used == 0 and core.offload.host.pool.num_used == 0
+    assert core.pool.num_used == 0 and core.kv.host.pool.num_used == 0
     core.close()
 
 

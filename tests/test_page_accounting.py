@@ -20,27 +20,26 @@ def core(hf_dirs):
     # tokenflow-like preempt/resume schedules deterministically with a scripted policy)
     cfg = EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cpu", dtype="float32", policy="fcfs",
                                page_size=4, num_pages=16, max_num_batched_tokens=16, max_num_seqs=6)
-    return EngineCore(cfg)
+    return EngineCore.from_config(cfg)
 
 
 def check_refcounts(core: EngineCore) -> None:
     """Each page's references are the block tables (running and loading requests) and the pins
     of the host-tier copies in flight; a waiting request holds none."""
-    loading = core.offload.loading if core.offload else []
-    held = Counter(p for r in [*core.scheduler.running, *loading] for p in r.block_table)
-    if core.offload:
-        held.update(core.offload.pins()[0])
+    kv = core.kv
+    held = Counter(p for r in [*core.scheduler.running, *core.scheduler.loading] for p in kv.block_table(r))
+    held.update(kv.pins()[0])
     for r in core.scheduler.waiting:
-        assert not r.block_table, "a waiting request holds pages"
+        assert not kv.block_table(r), "a waiting request holds pages"
     pool = core.pool
     for page in range(pool.num_pages):
         assert pool.ref_count(page) == held[page], f"page {page}: ref {pool.ref_count(page)} held {held[page]}"
     assert pool.num_used == len(held)
     assert pool.num_free + pool.num_used == pool.num_pages
-    if core.offload:  # the host tier: the same rule over the requests' host tables
-        host = core.offload.host.pool
-        held = Counter(p for r in core.scheduler.requests.values() for p in r.host_pages)
-        held.update(core.offload.pins()[1])
+    if kv.can_reload:  # the host tier: the same rule over the requests' host tables
+        host = kv.host.pool
+        held = Counter(p for r in core.scheduler.requests.values() for p in kv.state(r).host_pages)
+        held.update(kv.pins()[1])
         for page in range(host.num_pages):
             assert host.ref_count(page) == held[page], f"host page {page}: ref {host.ref_count(page)} held {held[page]}"
 

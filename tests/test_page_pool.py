@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenflowd.engine.kv_manager import KVCacheManager
-from tokenflowd.engine.page_pool import OutOfPages, PagePool, chain_page_keys
+from tokenflowd.kv.manager import KVCacheManager
+from tokenflowd.kv.pages import OutOfPages, PagePool, chain_page_keys
 from tokenflowd.engine.request import Request, SamplingParams
 
 
@@ -52,15 +52,17 @@ def _req(rid, tokens):
 def test_prefix_hit_is_shared_and_leaves_the_last_token():
     kv = KVCacheManager(PagePool(16), page_size=4)
     a = _req("a", list(range(12)))
-    assert kv.admit(a, kv.prefix_hit(a), 12)
+    assert kv.admit(a, kv.match(a), 12)
     a.num_computed_tokens = 12
     kv.commit(a)
     b = _req("b", list(range(12)))
-    hit = kv.prefix_hit(b)
-    assert hit.num_pages == 2  # page 3 holds the last token, which must be recomputed
+    hit = kv.match(b)
+    assert hit.num_device_pages == 2  # page 3 holds the last token, which must be recomputed
+    assert hit.sources == (("device", 8, 0.0),) and hit.io_time is None  # no host tier: nothing to load
     assert kv.admit(b, hit, 4)
-    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
-    assert kv.pool.ref_count(a.block_table[0]) == 2
+    ta, tb = kv.block_table(a), kv.block_table(b)
+    assert tb[:2] == ta[:2] and tb[2] != ta[2]
+    assert kv.pool.ref_count(ta[0]) == 2
     kv.free(a)
     kv.free(b)
     assert kv.pool.num_used == 0 and kv.pool.num_cached == 3
@@ -69,8 +71,8 @@ def test_prefix_hit_is_shared_and_leaves_the_last_token():
 def test_admit_fails_without_side_effects():
     kv = KVCacheManager(PagePool(2), page_size=4)
     r = _req("r", list(range(20)))
-    assert not kv.admit(r, kv.prefix_hit(r), 20)
-    assert r.block_table == [] and kv.pool.num_free == 2
+    assert not kv.admit(r, kv.match(r), 20)
+    assert kv.block_table(r) == [] and kv.pool.num_free == 2
 
 
 def test_key_events_report_publication_and_eviction_once_drained():

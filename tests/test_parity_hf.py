@@ -24,10 +24,10 @@ class RecordingCore(EngineCore):
         def compute_logits(batch):
             logits, sampling = inner(batch)
             for row, i in enumerate(sampling):
-                self.logits.setdefault(batch.requests[i].request_id, []).append(logits[row].clone())
-            for req, n in zip(batch.requests, batch.num_tokens):
-                if req.num_computed_tokens + n < req.num_tokens:
-                    self.chunked.add(req.request_id)
+                self.logits.setdefault(batch.request_ids[i], []).append(logits[row].clone())
+            for rid, row in zip(batch.request_ids, batch.sampling):
+                if row is None:  # a chunk that ends mid-prompt
+                    self.chunked.add(rid)
             return logits, sampling
 
         self.runner.compute_logits = compute_logits
@@ -49,7 +49,7 @@ def test_logits_match_transformers(hf_dirs, arch):
         model=str(path), device="cpu", dtype="float32", page_size=8, max_num_batched_tokens=48,
         kv_cache_memory="64MiB",
     )
-    core = RecordingCore(cfg)
+    core = RecordingCore.from_config(cfg)
     g = torch.Generator().manual_seed(1)
     vocab = core.model_config.vocab_size
     lengths = [5, 17, 40, 90, 33, 64, 8]

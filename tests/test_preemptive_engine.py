@@ -36,12 +36,12 @@ def burst(core: EngineCore, max_tokens: int, rates: list[float]) -> tuple[dict[s
 def test_tokenflow_burst_preempts_resumes_and_streams_stay_complete(embedded_fp32):
     dtype, loaded = embedded_fp32
     base = dict(device="cpu", dtype=dtype, page_size=16, max_num_batched_tokens=256)
-    reference, _ = burst(EngineCore(EngineConfig.resolve(**base, policy="fcfs"), loaded), 24, [4.0])
+    reference, _ = burst(EngineCore.from_config(EngineConfig.resolve(**base, policy="fcfs"), loaded), 24, [4.0])
 
     # Four slots for twelve readers at 3 and 5 tokens/s: an agile μ and a short interval, so
     # buffers that fill are soon worth displacing and drained ones are soon brought back.
     params = PolicyConfig(schedule_interval=0.2, buffer_conservativeness=1.0, critical_buffer=0.5)
-    core = EngineCore(EngineConfig.resolve(**base, max_num_seqs=4, policy="tokenflow", policy_params=params), loaded)
+    core = EngineCore.from_config(EngineConfig.resolve(**base, max_num_seqs=4, policy="tokenflow", policy_params=params), loaded)
     streams, reqs = burst(core, 24, [3.0, 5.0])
 
     assert core.scheduler.policy.num_passes > 1

@@ -1,7 +1,7 @@
 """Engine choice: longest cached prefix, unless that engine is clearly busier."""
 from dataclasses import dataclass, field
 
-from tokenflowd.engine.page_pool import chain_page_keys
+from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.router import Router, cached_pages
 
 PS = 4

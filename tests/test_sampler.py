@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import torch
 
-from tokenflowd.engine.request import Request, SamplingParams
+from tokenflowd.engine.request import Request, SamplingParams, SamplingRow
 from tokenflowd.engine.sampler import Sampler
 
 
-def req(**kw) -> Request:
-    r = Request("r", [1, 2, 3], SamplingParams(**kw), eos_token_ids=(2,), max_model_len=100)
-    return r
+def request(**kw) -> Request:
+    return Request("r", [1, 2, 3], SamplingParams(**kw), eos_token_ids=(2,), max_model_len=100)
+
+
+def req(**kw) -> SamplingRow:
+    return request(**kw).sampling_row()
 
 
 def test_greedy_is_argmax():
@@ -52,9 +55,9 @@ def test_top_p_one_rows_keep_the_whole_vocab_beside_filtered_rows():
 
 
 def test_min_tokens_lifts_once_reached():
-    r = req(temperature=0, min_tokens=1)
+    r = request(temperature=0, min_tokens=1)
     r.token_ids.append(7)  # one output token already
-    assert Sampler()(torch.tensor([[0.0, 0.0, 10.0, 0.0]]), [r]) == [2]
+    assert Sampler()(torch.tensor([[0.0, 0.0, 10.0, 0.0]]), [r.sampling_row()]) == [2]
 
 
 def test_temperature_sharpens():

@@ -19,11 +19,8 @@ def run(core: EngineCore, prompts: list[list[int]], max_tokens: int = 20) -> dic
     for _ in range(5000):  # a cap: a livelock fails instead of hanging
         if not core.has_unfinished():
             break
-        batch = core.scheduler.schedule()
-        core.scheduler.issue_copies(batch)
-        budgets.append(batch.total_tokens)
-        if batch.requests:  # empty while the only requests load their KV back from the host tier
-            core.scheduler.update(batch, core.runner.execute(batch))
+        core.step()
+        budgets.append(core.last_batch.total_tokens)
     assert not core.has_unfinished()
     core.wait_copies()  # write-through copies still in flight pin their pages until they end
     assert max(budgets) <= core.config.max_num_batched_tokens
@@ -31,7 +28,7 @@ def run(core: EngineCore, prompts: list[list[int]], max_tokens: int = 20) -> dic
 
 
 def make(hf_dirs, **kw) -> EngineCore:
-    return EngineCore(EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cpu", dtype="float32", **kw))
+    return EngineCore.from_config(EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cpu", dtype="float32", **kw))
 
 
 def test_preemption_by_recompute_keeps_greedy_tokens(hf_dirs):

@@ -380,7 +380,7 @@ def test_a_host_tier_in_the_simulator_reloads_instead_of_recomputing(mode):
                         offload=offload, host_kv_memory=2048 * 16 * 2)  # 2048 pages
         runs[offload] = (sim, sim.run())
     sim, result = runs[mode]
-    assert sim.pool.num_used == 0 and sim.offload.host.pool.num_used == 0
+    assert sim.pool.num_used == 0 and sim.kv.host.pool.num_used == 0
     assert [len(r.token_times) for r in result.records] == [w.output_len for w in sc.workload]
-    assert result.num_preemptions > 0 and sim.offload.stats.pages_loaded > 0
+    assert result.num_preemptions > 0 and sim.kv.stats.pages_loaded > 0
     assert result.computed_tokens < runs["none"][1].computed_tokens  # reloads replaced recomputes

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from tokenflowd.engine.page_pool import chain_page_keys
+from tokenflowd.kv.pages import chain_page_keys
 
 
 class EngineLoad(Protocol):

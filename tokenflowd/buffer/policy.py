@@ -11,13 +11,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenflowd.buffer.estimates import StepCost
+from tokenflowd.kv.pages import cdiv
 
 if TYPE_CHECKING:
     from tokenflowd.config import PolicyConfig
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +87,9 @@ class SchedulerView:
     # seat (counted out of max_num_seqs already), and rejoin `running` when the load lands. A plan
     # neither schedules nor preempts them; a policy that decides for a while keeps them in mind.
     loading: tuple[RequestView, ...] = ()
+    # what the previous plan scheduled and the scheduler did not run (its pages did not fit after
+    # all, or a request before it in arrival order could not be admitted): they are still waiting
+    deferred: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

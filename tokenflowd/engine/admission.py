@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import numpy as np
 
 from tokenflowd.buffer.estimates import StepCost
-from tokenflowd.buffer.policy import cdiv
+from tokenflowd.kv.pages import cdiv
 from tokenflowd.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ def _step_of(pipeline: float) -> int:
 def engine_ttft(scheduler: Scheduler, req: Request, pace: float = 1.0) -> float:
     """predict_ttft for `req` (validated, not yet added) on `scheduler`'s queue as it stands,
     the step-time model's prices scaled by `pace`."""
-    kv, off = scheduler.kv, scheduler.offload
+    kv = scheduler.kv
     ps = kv.page_size
     key = (-req.priority, req.arrival_time)
     ahead = []
@@ -178,7 +178,7 @@ def engine_ttft(scheduler: Scheduler, req: Request, pace: float = 1.0) -> float:
         if (-r.priority, r.arrival_time) > key:
             break
         ahead.append(r)
-    seated = [*scheduler.running, *(off.loading if off else ())]
+    seated = [*scheduler.running, *scheduler.loading]
     everyone = [*seated, *ahead, req]
     expected = scheduler.output_lengths.expected(
         np.fromiter((r.num_output_tokens for r in everyone), dtype=np.float64, count=len(everyone)),
@@ -189,16 +189,15 @@ def engine_ttft(scheduler: Scheduler, req: Request, pace: float = 1.0) -> float:
 
     running = []
     for r, e in zip(seated, expected):
-        computed = r.num_load_tokens if r.status is RequestStatus.LOADING else r.num_computed_tokens
+        computed = kv.state(r).num_load_tokens if r.status is RequestStatus.LOADING else r.num_computed_tokens
         left = r.num_tokens - computed
         prefill = left if left > 1 else 0  # 1: a decode (the last sampled token is computed as it runs)
         running.append(QueuedWork(prefill, max(0.0, e - r.num_output_tokens - (1 if prefill else 0)),
-                                  peak_pages(r, e), len(r.block_table)))
+                                  peak_pages(r, e), len(kv.block_table(r))))
     queued = []
     for r, e in zip([*ahead, req], expected[len(seated):]):
-        computed = kv.prefix_hit(r).num_pages * ps
-        if off is not None:  # a preempted request's KV on the host comes back by a load, under compute
-            computed = max(computed, r.num_offloaded_tokens)
+        # a preempted request's KV on the host comes back by a load, under compute
+        computed = max(kv.match(r).num_device_pages * ps, kv.num_host_tokens(r))
         queued.append(QueuedWork(max(1, r.num_tokens - computed), max(0.0, e - r.num_output_tokens - 1),
                                  peak_pages(r, e)))
     contexts = [r.num_tokens for r in seated] or [r.num_tokens for r in (*ahead, req)]

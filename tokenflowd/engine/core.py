@@ -2,7 +2,10 @@
 
     add_request(req)  ->  step() -> [EngineCoreOutput]  ...  abort(id)
 
-    step:  scheduler.schedule() -> runner.execute(batch) -> scheduler.update(batch, sampled)
+    step:  scheduler.schedule() -> executor.execute(batch) -> scheduler.update(batch, sampled)
+
+The one step loop there is: the engine runs it with the model runner on the wall clock
+(`EngineCore.from_config`), the simulator with the cost model's executor on a virtual clock.
 """
 from __future__ import annotations
 
@@ -15,12 +18,12 @@ import torch
 from tokenflowd.buffer import make_policy
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.admission import AdmissionControl
-from tokenflowd.engine.kv_manager import KVCacheManager
+from tokenflowd.engine.executor import Executor
 from tokenflowd.engine.loader import LoadedModel, load_model_source
-from tokenflowd.engine.page_pool import PagePool
 from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
 from tokenflowd.engine.runner import ModelRunner
-from tokenflowd.engine.scheduler import Scheduler
+from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
+from tokenflowd.kv.build import build_kv
 
 log = logging.getLogger(__name__)
 
@@ -49,30 +52,47 @@ class StepStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.config = config
-        loaded = loaded or load_model_source(config.model, getattr(torch, config.dtype), config.device)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = tuple(sorted(set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)))
-        self.runner = ModelRunner(config, loaded)
-        self.max_model_len = self.runner.max_model_len
-        self._init_scheduler()
+    """The step loop over an executor and a scheduler (which carries the clock and the KV manager).
+
+    `vocab_size` bounds prompt token ids; `eos_token_ids` end a request unless it ignores them;
+    `admission` is --max-queue-delay's load shedding (None: off)."""
+
+    def __init__(self, executor: Executor, scheduler: Scheduler, *, max_model_len: int, vocab_size: int,
+                 eos_token_ids: tuple[int, ...] = (), admission: AdmissionControl | None = None) -> None:
+        self.executor = executor
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.pool = self.kv.pool
+        self.clock = scheduler.clock
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.admission = admission
         self.stats = StepStats()
+        self.last_batch = ScheduledBatch()  # the step just taken (the simulator records it)
+        self.config: EngineConfig | None = None  # set by from_config, with the model's:
+        self.model_config = None
+        self.tokenizer = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> "EngineCore":
+        """The engine on a model: loads it (unless given), its runner, the KV tiers and the scheduler."""
+        loaded = loaded or load_model_source(config.model, getattr(torch, config.dtype), config.device)
+        runner = ModelRunner(config, loaded)
+        kv = build_kv(config, runner.kv_cache, runner.attn.page_axis, runner.num_pages)
+        scheduler = Scheduler(kv, make_policy(config.policy, config.policy_params), config.max_num_batched_tokens,
+                              config.max_num_seqs, expected_output_len=config.policy_params.expected_output_len)
+        eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)))
         # --max-queue-delay: None, off
-        self.admission = AdmissionControl(config.max_queue_delay) if config.max_queue_delay is not None else None
+        admission = AdmissionControl(config.max_queue_delay) if config.max_queue_delay is not None else None
+        core = cls(runner, scheduler, max_model_len=runner.max_model_len, vocab_size=loaded.config.vocab_size,
+                   eos_token_ids=eos, admission=admission)
+        core.config, core.model_config, core.tokenizer = config, loaded.config, loaded.tokenizer
+        return core
 
-    def _init_scheduler(self) -> None:
-        from tokenflowd.offload import build_offload
-
-        self.pool = PagePool(self.runner.num_pages, self.config.enable_prefix_caching)
-        self.offload = build_offload(self.config, self.runner.kv_cache, self.runner.attn.page_axis, self.pool)
-        self.kv = KVCacheManager(self.pool, self.config.page_size, self.offload)
-        self.scheduler = Scheduler(
-            self.kv, make_policy(self.config.policy, self.config.policy_params),
-            self.config.max_num_batched_tokens, self.config.max_num_seqs,
-            expected_output_len=self.config.policy_params.expected_output_len,
-        )
+    @property
+    def runner(self) -> Executor:
+        return self.executor
 
     def warm_up(self, prompt_len: int = WARM_UP_PROMPT_LEN, max_tokens: int = 4) -> int:
         """One short prefill and a few decodes before the engine says it is ready: the first
@@ -83,7 +103,7 @@ class EngineCore:
         pace start afresh, and the prompt's pages are only cached (evictable, ids that no user
         prompt shares). Returns the tokens it generated."""
         n = max(1, min(prompt_len, self.max_model_len - max_tokens - 1))
-        vocab = self.model_config.vocab_size
+        vocab = self.vocab_size
         ids = [(7919 * i + 13) % vocab for i in range(n)]  # no text: a prompt no user sends
         req = Request("warm-up", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                       arrival_time=time.monotonic())
@@ -116,7 +136,7 @@ class EngineCore:
                 f"prompt ({n} tokens) plus max_tokens ({mt}) exceeds the context length "
                 f"{self.max_model_len}: lower max_tokens to at most {self.max_model_len - n}"
             )
-        vocab = self.model_config.vocab_size
+        vocab = self.vocab_size
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         req.max_model_len = self.max_model_len
@@ -133,18 +153,16 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def copies_in_flight(self) -> bool:
-        return self.offload is not None and self.offload.copier.busy_any()
+        return self.kv.busy()
 
     def wait_copies(self) -> None:
-        """Block until the host-tier copies in flight have ended, and account for them."""
-        if self.offload is not None:
-            self.offload.wait()
-            self.scheduler.poll_copies()
+        """Block until the KV copies in flight have ended, and account for them."""
+        self.kv.wait()
+        self.scheduler.poll_copies()
 
     def close(self) -> None:
         """Finish the copies in flight and let go of the host and disk tiers."""
-        if self.offload is not None:
-            self.offload.close()
+        self.kv.close()
 
     def set_reading_rate(self, request_id: str, reading_rate: float, now: float) -> bool:
         req = self.scheduler.requests.get(request_id)
@@ -160,37 +178,36 @@ class EngineCore:
         return req is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        entered = time.perf_counter()
-        batch = self.scheduler.schedule()
+        clock = self.clock
+        entered = clock()
+        batch = self.last_batch = self.scheduler.schedule()
         self.scheduler.issue_copies(batch)
-        if not batch.requests:
-            if self.offload is not None and self.offload.loading:
-                self.offload.copier.wait_oldest()  # nothing to compute until KV is back in place
+        if not len(batch):
+            if self.scheduler.loading:
+                self.kv.wait_oldest()  # nothing to compute until KV is back in place
             return []
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
-            sampled = self.runner.execute(batch)
+            sampled = self.executor.execute(batch)
         except Exception as e:  # a fault ends this step's requests with an error, never a hang
             log.exception("step failed; ending its %d requests", len(batch))
-            for req in batch.requests:
-                self.scheduler.finish(req, FinishReason.ERROR, f"engine error: {type(e).__name__}: {e}")
-            return [EngineCoreOutput(r.request_id, [], FinishReason.ERROR, r.error, r.num_cached_tokens,
-                                     r.num_preemptions) for r in batch.requests]
+            return self._fail(batch, f"engine error: {type(e).__name__}: {e}")
+        requests = [self.scheduler.requests.get(rid) for rid in batch.request_ids]
         finished = self.scheduler.update(batch, sampled)
+        self.stats.last_step_time = self.executor.step_seconds(t0, clock())
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.total_tokens
-        self.stats.last_step_time = time.perf_counter() - t0
         # the step as the model priced it before seeing it (only load shedding's pace reads it)
         priced = (self.scheduler.step_model.cost.step_time(batch.total_tokens, batch.num_context_tokens)
                   if self.admission is not None else 0.0)
-        # NOTE: an engine's first step carries one-time costs (kernel and allocator set-up): 8 s for
-        # a 0.2 s step on a 2-core CPU. Fitted, it inflated per_token eightfold for the model's window.
-        if self.stats.num_steps > 1:
+        # NOTE: a fresh engine's first step carries one-time costs (kernel and allocator set-up): 8 s
+        # for a 0.2 s step on a 2-core CPU. Fitted, it inflated per_token eightfold for the model's window.
+        if self.stats.num_steps > 1 or not self.executor.cold_start:
             self.scheduler.observe_step(batch, self.stats.last_step_time)
         done = {r.request_id for r in finished}
         outs = []
-        for req, token in zip(batch.requests, sampled):
-            if token is None and req.request_id not in done:
+        for req, token in zip(requests, sampled):
+            if req is None or (token is None and req.request_id not in done):
                 continue
             outs.append(
                 EngineCoreOutput(
@@ -203,5 +220,16 @@ class EngineCore:
             )
         if self.admission is not None and self.stats.num_steps > 1:
             # the whole step, scheduling and bookkeeping too: what a request waiting behind it waits
-            self.admission.observe_step(priced, time.perf_counter() - entered)
+            self.admission.observe_step(priced, clock() - entered)
+        return outs
+
+    def _fail(self, batch: ScheduledBatch, error: str) -> list[EngineCoreOutput]:
+        """End the batch's requests with `error`."""
+        outs = []
+        for rid in batch.request_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.scheduler.finish(req, FinishReason.ERROR, error)
+                outs.append(EngineCoreOutput(rid, [], FinishReason.ERROR, error, req.num_cached_tokens,
+                                             req.num_preemptions))
         return outs

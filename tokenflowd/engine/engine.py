@@ -45,7 +45,7 @@ class _TextState:
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.core = EngineCore(config, loaded)
+        self.core = EngineCore.from_config(config, loaded)
         self.tokenizer = self.core.tokenizer
         self._text: dict[str, _TextState] = {}
 

@@ -20,15 +20,23 @@ class Executor(abc.ABC):
     """Computes one scheduled step.
 
     Invariants:
-    - `execute` returns exactly `len(batch)` entries, entry i for `batch.requests[i]`;
-    - entry i is a token id (an int >= 0) when that request's chunk reaches its last known token
-      (`num_computed_tokens + batch.num_tokens[i] == num_tokens`), and None otherwise (the chunk
-      ended mid-prompt, or mid-recompute of a preempted request's earlier tokens);
-    - it computes the KV of tokens [num_computed_tokens, num_computed_tokens + num_tokens[i]) of
-      each request into the pages of its `block_table`, which the scheduler sized beforehand;
-    - it changes no request state: counters, token lists and page tables move only in
-      `scheduler.update`, so a failed step leaves the scheduler consistent.
+    - `execute` returns exactly `len(batch)` entries, entry i for row i;
+    - entry i is a token id (an int >= 0) when `batch.sampling[i]` is set (the row's chunk reaches
+      its request's last known token), and None otherwise (the chunk ended mid-prompt, or
+      mid-recompute of a preempted request's earlier tokens);
+    - it computes the KV of tokens [positions[i], positions[i] + num_tokens[i]) of each row into the
+      pages of `block_tables[i]`, which the scheduler sized beforehand;
+    - the batch is plain data, and the executor holds no request: counters, token lists and page
+      tables move only in `scheduler.update`, so a failed step leaves the scheduler consistent.
     """
+
+    # A fresh executor's first step pays one-time costs (kernel and allocator set-up): its time says
+    # nothing of the next steps', and the step-time model skips it.
+    cold_start: bool = False
 
     @abc.abstractmethod
     def execute(self, batch: "ScheduledBatch") -> list[int | None]: ...
+
+    def step_seconds(self, started: float, ended: float) -> float:
+        """How long the step that ran from `started` to `ended` on the engine's clock took."""
+        return ended - started

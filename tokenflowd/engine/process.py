@@ -41,7 +41,7 @@ class EngineProcess(EngineEndpoint):
     def __init__(self, spec: p.EngineSpec) -> None:
         super().__init__(spec)
         self.config = msgspec.convert(spec.config, EngineConfig)
-        self.core = EngineCore(self.config)
+        self.core = EngineCore.from_config(self.config)
         self.core.warm_up()  # before READY: the first user request is as fast as the tenth
         self.core.pool.drain_key_events()  # start recording: the router learns every key from here on
 
@@ -120,22 +120,22 @@ class EngineProcess(EngineEndpoint):
                 r.request_id, r.status.value, r.buffer.reading_rate, r.priority, r.arrival_time,
                 r.first_token_time, r.num_prompt_tokens, r.num_output_tokens, r.num_computed_tokens,
                 r.num_cached_tokens, r.num_preemptions, r.buffer.buffer(now), r.buffer.stall_time_at(now),
-                r.buffer.num_stalls, len(r.block_table),
+                r.buffer.num_stalls, len(self.core.kv.block_table(r)),
             )
             for r in chosen
         ]
 
     def _stats(self) -> p.EngineStats:
-        sched, pool, off = self.core.scheduler, self.core.pool, self.core.offload
-        host = off.host.pool if off else None
+        sched, pool, kv = self.core.scheduler, self.core.pool, self.core.kv
+        host = kv.host.pool
         return p.EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             kv_pages_used=pool.num_used, kv_pages_cached=pool.num_cached,
             kv_pages_total=pool.num_pages, num_preemptions=sched.num_preemptions,
             num_steps=self.core.stats.num_steps, last_step_time=self.core.stats.last_step_time,
-            host_kv_pages_used=host.num_used if host else 0, host_kv_pages_cached=host.num_cached if host else 0,
-            host_kv_pages_total=host.num_pages if host else 0,
-            kv_pages_written=off.stats.pages_written if off else 0, kv_pages_loaded=off.stats.pages_loaded if off else 0,
+            host_kv_pages_used=host.num_used, host_kv_pages_cached=host.num_cached,
+            host_kv_pages_total=kv.host.num_pages,
+            kv_pages_written=kv.stats.pages_written, kv_pages_loaded=kv.stats.pages_loaded,
             num_shed=self.core.admission.num_shed if self.core.admission else 0,
         )
 

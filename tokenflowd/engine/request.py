@@ -5,6 +5,7 @@ import enum
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -54,10 +55,19 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+class SamplingRow(NamedTuple):
+    """What the sampler needs of a request that samples this step (a row of ScheduledBatch)."""
+
+    params: SamplingParams
+    generator: "torch.Generator | None"
+    num_output_tokens: int  # before this step's token
+    stop_token_ids: frozenset[int]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    LOADING = "loading"  # admitted; its KV is coming back from the host tier
+    LOADING = "loading"  # admitted; its KV is coming back from a lower tier
     PREEMPTED = "preempted"
     FINISHED = "finished"
 
@@ -75,9 +85,9 @@ class Request:
 
         token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... ]
                       <- num_prompt_tokens -> <- num_output_tokens ->
-        computed:   [=========== num_computed_tokens ===)     KV of these is in block_table's pages
-        host tier:  [== num_offloaded_tokens ==)[ in flight )    KV of these is in host_pages
-                    write frontier ------------^           ^---- num_offload_issued
+        computed:   [=========== num_computed_tokens ===)     KV of these is on the device
+
+    Where that KV lives, in every tier, is the KV manager's (kv/manager.py: RequestKV).
     """
 
     request_id: str
@@ -93,21 +103,10 @@ class Request:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
-    num_published_pages: int = 0  # leading pages of block_table already offered to the prefix cache
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
-    block_table: list[int] = field(default_factory=list)  # page ids, in token order
-    page_hashes: list[bytes] = field(default_factory=list)  # chained keys of full pages, lazily extended
-    # The host tier (offload/): host_pages[i] holds token page i; len == cdiv(num_offload_issued, page_size),
-    # and only its last page can be partial (private: a partial page is never in the prefix cache).
-    host_pages: list[int] = field(default_factory=list)
-    num_offloaded_tokens: int = 0  # the write frontier: leading tokens whose KV the host holds
-    num_offload_issued: int = 0  # leading tokens whose copy to the host is issued (>= the frontier)
-    load_queue: list[tuple[int, int]] = field(default_factory=list)  # LOADING: (device, host) pages not yet issued
-    num_loading_pages: int = 0  # LOADING: loads issued and not yet done
-    num_load_tokens: int = 0  # LOADING: num_computed_tokens once its pages are in place
     buffer: TokenBuffer = field(init=False)  # the client's token buffer, fed as tokens are sampled
     generator: torch.Generator | None = None
 
@@ -142,6 +141,9 @@ class Request:
         room = self.max_model_len - self.num_prompt_tokens
         mt = self.sampling_params.max_tokens
         return room if mt is None else min(mt, room)
+
+    def sampling_row(self) -> SamplingRow:
+        return SamplingRow(self.sampling_params, self.generator, self.num_output_tokens, self.stop_token_ids)
 
     @property
     def is_finished(self) -> bool:

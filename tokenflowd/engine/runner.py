@@ -34,6 +34,8 @@ def activation_bytes(cfg: ModelConfig, num_tokens: int, num_seqs: int, dtype: to
 
 
 class ModelRunner(Executor):
+    cold_start = True
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.config = config
         self.model_config = loaded.config
@@ -124,17 +126,16 @@ class ModelRunner(Executor):
         ps = self.page_size
         ids, pos, slots = [], [], []
         query_start, seq_lens, tables, sample_rows, sampling = [0], [], [], [], []
-        for i, (req, n) in enumerate(zip(batch.requests, batch.num_tokens)):
-            start = req.num_computed_tokens
+        for i, (start, n, block_table) in enumerate(zip(batch.positions, batch.num_tokens, batch.block_tables)):
             p = np.arange(start, start + n)
-            table = np.asarray(req.block_table, dtype=np.int64)
-            ids.append(np.asarray(req.token_ids[start : start + n], dtype=np.int64))
+            table = np.asarray(block_table, dtype=np.int64)
+            ids.append(np.asarray(batch.input_ids[i], dtype=np.int64))
             pos.append(p)
             slots.append(table[p // ps] * ps + p % ps)
             query_start.append(query_start[-1] + n)
             seq_lens.append(start + n)
-            tables.append(req.block_table)
-            if start + n == req.num_tokens:  # the chunk reaches its last known token: it samples
+            tables.append(block_table)
+            if batch.sampling[i] is not None:  # the chunk reaches its last known token: it samples
                 sample_rows.append(query_start[-1] - 1)
                 sampling.append(i)
         dev = self.device
@@ -161,7 +162,7 @@ class ModelRunner(Executor):
         logits, sampling = self.compute_logits(batch)
         out: list[int | None] = [None] * len(batch)
         if sampling:
-            tokens = self.sampler(logits, [batch.requests[i] for i in sampling])
+            tokens = self.sampler(logits, [batch.sampling[i] for i in sampling])
             for i, t in zip(sampling, tokens):
                 out[i] = t
         return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenflowd.engine.request import Request
+from tokenflowd.engine.request import SamplingRow
 
 
 class Sampler:
@@ -23,13 +23,13 @@ class Sampler:
             self.generator = torch.Generator(device=device).manual_seed(self.seed)
         return self.generator
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> list[int]:
         # logits: [N, vocab] fp32, row i belongs to reqs[i]
         for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.sampling_params.min_tokens and r.stop_token_ids:
+            if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
                 ids = [t for t in r.stop_token_ids if 0 <= t < logits.shape[1]]
                 logits[i, ids] = float("-inf")
-        greedy = [r.sampling_params.greedy for r in reqs]
+        greedy = [r.params.greedy for r in reqs]
         if all(greedy):
             return logits.argmax(dim=-1).tolist()
         out = logits.argmax(dim=-1)
@@ -50,13 +50,13 @@ class Sampler:
         return out.tolist()
 
     @staticmethod
-    def _probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _probs(logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:
         # logits: [M, vocab] -> probabilities after temperature, top-k and top-p
         dev = logits.device
-        temps = torch.tensor([r.sampling_params.temperature for r in reqs], device=dev)
+        temps = torch.tensor([r.params.temperature for r in reqs], device=dev)
         logits = logits / temps[:, None]
-        top_k = [r.sampling_params.top_k for r in reqs]
-        top_p = [r.sampling_params.top_p for r in reqs]
+        top_k = [r.params.top_k for r in reqs]
+        top_p = [r.params.top_p for r in reqs]
         if any(top_k) or any(p < 1.0 for p in top_p):
             vocab = logits.shape[1]
             sorted_logits, order = logits.sort(dim=-1, descending=True)

@@ -1,11 +1,12 @@
 """Turns the policy's plan into page allocations and a batch; applies the step's sampled tokens.
 
-    schedule() -> ScheduledBatch      (loads done -> view -> policy.plan -> preempt / admit / grow)
-    issue_copies(batch)               (with a host tier: the step's write-through and load chunks)
+    schedule() -> ScheduledBatch      (copies done -> view -> policy.plan -> preempt / admit / grow)
+    issue_copies(batch)               (the step's write-through and load chunks)
     update(batch, sampled)            (counters, new tokens, stop checks, page publication)
 
 A request is waiting (new or preempted), running, or loading (admitted, its KV coming back from
-the host tier; it rejoins the running set when every page is in place).
+a lower tier; it rejoins the running set when every page is in place). The scheduler keeps the
+three queues; where each request's KV lives is the KV manager's (kv/manager.py).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import numpy as np
 
 from tokenflowd.buffer.estimates import OutputLengthModel, StepTimeModel
 from tokenflowd.buffer.policy import RequestView, SchedulerView, SchedulingPolicy
-from tokenflowd.engine.kv_manager import KVCacheManager, PrefixHit
-from tokenflowd.engine.request import FinishReason, Request, RequestStatus
+from tokenflowd.engine.request import FinishReason, Request, RequestStatus, SamplingRow
+from tokenflowd.kv.manager import KVCacheManager, PrefixMatch
 
 
 def _request_view(req: Request, now: float, num_computed: int, pages_held: int, expected: float,
@@ -45,11 +46,18 @@ def _arrival_order(req: Request) -> tuple[float, int]:
 
 @dataclass
 class ScheduledBatch:
-    """Requests computing this step and how many tokens each, starting at its num_computed_tokens."""
+    """One step as plain data. Row i computes tokens [positions[i], positions[i] + num_tokens[i]) of
+    request_ids[i], whose ids are input_ids[i], into the pages of block_tables[i] (sized beforehand).
+    A row whose chunk reaches its request's last known token samples: sampling[i] says how (None
+    for a chunk that ends mid-prompt or mid-recompute). Executors read it and change nothing."""
 
-    requests: list[Request] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    input_ids: list[list[int]] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sampling: list[SamplingRow | None] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
     num_context_tokens: int = 0  # KV tokens the batch's attention covers (computed + new, summed)
 
     @property
@@ -57,7 +65,17 @@ class ScheduledBatch:
         return sum(self.num_tokens)
 
     def __len__(self) -> int:
-        return len(self.requests)
+        return len(self.request_ids)
+
+    def add(self, req: Request, n: int, block_table: list[int]) -> None:
+        start = req.num_computed_tokens
+        self.request_ids.append(req.request_id)
+        self.num_tokens.append(n)
+        self.positions.append(start)
+        self.input_ids.append(req.token_ids[start : start + n])
+        self.block_tables.append(block_table)
+        self.sampling.append(req.sampling_row() if start + n == req.num_tokens else None)
+        self.num_context_tokens += start + n
 
 
 class Scheduler:
@@ -70,11 +88,13 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: list[Request] = []  # queue order: priority (higher first), then arrival
         self.running: list[Request] = []  # arrival order
-        self.offload = kv.offload  # None: no host tier
+        self.loading: list[Request] = []  # admission order: admitted, their KV coming back
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._num_arrivals = 0
         self._num_preempted_waiting = 0  # of self.waiting, those admitted before (num_preemptions > 0)
+        self._matches: dict[str, PrefixMatch] = {}  # this step's prefix matches of the waiting requests in view
+        self._deferred: tuple[str, ...] = ()  # of the last plan, what was scheduled and not run
         self.step_model = StepTimeModel()  # fed by observe_step; read by policies through the view
         # fed by the requests that finish; the view's expected output lengths (the prior until then)
         self.output_lengths = OutputLengthModel(expected_output_len)
@@ -91,6 +111,7 @@ class Scheduler:
         self.requests[req.request_id] = req
         req.arrival_seq = self._num_arrivals
         self._num_arrivals += 1
+        self.kv.track(req)
         bisect.insort(self.waiting, req, key=_queue_order)
 
     def has_unfinished(self) -> bool:
@@ -99,47 +120,47 @@ class Scheduler:
     # -- schedule -----------------------------------------------------------------------------
     def _view(self) -> SchedulerView:
         now = self.clock()
-        pool, off = self.kv.pool, self.offload
-        loading = off.loading if off else []
+        kv = self.kv
+        pool = kv.pool
         # Every started request (preempted ones wait here too) and the new ones that could be
         # admitted this step: a policy that saw only the queue's head could starve a preempted
         # request queued behind newer ones of higher priority.
         waiting = self._visible_waiting()
-        expected = self._expected_outputs([*self.running, *waiting, *loading]).tolist()
+        expected = self._expected_outputs([*self.running, *waiting, *self.loading]).tolist()
         # Preemption is possible only when the free pages cannot give every running request one
         # more page; only then is it worth counting which of a request's pages are its alone.
         tight = pool.num_free < len(self.running)
         nr, nw = len(self.running), len(waiting)
         running = tuple(
-            _request_view(r, now, r.num_computed_tokens, len(r.block_table), e,
-                          pages_exclusive=sum(pool.ref_count(p) == 1 for p in r.block_table) if tight else None,
-                          # were it preempted now: write what the host lacks, then load it all back
-                          io_time=off.write_time(r) + off.io_time(len(r.block_table)) if off and tight else None)
+            _request_view(r, now, r.num_computed_tokens, len(kv.block_table(r)), e,
+                          pages_exclusive=kv.pages_exclusive(r) if tight else None,
+                          io_time=kv.preempt_io_time(r) if tight else None)
             for r, e in zip(self.running, expected)
         )
+        self._matches = {}
         waiting_views = []
         for r, e in zip(waiting, expected[nr:]):
-            hit = self.kv.prefix_hit(r)
-            io, host_tokens = self._host_prefix(r, hit.num_pages)
+            m = self._matches[r.request_id] = kv.match(r)
             # how long its reader has waited: only a waiting request's silence is scheduled on (a
             # view is built every step, so running requests do not pay for it)
-            waiting_views.append(_request_view(r, now, hit.num_pages * self.kv.page_size, hit.num_pages, e,
-                                               hit.num_evictable, io_time=io, host_tokens=host_tokens,
+            waiting_views.append(_request_view(r, now, m.num_device_pages * kv.page_size, m.num_device_pages, e,
+                                               m.num_evictable, io_time=m.io_time, host_tokens=m.num_load_tokens,
                                                dry_for=r.buffer.dry_for(now)))
-        loading_views = tuple(_request_view(r, now, r.num_load_tokens, len(r.block_table), e)
-                              for r, e in zip(loading, expected[nr + nw:]))
+        loading_views = tuple(_request_view(r, now, kv.state(r).num_load_tokens, len(kv.block_table(r)), e)
+                              for r, e in zip(self.loading, expected[nr + nw:]))
         return SchedulerView(
             now=now,
             running=running,
             waiting=tuple(waiting_views),
             free_pages=pool.num_free,
             total_pages=pool.num_pages,
-            page_size=self.kv.page_size,
+            page_size=kv.page_size,
             token_budget=self.token_budget,
-            max_num_seqs=max(1, self.max_num_seqs - len(loading)),
+            max_num_seqs=max(1, self.max_num_seqs - len(self.loading)),
             cost=self.step_model.cost,
-            host_pages=off.host.num_pages if off else 0,
+            host_pages=kv.host.num_pages,
             loading=loading_views,
+            deferred=self._deferred,
         )
 
     def _visible_waiting(self) -> list[Request]:
@@ -161,26 +182,24 @@ class Scheduler:
         bound = np.fromiter((r.max_tokens for r in reqs), dtype=np.float64, count=len(reqs))
         return self.output_lengths.expected(n, bound)
 
-    def _host_prefix(self, req: Request, device_hit_pages: int) -> tuple[float | None, int]:
-        """(t_IO, tokens) of bringing `req`'s KV back from the host tier; (None, 0): nothing to load."""
-        if self.offload is None:
-            return None, 0
-        hp = self.offload.host_prefix(req, device_hit_pages)
-        if not hp.num_tokens:
-            return None, 0
-        return self.offload.io_time(hp.num_pages_to_load, hp.num_disk_pages, hp.num_unwritten_pages), hp.num_tokens
+    def _match(self, req: Request) -> PrefixMatch:
+        """The view's prefix match of `req`, as it stands now (earlier admissions may have moved it)."""
+        m = self._matches.get(req.request_id)
+        return self.kv.match(req) if m is None else self.kv.refresh(req, m)
 
-    def _try_load(self, req: Request, hit: PrefixHit, planned: bool) -> bool | None:
-        """Admit `req` by loading its KV from the host tier when the plan says so or it is faster
+    def _try_load(self, req: Request, m: PrefixMatch, planned: bool) -> bool | None:
+        """Admit `req` by loading its KV from a lower tier when the plan says so or it is faster
         than recomputing. None: not a load (admit as usual); else whether it was admitted."""
-        io, tokens = self._host_prefix(req, hit.num_pages)
-        if io is None:
+        if m.io_time is None:
             return None
-        if not planned and io >= self.step_model.cost.recompute_time(tokens - hit.num_pages * self.kv.page_size):
+        recompute = self.step_model.cost.recompute_time(m.num_load_tokens - m.num_device_pages * self.kv.page_size)
+        if not planned and m.io_time >= recompute:
             return None
-        if not self.kv.start_load(req, hit, tokens):
+        if not self.kv.start_load(req, m):
             return False
         self._leave_queue(req)
+        req.status = RequestStatus.LOADING
+        self.loading.append(req)
         return True
 
     def _leave_queue(self, req: Request) -> None:
@@ -188,28 +207,32 @@ class Scheduler:
         if req.num_preemptions:
             self._num_preempted_waiting -= 1
 
-    def _resume(self, req: Request) -> None:
-        """Its pages are in place: it runs again with its loaded tokens computed."""
-        req.status = RequestStatus.RUNNING
-        req.num_computed_tokens = req.num_load_tokens
-        self.kv.commit(req)
-        bisect.insort(self.running, req, key=_arrival_order)
+    def _requeue(self, req: Request) -> None:
+        """Back to the waiting queue (a preemption, a failed load), in queue order."""
+        req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=_queue_order)
+        self._num_preempted_waiting += bool(req.num_preemptions)
 
     def issue_copies(self, batch: ScheduledBatch) -> None:
         """Before the step runs: write-through and load chunks sized to end within it (§5.2)."""
-        if self.offload is None:
-            return
         # An empty step hides nothing: then every queued load and write goes at once.
-        seconds = self.step_model.cost.step_time(batch.total_tokens, batch.num_context_tokens) if batch.requests \
+        seconds = self.step_model.cost.step_time(batch.total_tokens, batch.num_context_tokens) if len(batch) \
             else math.inf
         now = self.clock()
-        self.offload.issue(seconds, self.running, lambda r: r.buffer.buffer(now))
+        self.kv.issue(seconds, self.running, self.loading, lambda r: r.buffer.buffer(now))
 
     def poll_copies(self) -> None:
-        """Account for the host-tier copies that ended; requests whose pages are in place run again."""
-        if self.offload is not None:
-            for req in self.offload.poll():
-                self._resume(req)
+        """Account for the copies that ended: requests whose pages are in place run again, and those
+        whose load failed wait again (they recompute)."""
+        done = self.kv.poll()
+        for req in done.ready:
+            self.loading.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.kv.finish_load(req)
+            bisect.insort(self.running, req, key=_arrival_order)
+        for req in done.failed:
+            self.loading.remove(req)
+            self._requeue(req)
 
     def schedule(self) -> ScheduledBatch:
         self.poll_copies()
@@ -229,11 +252,12 @@ class Scheduler:
             self.running.remove(req)
             self.waiting.append(req)
             self._num_preempted_waiting += 1
-            batch.preempted.append(req)
+            batch.preempted.append(rid)
         if plan.preempted:
             self.waiting.sort(key=_queue_order)
-        assert self.offload or not plan.reload, f"{self.policy.name} planned a reload, but there is no host KV tier"
+        assert self.kv.can_reload or not plan.reload, f"{self.policy.name} planned a reload, but there is no host KV tier"
         reload = set(plan.reload)
+        deferred = []
         admitted = blocked = False
         for rid, n in plan.scheduled:
             req = self.requests[rid]
@@ -242,14 +266,17 @@ class Scheduler:
                 assert n <= req.num_tokens - req.num_computed_tokens, f"{self.policy.name} overran {rid}"
                 ok = self.kv.grow(req, n)
             elif blocked:
+                deferred.append(rid)
                 continue  # keep arrival order: nothing jumps a request that could not be admitted
             else:
-                hit = self.kv.prefix_hit(req)
-                loading = self._try_load(req, hit, rid in reload) if self.offload is not None else None
+                m = self._match(req)
+                loading = self._try_load(req, m, rid in reload)
                 if loading is not None:  # it rejoins the batch once its pages are in place
                     blocked = not loading
+                    if blocked:
+                        deferred.append(rid)
                     continue
-                ok = self.kv.admit(req, hit, n)
+                ok = self.kv.admit(req, m, n)
                 blocked = not ok
                 if ok:
                     req.status = RequestStatus.RUNNING
@@ -257,14 +284,15 @@ class Scheduler:
                     self.running.append(req)
                     admitted = True
             # The plan can overestimate room (its prefix hit was evicted by an earlier admission
-            # this step): what does not fit waits for the next step's view.
+            # this step): what does not fit waits for the next step's view, which says so.
             if ok:
-                batch.requests.append(req)
-                n = min(n, req.num_tokens - req.num_computed_tokens)
-                batch.num_tokens.append(n)
-                batch.num_context_tokens += req.num_computed_tokens + n
+                batch.add(req, min(n, req.num_tokens - req.num_computed_tokens), self.kv.block_table(req))
+            else:
+                deferred.append(rid)
         if admitted:
             self.running.sort(key=_arrival_order)
+        self._deferred = tuple(deferred)
+        self._matches = {}
         return batch
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
@@ -273,12 +301,13 @@ class Scheduler:
 
     # -- update -------------------------------------------------------------------------------
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
-        """Apply one step's results. `sampled[i]` is the token drawn for batch.requests[i], or None
-        when its chunk ended mid-prompt. Returns the requests that finished this step."""
+        """Apply one step's results. `sampled[i]` is the token drawn for batch row i, or None when
+        its chunk ended mid-prompt. Returns the requests that finished this step."""
         finished = []
         now = self.clock()
-        for req, n, token in zip(batch.requests, batch.num_tokens, sampled):
-            if req.is_finished:  # aborted while the step ran
+        for rid, n, token in zip(batch.request_ids, batch.num_tokens, sampled):
+            req = self.requests.get(rid)
+            if req is None or req.status is not RequestStatus.RUNNING:  # ended while the step ran
                 continue
             req.num_computed_tokens += n
             self.kv.commit(req)
@@ -306,7 +335,9 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status is not RequestStatus.LOADING:  # a loading one leaves the offload manager in kv.free
+        elif req.status is RequestStatus.LOADING:
+            self.loading.remove(req)
+        else:
             self._leave_queue(req)
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.output_lengths.observe(req.num_output_tokens)

@@ -89,7 +89,7 @@ def measure(core, plan: CalibrationPlan) -> list[Observation]:
             core.add_request(Request(f"{tag}-{i}", prompt, params))
         while core.has_unfinished():
             batch = sched.schedule()
-            chunks = tuple((r.num_computed_tokens, n) for r, n in zip(batch.requests, batch.num_tokens))
+            chunks = tuple(zip(batch.positions, batch.num_tokens))
             t0 = time.perf_counter()
             sampled = runner.execute(batch)
             seconds = time.perf_counter() - t0
@@ -168,7 +168,7 @@ def calibrate(config: EngineConfig, plan: CalibrationPlan = CalibrationPlan(), l
     """Time `config`'s engine on `plan`; the fitted cost model and a record of the run."""
     from tokenflowd.engine.core import EngineCore
 
-    core = EngineCore(config, loaded)
+    core = EngineCore.from_config(config, loaded)
     obs = measure(core, plan)
     model = fit_cost_model(engine_cost_model(core, name), obs).replace(
         source=f"tokenflowd calibrate: {config.model} on {config.device} ({config.dtype}), {len(obs)} steps")

@@ -7,16 +7,12 @@ the steps: a job submitted before a step may end during it, and the next schedul
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from tokenflowd.offload.copier import LOAD, WRITE, Copier, CopyJob
-
-if TYPE_CHECKING:
-    from tokenflowd.sim.simulator import VirtualClock
+from tokenflowd.kv.copier import LOAD, WRITE, Copier, CopyJob
+from tokenflowd.sim.clock import VirtualClock
 
 
 class SimCopier(Copier):
-    def __init__(self, bandwidth: float, clock: "VirtualClock") -> None:
+    def __init__(self, bandwidth: float, clock: VirtualClock) -> None:
         super().__init__(None, None, bandwidth)
         self.rate = bandwidth
         self.clock = clock  # wait() moves it forward to the job's end

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from tokenflowd.buffer.policy import cdiv
+from tokenflowd.kv.pages import cdiv
 
 MiB = 2**20
 

@@ -1,13 +1,16 @@
-"""The discrete-event simulator: the real Scheduler, KV manager, page pool and policy, driven on a
-virtual clock through an executor whose step times come from a cost model.
+"""The discrete-event simulator: the engine's own EngineCore (its Scheduler, KV manager, page pool
+and policy) on a virtual clock, with the cost model's executor in place of the model runner.
 
-One step, as EngineCore.step runs it (engine/core.py):
+One step is EngineCore.step (engine/core.py); around it the simulator only feeds arrivals and
+keeps the records:
 
     admit arrivals with arrival_time <= now      scheduler.add(Request(..., arrival_time=t))
-    batch = scheduler.schedule()                 the view is taken at `now` (the step's start)
-    dt = cost(batch); now += dt                  the step's tokens exist from its end
-    scheduler.update(batch, sampled)             buffers see each token at `now`
-    scheduler.observe_step(batch, dt)            the live step-time model the policies read
+    core.step():
+      batch = scheduler.schedule()               the view is taken at `now` (the step's start)
+      executor.execute(batch): now += dt         the step's tokens exist from its end
+      scheduler.update(batch, sampled)           buffers see each token at `now`
+      scheduler.observe_step(batch, dt)          the live step-time model the policies read
+    record core.last_batch and the outputs       admissions, preemptions, token times
 
 When nothing is unfinished the clock jumps to the next arrival. A request ends at its workload
 output length: the executor samples the end-of-sequence token there, so the engine learns a
@@ -25,12 +28,13 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from tokenflowd.buffer.policy import SchedulingPolicy
-from tokenflowd.engine.kv_manager import KVCacheManager
-from tokenflowd.engine.page_pool import PagePool
+from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, SamplingParams
 from tokenflowd.engine.scheduler import Scheduler
-from tokenflowd.offload.manager import OffloadManager
-from tokenflowd.offload.tiers import HostTier
+from tokenflowd.kv.manager import KVCacheManager
+from tokenflowd.kv.pages import PagePool
+from tokenflowd.kv.tiers import HostTier
+from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.copier import SimCopier
 from tokenflowd.sim.cost import CostModel
 from tokenflowd.sim.executor import CostModelExecutor
@@ -43,18 +47,6 @@ IDLE_LIMIT = 120.0  # virtual s a policy may schedule nothing while requests wai
 
 class SimulationError(RuntimeError):
     """The run cannot finish: a livelock, a policy that stopped scheduling, or leaked pages."""
-
-
-class VirtualClock:
-    """The scheduler's clock in the simulator: the time the loop set, never the wall clock."""
-
-    __slots__ = ("now",)
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass(slots=True)
@@ -106,11 +98,13 @@ class Simulator:
         self._check_fits()
         self.clock = VirtualClock()
         self.pool = PagePool(cost.num_pages, enable_prefix_caching)
-        self.offload = self._offload(offload, host_kv_memory, load_evict_overlap, enable_prefix_caching)
-        self.scheduler = Scheduler(KVCacheManager(self.pool, cost.page_size, self.offload), policy,
-                                   cost.max_num_batched_tokens, cost.max_num_seqs, clock=self.clock,
+        self.kv = self._kv(offload, host_kv_memory, load_evict_overlap, enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, policy, cost.max_num_batched_tokens, cost.max_num_seqs, clock=self.clock,
                                    expected_output_len=expected_output_len)
-        self.executor = CostModelExecutor(cost, {r.request_id: r.output_len for r in self.workload}, eos_token_id=SIM_EOS)
+        self.executor = CostModelExecutor(cost, {r.request_id: r.output_len for r in self.workload}, self.clock,
+                                          eos_token_id=SIM_EOS)
+        self.core = EngineCore(self.executor, self.scheduler, max_model_len=cost.max_model_len,
+                               vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(SIM_EOS,))
         # Enough for every token in its own step and every prompt re-run a few times; a run that
         # needs more is stuck, and says so instead of running for hours.
         self.max_steps = max_steps or 10 * sum(r.output_len + r.prompt_len // cost.max_num_batched_tokens + 1
@@ -121,16 +115,16 @@ class Simulator:
         if len(self.records) != len(workload):
             raise ValueError("workload request ids must be unique")
 
-    def _offload(self, mode: str, host_kv_memory: int, overlap: bool, prefix_caching: bool) -> OffloadManager | None:
-        """The engine's offload manager over a bookkeeping-only host tier and a virtual-time copier."""
+    def _kv(self, mode: str, host_kv_memory: int, overlap: bool, prefix_caching: bool) -> KVCacheManager:
+        """The engine's KV manager; with offload, over a bookkeeping-only host tier and a virtual-time copier."""
         if mode == "none":
-            return None
+            return KVCacheManager(self.pool, self.cost.page_size)
         page_bytes = self.cost.kv_bytes_per_token * self.cost.page_size
         if host_kv_memory < page_bytes:
             raise ValueError(f"offload {mode} needs a host tier of at least one page ({page_bytes} bytes)")
         copier = SimCopier(self.cost.host_link_bandwidth * self.cost.host_link_efficiency, self.clock)
         host = HostTier(host_kv_memory // page_bytes, page_bytes, None, prefix_caching)
-        return OffloadManager(self.pool, host, copier, self.cost.page_size, mode, overlap)
+        return KVCacheManager(self.pool, self.cost.page_size, host, copier, mode, overlap)
 
     def _check_fits(self) -> None:
         room = self.cost.max_tokens_in_pool
@@ -142,6 +136,8 @@ class Simulator:
                 )
 
     def _request(self, w: WorkloadRequest) -> Request:
+        """The workload's request, valid by construction (_check_fits): each is given a context of
+        its own (at least the cost model's), so EngineCore.add_request's checks are not needed."""
         req = Request(w.request_id, prompt_token_ids(w, SIM_VOCAB_SIZE), SamplingParams(max_tokens=w.max_tokens),
                       eos_token_ids=(SIM_EOS,), arrival_time=w.arrival_time, reading_rate=w.reading_rate,
                       priority=w.priority)
@@ -149,7 +145,7 @@ class Simulator:
         return req
 
     def run(self) -> SimResult:
-        clock, sched, execu, records = self.clock, self.scheduler, self.executor, self.records
+        clock, core, sched, records = self.clock, self.core, self.scheduler, self.records
         pending = deque(self.workload)
         on_device: set[str] = set()  # ids the loop has seen start running and not stop (membership only)
         steps = computed = steps_since_token = 0
@@ -161,12 +157,14 @@ class Simulator:
                 clock.now = pending[0].arrival_time  # idle: jump to the next arrival
                 continue
             start = clock.now
-            batch = sched.schedule()
-            sched.issue_copies(batch)
-            for req in batch.preempted:
-                records[req.request_id].preempt_times.append(start)
-                on_device.discard(req.request_id)
-            if not batch.requests:
+            outs = core.step()
+            batch = core.last_batch
+            for rid in batch.preempted:
+                records[rid].preempt_times.append(start)
+                on_device.discard(rid)
+            if not len(batch):
+                if clock.now > start:
+                    continue  # the step waited for a load in flight (the copier moved the clock)
                 # The policy ran nothing: let virtual time pass (buffers drain, the interval
                 # elapses) up to the next arrival, and give up if that never ends.
                 idle_since = start if idle_since is None else idle_since
@@ -179,30 +177,26 @@ class Simulator:
                 clock.now = min(start + tick, pending[0].arrival_time) if pending else start + tick
                 continue
             idle_since = None
-            for req in batch.requests:
-                if req.request_id not in on_device:
-                    on_device.add(req.request_id)
-                    rec = records[req.request_id]
+            for rid in batch.request_ids:
+                if rid not in on_device:
+                    on_device.add(rid)
+                    rec = records[rid]
                     if rec.admit_time is None:
                         rec.admit_time = start
-                        rec.num_cached_tokens = req.num_cached_tokens
+                        rec.num_cached_tokens = sched.requests[rid].num_cached_tokens if rid in sched.requests \
+                            else next(o.num_cached_tokens for o in outs if o.request_id == rid)
                     else:
                         rec.resume_times.append(start)
-            dt = execu.step_time(batch)
-            sampled = execu.execute(batch)
-            clock.now = start + dt
-            finished = sched.update(batch, sampled)
-            sched.observe_step(batch, dt)
             computed += batch.total_tokens
             now = clock.now
             steps_since_token += 1
-            for req, token in zip(batch.requests, sampled):
-                if token is not None:
-                    records[req.request_id].token_times.append(now)
+            for out in outs:
+                if out.new_token_ids:
+                    records[out.request_id].token_times.append(now)
                     steps_since_token = 0
-            for req in finished:
-                records[req.request_id].finish_time = now
-                on_device.discard(req.request_id)
+                if out.finished:
+                    records[out.request_id].finish_time = now
+                    on_device.discard(out.request_id)
             steps += 1
             if steps >= self.max_steps or steps_since_token >= self.max_steps_without_token:
                 raise SimulationError(
@@ -215,11 +209,9 @@ class Simulator:
         return SimResult(ordered, steps, sched.num_preemptions, computed, makespan, sched.policy.name)
 
     def _check_end(self) -> None:
-        if self.offload is not None:  # copies still in flight pin pages: let them end
-            self.offload.wait()
-            self.scheduler.poll_copies()
-            if self.offload.host.pool.num_used:
-                raise SimulationError(f"{self.offload.host.pool.num_used} host KV pages still held at the end")
+        self.core.wait_copies()  # copies still in flight pin pages: let them end
+        if self.kv.host.pool.num_used:
+            raise SimulationError(f"{self.kv.host.pool.num_used} host KV pages still held at the end")
         if self.pool.num_used:
             raise SimulationError(f"{self.pool.num_used} KV pages still held after every request finished")
         short = [r.request_id for r in self.records.values() if len(r.token_times) != r.output_len]

@@ -1,10 +1,4 @@
-"""Hierarchical KV: the host tier (and an optional disk tier) below the device pages, the copier
-that moves pages between them off the compute path, and the manager that decides what moves when.
-
-    tiers.py     HostTier (pinned on GPU), DiskTier (a file under the state directory)
-    copier.py    Copier: ThreadCopier (CPU), CudaCopier (a CUDA stream per direction)
-    manager.py   OffloadManager: write-through, chunked writing, preempt / resume, t_IO
-"""
+"""The engine's KV tiers and manager, from its configuration."""
 from __future__ import annotations
 
 import logging
@@ -13,10 +7,10 @@ import os
 import torch
 
 from tokenflowd.config import EngineConfig
-from tokenflowd.engine.page_pool import PagePool
-from tokenflowd.offload.copier import make_copier
-from tokenflowd.offload.manager import OffloadManager
-from tokenflowd.offload.tiers import DiskTier, HostTier
+from tokenflowd.kv.copier import make_copier
+from tokenflowd.kv.manager import KVCacheManager
+from tokenflowd.kv.pages import PagePool
+from tokenflowd.kv.tiers import DiskTier, HostTier
 
 log = logging.getLogger(__name__)
 
@@ -40,26 +34,26 @@ def host_budget(config: EngineConfig, device_kv_bytes: int) -> int:
     return min(HOST_POOLS_PER_DEVICE_POOL * device_kv_bytes, ram // 4 // max(1, torch.cuda.device_count()))
 
 
-def build_offload(config: EngineConfig, kv_cache: torch.Tensor, page_axis: int, device_pool: PagePool
-                  ) -> OffloadManager | None:
-    """The offload manager over `kv_cache` ([layers, *shape], pages on axis 1 + page_axis), or None
-    when offload is off or the host tier would hold no page."""
+def build_kv(config: EngineConfig, kv_cache: torch.Tensor, page_axis: int, num_pages: int) -> KVCacheManager:
+    """The KV manager over `kv_cache` ([layers, *shape], `num_pages` pages on axis 1 + page_axis),
+    with a host tier unless offload is off or it would hold no page."""
+    device = PagePool(num_pages, config.enable_prefix_caching)
     if config.offload == "none":
-        return None
+        return KVCacheManager(device, config.page_size)
     device_pages = kv_cache.movedim(1 + page_axis, 0)  # [num_pages + 1, layers, *rest]
     page_bytes = device_pages[0].numel() * device_pages.element_size()
-    num_host = host_budget(config, device_pool.num_pages * page_bytes) // page_bytes
+    num_host = host_budget(config, num_pages * page_bytes) // page_bytes
     if num_host < 1:
         log.warning("host KV tier holds no page: offload off, preempted KV is recomputed")
-        return None
+        return KVCacheManager(device, config.page_size)
     disk = None
     if config.disk_kv_memory:
         directory = config.disk_kv_dir or os.environ["STATE_DIRECTORY"].split(":")[0]
         disk = DiskTier(directory, max(1, config.disk_kv_memory // page_bytes), page_bytes)
-    host = HostTier.allocate(num_host, tuple(device_pages.shape[1:]), device_pages.dtype,
+    host = HostTier.create(num_host, tuple(device_pages.shape[1:]), device_pages.dtype,
                              pin=device_pages.device.type == "cuda", enable_prefix_caching=config.enable_prefix_caching,
                              disk=disk)
     log.info("host KV tier: %d pages (%.1f MiB, %s)%s", num_host, num_host * page_bytes / 2**20, config.offload,
              f", disk tier {disk.num_pages} pages in {directory}" if disk else "")
-    return OffloadManager(device_pool, host, make_copier(device_pages, host.pages), config.page_size,
-                          config.offload, config.load_evict_overlap)
+    return KVCacheManager(device, config.page_size, host, make_copier(device_pages, host.pages), config.offload,
+                          config.load_evict_overlap)

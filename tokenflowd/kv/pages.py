@@ -1,4 +1,4 @@
-"""Page allocator with reference counts, and the prefix cache over full pages.
+"""Pages: the allocator with reference counts, the prefix cache over full pages, chained page keys.
 
 A page is in exactly one of three states:
 
@@ -16,6 +16,10 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from typing import Callable, Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def chain_page_keys(
@@ -51,6 +55,7 @@ class PagePool:
         self._free: deque[int] = deque(range(num_pages))
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._by_key: dict[bytes, int] = {}
+        self.num_evictions = 0  # cached pages taken for reuse: a prefix match taken before is stale if it moved
         # Published and evicted keys since the last drain_key_events(), for the router's index;
         # recorded only once someone drains them (an engine process does, the in-process API not).
         self.track_key_events = False
@@ -84,6 +89,7 @@ class PagePool:
             page = self._free.popleft()
         elif self._lru:
             page, _ = self._lru.popitem(last=False)
+            self.num_evictions += 1
             key = self._key[page]
             if self.on_evict is not None:
                 self.on_evict(page, key)  # type: ignore[arg-type]

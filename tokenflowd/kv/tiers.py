@@ -1,7 +1,12 @@
-"""The tiers below the device: host memory (pinned on a GPU box) and, optionally, a file on disk.
+"""The places KV pages live, behind one ABC: the device pages, host memory (pinned on a GPU box)
+and, optionally, a file on disk; NullHostTier stands where no host tier is configured.
 
-    device pages ──write / load──> host tier ──spill / promote──> disk tier
-    (engine/page_pool.py)          HostTier                        DiskTier
+    DeviceTier ──write / load──> HostTier ──spill / promote──> DiskTier
+    (the pages attention reads)   (or NullHostTier: holds nothing, so a preempted request recomputes)
+
+Each tier answers `lookup(keys)`: for the longest prefix of the chained page keys it can give, a
+handle per key. A prefix match (manager.py) walks the tiers once and names each run of pages by
+the tier it comes from; a peer engine's pool or a remote node becomes one more tier.
 
 A host page is in one of PagePool's three states: free; cached (ref 0, keyed: a prefix page
 nobody holds, evictable in LRU order); in use (held by requests' host tables, and pinned by the
@@ -11,20 +16,53 @@ tier holds only keyed pages (the hierarchical prefix cache); a hit is promoted b
 """
 from __future__ import annotations
 
+import abc
 import os
 import tempfile
 from collections import OrderedDict
+from typing import Sequence
 
 import torch
 
-from tokenflowd.engine.page_pool import PagePool
+from tokenflowd.kv.pages import OutOfPages, PagePool
+
+DEVICE, HOST, DISK = "device", "host", "disk"  # the tiers' names: where a prefix match's pages come from
 
 
-class DiskTier:
+class KVTier(abc.ABC):
+    """A place that holds KV pages under their chained keys."""
+
+    name: str
+    num_pages: int
+
+    @abc.abstractmethod
+    def lookup(self, keys: Sequence[bytes]) -> list:
+        """For the longest prefix of `keys` this tier can give, one handle per key (no reference taken)."""
+
+    def close(self) -> None:
+        """Let go of what the tier holds (files, memory)."""
+
+
+class DeviceTier(KVTier):
+    """The pages attention reads: the engine's KV cache tensor, allocated through `pool`."""
+
+    name = DEVICE
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self.num_pages = pool.num_pages
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        return self.pool.lookup(keys)
+
+
+class DiskTier(KVTier):
     """Keyed pages in one unlinked file under `directory`: nothing outlives the process.
 
     Invariants: a key maps to one slot; a slot's bytes are the page written under its key; when the
     file is full, the least recently used key is dropped (its slot reused)."""
+
+    name = DISK
 
     def __init__(self, directory: str, num_pages: int, page_bytes: int) -> None:
         if num_pages < 1:
@@ -54,6 +92,16 @@ class DiskTier:
         os.pwrite(self._fd, _bytes_of(page), slot * self.page_bytes)
         self._slot[key] = slot
 
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The slots of the longest prefix of `keys` stored here."""
+        slots = []
+        for key in keys:
+            slot = self._slot.get(key)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
     def touch(self, key: bytes) -> None:
         """Mark `key` most recently used (so that a spill made to read it back does not drop it)."""
         if key in self._slot:
@@ -81,13 +129,15 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
-class HostTier:
+class HostTier(KVTier):
     """Host memory for KV pages, in the device pages' layout, with its own allocator and LRU.
 
     pages: [num_pages, layers, *rest] dtype cpu (pinned when the device is a GPU). Committed at
     start (zeroed): the tier's memory shows in the engine's RSS from the first moment, not as a
     slow climb while the host prefix cache fills, and an operator's memory limit fails at start.
     None in the simulator, which keeps the bookkeeping and moves no bytes."""
+
+    name = HOST
 
     def __init__(self, num_pages: int, page_bytes: int, pages: torch.Tensor | None, enable_prefix_caching: bool,
                  disk: DiskTier | None = None) -> None:
@@ -99,10 +149,17 @@ class HostTier:
                              on_evict=self._spill if disk is not None else None)
 
     @classmethod
-    def allocate(cls, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+    def create(cls, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
                  enable_prefix_caching: bool, disk: DiskTier | None = None) -> "HostTier":
         pages = torch.zeros((num_pages, *page_shape), dtype=dtype, pin_memory=pin)
         return cls(num_pages, pages[0].numel() * pages.element_size(), pages, enable_prefix_caching, disk)
+
+    def allocate(self) -> int | None:
+        """A fresh host page (ref 1), or None when every page is in use."""
+        try:
+            return self.pool.allocate()
+        except OutOfPages:
+            return None
 
     def _spill(self, page: int, key: bytes) -> None:
         self.disk.put(key, self.pages[page])  # type: ignore[union-attr]
@@ -137,3 +194,18 @@ class HostTier:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+
+
+class NullHostTier(HostTier):
+    """No host tier: it holds no page and finds none, so nothing is written through and a
+    preempted request's KV is recomputed. Callers treat it as any host tier."""
+
+    def __init__(self, page_bytes: int = 0) -> None:
+        super().__init__(1, page_bytes, None, enable_prefix_caching=False)
+        self.num_pages = 0
+
+    def allocate(self) -> int | None:
+        return None
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
+        return []

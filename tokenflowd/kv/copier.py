@@ -18,6 +18,11 @@ Layouts (the device's page axis moved to the front, so a page is one index on bo
 Invariants: a job reads and writes only the pages it names; the caller pins every one of them
 (a reference in its pool) from submit until `poll` returns the job, so none is freed or handed to
 another request while the copy runs. Jobs of one lane complete in submission order.
+
+Faults: a copy that raises ends its job with `error` set (its pages hold nothing to trust, and the
+manager publishes none of them); the lane goes on with the next job. A lane that can no longer run
+(its worker thread gone, a CUDA error) raises CopierDead from poll and wait: the engine exits and
+its supervisor starts a fresh one, instead of waiting forever for a copy that will not end.
 """
 from __future__ import annotations
 
@@ -33,6 +38,11 @@ from typing import Any
 import torch
 
 WRITE, LOAD = "write", "load"
+LANE_CHECK_INTERVAL = 1.0  # s between checks that a lane's worker is alive while waiting on it
+
+
+class CopierDead(RuntimeError):
+    """A copier lane cannot run any more: the engine cannot move KV and must be restarted."""
 
 
 @dataclass(eq=False)
@@ -44,6 +54,7 @@ class CopyJob:
     tag: Any = None  # the offload manager's bookkeeping for this job
     seconds: float = 0.0  # the copy's own duration, measured where it ran
     done: bool = False
+    error: BaseException | None = None  # set when the copy raised: the job ended, its pages hold garbage
     _events: Any = field(default=None, repr=False)
 
 
@@ -93,9 +104,15 @@ class Copier(abc.ABC):
                 job = jobs.popleft()
                 job.done = True
                 self._queued[lane] -= job.nbytes
-                self.bandwidth[lane].observe(job.nbytes, job.seconds)
+                if job.error is None:
+                    self.bandwidth[lane].observe(job.nbytes, job.seconds)
                 done.append(job)
+            if jobs:
+                self._check_alive(lane)
         return done
+
+    def _check_alive(self, lane: str) -> None:
+        """Raise CopierDead if `lane` has jobs it will never finish."""
 
     def busy(self, lane: str) -> bool:
         return bool(self.in_flight[lane])
@@ -152,6 +169,22 @@ def copy_pages(dev: torch.Tensor, host: torch.Tensor, job: CopyJob) -> None:
             dev.index_copy_(0, idx, host[h : h + j - i])
 
 
+class NullCopier(Copier):
+    """The copier beside a NullHostTier: nothing is ever submitted to it."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, 1.0)
+
+    def _start(self, job: CopyJob) -> None:
+        raise AssertionError("there is no host tier to copy to")
+
+    def _finished(self, job: CopyJob) -> bool:
+        return True
+
+    def _wait(self, job: CopyJob) -> None:
+        pass
+
+
 class ThreadCopier(Copier):
     """CPU: one worker thread per lane.
 
@@ -179,9 +212,18 @@ class ThreadCopier(Copier):
         return job._events.is_set()
 
     def _wait(self, job: CopyJob) -> None:
-        job._events.wait()
+        while not job._events.wait(LANE_CHECK_INTERVAL):
+            self._check_alive(job.lane)
+
+    def _check_alive(self, lane: str) -> None:
+        thread = self._threads[0 if lane == WRITE else 1]
+        if not thread.is_alive():
+            raise CopierDead(f"the KV {lane} lane's worker thread has exited with copies still queued")
 
     def close(self) -> None:
+        for lane, jobs in self.in_flight.items():
+            if jobs:
+                self._check_alive(lane)
         super().close()
         self._stop()
         for t in self._threads:
@@ -197,10 +239,11 @@ def _worker(q: queue.SimpleQueue, copier_ref: "weakref.ref[ThreadCopier]") -> No
         t0 = time.perf_counter()
         try:
             copier._run(job)
-        finally:
-            job.seconds = time.perf_counter() - t0
-            job._events.set()
-            del copier, job
+        except Exception as e:  # the job fails; the lane goes on with the next one
+            job.error = e
+        job.seconds = time.perf_counter() - t0
+        job._events.set()
+        del copier, job
 
 
 def _stop_workers(queues: list[queue.SimpleQueue]) -> None:
@@ -221,6 +264,12 @@ class CudaCopier(Copier):
         self._streams = {lane: torch.cuda.Stream(self.device) for lane in (WRITE, LOAD)}
 
     def _start(self, job: CopyJob) -> None:
+        try:
+            self._enqueue(job)
+        except RuntimeError as e:  # a CUDA error is sticky: nothing on this device can be trusted
+            raise CopierDead(f"the KV {job.lane} lane could not start a copy: {e}") from e
+
+    def _enqueue(self, job: CopyJob) -> None:
         stream = self._streams[job.lane]
         stream.wait_stream(torch.cuda.current_stream(self.device))  # after the step that wrote the pages
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -247,7 +296,10 @@ class CudaCopier(Copier):
         return True
 
     def _wait(self, job: CopyJob) -> None:
-        job._events[1].synchronize()
+        try:
+            job._events[1].synchronize()
+        except RuntimeError as e:
+            raise CopierDead(f"the KV {job.lane} lane failed: {e}") from e
 
 
 def _runs(host_pages: list[int]) -> list[tuple[int, int, int]]:
