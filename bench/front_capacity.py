@@ -498,7 +498,7 @@ def sweep(a: argparse.Namespace) -> int:
         pin(cpus[1])  # this process mostly sleeps; keep it off the front's CPU
     token_text = None
     try:
-        from tokenflowd.engine.loader import load_tokenizer
+        from tokenflowd.text.source import load_tokenizer
 
         token_text = load_tokenizer(MODEL).decode([a.token_id])
     except Exception as e:  # noqa: BLE001 - only for the report

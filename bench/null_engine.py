@@ -39,7 +39,7 @@ from tokenflowd import protocol as p
 from tokenflowd.engine.endpoint import EngineEndpoint, die_with_parent
 
 log = logging.getLogger("tokenflowd.null_engine")
-DEFAULT_TOKEN_ID = 260  # " the" (tokenflowd.engine.loader.load_tokenizer("smollm2-135m").encode(" the"))
+DEFAULT_TOKEN_ID = 260  # " the" (tokenflowd.text.source.load_tokenizer("smollm2-135m").encode(" the"))
 DEFAULT_MAX_MODEL_LEN = 8192  # SmolLM2's context, when the config does not cap it
 
 

@@ -33,8 +33,8 @@ def make_hf_dir(path: Path, arch: str, seed: int = 0) -> Path:
     embedded model's tokenizer (ids line up: the vocab sizes agree)."""
     import transformers
 
-    from tokenflowd.engine.loader import embedded_gguf_path
-    from tokenflowd.engine.tokenizer import Tokenizer
+    from tokenflowd.text.source import embedded_gguf_path
+    from tokenflowd.text.tokenizer import Tokenizer
 
     import gguf
 

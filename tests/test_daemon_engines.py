@@ -130,3 +130,42 @@ def test_engines_exit_within_5_s_of_a_sigkilled_supervisor():
             c.close()
         if d.proc.poll() is None:
             d.proc.kill()
+
+
+FAULT_SITE = '''
+import os, sys
+if "tokenflowd.engine.process" in sys.orig_argv:  # engine processes only
+    from tokenflowd.kv import copier
+
+    _run = copier.ThreadCopier._run
+
+    def _dying_run(self, job):
+        if os.path.exists({armed!r}):
+            os.unlink({armed!r})
+            raise SystemExit  # not an Exception: the lane's worker thread itself ends
+        _run(self, job)
+
+    copier.ThreadCopier._run = _dying_run
+'''
+
+
+def test_a_dead_copier_lane_ends_the_engine_and_the_supervisor_restarts_it(tmp_path):
+    """The engine's KV write lane dies mid-stream (a sitecustomize in the engines arms it through
+    a file): the engine exits non-zero instead of hanging on a copy that will never end, the
+    stream ends with an error, and the supervisor brings a fresh engine up that serves."""
+    armed = tmp_path / "armed"
+    (tmp_path / "sitecustomize.py").write_text(FAULT_SITE.format(armed=str(armed)))
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    d = Daemon("--dtype", "float32", "--kv-cache-memory", "64MiB", "--offload", "write-through", env=env)
+    try:
+        armed.touch()  # after the warm-up: the next copy, a write-through of this request's prompt
+        r = d.http.post("/v1/chat/completions", json=chat_body("Tell me a long story.", max_tokens=200,
+                                                                ignore_eos=True, stream=True))
+        assert "error" in r.text and "exited with code 4" in r.text, r.text[-500:]
+        assert not armed.exists()
+        h = d.wait_all_engines()
+        assert h["engines"][0]["restarts"] == 1
+        ok = d.http.post("/v1/chat/completions", json=chat_body("Name a color.", max_tokens=3))
+        assert ok.status_code == 200, ok.text
+    finally:
+        d.stop()

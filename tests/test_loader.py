@@ -294,6 +294,7 @@ def test_directory_without_config(tmp_path: Path) -> None:
 
 def test_the_tokenizer_of_an_unknown_model_is_refused_without_loading_weights(tmp_path: Path, monkeypatch) -> None:
     import tokenflowd.engine.loader as loader
+    from tokenflowd.text import source
 
     def no_load(*a, **kw):
         raise AssertionError("load_tokenizer loaded a model")
@@ -305,7 +306,7 @@ def test_the_tokenizer_of_an_unknown_model_is_refused_without_loading_weights(tm
              (str(tmp_path / "gone.gguf"), "model path does not exist"), (str(tmp_path), "missing config.json"))
     for spec, msg in cases:
         with pytest.raises(ModelLoadError, match=msg):
-            loader.load_tokenizer(spec)
+            source.load_tokenizer(spec)
 
 
 def test_truncated_gguf(tmp_path: Path) -> None:

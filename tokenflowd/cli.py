@@ -7,7 +7,7 @@ import sys
 import time
 
 from tokenflowd.config import EngineConfig
-from tokenflowd.engine.loader import ModelLoadError
+from tokenflowd.text.source import ModelLoadError
 from tokenflowd.engine.request import InvalidRequestError, SamplingParams
 
 
@@ -185,7 +185,7 @@ def cmd_config_check(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenflowd", description=__doc__)
     log_help = "DEBUG, INFO, WARNING or ERROR (default: INFO for serve, WARNING otherwise)"
     parser.add_argument("--log-level", help=log_help)
@@ -240,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     from tokenflowd.sim.cli import add_commands as add_sim_commands
 
     add_sim_commands(sub, common)  # sim, calibrate
-    a = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     level = (a.log_level or ("INFO" if a.command == "serve" else "WARNING")).upper()
     # serve logs to stdout, one line an event (journald under systemd); other commands to stderr
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from tokenflowd.api.app import Front, build_app
 from tokenflowd.config import EngineConfig, ServerConfig
-from tokenflowd.engine.loader import load_tokenizer
+from tokenflowd.text.source import load_tokenizer
 from tokenflowd.notify import Notifier
 from tokenflowd.supervisor import Supervisor
 
@@ -37,26 +37,35 @@ async def run_server(server: ServerConfig, engine: EngineConfig, reload: Reload 
                      supervisor_factory: Callable[[ServerConfig, EngineConfig], Supervisor] = Supervisor,
                      backlog: int = 128) -> None:
     """`supervisor_factory` and `backlog` (the listen queue) are seams for benchmarks (bench/front_capacity.py)."""
-    tokenizer = await asyncio.to_thread(load_tokenizer, engine.model)  # fails fast on a bad --model
     supervisor = supervisor_factory(server, engine)
+    notifier = Notifier()
+    notifier.status(f"starting {len(supervisor.slots)} engine(s)")
+    # The engines load the model while the front reads its tokenizer (GGUF metadata: 2.6 s for the
+    # embedded model on a 2-core AMD EPYC); a bad --model fails here, and the engines are stopped.
+    reading = asyncio.create_task(asyncio.to_thread(load_tokenizer, engine.model))
+    try:
+        await supervisor.start()
+        tokenizer = await reading
+    except BaseException:
+        reading.cancel()
+        await supervisor.stop()
+        notifier.close()
+        raise
     front = Front(supervisor, tokenizer, server, server.served_model_name or engine.model)
     runner = web.AppRunner(build_app(front), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, server.host, server.port, backlog=backlog)
-    await site.start()
-    log.info("tokenflowd listening on http://%s:%d (model %s, %d engine(s))", server.host, server.port,
-                front.model_name, len(supervisor.slots))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    notifier = Notifier()
     tasks = [asyncio.create_task(notifier.watchdog(), name="watchdog")]
     if reload is not None:
         loop.add_signal_handler(signal.SIGHUP, reload_live, reload, server, engine, supervisor, notifier)
     try:
-        notifier.status(f"starting {len(supervisor.slots)} engine(s)")
-        await supervisor.start()
+        await runner.setup()
+        site = web.TCPSite(runner, server.host, server.port, backlog=backlog)
+        await site.start()
+        log.info("tokenflowd listening on http://%s:%d (model %s, %d engine(s))", server.host, server.port,
+                 front.model_name, len(supervisor.slots))
         freeze_startup_objects()
         tasks.append(asyncio.create_task(report_status(supervisor, notifier), name="status"))
         await stop.wait()

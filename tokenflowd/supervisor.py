@@ -409,6 +409,6 @@ def _engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[Eng
 
 
 def _cuda_count() -> int:
-    import torch
+    from tokenflowd.engine.platform import cuda_device_count
 
-    return torch.cuda.device_count()
+    return cuda_device_count()

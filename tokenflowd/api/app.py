@@ -36,7 +36,7 @@ from tokenflowd.api.metrics import Metrics
 from tokenflowd.api.rates import RateChoice, RateMonitor, choose_rate
 from tokenflowd.config import ServerConfig
 from tokenflowd.procstats import process_figures
-from tokenflowd.engine.tokenizer import Tokenizer
+from tokenflowd.text.tokenizer import Tokenizer
 from tokenflowd.protocol import AddRequest, RequestInfo, Sampling
 from tokenflowd.router import Router
 from tokenflowd.supervisor import NoEngineReady, Supervisor

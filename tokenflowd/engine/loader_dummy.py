@@ -8,12 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import tokenizers
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from tokenflowd.engine.loader import LoadedModel, ModelLoadError, embedded_gguf_path, expected_weight_shapes
+from tokenflowd.engine.loader import LoadedModel, ModelLoadError, expected_weight_shapes
 from tokenflowd.engine.model_config import ModelConfig, RopeScaling
-from tokenflowd.engine.tokenizer import Tokenizer
+from tokenflowd.text.source import DUMMY_PRESET_NAMES, dummy_tokenizer
 
 DUMMY_PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(  # Llama 3.1 8B
@@ -61,11 +59,7 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         name="dummy:smollm2-135m",
     ),
 }
-
-_CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
-    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+assert tuple(DUMMY_PRESETS) == DUMMY_PRESET_NAMES, "the front names the presets it accepts (text/source.py)"
 
 
 def load_dummy(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
@@ -92,26 +86,3 @@ def random_weights(
         else:
             weights[name] = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
     return weights
-
-
-def dummy_tokenizer() -> Tokenizer:
-    """The embedded SmolLM2 tokenizer (metadata only), or a bare byte-level one without it."""
-    try:
-        path = embedded_gguf_path()
-    except ModelLoadError:
-        return _byte_tokenizer()
-    from tokenflowd.engine.loader_gguf import open_gguf
-
-    return Tokenizer.from_gguf(open_gguf(path))
-
-
-def _byte_tokenizer() -> Tokenizer:
-    """256 byte tokens + ChatML specials: encodes any text, one token per byte."""
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {tok: i for i, tok in enumerate(specials + alphabet)}
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    return Tokenizer(backend, eos_token_ids=(2,), bos_token_id=1, chat_template=_CHATML_TEMPLATE)

@@ -19,7 +19,8 @@ import torch
 
 from tokenflowd.engine.loader import LoadedModel, ModelLoadError, check_weights
 from tokenflowd.engine.model_config import ModelConfig, RopeScaling
-from tokenflowd.engine.tokenizer import Tokenizer
+from tokenflowd.text.source import open_gguf
+from tokenflowd.text.tokenizer import Tokenizer
 
 _SUPPORTED_ARCHS = ("llama", "qwen2")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -35,25 +36,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency divisors
-
-
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """Open and index a GGUF file (memory-mapped; no tensor is read yet)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"model path does not exist: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(f"not a valid GGUF file: {path} (bad magic {magic!r}, expected b'GGUF')")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader fails in many ways on a cut file (IndexError, ValueError, …)
-        raise ModelLoadError(f"not a valid GGUF file: {path} (truncated or corrupt: {e})") from e
-    for t in reader.tensors:
-        if t.data.nbytes != t.n_bytes:
-            raise ModelLoadError(f"not a valid GGUF file: {path} (truncated: tensor {t.name} is incomplete)")
-    return reader
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:

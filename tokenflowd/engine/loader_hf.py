@@ -10,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from tokenflowd.engine.loader import LoadedModel, ModelLoadError, check_weights, expected_weight_shapes
 from tokenflowd.engine.model_config import ModelConfig
-from tokenflowd.engine.tokenizer import Tokenizer
+from tokenflowd.text.tokenizer import Tokenizer
 
 # Buffers some checkpoints carry that are recomputed, not learned.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

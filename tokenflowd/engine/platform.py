@@ -1,14 +1,41 @@
-"""What this machine offers: a CUDA device, fast bf16 on the CPU, flashinfer."""
+"""What this machine offers: CUDA devices, fast bf16 on the CPU, flashinfer.
+
+Asked without importing torch into the calling process: the front resolves the engine config
+(how many engines, which device) but never computes, and torch costs it ~300 MB of RSS. Where
+the GPU question cannot be settled from the environment, one short-lived child process asks
+torch and exits.
+"""
 from __future__ import annotations
 
 import functools
+import glob
 import importlib.util
+import os
+import subprocess
+import sys
 
-import torch
+_PROBE = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+PROBE_TIMEOUT = 120.0  # s: a CUDA initialisation can be slow, a hung driver must not hang start-up
 
 
 def pick_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if cuda_device_count() > 0 else "cpu"
+
+
+@functools.cache
+def cuda_device_count() -> int:
+    """CUDA devices torch can use here (0 without a driver, a device node or a CUDA build)."""
+    if "torch" in sys.modules:  # an engine or the in-process API: torch is here already
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or not glob.glob("/dev/nvidia[0-9]*"):
+        return 0
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT)
+        return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
+    except (subprocess.TimeoutExpired, ValueError, IndexError, OSError):
+        return 0
 
 
 @functools.cache
@@ -25,4 +52,4 @@ def cpu_has_fast_bf16() -> bool:
 
 @functools.cache
 def has_flashinfer() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
+    return cuda_device_count() > 0 and importlib.util.find_spec("flashinfer") is not None

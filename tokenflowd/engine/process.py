@@ -30,9 +30,10 @@ import msgspec
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, PolicyConfig
 from tokenflowd.engine.admission import QueueDelayExceeded
-from tokenflowd.engine.core import EngineCore, EngineCoreOutput
+from tokenflowd.engine.core import EngineCore, EngineCoreOutput, EngineFailed
 from tokenflowd.engine.endpoint import EngineEndpoint, SupervisorUnreachable, die_with_parent
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
+from tokenflowd.kv.copier import CopierDead
 
 log = logging.getLogger("tokenflowd.engine")
 
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     except SupervisorUnreachable as e:
         log.error("%s; engine %d exits", e, spec.engine_id)
         return 3
+    except (EngineFailed, CopierDead) as e:  # the supervisor fails its streams and starts a fresh engine
+        log.error("%s; engine %d exits", e, spec.engine_id)
+        return 4
     return 0
 
 

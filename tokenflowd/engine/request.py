@@ -5,11 +5,12 @@ import enum
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from tokenflowd.buffer.tracker import TokenBuffer
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_READING_RATE = 20.0  # tokens/s: a fast human reader
 
@@ -117,6 +118,8 @@ class Request:
             raise InvalidRequestError(f"reading_rate must be a finite number of tokens/s above 0, got {self.reading_rate}")
         self.buffer = TokenBuffer(self.reading_rate)
         if self.sampling_params.seed is not None:
+            import torch  # here: the front builds SamplingParams from this module without torch
+
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property

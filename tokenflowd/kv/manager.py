@@ -154,6 +154,7 @@ class KVCacheManager:
         self._kv: dict[str, RequestKV] = {}
         self.num_evicting = 0  # eviction jobs in flight
         self.num_unissued_loads = 0  # pages in loading requests' queues, not yet handed to the copier
+        self._keys_in_flight: Counter[bytes] = Counter()  # full pages being written to the host, by key
 
     @property
     def page_bytes(self) -> int:
@@ -397,6 +398,9 @@ class KVCacheManager:
             self.pool.incref(d)
             self.host.pool.incref(h)
         tag = _Tag(req, st, [i for i, _, _ in pairs], end, evict, st.epoch)
+        if lane == WRITE:
+            chain_page_keys(req.token_ids, self.page_size, st.page_hashes, end)
+            self._keys_in_flight.update(st.page_hashes[i] for i, _, _ in pairs if i < len(st.page_hashes))
         self.copier.submit(CopyJob(lane, [d for _, d, _ in pairs], [h for _, _, h in pairs],
                                    len(pairs) * self.page_bytes, tag))
         self.num_evicting += evict
@@ -409,6 +413,8 @@ class KVCacheManager:
             req, st = tag.req, tag.kv
             if job.lane == WRITE:
                 self.num_evicting -= tag.evict
+                self._keys_in_flight.subtract(st.page_hashes[i] for i in tag.page_index if i < len(st.page_hashes))
+                self._keys_in_flight += Counter()  # drop the keys no copy writes any more
             trusted = tag.epoch == st.epoch  # no copy of this request failed since it was issued
             live = trusted and not req.is_finished
             if job.error is not None:
@@ -417,13 +423,13 @@ class KVCacheManager:
                           job.error)
                 if live:
                     st.epoch += 1  # the copies of it still in flight carry nothing to trust either
-                    if job.lane == WRITE:  # keep what was written before it; the rest is recomputed
-                        self._drop_host_copy(st, st.num_offloaded_tokens // self.page_size)
-                    else:
+                    if st.num_load_tokens:  # a load in progress (or waiting on this write) cannot finish
                         self._release_device(req, st)
                         self._drop_host_copy(st, 0)
                         st.num_loading_pages = st.num_load_tokens = 0
                         failed.append(req)
+                    else:  # keep what was written before it; the rest is recomputed
+                        self._drop_host_copy(st, st.num_offloaded_tokens // self.page_size)
             elif job.lane == WRITE:
                 self.stats.pages_written += len(job.host_pages)
                 if live:
@@ -501,11 +507,36 @@ class KVCacheManager:
             if budget <= 0:
                 break
             st = self.state(req)
-            pairs, reach = self._write_pairs(req, st, (req.num_computed_tokens // ps) * ps, budget)
+            end = (req.num_computed_tokens // ps) * ps
+            if not self._share_written(req, st, end):
+                continue  # its next page is being written for another request: share it once it lands
+            pairs, reach = self._write_pairs(req, st, end, budget)
             if pairs:
                 self._submit(WRITE, req, st, pairs, reach)
                 st.num_offload_issued = reach
                 budget -= len(pairs)
+
+    def _share_written(self, req: Request, st: RequestKV, end_tokens: int) -> bool:
+        """Host pages that already hold the request's next full pages (another request sharing its
+        prefix wrote them) become its own copy, and the frontier moves past them: nothing is
+        written twice. Only at a whole-page frontier with no write of its own in flight. False:
+        the next page is being written for another request (wait for it rather than copy it too)."""
+        ps = self.page_size
+        i = st.num_offloaded_tokens // ps
+        if st.num_offload_issued != st.num_offloaded_tokens or st.num_offloaded_tokens % ps or i >= end_tokens // ps:
+            return True
+        chain_page_keys(req.token_ids, ps, st.page_hashes, end_tokens)
+        start = i
+        while i < end_tokens // ps:
+            found = self.host.pool.lookup(st.page_hashes[i : i + 1])
+            if not found:
+                break
+            self.host.pool.incref(found[0])
+            st.host_pages.append(found[0])
+            i += 1
+        st.num_offloaded_tokens = st.num_offload_issued = i * ps
+        self.stats.pages_shared += i - start
+        return i == end_tokens // ps or st.page_hashes[i] not in self._keys_in_flight
 
     def _issue_loads(self, step_seconds: float, loading: Iterable[Request]) -> None:
         if not self.num_unissued_loads or (not self.load_evict_overlap and self.num_evicting):
