@@ -102,6 +102,7 @@ class Ready(msgspec.Struct, tag=True):
     stats: EngineStats
     policy: str = ""
     policy_params: dict = {}  # the PolicyConfig fields it schedules with
+    fallback: str = ""  # a fast path failed its start-up check and was replaced (engine/self_check.py); "": none
 
 
 class Delta(msgspec.Struct):

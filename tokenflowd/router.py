@@ -2,8 +2,8 @@
 much busier than the least busy one.
 
 Each engine reports the keys of the full pages its prefix cache holds (published and evicted
-keys ride on its step messages); the router computes the request's chained page keys the same
-way the engine does and counts how many leading pages an engine has. Load is the number of
+keys ride on its step messages, kept in prefix_index.py); the router computes the request's
+chained page keys the same way the engine does and counts how many leading pages an engine has. Load is the number of
 requests an engine holds (running + waiting, and those sent but not yet seen in its stats).
 
     score(e) = cached_prompt_tokens(e) − load_weight · page_size · load(e)
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from tokenflowd.kv.pages import chain_page_keys
+from tokenflowd.prefix_index import PrefixIndex
 
 
 class EngineLoad(Protocol):
     engine_id: int
-    keys: set[bytes]
 
     @property
     def load(self) -> int: ...
@@ -33,19 +33,10 @@ class Choice:
     cached_pages: int
 
 
-def cached_pages(keys: Sequence[bytes], held: set[bytes]) -> int:
-    """Leading pages of a request (by chained key) that `held` has."""
-    n = 0
-    for key in keys:
-        if key not in held:
-            break
-        n += 1
-    return n
-
-
 class Router:
-    def __init__(self, page_size: int, load_weight: float = 1.0) -> None:
+    def __init__(self, page_size: int, index: PrefixIndex, load_weight: float = 1.0) -> None:
         self.page_size = page_size
+        self.index = index
         self.load_weight = load_weight
 
     def pick(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int]) -> Choice:
@@ -56,7 +47,7 @@ class Router:
         keys = chain_page_keys(prompt_token_ids, self.page_size, [], max(0, len(prompt_token_ids) - 1))
         best: tuple[float, int, Choice] | None = None
         for e in engines:
-            hit = cached_pages(keys, e.keys) if keys else 0
+            hit = self.index.cached_pages(e.engine_id, keys) if keys else 0
             score = (hit - self.load_weight * e.load) * self.page_size
             cand = (score, -e.engine_id, Choice(e.engine_id, hit))
             if best is None or cand[:2] > best[:2]:

@@ -36,10 +36,10 @@ from tokenflowd.api.metrics import Metrics
 from tokenflowd.api.rates import RateChoice, RateMonitor, choose_rate
 from tokenflowd.config import ServerConfig
 from tokenflowd.procstats import process_figures
-from tokenflowd.text.tokenizer import Tokenizer
 from tokenflowd.protocol import AddRequest, RequestInfo, Sampling
 from tokenflowd.router import Router
 from tokenflowd.supervisor import NoEngineReady, Supervisor
+from tokenflowd.text.tokenizer import Tokenizer
 
 # Why a value was refused, for the fields declared only to refuse anything but their default.
 _UNSUPPORTED = {
@@ -101,7 +101,7 @@ class Front:
         self.config = config
         self.model_name = model_name
         self.metrics = Metrics(supervisor)
-        self.router = Router(supervisor.engine_config.page_size)
+        self.router = Router(supervisor.engine_config.page_size, supervisor.index)
         self.draining = False
         self.created = int(time.time())
         self._chat_decoder = msgspec.json.Decoder(s.ChatCompletionRequest)
@@ -410,9 +410,10 @@ class Front:
 
     async def health(self, request: web.Request) -> web.Response:
         engines = [{"engine": slot.engine_id, "state": slot.state, "restarts": slot.num_restarts,
-                    "pid": slot.proc.pid if slot.proc else None, "requests": slot.load,
+                    "pid": slot.pid, "requests": slot.load,
                     "policy": slot.config.policy, "policy_params": slot.policy_params,
                     "consecutive_failures": slot.consecutive_failures, "last_failure": slot.last_failure,
+                    "fallback": slot.info.fallback if slot.info else None,
                     "process": _figures(slot)}
                    for slot in self.supervisor.slots]
         serving = not self.draining and any(slot.ready for slot in self.supervisor.slots)

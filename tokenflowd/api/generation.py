@@ -29,10 +29,11 @@ from typing import Callable
 from tokenflowd.api.metrics import EngineMetrics
 from tokenflowd.api.rates import RateMonitor
 from tokenflowd.buffer.tracker import TokenBuffer
+from tokenflowd.engine_handle import EngineHandle
+from tokenflowd.protocol import AddRequest, Delta
+from tokenflowd.supervisor import Supervisor
 from tokenflowd.text.stream import IncrementalDetokenizer, StopStringMatcher
 from tokenflowd.text.tokenizer import Tokenizer
-from tokenflowd.protocol import AddRequest, Delta
-from tokenflowd.supervisor import EngineSlot, Supervisor
 
 request_log = logging.getLogger("tokenflowd.requests")
 
@@ -52,7 +53,7 @@ class Generation:
     `keep_text` keeps the text sent, for the conversation's cadence (api/cadence.py)."""
 
     def __init__(
-        self, supervisor: Supervisor, slot: EngineSlot, add: AddRequest, tokenizer: Tokenizer,
+        self, supervisor: Supervisor, slot: EngineHandle, add: AddRequest, tokenizer: Tokenizer,
         stop: tuple[str, ...], metrics: EngineMetrics, arrival_time: float, *,
         rate: RateMonitor | None = None, keep_text: bool = False,
     ) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from tokenflowd.cli import main
 
-UNITS = Path(__file__).parents[1] / "systemd"
+UNITS = Path(__file__).parents[2] / "systemd"
 ANALYZE = shutil.which("systemd-analyze")
 needs_systemd = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed")
 

@@ -27,7 +27,7 @@ def test_an_engine_stuck_in_start_up_is_killed_and_retried(tmp_path):
     async def run() -> tuple[int, str | None, int]:
         await sup.start()
         slot = sup.slots[0]
-        first = slot.proc.pid
+        first = slot.pid
         deadline = time.monotonic() + 30
         while slot.num_restarts < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

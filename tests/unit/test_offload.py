@@ -140,50 +140,51 @@ schedules = st.fixed_dictionaries({
     "abort": st.one_of(st.none(), st.tuples(st.integers(0, 3), st.integers(0, 30))),
 })
 
-COVERAGE: Counter = Counter()
+def test_greedy_tokens_equal_the_uninterrupted_run_under_any_preempt_resume_schedule(tiny, tmp_path_factory):
+    """Every schedule hypothesis draws keeps each request's greedy tokens; and the schedules drawn
+    reached every path (a property test is only as good as what its schedules reach)."""
+    coverage: Counter = Counter()
 
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(s=schedules)
+    def check(s):
+        prompts = [FAMILIES[f][:n] for f, n in s["prompts"]]
+        max_tokens = s["max_tokens"][: len(prompts)]
+        expected = reference(tiny, prompts, max_tokens)
 
-@settings(max_examples=100, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(s=schedules)
-def test_greedy_tokens_equal_the_uninterrupted_run_under_any_preempt_resume_schedule(tiny, tmp_path, s):
-    prompts = [FAMILIES[f][:n] for f, n in s["prompts"]]
-    max_tokens = s["max_tokens"][: len(prompts)]
-    expected = reference(tiny, prompts, max_tokens)
+        def preempt(step: int, view: SchedulerView) -> tuple[str, ...]:
+            bits = s["preempt"][step] if step < len(s["preempt"]) else 0
+            return tuple(r.request_id for i, r in enumerate(view.running) if bits >> i & 1)
 
-    def preempt(step: int, view: SchedulerView) -> tuple[str, ...]:
-        bits = s["preempt"][step] if step < len(s["preempt"]) else 0
-        return tuple(r.request_id for i, r in enumerate(view.running) if bits >> i & 1)
+        pb = page_bytes(tiny)
+        core = make(tiny, ScriptedPolicy(preempt, s["reload"]), offload=s["mode"], load_evict_overlap=s["overlap"],
+                    host_kv_memory=s["host_pages"] * pb,
+                    disk_kv_memory=32 * pb if s["disk"] and s["mode"] != "none" else 0,
+                    disk_kv_dir=str(tmp_path_factory.mktemp("disk")), enable_prefix_caching=s["prefix_caching"])
+        assert not core.kv.can_reload or core.kv.page_bytes == pb
+        abort_at = {s["abort"][0]: s["abort"][1]} if s["abort"] and s["abort"][0] < len(prompts) else {}
+        try:
+            got = run(core, prompts, max_tokens, abort_at)
+        finally:
+            core.close()
+        for i, want in enumerate(expected):
+            tokens = got[f"r{i}"]
+            if i in abort_at:
+                assert tokens == want[: len(tokens)]
+            else:
+                assert tokens == want, f"r{i}"
+        coverage["preemptions"] += core.scheduler.num_preemptions
+        coverage["pages_loaded"] += core.kv.stats.pages_loaded
+        coverage["pages_evicted"] += core.kv.stats.pages_evicted
+        coverage["pages_shared"] += core.kv.stats.pages_shared
+        coverage["host_full"] += core.kv.stats.host_full
+        coverage["disk_reads"] += core.kv.host.disk.num_reads if core.kv.host.disk else 0
 
-    pb = page_bytes(tiny)
-    core = make(tiny, ScriptedPolicy(preempt, s["reload"]), offload=s["mode"], load_evict_overlap=s["overlap"],
-                host_kv_memory=s["host_pages"] * pb, disk_kv_memory=32 * pb if s["disk"] and s["mode"] != "none" else 0,
-                disk_kv_dir=str(tmp_path), enable_prefix_caching=s["prefix_caching"])
-    assert not core.kv.can_reload or core.kv.page_bytes == pb
-    abort_at = {s["abort"][0]: s["abort"][1]} if s["abort"] and s["abort"][0] < len(prompts) else {}
-    try:
-        got = run(core, prompts, max_tokens, abort_at)
-    finally:
-        core.close()
-    for i, want in enumerate(expected):
-        tokens = got[f"r{i}"]
-        if i in abort_at:
-            assert tokens == want[: len(tokens)]
-        else:
-            assert tokens == want, f"r{i}"
-    COVERAGE["preemptions"] += core.scheduler.num_preemptions
-    if core.kv.can_reload:
-        COVERAGE["pages_loaded"] += core.kv.stats.pages_loaded
-        COVERAGE["pages_evicted"] += core.kv.stats.pages_evicted
-        COVERAGE["host_full"] += core.kv.stats.host_full
-        COVERAGE["disk_reads"] += core.kv.host.disk.num_reads if core.kv.host.disk else 0
-
-
-def test_the_schedules_above_exercised_every_path():
-    """The property test is only as good as what its schedules reached."""
-    assert COVERAGE["preemptions"] > 50
-    assert COVERAGE["pages_loaded"] > 50 and COVERAGE["pages_evicted"] > 10
-    assert COVERAGE["host_full"] > 0
+    check()
+    assert coverage["preemptions"] > 50, coverage
+    assert coverage["pages_loaded"] > 50 and coverage["pages_evicted"] > 10, coverage
+    assert coverage["host_full"] > 0 and coverage["pages_shared"] > 0, coverage
 
 
 # -- byte-identical round trips ----------------------------------------------------------------------------

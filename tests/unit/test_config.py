@@ -77,20 +77,20 @@ def test_print_config_round_trips_through_config_check(tmp_path, capsys, monkeyp
 
 
 def test_engines_beyond_the_gpus_share_them_round_robin_with_a_share_of_the_memory(monkeypatch):
-    from tokenflowd import supervisor
+    from tokenflowd import launcher
     from tokenflowd.config import EngineConfig
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
     cfg = EngineConfig(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.9)
-    placed = supervisor._engine_configs(cfg, 3)
+    placed = launcher.engine_configs(cfg, 3)
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in placed] == ["2", "5", "2"]
     assert [c.gpu_memory_utilization for c, _ in placed] == [0.45, 0.9, 0.45]
-    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in supervisor._engine_configs(cfg, None)] == ["2", "5"]
-    assert len(supervisor._engine_configs(cfg, 1)) == 1
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in launcher.engine_configs(cfg, None)] == ["2", "5"]
+    assert len(launcher.engine_configs(cfg, 1)) == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr(supervisor, "_cuda_count", lambda: 0)
+    monkeypatch.setattr(launcher, "_cuda_count", lambda: 0)
     with pytest.raises(ValueError, match="no CUDA device is visible"):
-        supervisor._engine_configs(cfg, None)
+        launcher.engine_configs(cfg, None)
 
 
 @pytest.mark.parametrize("text,msg", [

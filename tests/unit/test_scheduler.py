@@ -36,7 +36,7 @@ def test_preemption_by_recompute_keeps_greedy_tokens(hf_dirs):
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (30, 22, 41, 17, 35, 26)]
     roomy = make(hf_dirs, page_size=4, num_pages=200)
     # fcfs without a host tier: preemption by recompute (the default, tokenflow with write-through
-    # offload, reloads; tests/test_offload.py checks that path)
+    # offload, reloads; tests/unit/test_offload.py checks that path)
     tight = make(hf_dirs, page_size=4, num_pages=30, max_num_batched_tokens=24, policy="fcfs", offload="none")
     expected = run(roomy, prompts)
     got = run(tight, prompts)
