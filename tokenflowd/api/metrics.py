@@ -67,11 +67,16 @@ class EngineCollector(Collector):
         yield shed
         up = GaugeMetricFamily("tokenflowd_engine_up", "1 while an engine serves", labels=["engine"])
         restarts = CounterMetricFamily("tokenflowd_engine_restarts", "Engine processes restarted", labels=["engine"])
+        fallback = GaugeMetricFamily("tokenflowd_engine_fallback", "1 while an engine runs a plain path because its "
+                                     "fast one failed the start-up check (/health says which)", labels=["engine"])
         for slot in self.supervisor.slots:
             up.add_metric([str(slot.engine_id)], float(slot.ready))
             restarts.add_metric([str(slot.engine_id)], slot.num_restarts)
+            if slot.info is not None:
+                fallback.add_metric([str(slot.engine_id)], float(bool(slot.info.fallback)))
         yield up
         yield restarts
+        yield fallback
         yield from self._processes()
 
     def _processes(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -23,6 +23,7 @@ from tokenflowd.engine.loader import LoadedModel, load_model_source
 from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
 from tokenflowd.engine.runner import ModelRunner
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
+from tokenflowd.engine.self_check import self_check
 from tokenflowd.kv.build import build_kv
 
 log = logging.getLogger(__name__)
@@ -86,12 +87,20 @@ class EngineCore:
         self.config: EngineConfig | None = None  # set by from_config, with the model's:
         self.model_config = None
         self.tokenizer = None
+        self.fallback = ""  # what failed the start-up check and was replaced (engine/self_check.py)
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> "EngineCore":
         """The engine on a model: loads it (unless given), its runner, the KV tiers and the scheduler."""
         loaded = loaded or load_model_source(config.model, getattr(torch, config.dtype), config.device)
         runner = ModelRunner(config, loaded)
+        fallback = self_check(runner)
+        if fallback:  # wrong logits served fast are worse than right ones served slower
+            log.warning("start-up check failed: %s; falling back to the torch attention backend, eager", fallback)
+            del runner
+            torch.cuda.empty_cache()
+            config = replace(config, attention_backend="torch", cuda_graphs=False)
+            runner = ModelRunner(config, loaded)
         kv = build_kv(config, runner.kv_cache, runner.attn.page_axis, runner.num_pages)
         scheduler = Scheduler(kv, make_policy(config.policy, config.policy_params), config.max_num_batched_tokens,
                               config.max_num_seqs, expected_output_len=config.policy_params.expected_output_len)
@@ -101,6 +110,7 @@ class EngineCore:
         core = cls(runner, scheduler, max_model_len=runner.max_model_len, vocab_size=loaded.config.vocab_size,
                    eos_token_ids=eos, admission=admission)
         core.config, core.model_config, core.tokenizer = config, loaded.config, loaded.tokenizer
+        core.fallback = fallback or ""
         return core
 
     @property

@@ -43,6 +43,7 @@ class EngineProcess(EngineEndpoint):
         super().__init__(spec)
         self.config = msgspec.convert(spec.config, EngineConfig)
         self.core = EngineCore.from_config(self.config)
+        self.config = self.core.config  # as it runs: a fast path that failed its check is replaced
         self.core.warm_up()  # before READY: the first user request is as fast as the tenth
         self.core.pool.drain_key_events()  # start recording: the router learns every key from here on
 
@@ -50,7 +51,7 @@ class EngineProcess(EngineEndpoint):
         core = self.core
         self.send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.config.model,
                           core.max_model_len, self.config.page_size, self.config.device, self._stats(),
-                          self.config.policy, msgspec.to_builtins(self.config.policy_params)))
+                          self.config.policy, msgspec.to_builtins(self.config.policy_params), core.fallback))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
         trimmed = True  # nothing freed since the heap was last handed back

@@ -1,0 +1,108 @@
+"""The engine's fast paths checked against its plain ones at start-up, before it says READY.
+
+    attention   the configured backend (flashinfer on CUDA) against the torch backend: one tiny
+                prefill and one decode, each on a private KV cache of a few pages
+    graphs      a CUDA-graph decode replay against the same decode run eagerly, on the runner's
+                own cache (no request holds a page yet)
+
+A check that raises, or logits that disagree, make the engine fall back to the torch backend and
+eager decoding (engine/core.py), say so in its log, and report it (Ready.fallback: /health and
+/metrics). On a CPU the engine runs the plain paths already and nothing is checked.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
+
+log = logging.getLogger(__name__)
+
+PROMPT_LEN = 19  # tokens: over a page boundary at page_size 16, and a partial last page
+
+
+def logits_differ(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """None when `got` matches `want` as two kernels of one computation should in the engine's
+    dtype: the same greedy token, and every logit within 5% of the logits' range (bf16 keeps 8
+    bits of mantissa; accumulation order moves the last of them)."""
+    got, want = got.float(), want.float()
+    if not torch.isfinite(got).all():
+        return "non-finite logits"
+    if not torch.equal(got.argmax(-1), want.argmax(-1)):
+        return f"greedy tokens {got.argmax(-1).tolist()} != {want.argmax(-1).tolist()}"
+    err = (got - want).abs().max().item()
+    scale = (want.max() - want.min()).item() or 1.0
+    return None if err <= 0.05 * scale else f"logits differ by {err:.3g} (range {scale:.3g})"
+
+
+def run_tiny(model, attn: AttentionBackend, vocab_size: int) -> torch.Tensor:
+    """Logits [2, vocab] of a PROMPT_LEN-token prefill's last position and of one decode after it,
+    on a private KV cache (pages 0..n-1) of `attn`'s layout."""
+    dev, ps = attn.device, attn.page_size
+    num_pages = -(-(PROMPT_LEN + 1) // ps)
+    kv_layers = [torch.zeros(attn.kv_cache_shape(num_pages), dtype=attn.dtype, device=dev)
+                 for _ in range(model.cfg.num_layers)]
+    table = list(range(num_pages))
+    ids = [(7919 * i + 13) % vocab_size for i in range(PROMPT_LEN)]
+    out = []
+    for start, chunk in ((0, ids), (PROMPT_LEN, None)):
+        if chunk is None:  # the decode: the prefill's greedy token
+            chunk = [int(out[-1].argmax())]
+        pos = np.arange(start, start + len(chunk))
+        slots = torch.as_tensor(np.asarray(table)[pos // ps] * ps + pos % ps, dtype=torch.int64, device=dev)
+        inputs = AttentionInputs([0, len(chunk)], [start + len(chunk)], [table], slots)
+        hidden = model(torch.tensor(chunk, dtype=torch.int64, device=dev), torch.as_tensor(pos, device=dev),
+                       kv_layers, attn, attn.prepare(inputs))
+        out.append(model.compute_logits(hidden[-1:])[0])
+    return torch.stack(out)
+
+
+def check_attention(model, candidate: AttentionBackend, reference: AttentionBackend, vocab_size: int) -> str | None:
+    """What is wrong with `candidate` against `reference` (None: nothing)."""
+    try:
+        return logits_differ(run_tiny(model, candidate, vocab_size), run_tiny(model, reference, vocab_size))
+    except Exception as e:  # a kernel that cannot run here (architecture, build) is a failed check too
+        return f"{type(e).__name__}: {e}"
+
+
+def check_graphs(runner) -> str | None:
+    """A decode of one request on page 0 of the runner's cache, replayed from its CUDA graph and run
+    eagerly: the same logits, or what differs."""
+    from tokenflowd.engine.request import SamplingParams, SamplingRow
+    from tokenflowd.engine.scheduler import ScheduledBatch
+
+    pages = list(range(-(-(PROMPT_LEN + 1) // runner.page_size)))
+    row = SamplingRow(SamplingParams(temperature=0.0), None, 0, frozenset())
+    batch = ScheduledBatch(["self-check"], [1], [PROMPT_LEN], [[1]], [pages], [row])
+    try:
+        replayed, _ = runner.compute_logits(batch)
+        graphs, runner.graphs = runner.graphs, None
+        try:
+            eager, _ = runner.compute_logits(batch)
+        finally:
+            runner.graphs = graphs
+        return logits_differ(replayed, eager)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def self_check(runner) -> str | None:
+    """What failed of the runner's fast paths (None: they agree with the plain ones, or it has none)."""
+    if runner.device.type != "cuda":
+        return None
+    from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
+
+    problems = []
+    if not isinstance(runner.attn, TorchAttentionBackend):
+        a = runner.attn
+        reference = TorchAttentionBackend(a.num_heads, a.num_kv_heads, a.head_dim, a.page_size, a.dtype, a.device)
+        problem = check_attention(runner.model, a, reference, runner.model_config.vocab_size)
+        if problem:
+            problems.append(f"{type(a).__name__} against the torch backend: {problem}")
+    if runner.graphs is not None:
+        problem = check_graphs(runner)
+        if problem:
+            problems.append(f"CUDA graph replay against eager: {problem}")
+    return "; ".join(problems) or None
