@@ -10,9 +10,7 @@ The engine's loader (engine/loader.py) resolves specs with the same rules and er
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
-import os
 from pathlib import Path
 
 import gguf
@@ -46,17 +44,11 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """Open and index a GGUF file (memory-mapped; no tensor is read yet). One reader per file and
-    version in a process: the tokenizer and the weights read the same index."""
-    path = Path(path).resolve()
+    """Open and index a GGUF file (memory-mapped; no tensor is read yet). The front drops it once
+    it has the tokenizer: the map's pages would otherwise count in its RSS."""
+    path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"model path does not exist: {path}")
-    st = os.stat(path)
-    return _open_gguf(path, st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=2)
-def _open_gguf(path: Path, mtime_ns: int, size: int) -> gguf.GGUFReader:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
