@@ -133,9 +133,11 @@ def test_warm_up_leaves_no_trace_a_user_sees(embedded_fp32):
     prompt = _chats(engine)[TOPICS[5]]
     cold = make_engine(embedded_fp32).generate({"c": dict(prompt=prompt, sampling_params=GREEDY)})["c"].token_ids
     core = engine.core
-    assert core.warm_up() == 4  # a prefill and three decodes
+    assert core.warm_up() == 8  # two requests: a prefill (the second over the first's cached head), three decodes
     assert not core.has_unfinished() and core.pool.num_used == 0  # its pages are at most cached
     assert core.stats.num_steps == 0 and core.scheduler.output_lengths.num_samples == 0
     assert core.scheduler.num_preemptions == 0
     warm = engine.generate({"w": dict(prompt=prompt, sampling_params=GREEDY)})["w"]
-    assert warm.token_ids == cold and warm.num_cached_tokens == 0  # the warm-up shares no prefix with it
+    assert warm.token_ids == cold
+    # all it keeps is the chat template's head in the prefix cache, which every chat shares
+    assert 0 < warm.num_cached_tokens <= 24 < len(prompt)
