@@ -234,8 +234,10 @@ def test_other_errors(daemon):
 
 
 def test_health_metrics_and_openapi(daemon):
+    r = daemon.http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200  # one request of its own: the latency histograms have a sample in any test order
     h = daemon.health()
-    assert h["status"] == "ok" and h["engines"][0]["state"] == "ready"
+    assert h["status"] == "ok" and h["engines"][0]["state"] == "ready" and h["engines"][0]["fallback"] == ""
     text = daemon.http.get("/metrics").text
     for name in ("tokenflowd_requests_running", "tokenflowd_requests_waiting", "tokenflowd_kv_pages_used",
                  "tokenflowd_kv_pages_cached", "tokenflowd_kv_pages_total", "tokenflowd_preemptions_total",
@@ -253,6 +255,7 @@ def test_health_metrics_and_openapi(daemon):
     assert daemon.metric("tokenflowd_engine_cpu_seconds_total", engine="0") > 0
     assert daemon.metric("tokenflowd_engine_threads", engine="0") >= 1
     assert daemon.metric("tokenflowd_engine_open_fds", engine="0") >= 3
+    assert daemon.metric("tokenflowd_engine_fallback", engine="0") == 0  # a CPU engine runs the plain paths
     spec = daemon.http.get("/openapi.json").json()
     assert spec["openapi"].startswith("3.")
     assert "reading_rate" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]

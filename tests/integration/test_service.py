@@ -94,14 +94,19 @@ def config_file(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def daemon(notify, config_file, tmp_path_factory):
+def start_daemon(notify: NotifySocket, config_file: Path, tmp_path_factory) -> Daemon:
     key_file = tmp_path_factory.mktemp("keys") / "keys"
     key_file.write_text(f"# keys of the test\n\n{KEYS['file']}\n")
-    d = Daemon("--config", str(config_file), "--dtype", "float32", "--kv-cache-memory", "64MiB",
-               "--api-key-file", str(key_file), "--shutdown-timeout", "60",
-               log_path=str(tmp_path_factory.mktemp("log") / "daemon.log"),
-               env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "200000", "TOKENFLOWD_API_KEY": f"{KEYS['env']},k2"})
+    return Daemon("--config", str(config_file), "--dtype", "float32", "--kv-cache-memory", "64MiB",
+                  "--api-key-file", str(key_file), "--shutdown-timeout", "60",
+                  log_path=str(tmp_path_factory.mktemp("log") / "daemon.log"),
+                  env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "200000",
+                       "TOKENFLOWD_API_KEY": f"{KEYS['env']},k2"})
+
+
+@pytest.fixture(scope="module")
+def daemon(notify, config_file, tmp_path_factory):
+    d = start_daemon(notify, config_file, tmp_path_factory)
     yield d
     d.stop()
 
@@ -237,7 +242,20 @@ async def _stream(base_url: str, started: asyncio.Event, counter: list[int], n: 
     return tokens, finish, done
 
 
-def test_sigterm_drains_open_streams_then_exits_0(daemon, notify):
+def test_sigterm_drains_open_streams_then_exits_0(tmp_path_factory):
+    """A daemon of its own: it ends this one (the module's serves the other tests in any order)."""
+    notify = NotifySocket()
+    config_file = tmp_path_factory.mktemp("etc") / "tokenflowd.toml"
+    config_file.write_text(CONFIG.format(interval=0.5))
+    daemon = start_daemon(notify, config_file, tmp_path_factory)
+    try:
+        _drain(daemon, notify)
+    finally:
+        daemon.stop()
+        notify.close()
+
+
+def _drain(daemon: Daemon, notify: NotifySocket) -> None:
     n = 40
 
     async def scenario():
