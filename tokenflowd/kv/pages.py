@@ -22,6 +22,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def leading_run(keys: Sequence[bytes], table: dict[bytes, int]) -> list[int]:
+    """table[key] for each of the longest prefix of `keys` that `table` holds."""
+    found: list[int] = []
+    for key in keys:
+        value = table.get(key)
+        if value is None:
+            break
+        found.append(value)
+    return found
+
+
 def chain_page_keys(
     token_ids: Sequence[int], page_size: int, keys: list[bytes], num_tokens: int | None = None
 ) -> list[bytes]:
@@ -121,15 +132,7 @@ class PagePool:
     # -- prefix cache -------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Pages holding the longest cached prefix of `keys` (no references taken)."""
-        pages: list[int] = []
-        if not self.enable_prefix_caching:
-            return pages
-        for key in keys:
-            page = self._by_key.get(key)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
+        return leading_run(keys, self._by_key) if self.enable_prefix_caching else []
 
     def register(self, page: int, key: bytes) -> None:
         """Publish a full, computed page under its chained key. A key already published by another

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from tokenflowd.kv.pages import OutOfPages, PagePool
+from tokenflowd.kv.pages import OutOfPages, PagePool, leading_run
 
 DEVICE, HOST, DISK = "device", "host", "disk"  # the tiers' names: where a prefix match's pages come from
 
@@ -94,13 +94,7 @@ class DiskTier(KVTier):
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The slots of the longest prefix of `keys` stored here."""
-        slots = []
-        for key in keys:
-            slot = self._slot.get(key)
-            if slot is None:
-                break
-            slots.append(slot)
-        return slots
+        return leading_run(keys, self._slot)
 
     def touch(self, key: bytes) -> None:
         """Mark `key` most recently used (so that a spill made to read it back does not drop it)."""
