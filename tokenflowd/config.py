@@ -27,6 +27,8 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+POLICY_NAMES = ("fcfs", "andes", "tokenflow")  # --policy; buffer/__init__.py builds each (named here, not imported)
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """Parameters of the scheduling policies (`--policy`). The TokenFlow paper (tokenflow.txt §4,
@@ -143,10 +145,8 @@ class EngineConfig:
             raise ValueError("CUDA graphs need the flashinfer attention backend")
         if self.attention_backend == "flashinfer" and self.dtype == "float32":
             raise ValueError("flashinfer kernels need bfloat16 or float16")
-        from tokenflowd.buffer import POLICIES
-
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
         if not isinstance(self.policy_params, PolicyConfig):
             raise ValueError("policy_params must be a PolicyConfig")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -8,7 +8,8 @@ import sys
 FRONT = """
 import sys
 from tokenflowd.api.app import Front, build_app
-from tokenflowd.cli import engine_config, build_parser
+from tokenflowd.cli import build_parser
+from tokenflowd.flags import engine_config
 from tokenflowd.config import ServerConfig
 from tokenflowd.supervisor import Supervisor
 from tokenflowd.text.source import load_tokenizer

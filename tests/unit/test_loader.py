@@ -12,13 +12,8 @@ import pytest
 import torch
 from tokenizers import pre_tokenizers
 
-from tokenflowd.engine.loader import (
-    LoadedModel,
-    ModelLoadError,
-    embedded_gguf_path,
-    expected_weight_shapes,
-    load_model_source,
-)
+from tokenflowd.engine.loader import ModelLoadError, embedded_gguf_path, load_model_source
+from tokenflowd.engine.weights import LoadedModel, expected_weight_shapes
 from tokenflowd.engine.loader_dummy import DUMMY_PRESETS, random_weights
 from tokenflowd.engine.loader_gguf import llama3_rope_factors, rope_scaling_from_factors, unpermute_qk
 from tokenflowd.engine.model_config import ModelConfig, RopeScaling

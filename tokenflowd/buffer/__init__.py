@@ -8,6 +8,8 @@ from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import SchedulingPolicy
 from tokenflowd.buffer.tokenflow import TokenFlowPolicy
 
+from tokenflowd.config import POLICY_NAMES
+
 if TYPE_CHECKING:
     from tokenflowd.config import PolicyConfig
 
@@ -17,6 +19,7 @@ POLICIES: dict[str, Callable[["PolicyConfig"], SchedulingPolicy]] = {
     "andes": lambda params: AndesPolicy(params),
     "tokenflow": lambda params: TokenFlowPolicy(params),
 }
+assert tuple(POLICIES) == POLICY_NAMES, "config.py names the policies it accepts"
 
 
 def make_policy(name: str, params: "PolicyConfig") -> SchedulingPolicy:

@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
-from tokenflowd.engine.loader import LoadedModel
+from tokenflowd.engine.weights import LoadedModel
 from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
 from tokenflowd.text.stream import IncrementalDetokenizer, StopStringMatcher
 

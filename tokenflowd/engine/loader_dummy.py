@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from tokenflowd.engine.loader import LoadedModel, ModelLoadError, expected_weight_shapes
+from tokenflowd.engine.weights import LoadedModel, ModelLoadError, expected_weight_shapes
 from tokenflowd.engine.model_config import ModelConfig, RopeScaling
 from tokenflowd.text.source import DUMMY_PRESET_NAMES, dummy_tokenizer
 

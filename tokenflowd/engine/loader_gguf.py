@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 import torch
 
-from tokenflowd.engine.loader import LoadedModel, ModelLoadError, check_weights
+from tokenflowd.engine.weights import LoadedModel, ModelLoadError, check_weights
 from tokenflowd.engine.model_config import ModelConfig, RopeScaling
 from tokenflowd.text.source import open_gguf
 from tokenflowd.text.tokenizer import Tokenizer

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tokenflowd.engine.loader import LoadedModel, ModelLoadError, check_weights, expected_weight_shapes
+from tokenflowd.engine.weights import LoadedModel, ModelLoadError, check_weights, expected_weight_shapes
 from tokenflowd.engine.model_config import ModelConfig
 from tokenflowd.text.tokenizer import Tokenizer
 

@@ -17,7 +17,7 @@ from tokenflowd.config import PolicyConfig, parse_size
 
 
 def add_commands(sub, common: argparse.ArgumentParser) -> None:
-    from tokenflowd.cli import _engine_args, _policy_args
+    from tokenflowd.flags import engine_args, policy_args
     from tokenflowd.sim.cost import PRESETS
     from tokenflowd.sim.scenarios import SCENARIOS
 
@@ -54,7 +54,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                    help="a host KV tier behind the pool, copies at the cost model's host link (default none)")
     e.add_argument("--host-kv-memory", default="64GiB", help="its size with --offload (default 64GiB)")
     e.add_argument("--max-steps", type=int, help="fail beyond this many steps (default: from the workload)")
-    _policy_args(s)
+    policy_args(s)
     s.set_defaults(func=cmd_sim)
 
     c = sub.add_parser("calibrate", parents=[common], help="time our engine's steps and fit a cost model for `sim`")
@@ -62,7 +62,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     c.add_argument("--batch-sizes", default="1,4,8", help="requests per run (default 1,4,8)")
     c.add_argument("--context-lens", default="16,160", help="prompt lengths in tokens (default 16,160)")
     c.add_argument("--decode-steps", type=int, default=5, help="output tokens per request (default 5)")
-    _engine_args(c)
+    engine_args(c)
     c.set_defaults(func=cmd_calibrate)
 
 
@@ -74,7 +74,7 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    from tokenflowd.cli import engine_config
+    from tokenflowd.flags import engine_config
     from tokenflowd.sim.calibrate import CalibrationPlan, calibrate
     from tokenflowd.sim.cost import save_cost_model
 
@@ -89,9 +89,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def _policy_params(a: argparse.Namespace, base: PolicyConfig) -> PolicyConfig:
-    from tokenflowd.cli import _POLICY_FLAGS
+    from tokenflowd.flags import POLICY_FLAGS
 
-    given = {f: getattr(a, f) for f in _POLICY_FLAGS if getattr(a, f, None) is not None}
+    given = {f: getattr(a, f) for f in POLICY_FLAGS if getattr(a, f, None) is not None}
     return dataclasses.replace(base, **given)
 
 
