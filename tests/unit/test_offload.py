@@ -506,3 +506,52 @@ def test_random_preemption_keeps_every_clients_text_stream(tiny):
     assert engine.core.scheduler.num_preemptions >= 8 and kv.stats.pages_loaded > 0 and kv.stats.pages_shared > 0
     assert engine.core.pool.num_used == 0 and kv.host.pool.num_used == 0
     engine.core.close()
+
+
+def test_a_request_whose_load_failed_is_not_loaded_again(tiny):
+    """Every load fails: the request recomputes after the first failure instead of cycling
+    LOADING -> failed -> LOADING (its host prefix is still cached), and its tokens are right."""
+    victim: list[str] = []
+    core = make(tiny, ScriptedPolicy(lambda step, view: tuple(victim)), enable_prefix_caching=False)
+    prompt = FAMILIES[1][:30]
+    req = Request("a", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    core.add_request(req)
+    step_until(core, lambda: req.num_output_tokens >= 5)
+    core.wait_copies()
+    failed = failing(core, LOAD, times=100)
+    victim.append("a")
+    core.step()
+    victim.clear()
+    step_until(core, lambda: req.is_finished)
+    assert len(failed) == 1 and req.output_token_ids == reference(tiny, [prompt], [24])[0]
+    core.close()
+
+
+def test_copies_that_keep_failing_end_the_engine(tiny):
+    from tokenflowd.kv.copier import CopierDead
+    from tokenflowd.kv.manager import MAX_COPY_FAILURES
+
+    core = make(tiny)
+    failed = failing(core, WRITE, times=1000)
+    core.add_request(Request("a", FAMILIES[2][:40], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+    with pytest.raises(CopierDead, match="in a row failed"):
+        for _ in range(500):
+            core.step()
+            core.wait_copies()
+    assert len(failed) >= MAX_COPY_FAILURES
+
+
+def test_weighing_a_request_keeps_nothing_of_it_and_an_id_reused_starts_afresh(tiny):
+    core = make(tiny)
+    kv = core.kv
+    shed = Request("x", FAMILIES[0][:20], SamplingParams(max_tokens=2))
+    assert kv.match(shed).num_device_pages == 0 and "x" not in kv._kv  # load shedding weighs it, nothing stays
+    a = Request("a", FAMILIES[0][:20], SamplingParams(temperature=0, max_tokens=2))
+    core.add_request(a)
+    kv.state(a).page_hashes.append(b"stale")
+    core.abort("a")
+    b = Request("a", FAMILIES[1][:20], SamplingParams(temperature=0, max_tokens=2))
+    core.add_request(b)
+    assert kv.state(b).page_hashes == []  # keyed afresh from its own tokens
+    core.abort("a")
+    core.close()

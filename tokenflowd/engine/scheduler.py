@@ -73,7 +73,7 @@ class ScheduledBatch:
         self.num_tokens.append(n)
         self.positions.append(start)
         self.input_ids.append(req.token_ids[start : start + n])
-        self.block_tables.append(block_table)
+        self.block_tables.append(list(block_table))  # a copy: the manager's list grows in later steps
         self.sampling.append(req.sampling_row() if start + n == req.num_tokens else None)
         self.num_context_tokens += start + n
 

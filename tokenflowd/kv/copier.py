@@ -290,8 +290,11 @@ class CudaCopier(Copier):
 
     def _finished(self, job: CopyJob) -> bool:
         start, end, _, _ = job._events
-        if not end.query():
-            return False
+        try:
+            if not end.query():
+                return False
+        except RuntimeError as e:  # the copy's CUDA error, surfacing here
+            raise CopierDead(f"the KV {job.lane} lane failed: {e}") from e
         job.seconds = start.elapsed_time(end) / 1e3
         return True
 

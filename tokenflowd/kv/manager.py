@@ -39,7 +39,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Protocol
 
-from tokenflowd.kv.copier import LOAD, WRITE, Copier, CopyJob, NullCopier
+from tokenflowd.kv.copier import LOAD, WRITE, Copier, CopierDead, CopyJob, NullCopier
 from tokenflowd.kv.pages import PagePool, cdiv, chain_page_keys
 from tokenflowd.kv.tiers import DEVICE, DISK, HOST, HostTier, NullHostTier
 
@@ -63,6 +63,7 @@ class Request(Protocol):
     @property
     def is_finished(self) -> bool: ...
 DISK_BANDWIDTH = 1e9  # bytes/s assumed for promotions from the disk tier (page-cache reads)
+MAX_COPY_FAILURES = 4  # copies failing in a row: the copier is broken, not one copy (CopierDead)
 
 
 @dataclass(eq=False, slots=True)
@@ -84,6 +85,7 @@ class RequestKV:
     num_load_tokens: int = 0  # num_computed_tokens once the load is in place
     load_source: str = ""  # the tier the load reads (HOST; DISK hits are promoted to the host first)
     epoch: int = 0  # moves on at each failed copy: copies issued before it carry nothing to trust
+    recompute: bool = False  # a load of it failed: it is recomputed, never loaded again
 
 
 class Source(NamedTuple):
@@ -138,6 +140,7 @@ class _Tag(NamedTuple):
     end: int  # WRITE: the issued frontier this job completes
     evict: bool  # WRITE: part of a preemption (what a serialized load waits for)
     epoch: int  # the request's epoch at submission
+    keys: tuple[bytes, ...]  # WRITE: the full pages' keys counted in _keys_in_flight
 
 
 class KVCacheManager:
@@ -155,6 +158,7 @@ class KVCacheManager:
         self.num_evicting = 0  # eviction jobs in flight
         self.num_unissued_loads = 0  # pages in loading requests' queues, not yet handed to the copier
         self._keys_in_flight: Counter[bytes] = Counter()  # full pages being written to the host, by key
+        self._failures_in_a_row = 0
 
     @property
     def page_bytes(self) -> int:
@@ -166,8 +170,9 @@ class KVCacheManager:
         return self.host.num_pages > 0
 
     def track(self, req: Request) -> None:
-        """Keep KV state for `req` from now until `free` (its page keys are computed once)."""
-        self.state(req)
+        """Keep KV state for `req` from now until `free` (its page keys are computed once). A fresh
+        state: nothing of an earlier request under the same id carries over."""
+        self._kv[req.request_id] = RequestKV()
 
     def state(self, req: Request) -> RequestKV:
         st = self._kv.get(req.request_id)
@@ -192,15 +197,18 @@ class KVCacheManager:
         """Walk the tiers once: the longest run of full device pages covering at most num_tokens - 1
         tokens (the last token is always computed, so that the step admitting it can sample), and
         what loading would restore beyond it: its own host copy if it was preempted, else the host
-        (and disk) prefix cache. Changes nothing."""
-        st = self.state(req)
+        (and disk) prefix cache. Changes nothing (a request not tracked, such as one load
+        shedding weighs before it is queued, is matched without keeping its keys)."""
+        st = self._kv.get(req.request_id) or RequestKV()
         ps = self.page_size
         chain_page_keys(req.token_ids, ps, st.page_hashes)
         max_pages = (req.num_tokens - 1) // ps
         pages = self.pool.lookup(st.page_hashes[:max_pages])
         hit = len(pages)
         tokens, disk = min(st.num_offload_issued, req.num_tokens - 1), 0
-        if not st.host_pages:  # never offloaded: the host (and disk) prefix cache
+        if st.recompute:  # its load failed: nothing comes back by a load any more
+            tokens = 0
+        elif not st.host_pages:  # never offloaded: the host (and disk) prefix cache
             found = self.host.lookup(st.page_hashes[:max_pages])
             tokens, disk = len(found) * ps, found[hit:].count(None)
         to_load = cdiv(tokens, ps) - hit
@@ -315,14 +323,18 @@ class KVCacheManager:
         hits). Or change nothing and return False."""
         st = self.state(req)
         assert not st.block_table and req.num_computed_tokens == 0
-        self._attach_host_prefix(req, st, promote=True)
         if not self.load_evict_overlap and self.num_evicting:
             return False  # serialized: loads wait for the evictions in flight
         ps = self.page_size
         n_pages = cdiv(m.num_load_tokens, ps)
         hit = m.device_pages[:n_pages]
         evictable = sum(self.pool.is_evictable(p) for p in hit)
-        if n_pages - len(hit) > self.pool.num_free - evictable or len(st.host_pages) < n_pages:
+        if n_pages - len(hit) > self.pool.num_free - evictable:
+            return False
+        attached = self._attach_host_prefix(req, st, promote=True)
+        if len(st.host_pages) < n_pages:  # the prefix cache lost pages (or promotion found no room)
+            if attached:
+                self._drop_host_copy(st, 0)
             return False
         assert n_pages > len(hit), "nothing to load: admit it as usual"
         for p in hit:
@@ -397,10 +409,12 @@ class KVCacheManager:
         for _, d, h in pairs:
             self.pool.incref(d)
             self.host.pool.incref(h)
-        tag = _Tag(req, st, [i for i, _, _ in pairs], end, evict, st.epoch)
-        if lane == WRITE:
+        keys: tuple[bytes, ...] = ()
+        if lane == WRITE:  # the full pages it writes, by key: another request waits for them (_share_written)
             chain_page_keys(req.token_ids, self.page_size, st.page_hashes, end)
-            self._keys_in_flight.update(st.page_hashes[i] for i, _, _ in pairs if i < len(st.page_hashes))
+            keys = tuple(st.page_hashes[i] for i, _, _ in pairs if (i + 1) * self.page_size <= end)
+            self._keys_in_flight.update(keys)
+        tag = _Tag(req, st, [i for i, _, _ in pairs], end, evict, st.epoch, keys)
         self.copier.submit(CopyJob(lane, [d for _, d, _ in pairs], [h for _, _, h in pairs],
                                    len(pairs) * self.page_bytes, tag))
         self.num_evicting += evict
@@ -413,10 +427,11 @@ class KVCacheManager:
             req, st = tag.req, tag.kv
             if job.lane == WRITE:
                 self.num_evicting -= tag.evict
-                self._keys_in_flight.subtract(st.page_hashes[i] for i in tag.page_index if i < len(st.page_hashes))
+                self._keys_in_flight.subtract(tag.keys)
                 self._keys_in_flight += Counter()  # drop the keys no copy writes any more
             trusted = tag.epoch == st.epoch  # no copy of this request failed since it was issued
             live = trusted and not req.is_finished
+            self._failures_in_a_row = self._failures_in_a_row + 1 if job.error is not None else 0
             if job.error is not None:
                 self.stats.copies_failed += 1
                 log.error("KV %s of %d pages for %s failed: %s", job.lane, len(job.host_pages), req.request_id,
@@ -427,6 +442,7 @@ class KVCacheManager:
                         self._release_device(req, st)
                         self._drop_host_copy(st, 0)
                         st.num_loading_pages = st.num_load_tokens = 0
+                        st.recompute = True
                         failed.append(req)
                     else:  # keep what was written before it; the rest is recomputed
                         self._drop_host_copy(st, st.num_offloaded_tokens // self.page_size)
@@ -446,6 +462,8 @@ class KVCacheManager:
                 self.pool.decref(d)
             for h in job.host_pages:
                 self.host.pool.decref(h)
+        if self._failures_in_a_row >= MAX_COPY_FAILURES:
+            raise CopierDead(f"{self._failures_in_a_row} KV copies in a row failed, the last with {job.error}")
         return CopyResults(ready, failed)
 
     def _publish(self, req: Request, st: RequestKV, page_index: list[int], host_pages: list[int], end: int) -> None:
