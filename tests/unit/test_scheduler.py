@@ -135,3 +135,28 @@ def test_the_policy_view_carries_each_clients_buffer(hf_dirs):
     # a rate measured by the front (SetReadingRate) is the one the policy sees from then on
     assert core.set_reading_rate("fast", 3.0, time.monotonic())
     assert {v.request_id: v for v in core.scheduler._view().running}["fast"].reading_rate == 3.0
+
+
+def test_what_the_scheduler_defers_of_a_plan_the_next_view_names(hf_dirs):
+    """A plan that overestimates the room: the request that does not fit waits, and the policy's
+    next view says which of its plan was not carried out."""
+    from tokenflowd.buffer.policy import Plan, SchedulingPolicy
+
+    views = []
+
+    class Everything(SchedulingPolicy):
+        name = "everything"
+
+        def plan(self, view):
+            views.append(view)
+            return Plan(tuple((r.request_id, r.tokens_left) for r in view.waiting)
+                        + tuple((r.request_id, 1) for r in view.running))
+
+    core = make(hf_dirs, page_size=4, num_pages=7, max_num_batched_tokens=64)
+    core.scheduler.policy = Everything()
+    for rid in ("a", "b"):
+        core.add_request(Request(rid, list(range(5 + len(rid), 25 + len(rid))), SamplingParams(temperature=0, max_tokens=2)))
+    core.step()
+    assert core.last_batch.request_ids == ["a"] and views[-1].deferred == ()
+    core.step()
+    assert views[-1].deferred == ("b",)
