@@ -37,6 +37,15 @@ log = logging.getLogger("tokenflowd.supervisor")
 # no slower steps at 64 (mean inter-token latency 67.5 ms vs 73.9 ms at 1,024; 0, no cache,
 # was 2.6x slower).
 ENGINE_ENV_DEFAULTS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+FRONT_SECRETS = ("TOKENFLOWD_API_KEY",)  # the front's alone: an engine never sees a client
+
+
+def engine_environment(own: dict[str, str]) -> dict[str, str]:
+    """An engine process's environment: the front's, less its secrets, with the engine defaults under
+    it and the engine's own (its GPU) over it."""
+    inherited = {k: v for k, v in os.environ.items() if k not in FRONT_SECRETS}
+    return {**ENGINE_ENV_DEFAULTS, **inherited,
+            "TOKENFLOWD_LOG_LEVEL": logging.getLevelName(logging.getLogger().level), **own}
 
 
 class LocalLauncher:
@@ -81,9 +90,8 @@ class LocalLauncher:
         spec = p.EngineSpec(handle.engine_id, handle.incarnation, address, f"ipc://{self.runtime_dir}/out",
                             self.server.heartbeat_interval, msgspec.to_builtins(handle.config),
                             send_timeout=self.server.heartbeat_timeout, supervisor_pid=os.getpid())
-        env = {**ENGINE_ENV_DEFAULTS, **os.environ,
-               "TOKENFLOWD_LOG_LEVEL": logging.getLevelName(logging.getLogger().level), **handle.env}
-        proc = self._procs[handle.engine_id] = await asyncio.create_subprocess_exec(*self._command(spec), env=env)
+        proc = self._procs[handle.engine_id] = await asyncio.create_subprocess_exec(
+            *self._command(spec), env=engine_environment(handle.env))
         handle.pid = proc.pid
         handle.started_at = handle.last_heard = time.monotonic()
         log.info("engine %d (incarnation %d) started, pid %d", handle.engine_id, handle.incarnation, proc.pid)

@@ -195,6 +195,9 @@ def test_api_keys_none_wrong_right(daemon):
         r = http.get("/v1/models", headers=auth(key))
         assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
     assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200  # probes stay open
+    engine_pid = daemon.health()["engines"][0]["pid"]
+    with open(f"/proc/{engine_pid}/environ", "rb") as f:
+        assert b"TOKENFLOWD_API_KEY" not in f.read()  # the keys stay in the front
 
 
 def test_sighup_reloads_policy_parameters_and_refuses_a_bad_file(daemon, notify, config_file):

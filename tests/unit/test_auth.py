@@ -1,9 +1,10 @@
 """Who may set a priority: the [auth] table, the keys it names and the decision (api/auth.py)."""
+import os
 import re
 
 import pytest
 
-from tokenflowd.api.auth import KeyTable, priority_refusal
+from tokenflowd.api.auth import KeyTable, exposure_warning, priority_refusal
 from tokenflowd.config import AuthConfig, EngineConfig, KeyGrant, ServerConfig, config_toml, load_config_file
 
 AUTH = """
@@ -80,3 +81,23 @@ def test_priority_above_the_ceiling_is_refused_with_what_to_send():
     assert "requests without an API key may not set priority" in priority_refusal(anonymous, 1)
     # Lowering one's own priority harms nobody else: anyone may.
     assert priority_refusal(plain, -5) is None and priority_refusal(anonymous, -1000) is None
+
+
+def test_an_open_daemon_beyond_loopback_is_warned_of():
+    open_table = KeyTable((), AuthConfig())
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert exposure_warning(host, open_table) is None, host
+    for host in ("0.0.0.0", "::", "10.1.2.3", "api.example.internal"):
+        assert "no API key" in exposure_warning(host, open_table), host
+    assert exposure_warning("0.0.0.0", KeyTable((b"k",), AuthConfig())) is None
+
+
+def test_the_api_key_stays_in_the_front(monkeypatch):
+    from tokenflowd.launcher import engine_environment
+
+    monkeypatch.setenv("TOKENFLOWD_API_KEY", "sk-secret")
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
+    env = engine_environment({"CUDA_VISIBLE_DEVICES": "3"})
+    assert "TOKENFLOWD_API_KEY" not in env and "sk-secret" not in env.values()
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
+    assert env["PATH"] == os.environ["PATH"]

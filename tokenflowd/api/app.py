@@ -28,7 +28,7 @@ from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenflowd.api import schema as s
-from tokenflowd.api.auth import CALLER, KeyTable, auth_middleware, load_api_keys, priority_refusal
+from tokenflowd.api.auth import CALLER, KeyTable, auth_middleware, exposure_warning, load_api_keys, priority_refusal
 from tokenflowd.api.cadence import CadenceEstimator, ConversationKeys, Lookup
 from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
 from tokenflowd.api.generation import Generation, Piece
@@ -430,6 +430,9 @@ class Front:
 
 def build_app(front: Front) -> web.Application:
     keys = KeyTable(load_api_keys(front.config.api_key_file), front.config.auth)
+    warning = exposure_warning(front.config.host, keys)
+    if warning:
+        log.warning(warning)
     app = web.Application(middlewares=[auth_middleware(keys), error_middleware],
                           client_max_size=front.config.max_body_size)
     app[MAX_BODY_SIZE] = front.config.max_body_size

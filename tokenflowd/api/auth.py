@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -53,6 +54,20 @@ def load_api_keys(path: str | None, environ: dict[str, str] | None = None) -> tu
         if not any(keys):
             raise ValueError(f"the API key file {path!r} holds no key")
     return tuple(k.encode() for k in keys if k)
+
+
+def exposure_warning(host: str, table: "KeyTable") -> str | None:
+    """What to warn an operator of at start: /v1/* open to anyone on a non-loopback address."""
+    if not table.open:
+        return None
+    try:
+        local = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: only "localhost" is known to stay on the machine
+        local = host == "localhost"
+    if local:
+        return None
+    return (f"listening on {host} with no API key: anyone who can reach it may generate text, set reading "
+            f"rates and priorities; set --api-key-file, TOKENFLOWD_API_KEY or [auth] keys, or bind to 127.0.0.1")
 
 
 def key_matches(given: bytes, keys: tuple[bytes, ...]) -> bool:
