@@ -43,7 +43,7 @@ class EngineHandle:
     env: dict[str, str]  # what its process runs with (the GPU it gets)
     incarnation: int = 0
     state: str = "starting"  # starting | ready | backoff | stopped
-    pid: int | None = None  # while its process runs (the launcher's to set)
+    pid: int | None = None  # while its process runs (None: not started, or exited; the launcher's to set)
     inbox: zmq.Socket | None = None
     info: p.Ready | None = None
     stats: p.EngineStats | None = None
@@ -60,11 +60,6 @@ class EngineHandle:
     @property
     def ready(self) -> bool:
         return self.state == "ready"
-
-    @property
-    def live_pid(self) -> int | None:
-        """The engine process's pid while it runs (None: not started, or exited)."""
-        return self.pid
 
     @property
     def load(self) -> int:

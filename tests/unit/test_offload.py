@@ -430,22 +430,30 @@ def failing(core: EngineCore, lane: str, times: int = 1) -> list[CopyJob]:
     return failed
 
 
+def preempted_under_faults(tiny, prompt: list[int], lane: str, times: int = 1
+                           ) -> tuple[EngineCore, Request, list[CopyJob]]:
+    """A request run to 5 tokens, its KV written through, then preempted (what the host lacks
+    written as one eviction job) with the next `times` copies of `lane` made to fail."""
+    victim: list[str] = []
+    core = make(tiny, ScriptedPolicy(lambda step, view: tuple(victim)), enable_prefix_caching=False)
+    req = Request("a", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    core.add_request(req)
+    step_until(core, lambda: req.num_output_tokens >= 5)
+    core.wait_copies()
+    failed = failing(core, lane, times)
+    victim.append("a")
+    core.step()
+    victim.clear()
+    return core, req, failed
+
+
 @pytest.mark.parametrize("lane", [WRITE, LOAD])
 def test_a_failed_copy_publishes_nothing_and_the_request_recomputes(tiny, lane):
     """An eviction whose write raises, or a resume whose load raises: the request still produces
     the greedy tokens of a run without faults (what the copy should have restored is
     recomputed), no host page of the failed copy is published, and no page leaks."""
-    victim: list[str] = []
-    core = make(tiny, ScriptedPolicy(lambda step, view: tuple(victim)), enable_prefix_caching=False)
     prompt = FAMILIES[0][:30]
-    req = Request("a", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    core.add_request(req)
-    step_until(core, lambda: req.num_output_tokens >= 5)
-    core.wait_copies()
-    failed = failing(core, lane)
-    victim.append("a")
-    core.step()  # preempted: what the host lacks is written as one eviction job
-    victim.clear()
+    core, req, failed = preempted_under_faults(tiny, prompt, lane)
     step_until(core, lambda: req.is_finished)
     core.wait_copies()
     assert len(failed) == 1 and core.kv.stats.copies_failed == 1
@@ -511,17 +519,8 @@ def test_random_preemption_keeps_every_clients_text_stream(tiny):
 def test_a_request_whose_load_failed_is_not_loaded_again(tiny):
     """Every load fails: the request recomputes after the first failure instead of cycling
     LOADING -> failed -> LOADING (its host prefix is still cached), and its tokens are right."""
-    victim: list[str] = []
-    core = make(tiny, ScriptedPolicy(lambda step, view: tuple(victim)), enable_prefix_caching=False)
     prompt = FAMILIES[1][:30]
-    req = Request("a", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    core.add_request(req)
-    step_until(core, lambda: req.num_output_tokens >= 5)
-    core.wait_copies()
-    failed = failing(core, LOAD, times=100)
-    victim.append("a")
-    core.step()
-    victim.clear()
+    core, req, failed = preempted_under_faults(tiny, prompt, LOAD, times=100)
     step_until(core, lambda: req.is_finished)
     assert len(failed) == 1 and req.output_token_ids == reference(tiny, [prompt], [24])[0]
     core.close()

@@ -589,7 +589,7 @@ def _rate_headers(gen: Generation) -> dict[str, str]:
 
 def _figures(slot) -> dict | None:
     """The engine process's RSS, CPU time, threads and open descriptors (None: no live process)."""
-    figures = process_figures(slot.live_pid)
+    figures = process_figures(slot.pid)
     return figures.to_dict() if figures else None
 
 

@@ -89,7 +89,7 @@ class EngineCollector(Collector):
         fds = GaugeMetricFamily("tokenflowd_engine_open_fds", "Open file descriptors (files, sockets, pipes) of an "
                                 "engine process", labels=["engine"])
         for slot in self.supervisor.slots:
-            f = process_figures(slot.live_pid)
+            f = process_figures(slot.pid)
             if f is None:
                 continue
             e = [str(slot.engine_id)]

@@ -427,8 +427,10 @@ class KVCacheManager:
             req, st = tag.req, tag.kv
             if job.lane == WRITE:
                 self.num_evicting -= tag.evict
-                self._keys_in_flight.subtract(tag.keys)
-                self._keys_in_flight += Counter()  # drop the keys no copy writes any more
+                for key in tag.keys:  # only this job's keys: no walk over every key in flight
+                    self._keys_in_flight[key] -= 1
+                    if not self._keys_in_flight[key]:
+                        del self._keys_in_flight[key]
             trusted = tag.epoch == st.epoch  # no copy of this request failed since it was issued
             live = trusted and not req.is_finished
             self._failures_in_a_row = self._failures_in_a_row + 1 if job.error is not None else 0
