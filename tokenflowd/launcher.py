@@ -122,11 +122,11 @@ class LocalLauncher:
         """The exit code; or, after killing an engine silent for heartbeat_timeout or not ready
         within engine_start_timeout, why it was killed."""
         proc = self._procs[handle.engine_id]
+        exited = asyncio.ensure_future(proc.wait())  # one waiter for the process's life (one per check leaked a task)
         while True:
-            try:
-                return await asyncio.wait_for(asyncio.shield(proc.wait()), self.server.heartbeat_interval)
-            except asyncio.TimeoutError:
-                pass
+            done, _ = await asyncio.wait({exited}, timeout=self.server.heartbeat_interval)
+            if done:
+                return exited.result()
             now = time.monotonic()
             if handle.ready and now - handle.last_heard > self.server.heartbeat_timeout:
                 why = "stopped sending heartbeats"
