@@ -42,7 +42,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 _SERVER_FLAGS = ("host", "port", "engines", "served_model_name", "default_reading_rate", "max_reading_rate",
                  "max_waiting_requests", "max_body_size", "runtime_dir", "shutdown_timeout", "api_key_file",
-                 "log_level")
+                 "log_level", "coalesce_buffer", "coalesce_interval", "write_stall_timeout", "max_streams",
+                 "max_connections", "header_timeout", "body_timeout", "keepalive_timeout")
 
 
 def serve_configs(a: argparse.Namespace, environ: dict[str, str] | None = None):
@@ -126,6 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--runtime-dir", help="where the private socket directory is made (default: the temp dir)")
     v.add_argument("--shutdown-timeout", type=float,
                    help="s open streams may take to finish after SIGTERM before they end with an error (default 30)")
+    v.add_argument("--coalesce-buffer", type=float,
+                   help="s of reading a client's modelled buffer must hold before its tokens are gathered into one "
+                        "SSE event per --coalesce-interval (default 2)")
+    v.add_argument("--coalesce-interval", type=float,
+                   help="s a gathered token waits at most (default 0.25; 0: one event per token)")
+    v.add_argument("--write-stall-timeout", type=float,
+                   help="s a stream may wait for its client to read before its request is aborted (default 60)")
+    v.add_argument("--max-streams", type=int, help="requests open at once, streamed or not; beyond: 429 (default: "
+                                                   "no bound)")
+    v.add_argument("--max-connections", type=int,
+                   help="connections open at once; beyond: 503 (default: the open-file limit less 256)")
+    v.add_argument("--header-timeout", type=float, help="s a request's line and headers may take (default 10)")
+    v.add_argument("--body-timeout", type=float, help="s a request body may take; beyond: 408 (default 60)")
+    v.add_argument("--keepalive-timeout", type=float, help="s an idle keep-alive connection stays open (default 75)")
     v.add_argument("--api-key-file", help="a file of API keys, one a line; with it (or TOKENFLOWD_API_KEY set) "
                                           "/v1/* needs 'Authorization: Bearer KEY'")
     v.add_argument("--print-config", action="store_true",

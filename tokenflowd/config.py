@@ -218,6 +218,7 @@ class KeyGrant:
     key: str
     role: str = "user"  # a label for the operator ("operator", "agent"); rights come from max_priority alone
     max_priority: int = 0  # the highest `priority` its requests may set; 0: none above the default
+    max_concurrent: int | None = None  # requests it may have open at once; None: [auth] default_max_concurrent
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key or self.key != self.key.strip() or "," in self.key:
@@ -227,6 +228,12 @@ class KeyGrant:
         if type(self.max_priority) is not int or not 0 <= self.max_priority <= MAX_PRIORITY:
             raise ValueError(f"[auth] max_priority must be an integer in [0, {MAX_PRIORITY}], "
                              f"got {self.max_priority!r}")
+        _check_concurrency("max_concurrent", self.max_concurrent)
+
+
+def _check_concurrency(name: str, value: object) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"[auth] {name} must be an integer >= 1 (or absent: no bound), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -239,12 +246,15 @@ class AuthConfig:
         [auth.keys."sk-ops-1"]            # the key itself, as clients send it: keep the file 0600
         role = "operator"
         max_priority = 10                 # its requests may set priority up to 10
+        max_concurrent = 64               # requests it may have open at once (default: default_max_concurrent)
 
-    A request's `priority` above its caller's ceiling is refused (403). Listed keys are API keys
-    too: with any key configured, /v1/* needs one (api/auth.py)."""
+    A request's `priority` above its caller's ceiling is refused (403); a request beyond its key's
+    open requests, 429. Listed keys are API keys too: with any key configured, /v1/* needs one
+    (api/auth.py). On an open API (no key) there is no per-caller bound: every caller is one."""
 
     keys: tuple[KeyGrant, ...] = ()
     default_max_priority: int = 0
+    default_max_concurrent: int | None = None  # open requests per key for keys without their own; None: no bound
 
     def __post_init__(self) -> None:
         if not all(isinstance(g, KeyGrant) for g in self.keys):
@@ -254,13 +264,15 @@ class AuthConfig:
         if type(self.default_max_priority) is not int or not 0 <= self.default_max_priority <= MAX_PRIORITY:
             raise ValueError(f"[auth] default_max_priority must be an integer in [0, {MAX_PRIORITY}], "
                              f"got {self.default_max_priority!r}")
+        _check_concurrency("default_max_concurrent", self.default_max_concurrent)
 
     @classmethod
     def from_table(cls, table: dict) -> "AuthConfig":
         """The [auth] table as TOML parsed it; raises ValueError naming what is wrong."""
-        unknown = set(table) - {"keys", "default_max_priority"}
+        unknown = set(table) - {"keys", "default_max_priority", "default_max_concurrent"}
         if unknown:
-            raise ValueError(f"unknown key {sorted(unknown)[0]!r} in [auth]; known: default_max_priority, keys")
+            raise ValueError(f"unknown key {sorted(unknown)[0]!r} in [auth]; known: default_max_concurrent, "
+                             "default_max_priority, keys")
         keys = table.get("keys", {})
         if not isinstance(keys, dict):
             raise ValueError('[auth] keys must be a table of tables: [auth.keys."KEY"] with role and max_priority')
@@ -268,11 +280,13 @@ class AuthConfig:
         for key, grant in keys.items():
             if not isinstance(grant, dict):
                 raise ValueError(f'[auth.keys."…"] must be a table with role and max_priority, got {grant!r}')
-            extra = set(grant) - {"role", "max_priority"}
+            extra = set(grant) - {"role", "max_priority", "max_concurrent"}
             if extra:
-                raise ValueError(f"unknown key {sorted(extra)[0]!r} in an [auth.keys] entry; known: role, max_priority")
-            grants.append(KeyGrant(key, grant.get("role", "user"), grant.get("max_priority", 0)))
-        return cls(tuple(grants), table.get("default_max_priority", 0))
+                raise ValueError(f"unknown key {sorted(extra)[0]!r} in an [auth.keys] entry; known: role, "
+                                 "max_priority, max_concurrent")
+            grants.append(KeyGrant(key, grant.get("role", "user"), grant.get("max_priority", 0),
+                                   grant.get("max_concurrent")))
+        return cls(tuple(grants), table.get("default_max_priority", 0), table.get("default_max_concurrent"))
 
 
 @dataclass(frozen=True)
@@ -298,6 +312,17 @@ class ServerConfig:
     # s of silence after which an SSE stream gets a comment line (a reader the engine pauses must
     # not be cut off by a proxy's or client's read timeout); 0: never
     sse_keepalive: float = 15.0
+    # Rate-aware coalescing: while a client's modelled buffer holds at least coalesce_buffer s of
+    # reading, its tokens go out as one SSE event per coalesce_interval s; below it, one per token.
+    coalesce_buffer: float = 2.0
+    coalesce_interval: float = 0.25  # 0: every token its own event
+    write_stall_timeout: float = 60.0  # s a stream's write may wait for its reader; then it is aborted
+    max_streams: int | None = None  # requests open at once (streamed or not); beyond: 429. None: no bound
+    # connections open at once; beyond: 503. None: the open-file limit less a reserve (serve.py)
+    max_connections: int | None = None
+    header_timeout: float = 10.0  # s a request head (line and headers) may take to arrive (slow-loris)
+    body_timeout: float = 60.0  # s a request body may take to arrive; beyond: 408
+    keepalive_timeout: float = 75.0  # s an idle keep-alive connection stays open
     api_key_file: str | None = None  # one key a line; with TOKENFLOWD_API_KEY, /v1/* needs a key (else 401)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR; a SIGHUP reload changes it live
     auth: AuthConfig = field(default_factory=AuthConfig)  # the file's [auth] table: keys and their rights
@@ -324,6 +349,16 @@ class ServerConfig:
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not 0 <= self.sse_keepalive < float("inf"):
             raise ValueError(f"sse_keepalive must be a finite number of seconds >= 0 (0: off), got {self.sse_keepalive}")
+        for name in ("coalesce_buffer", "coalesce_interval"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {getattr(self, name)}")
+        for name in ("write_stall_timeout", "header_timeout", "body_timeout", "keepalive_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds above 0, got {getattr(self, name)}")
+        for name in ("max_streams", "max_connections"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (or unset: no bound), got {value!r}")
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout}")
         if not MIN_HEARTBEAT_INTERVAL <= self.heartbeat_interval < self.heartbeat_timeout < float("inf"):

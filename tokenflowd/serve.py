@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import resource
 import signal
 import time
 from typing import Callable
@@ -22,6 +23,7 @@ import uvloop
 from aiohttp import web
 
 from tokenflowd.api.app import Front, build_app
+from tokenflowd.api.connections import ConnectionGuard
 from tokenflowd.config import EngineConfig, ServerConfig
 from tokenflowd.text.source import load_tokenizer
 from tokenflowd.notify import Notifier
@@ -35,8 +37,10 @@ Reload = Callable[[], tuple[ServerConfig, EngineConfig]]
 
 async def run_server(server: ServerConfig, engine: EngineConfig, reload: Reload | None = None,
                      supervisor_factory: Callable[[ServerConfig, EngineConfig], Supervisor] = Supervisor,
-                     backlog: int = 128) -> None:
-    """`supervisor_factory` and `backlog` (the listen queue) are seams for benchmarks (bench/front_capacity.py)."""
+                     backlog: int = 1024) -> None:
+    """`supervisor_factory` is a seam for benchmarks and tests (a model-free engine: bench/null_engine.py).
+    `backlog`: the listen queue (the kernel caps it at net.core.somaxconn), deep enough for a burst of
+    connections."""
     supervisor = supervisor_factory(server, engine)
     notifier = Notifier()
     notifier.status(f"starting {len(supervisor.slots)} engine(s)")
@@ -52,20 +56,25 @@ async def run_server(server: ServerConfig, engine: EngineConfig, reload: Reload 
         notifier.close()
         raise
     front = Front(supervisor, tokenizer, server, server.served_model_name or engine.model)
-    runner = web.AppRunner(build_app(front), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(front), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=server.keepalive_timeout)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(notifier.watchdog(), name="watchdog")]
+    listener: asyncio.AbstractServer | None = None
     if reload is not None:
         loop.add_signal_handler(signal.SIGHUP, reload_live, reload, server, engine, supervisor, notifier)
     try:
         await runner.setup()
-        site = web.TCPSite(runner, server.host, server.port, backlog=backlog)
-        await site.start()
-        log.info("tokenflowd listening on http://%s:%d (model %s, %d engine(s))", server.host, server.port,
-                 front.model_name, len(supervisor.slots))
+        refused = front.metrics.connections_refused
+        guard = ConnectionGuard(runner.server, connection_bound(server), server.header_timeout,
+                                lambda reason: refused.labels(reason).inc())
+        listener = await loop.create_server(guard, server.host, server.port, backlog=backlog)
+        tasks.append(asyncio.create_task(guard.expire(), name="header-timeouts"))
+        log.info("tokenflowd listening on http://%s:%d (model %s, %d engine(s), at most %d connections)",
+                 server.host, server.port, front.model_name, len(supervisor.slots), guard.max_connections)
         freeze_startup_objects()
         tasks.append(asyncio.create_task(report_status(supervisor, notifier), name="status"))
         await stop.wait()
@@ -79,9 +88,34 @@ async def run_server(server: ServerConfig, engine: EngineConfig, reload: Reload 
     finally:
         for t in tasks:
             t.cancel()
+        if listener is not None:
+            listener.close()
         await supervisor.stop()  # ends what is still open with an error event
         await runner.cleanup()
         notifier.close()
+
+
+CONNECTION_RESERVE = 256  # descriptors kept for engines' sockets, logs and files
+
+
+def connection_bound(server: ServerConfig) -> int:
+    """--max-connections, else what the open-file limit allows (raised to its hard limit first,
+    as nginx's worker_rlimit_nofile does) less a reserve: beyond it, accept() would fail with
+    EMFILE and the front would spin on it instead of answering 503."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    room = max(64, (soft if soft != resource.RLIM_INFINITY else 1 << 20) - CONNECTION_RESERVE)
+    if server.max_connections is None:
+        return room
+    if server.max_connections > room:
+        log.warning("--max-connections %d is above what the open-file limit (%d) allows; the OS will refuse "
+                    "connections beyond about %d (raise LimitNOFILE=)", server.max_connections, soft, room)
+    return server.max_connections
 
 
 def reload_live(reload: Reload, server: ServerConfig, engine: EngineConfig, supervisor: Supervisor,

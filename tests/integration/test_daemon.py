@@ -61,6 +61,21 @@ def test_openai_client_stream_equals_non_stream(client):
             assert usage == []
 
 
+def test_a_slow_readers_coalesced_stream_reads_the_same_through_the_openai_client(client):
+    """A reader at 2 tokens/s is 2 s ahead after a few tokens: its later tokens come several to an
+    event. The openai client reads that unchanged: same text, exact usage, fewer chunks than tokens."""
+    prompt = "Write a long story about a lighthouse keeper."
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=80, temperature=0, extra_body={
+        "ignore_eos": True})
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=80, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "reading_rate": 2}))
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert "".join(texts) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 80
+    assert len(texts) < 80  # some events carried several tokens
+
+
 def test_completions_endpoint_and_finish_reasons(client):
     out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import socket
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenflowd.api import schema as s
-from tokenflowd.api.auth import CALLER, KeyTable, auth_middleware, exposure_warning, load_api_keys, priority_refusal
+from tokenflowd.api.auth import CALLER, Caller, KeyTable, auth_middleware, exposure_warning, load_api_keys, priority_refusal
 from tokenflowd.api.cadence import CadenceEstimator, ConversationKeys, Lookup
+from tokenflowd.api.connections import head_middleware, writable
 from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
 from tokenflowd.api.generation import Generation, Piece
 from tokenflowd.api.metrics import Metrics
@@ -60,8 +62,7 @@ log = logging.getLogger("tokenflowd.api")
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _STREAM_SNDBUF = 8 * 1024  # small socket buffers: a slow reader shows as backpressure within ~25 KB
-_STREAM_HIGH_WATER = 4 * 1024
-_ROOM_POLL = 0.01  # seconds between checks of a blocked connection
+_STREAM_HIGH_WATER = 4 * 1024  # the transport pauses writing above it, resumes below a quarter of it
 _KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: no event, bytes on the wire
 
 
@@ -76,6 +77,7 @@ class _Prepared:
     include_usage: bool
     rate: RateChoice  # reading_rate and where it came from
     cadence: _Cadence | None = None  # chat turns and requests with `user`: the reply feeds the cadence
+    coalesce: bool = True  # stream_options.coalesce: false asks for one event per token
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class Front:
         self._cursor_decoder = msgspec.json.Decoder(s.ReadCursor)
         self.cadence = CadenceEstimator(max_rate=config.max_reading_rate)
         self.live: dict[str, _Live] = {}
+        self.open_by_caller: dict[str, int] = {}  # open requests per API key (its identity), for max_concurrent
         self.streams: set[_SSEConnection] = set()  # open SSE responses, for the keep-alive sweep
 
     async def keep_alive(self) -> None:
@@ -134,7 +137,12 @@ class Front:
 
     # -- request preparation ------------------------------------------------------------------
     async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
-        body = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge → 413
+        try:
+            async with asyncio.timeout(self.config.body_timeout):
+                body = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge → 413
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.config.body_timeout:g} s: send it "
+                                "at once", code="body_timeout", headers={"Connection": "close"}) from None
         try:
             return decoder.decode(body)
         except msgspec.ValidationError as e:  # a subclass of DecodeError: first
@@ -204,8 +212,10 @@ class Front:
         learned = cadence.lookup.reading_rate if cadence is not None else None
         rate = choose_rate(self._stated_rate(body, request), learned, self.config.default_reading_rate,
                            self.config.max_reading_rate)
+        options = body.stream_options
         return _Prepared(prompt_ids, sampling, stop, rate.reading_rate, body.priority, body.stream,
-                         bool(body.stream_options and body.stream_options.include_usage), rate, cadence)
+                         bool(options and options.include_usage), rate, cadence,
+                         coalesce=options is None or options.coalesce)
 
     def _stated_rate(self, body: s.ChatCompletionRequest | s.CompletionRequest, request: web.Request) -> float | None:
         """The client's own rate (the body's, else the X-Reading-Rate header's), before the clamp."""
@@ -284,9 +294,25 @@ class Front:
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await self._respond(request, prep, arrival, _CompletionChunks(rid, self.created_now(), self.model_name))
 
+    def _check_open(self, caller: Caller) -> None:
+        """429 beyond --max-streams open requests, or beyond the caller's key's max_concurrent."""
+        bound = self.config.max_streams
+        if bound is not None and len(self.live) >= bound:
+            self.metrics.rejected.labels("429").inc()
+            raise APIError(429, f"the server has {len(self.live)} requests open, its bound (--max-streams): retry "
+                                "after a second", code="too_many_streams", headers={"Retry-After": "1"})
+        bound = caller.max_concurrent
+        if bound is not None and self.open_by_caller.get(caller.identity, 0) >= bound:
+            self.metrics.rejected.labels("429").inc()
+            raise APIError(429, f"this API key has {bound} requests open, as many as it may: wait for one to end",
+                           code="too_many_requests_for_key", headers={"Retry-After": "1"})
+
     async def _respond(self, request: web.Request, prep: _Prepared, arrival: float, chunks: Any) -> web.StreamResponse:
+        caller = request[CALLER]
+        self._check_open(caller)
         gen = self._start(prep, chunks.rid, arrival)
-        self.live[chunks.rid] = _Live(gen, prep.rate, request[CALLER].identity)
+        self.live[chunks.rid] = _Live(gen, prep.rate, caller.identity)
+        self.open_by_caller[caller.identity] = self.open_by_caller.get(caller.identity, 0) + 1
         try:
             if prep.stream:
                 return await self._stream(request, gen, prep, chunks)
@@ -295,6 +321,9 @@ class Front:
         finally:
             gen.close()
             del self.live[chunks.rid]
+            left = self.open_by_caller.pop(caller.identity) - 1
+            if left:
+                self.open_by_caller[caller.identity] = left
             if gen.finish_reason == "shed":
                 self.metrics.rejected.labels("429").inc()
             if not prep.stream:  # a stream files its reply before it ends
@@ -323,24 +352,47 @@ class Front:
             resp.enable_chunked_encoding()
         await resp.prepare(request)
         _tune_for_backpressure(request)
-        conn = _SSEConnection(request, resp.chunked, chunks, gen)
+        conn = _SSEConnection(request, resp.chunked, chunks, gen, self._coalescing(prep), self.metrics.sse_events)
         conn.write(chunks.role())
         self.streams.add(conn)
         try:
-            await self._send_pieces(request, gen, prep, chunks, conn, pieces)
+            done = await self._send_pieces(request, gen, prep, chunks, conn, pieces)
         finally:
             self.streams.discard(conn)
-        await resp.write_eof()
+            conn.cancel()
+        if done and await self._room(request, gen):  # a reader that stopped reading does not hold the handler
+            try:
+                async with asyncio.timeout(self.config.write_stall_timeout):
+                    await resp.write_eof()  # aiohttp waits for room after it, with no deadline of its own
+            except TimeoutError:
+                self._stalled(request, gen)
         return resp
 
+    def _coalescing(self, prep: _Prepared) -> _Coalescing | None:
+        c = self.config
+        return _Coalescing(c.coalesce_buffer, c.coalesce_interval) if prep.coalesce and c.coalesce_interval > 0 else None
+
+    async def _room(self, request: web.Request, gen: Generation) -> bool:
+        """Wait until the client has read enough to be written to again. False when it read nothing for
+        --write-stall-timeout s: then its request is aborted (its pages freed) and its connection closed."""
+        if await writable(request.transport, self.config.write_stall_timeout):
+            return True
+        self._stalled(request, gen)
+        return False
+
+    def _stalled(self, request: web.Request, gen: Generation) -> None:
+        log.info("request %s: its client read nothing for %g s (--write-stall-timeout); aborted", gen.request_id,
+                 self.config.write_stall_timeout)
+        gen.close(outcome="write_stall")
+        _reset(request)
+
     async def _send_pieces(self, request: web.Request, gen: Generation, prep: _Prepared, chunks: Any,
-                           conn: _SSEConnection, pieces: list[Piece]) -> None:
+                           conn: _SSEConnection, pieces: list[Piece]) -> bool:
+        """Sends the stream to its end; False if the client stopped reading (the request is aborted)."""
         blocked = 0.0
         while True:
             text, num_tokens, last = _merge(pieces)  # pieces held while the client was not reading: one event
-            if text or num_tokens:  # NOTE: a token with no text yet (held bytes, a special token) still
-                conn.write(chunks.text(text))  # gets its event: clients time every token, as the engine counts it
-            gen.delivered(num_tokens, blocked)  # no-op without tokens
+            conn.send(text, num_tokens, blocked)  # with what coalescing held back
             if last is not None:
                 if last.finish_reason == "error":
                     conn.write(error_event(last.error or "the engine failed while generating"))
@@ -350,12 +402,14 @@ class Front:
                         conn.write(chunks.usage(_usage(gen)))
                 break
             t0 = time.monotonic()
-            await _wait_for_room(request)
+            if not await self._room(request, gen):
+                return False
             blocked = time.monotonic() - t0
             gen.attach(conn.push)
             pieces = await gen.take()
         self._file_reply(prep, gen)  # before the end reaches the client, which may send its next turn at once
         conn.write(b"data: [DONE]\n\n")
+        return True
 
     def created_now(self) -> int:
         return int(time.time())
@@ -433,7 +487,7 @@ def build_app(front: Front) -> web.Application:
     warning = exposure_warning(front.config.host, keys)
     if warning:
         log.warning(warning)
-    app = web.Application(middlewares=[auth_middleware(keys), error_middleware],
+    app = web.Application(middlewares=[head_middleware, auth_middleware(keys), error_middleware],
                           client_max_size=front.config.max_body_size)
     app[MAX_BODY_SIZE] = front.config.max_body_size
     app.router.add_post("/v1/chat/completions", front.chat_completions)
@@ -540,17 +594,35 @@ async def _collect(gen: Generation) -> tuple[str, Piece]:
         pieces = await gen.take()
 
 
+@dataclass(frozen=True, slots=True)
+class _Coalescing:
+    buffer: float  # s of reading the client's modelled buffer must hold before its tokens are gathered
+    interval: float  # s a gathered token waits at most
+
+
 class _SSEConnection:
     """Writes SSE events straight to a prepared response's transport, framed as its chunked
     encoding needs: synchronous, so the generation can write a piece from the supervisor's loop.
-    (The response's headers are already sent: aiohttp's StreamResponse sends them in prepare().)"""
+    (The response's headers are already sent: aiohttp's StreamResponse sends them in prepare().)
 
-    def __init__(self, request: web.Request, chunked: bool, chunks: Any, gen: Generation) -> None:
+    Rate-aware coalescing: while the client's modelled buffer (the generation's TokenBuffer, at the
+    rate in use) holds at least `coalescing.buffer` s of reading, a token is held, and what is held
+    goes out as one event `coalescing.interval` s after the first of it (or sooner, with the next
+    token after the buffer fell below the mark). A reader with little in hand gets every token at once;
+    the buffer drops by at most `interval` s of reading while a token waits, so it never empties."""
+
+    def __init__(self, request: web.Request, chunked: bool, chunks: Any, gen: Generation,
+                 coalescing: _Coalescing | None, events: Any) -> None:
         self.transport = request.transport
         self.chunked = chunked
         self.chunks = chunks
         self.gen = gen
+        self.coalescing = coalescing
+        self.events = events  # tokenflowd_sse_events: events that carry tokens
         self.last_write = time.monotonic()
+        self._held_text: list[str] = []
+        self._held_tokens = 0
+        self._timer: asyncio.TimerHandle | None = None
 
     def write(self, event: bytes) -> None:
         transport = self.transport
@@ -566,15 +638,46 @@ class _SSEConnection:
         if transport is not None and transport.get_write_buffer_size() == 0:
             self.write(_KEEP_ALIVE)
 
+    def send(self, text: str, num_tokens: int, blocked: float = 0.0) -> None:
+        """One event with what is held and `text` (its `num_tokens` tokens), now. A token with no text
+        yet (held bytes of a character, a special token) still gets its event: clients time every
+        token, as the engine counts it."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._held_tokens or self._held_text:
+            text = "".join(self._held_text) + text
+            num_tokens += self._held_tokens
+            self._held_text, self._held_tokens = [], 0
+        if text or num_tokens:
+            self.write(self.chunks.text(text))
+            self.events.inc()
+        self.gen.delivered(num_tokens, blocked)  # no-op without tokens
+
     def push(self, piece: Piece) -> bool:
-        """Write one piece now if the connection has room; False leaves it to the handler."""
+        """Send (or hold) one piece now if the connection has room; False leaves it to the handler."""
         transport = self.transport
         if transport is None or transport.get_write_buffer_size() > _STREAM_HIGH_WATER:
             return False
-        if piece.text or piece.num_tokens:
-            self.write(self.chunks.text(piece.text))
-        self.gen.delivered(piece.num_tokens)
+        c = self.coalescing
+        if c is not None and self.gen.buffer.time_to_empty(time.monotonic()) >= c.buffer:
+            self._held_text.append(piece.text)
+            self._held_tokens += piece.num_tokens
+            if self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later(c.interval, self._flush)
+            return True
+        self.send(piece.text, piece.num_tokens)
         return True
+
+    def _flush(self) -> None:
+        self._timer = None
+        self.send("", 0)
+
+    def cancel(self) -> None:
+        """The stream is over: nothing more is sent by the timer."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 def _usage(gen: Generation) -> s.Usage:
@@ -599,13 +702,16 @@ def _json(obj: Any, request_id: str | None = None, status: int = 200,
     return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json", headers=headers)
 
 
-async def _wait_for_room(request: web.Request) -> None:
-    """Wait while the connection holds more unsent bytes than the high-water mark: the client is
-    not reading. (aiohttp itself drains only every 64 KiB written, too late to see a slow reader.)"""
+def _reset(request: web.Request) -> None:
+    """Close the connection with a reset, dropping what it could not send: a closed socket would
+    otherwise keep its unsent bytes in the kernel, probing a reader that reads nothing for minutes."""
     transport = request.transport
-    while transport is not None and not transport.is_closing() \
-            and transport.get_write_buffer_size() > _STREAM_HIGH_WATER:
-        await asyncio.sleep(_ROOM_POLL)
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def _tune_for_backpressure(request: web.Request) -> None:

@@ -11,7 +11,8 @@ Rights: a request's `priority` above 0 jumps the queue ahead of everyone else's,
 only up to its key's `max_priority` ([auth.keys."KEY"]; keys not listed there, and everyone on an
 open API, get `[auth] default_max_priority`, 0 unless the operator says otherwise); above it the
 request is refused with a 403 that says what the key may send. A priority below 0 is anyone's:
-it only puts the caller's own request behind the others (an agent yielding to people).
+it only puts the caller's own request behind the others (an agent yielding to people). A key
+may also be bounded in the requests it has open at once (`max_concurrent`; api/app.py answers 429).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class Caller:
     identity: str  # a digest of the key: names the caller (ownership, cadence) without revealing it; "" if open
     role: str  # the [auth] grant's label; "user" for keys without one, "anonymous" on an open API
     max_priority: int  # the highest `priority` its requests may set
+    max_concurrent: int | None = None  # requests it may have open at once (None: no bound)
 
 
 CALLER = web.RequestKey("caller", Caller)
@@ -83,10 +85,12 @@ class KeyTable:
     gets its [auth] grant."""
 
     def __init__(self, plain_keys: tuple[bytes, ...], auth: AuthConfig) -> None:
-        callers = {key: Caller(_identity(key), "user", auth.default_max_priority) for key in plain_keys}
+        default = auth.default_max_concurrent
+        callers = {key: Caller(_identity(key), "user", auth.default_max_priority, default) for key in plain_keys}
         for grant in auth.keys:
             key = grant.key.encode()
-            callers[key] = Caller(_identity(key), grant.role, grant.max_priority)
+            concurrent = grant.max_concurrent if grant.max_concurrent is not None else default
+            callers[key] = Caller(_identity(key), grant.role, grant.max_priority, concurrent)
         self._entries = tuple(callers.items())
         self.anonymous = Caller("", "anonymous", auth.default_max_priority)
 

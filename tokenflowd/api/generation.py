@@ -73,6 +73,7 @@ class Generation:
         self._held: list[Piece] = []
         self._waiter: asyncio.Future[None] | None = None
         self._push: Callable[[Piece], bool] | None = None
+        self._closed = False
         self.buffer = TokenBuffer(add.reading_rate)  # the client's buffer as delivered by the front
         self.rate = rate or RateMonitor(add.reading_rate)
         self.text_parts: list[str] | None = [] if keep_text else None
@@ -141,11 +142,16 @@ class Generation:
             return
         now = time.monotonic() if now is None else now
         m = self._metrics
+        # Inter-token latency per token: the tokens of one event share the gap since the last one (a
+        # first event's later tokens came with the first, a gap of 0).
         if self._last_sent is None:
             self._first_sent = now
             m.ttft.observe(now - self._arrival)
+            gap, count = 0.0, num_tokens - 1
         else:
-            m.itl.observe(now - self._last_sent)
+            gap, count = (now - self._last_sent) / num_tokens, num_tokens
+        for _ in range(count):
+            m.itl.observe(gap)
         self._last_sent = now
         self.buffer.on_tokens(num_tokens, now)
         m.generation_tokens.inc(num_tokens)
@@ -182,16 +188,20 @@ class Generation:
             self.supervisor.set_reading_rate(self.stream, rate)
         return True
 
-    def close(self) -> None:
-        """End of the handler, whatever the reason. Aborts an unfinished request; records metrics."""
+    def close(self, outcome: str | None = None) -> None:
+        """End of the handler, whatever the reason: aborts an unfinished request and records metrics,
+        once. `outcome` is what the client got when the handler knows better than the engine
+        (write_stall: it stopped reading before the end reached it); else the finish reason, or
+        abort (the client went away)."""
+        if self._closed:
+            return
+        self._closed = True
         self._push = None
         now = time.monotonic()
         m = self._metrics
         if self.finish_reason is None:
             self.supervisor.abort(self.stream)
-            outcome = "abort"
-        else:
-            outcome = self.finish_reason
+        outcome = outcome or self.finish_reason or "abort"
         if outcome == "rejected":
             return
         self._log_line(outcome, now)

@@ -107,8 +107,14 @@ class Metrics:
         r = self.registry
         self.ttft = Histogram("tokenflowd_time_to_first_token_seconds", "Arrival to first token sent",
                               ["engine"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tokenflowd_inter_token_latency_seconds", "Time between tokens sent to a client",
+        self.itl = Histogram("tokenflowd_inter_token_latency_seconds", "Time between tokens sent to a client, "
+                             "one sample per token (the tokens of one SSE event share its gap)",
                              ["engine"], buckets=_ITL_BUCKETS, registry=r)
+        self.sse_events = Counter("tokenflowd_sse_events", "SSE events carrying tokens sent to streaming clients "
+                                  "(fewer than tokens where coalescing gathered them)", registry=r)
+        self.connections_refused = Counter("tokenflowd_connections_refused", "Connections refused or closed by the "
+                                          "front: limit (--max-connections), header_timeout (slow request head)",
+                                          ["reason"], registry=r)
         self.e2e = Histogram("tokenflowd_e2e_request_latency_seconds", "Arrival to the last token sent",
                              ["engine"], buckets=_LATENCY_BUCKETS, registry=r)
         self.rebuffer = Histogram("tokenflowd_rebuffer_seconds",

@@ -22,6 +22,9 @@ Stop = str | Annotated[list[str], Meta(max_length=16)] | None
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    coalesce: Annotated[bool, Meta(description="tokenflowd: false sends one event per token; true (the default) "
+                                               "gathers tokens into one event per --coalesce-interval while the "
+                                               "reader's buffer holds over --coalesce-buffer s")] = True
 
 
 class TextPart(Struct, forbid_unknown_fields=True):
