@@ -23,7 +23,7 @@ import uvloop
 from aiohttp import web
 
 from tokenflowd.api.app import Front, build_app
-from tokenflowd.api.connections import ConnectionGuard
+from tokenflowd.api.connections import ConnectionGuard, quiet_malformed_requests
 from tokenflowd.config import EngineConfig, ServerConfig
 from tokenflowd.text.source import load_tokenizer
 from tokenflowd.notify import Notifier
@@ -68,6 +68,7 @@ async def run_server(server: ServerConfig, engine: EngineConfig, reload: Reload 
         loop.add_signal_handler(signal.SIGHUP, reload_live, reload, server, engine, supervisor, notifier)
     try:
         await runner.setup()
+        quiet_malformed_requests()
         refused = front.metrics.connections_refused
         guard = ConnectionGuard(runner.server, connection_bound(server), server.header_timeout,
                                 lambda reason: refused.labels(reason).inc())

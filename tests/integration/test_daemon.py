@@ -211,7 +211,7 @@ BAD_CHAT = [
     ({**GOOD, "logprobs": True}, 400, "logprobs"),
     ({**GOOD, "reading_rate": 0}, 400, "reading_rate"),
     ({**GOOD, "reading_rate": "fast"}, 400, "reading_rate"),
-    ({**GOOD, "stop": [""]}, 400, "stop"),
+    ({**GOOD, "stop": [""]}, 400, "stop[0]"),
     ({**GOOD, "min_tokens": 5}, 400, "min_tokens"),
     ({**GOOD, "unknown_field": 1}, 400, "unknown_field"),
     ({**GOOD, "messages": []}, 400, "messages"),

@@ -324,3 +324,28 @@ def test_coalescing_gathers_a_slow_readers_tokens_and_sends_a_fast_reader_each_o
         assert d.metric("tokenflowd_inter_token_latency_seconds_count") == 400 - 3  # per token, not per event
     finally:
         d.stop()
+
+
+def test_malformed_requests_log_one_line_and_integral_floats_are_integers(tmp_path):
+    log = tmp_path / "daemon.log"
+    d = Daemon(null_engine=True, log_path=str(log))
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", d.port)) as s:
+                s.settimeout(10)
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nX-Probe: a\x00b\r\n\r\n")
+                assert s.recv(4096).split(b"\r\n")[0].endswith(b" 400 Bad Request")
+        # 3.0 is an integer to JSON Schema: taken where an integer goes, range-checked as one
+        r = d.http.post("/v1/completions", json={"model": MODEL, "prompt": [260.0, 260], "max_tokens": 2.0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        r = d.http.post("/v1/completions", json={"model": MODEL, "prompt": [465478690029.0]})
+        assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]  # beyond the schema's maximum
+        r = d.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        schema = d.http.get("/openapi.json").json()["components"]["schemas"]
+        assert schema["CompletionRequest"]["properties"]["model"]["enum"] == [MODEL]
+    finally:
+        d.stop()
+    text = log.read_text()
+    assert "Traceback" not in text and "ERROR" not in text
+    assert text.count("malformed request refused (400)") == 1  # one line, then at most one per 10 s

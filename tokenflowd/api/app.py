@@ -146,6 +146,11 @@ class Front:
         try:
             return decoder.decode(body)
         except msgspec.ValidationError as e:  # a subclass of DecodeError: first
+            if "got `float`" in str(e):  # 3.0 is an integer to JSON Schema (and to the published schema)
+                try:
+                    return msgspec.convert(_integral_floats_as_ints(msgspec.json.decode(body)), decoder.type)
+                except msgspec.ValidationError as again:
+                    e = again
             raise _validation_error(e) from None
         except msgspec.DecodeError as e:
             raise APIError(400, f"the body is not valid JSON ({e}): send a JSON object") from None
@@ -194,11 +199,17 @@ class Front:
             raise APIError(400, f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context length "
                                 f"{max_len}: lower max_tokens to at most {max_len - n}", param="max_tokens",
                            code="context_length_exceeded")
+        if n + body.min_tokens > max_len:
+            raise APIError(400, f"prompt ({n} tokens) plus min_tokens ({body.min_tokens}) exceeds the context length "
+                                f"{max_len}: lower min_tokens to at most {max_len - n}", param="min_tokens",
+                           code="context_length_exceeded")
         if body.min_tokens and max_tokens is not None and body.min_tokens > max_tokens:
-            raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
+            raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens",
+                           code="min_tokens_above_max_tokens")
+        vocab = self.tokenizer.vocab_size
+        if body.stop_token_ids and any(t >= vocab for t in body.stop_token_ids):
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        if any(not x for x in stop):
-            raise APIError(400, "stop strings must be non-empty", param="stop")
         sampling = Sampling(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -277,7 +288,8 @@ class Front:
         try:
             prompt_ids = self.tokenizer.encode_chat(messages)
         except Exception as e:  # the model's chat template refused the conversation
-            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
+                           code="chat_template") from None
         cadence = self._cadence(request, body.user, [(m["role"], m["content"]) for m in messages], arrival)
         prep = self._prepare(body, prompt_ids, body.max_completion_tokens or body.max_tokens, request, cadence)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -479,7 +491,9 @@ class Front:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return _json(s.openapi())
+        lens = [slot.info.max_model_len for slot in self.supervisor.slots if slot.info]
+        served = s.Served((self.model_name,), min(lens) if lens else None, self.tokenizer.vocab_size)
+        return _json(s.openapi(served))
 
 
 def build_app(front: Front) -> web.Application:
@@ -723,6 +737,18 @@ def _tune_for_backpressure(request: web.Request) -> None:
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _STREAM_SNDBUF)
     transport.set_write_buffer_limits(high=_STREAM_HIGH_WATER)
+
+
+def _integral_floats_as_ints(value: Any) -> Any:
+    """Integral floats (3.0) as ints, anywhere in a decoded JSON value: an integer field takes them,
+    a float field takes an int as well."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
+    return value
 
 
 def _validation_error(e: msgspec.ValidationError) -> APIError:

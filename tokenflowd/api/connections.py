@@ -7,6 +7,7 @@ wait for a slow reader's socket that costs no wake-ups.
                                   head is overdue (slow-loris), a few times a second
     writable(transport, timeout)  waits until a paused connection's send buffer drains (its
                                   resume_writing), or the timeout: no polling
+    quiet_malformed_requests()    a request aiohttp cannot parse is one log line, not a traceback
 
 A connection beyond `max_connections` gets a canned 503 with Retry-After and is closed before
 aiohttp sees it. A request head (request line and headers) must arrive within `header_timeout`
@@ -25,6 +26,7 @@ from typing import Callable
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from tokenflowd.api.schema import ErrorDetail, ErrorResponse
 
@@ -177,3 +179,39 @@ async def _poll_writable(transport: asyncio.BaseTransport | None, timeout: float
             return False
         await asyncio.sleep(0.01)
     return True
+
+
+class MalformedRequestFilter(logging.Filter):
+    """aiohttp logs a request it cannot parse (a NUL byte in a header, a bad request line) as an
+    ERROR with a full traceback: any client could fill the journal with them. This filter, on the
+    "aiohttp.server" logger, turns each into one INFO line without the traceback, at most one a
+    `every` seconds, counting those it left out."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        super().__init__()
+        self.every = every
+        self._last = float("-inf")
+        self._dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        now = record.created
+        if now - self._last < self.every:
+            self._dropped += 1
+            return False
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        more = f" ({self._dropped} more since the last such line)" if self._dropped else ""
+        record.msg, record.args = "malformed request refused (400): %s%s", (first_line, more)
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.exc_info = record.exc_text = None
+        self._last, self._dropped = now, 0
+        return True
+
+
+def quiet_malformed_requests() -> None:
+    """Install MalformedRequestFilter on aiohttp's server logger (once)."""
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequestFilter) for f in server_log.filters):
+        server_log.addFilter(MalformedRequestFilter())
