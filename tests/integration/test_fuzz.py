@@ -26,7 +26,7 @@ def test_schemathesis_finds_nothing_and_reaches_generation(tmp_path):
         run = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "run", f"{d.base_url}/openapi.json", "--checks", "all",
              "--exclude-checks", "positive_data_acceptance", "--max-examples", "50", "--seed", "1", "--no-color"],
-            capture_output=True, text=True, timeout=600,
+            capture_output=True, text=True, timeout=600, cwd=tmp_path,
             env={**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_checks", "PYTHONPATH": str(TESTS)})
         assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
         assert d.metric("tokenflowd_generation_tokens_total") > 0  # it got past validation into generation
