@@ -107,10 +107,8 @@ class NullEngine(EngineEndpoint):
                 self.num_steps += 1
                 self.last_step_time = now
             if self.must_report(deltas, now, last_sent):
-                data = self.encoder.encode(p.StepOutputs(self.spec.engine_id, self.spec.incarnation, now, deltas,
-                                                         self._stats()))
                 last_sent = time.monotonic()
-                self.outbox.send(data)
+                self.send_step(now, deltas, self._stats())
                 for req in emitted:
                     req.sent.append(last_sent)
             for req in emitted:  # back into the heap after the batch: at most one token per iteration

@@ -15,7 +15,7 @@ import uvloop
 
 from tokenflowd import protocol as p
 from tokenflowd.cli import build_parser, serve_configs
-from tokenflowd.serve import run_server
+from tokenflowd.serve import run
 from tokenflowd.supervisor import Supervisor
 
 NULL_ENGINE = Path(__file__).resolve().parent.parent / "bench" / "null_engine.py"
@@ -30,7 +30,7 @@ def main() -> int:
     a = build_parser().parse_args(sys.argv[1:])
     server, engine = serve_configs(a)
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvloop.run(run_server(server, engine, supervisor_factory=NullSupervisor))
+    uvloop.run(run(server, engine, supervisor_factory=NullSupervisor))
     return 0
 
 

@@ -43,7 +43,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 _SERVER_FLAGS = ("host", "port", "engines", "served_model_name", "default_reading_rate", "max_reading_rate",
                  "max_waiting_requests", "max_body_size", "runtime_dir", "shutdown_timeout", "api_key_file",
                  "log_level", "coalesce_buffer", "coalesce_interval", "write_stall_timeout", "max_streams",
-                 "max_connections", "header_timeout", "body_timeout", "keepalive_timeout")
+                 "max_connections", "header_timeout", "body_timeout", "keepalive_timeout", "api_servers")
 
 
 def serve_configs(a: argparse.Namespace, environ: dict[str, str] | None = None):
@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--runtime-dir", help="where the private socket directory is made (default: the temp dir)")
     v.add_argument("--shutdown-timeout", type=float,
                    help="s open streams may take to finish after SIGTERM before they end with an error (default 30)")
+    v.add_argument("--api-servers", type=int,
+                   help="front processes sharing the port (SO_REUSEPORT), each talking to every engine; the limits "
+                        "above are split among them (default: one per engine on a GPU box, 1 on CPU)")
     v.add_argument("--coalesce-buffer", type=float,
                    help="s of reading a client's modelled buffer must hold before its tokens are gathered into one "
                         "SSE event per --coalesce-interval (default 2)")

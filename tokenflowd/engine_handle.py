@@ -70,15 +70,18 @@ class EngineHandle:
     def num_preemptions(self) -> int:
         return self.preemptions_before + (self.stats.num_preemptions if self.stats else 0)
 
-    def open(self, ctx: zmq.Context, address: str) -> None:
-        """A new incarnation: bind its input socket. Plain PUSH, no high-water mark: a send never blocks."""
-        self.incarnation += 1
+    def open(self, ctx: zmq.Context, address: str, incarnation: int | None = None) -> None:
+        """A new incarnation (the next, or `incarnation`): connect to its input socket, which its engine
+        binds (messages wait until it does). Plain PUSH, no high-water mark: a send never blocks."""
+        self.incarnation = self.incarnation + 1 if incarnation is None else incarnation
         self.state = "starting"
         self.info = self.stats = None
+        if self.inbox is not None:
+            self.inbox.close(linger=0)
         self.inbox = ctx.socket(zmq.PUSH)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.setsockopt(zmq.SNDHWM, 0)
-        self.inbox.bind(address)
+        self.inbox.connect(address)
 
     def send(self, raw: bytes) -> bool:
         """False when no live engine takes it (gone, or not yet connected)."""

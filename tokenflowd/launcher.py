@@ -50,12 +50,14 @@ def engine_environment(own: dict[str, str]) -> dict[str, str]:
 
 class LocalLauncher:
     def __init__(self, server: ServerConfig, ctx: zmq.Context, runtime_dir: Path,
-                 on_exit: Callable[[EngineHandle, str], None], command: Callable[[p.EngineSpec], list[str]]) -> None:
+                 on_exit: Callable[[EngineHandle, str], None], command: Callable[[p.EngineSpec], list[str]],
+                 front_addresses: list[str] | None = None) -> None:
         self.server = server
         self._ctx = ctx
         self.runtime_dir = runtime_dir
         self._on_exit = on_exit
         self._command = command
+        self._front_addresses = front_addresses or []
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -89,7 +91,8 @@ class LocalLauncher:
         handle.open(self._ctx, address)  # the next incarnation: messages of older ones are dropped
         spec = p.EngineSpec(handle.engine_id, handle.incarnation, address, f"ipc://{self.runtime_dir}/out",
                             self.server.heartbeat_interval, msgspec.to_builtins(handle.config),
-                            send_timeout=self.server.heartbeat_timeout, supervisor_pid=os.getpid())
+                            send_timeout=self.server.heartbeat_timeout, supervisor_pid=os.getpid(),
+                            front_addresses=self._front_addresses)
         proc = self._procs[handle.engine_id] = await asyncio.create_subprocess_exec(
             *self._command(spec), env=engine_environment(handle.env))
         handle.pid = proc.pid

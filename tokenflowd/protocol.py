@@ -31,6 +31,7 @@ class AddRequest(msgspec.Struct, tag=True):
     reading_rate: float  # tokens/s the client reads
     priority: int = 0  # higher is sooner
     arrival_time: float = 0.0
+    front: int = 0  # the output (EngineSpec) its deltas go to: the front process that serves it
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -57,6 +58,13 @@ class SetReadCursor(msgspec.Struct, tag=True):
 class QueryRequests(msgspec.Struct, tag=True):
     query_id: int
     request_ids: list[str] | None = None  # None: every live request
+    front: int = 0  # the output the reply goes to
+
+
+class AbortFront(msgspec.Struct, tag=True):
+    """A front process is gone: every request it sent is aborted (its pages freed)."""
+
+    front: int
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -70,7 +78,8 @@ class Reconfigure(msgspec.Struct, tag=True):
     policy_params: dict  # PolicyConfig fields
 
 
-ToEngine = AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure
+ToEngine = (AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure
+            | AbortFront)
 
 
 # -- engine → supervisor ---------------------------------------------------------------------
@@ -167,11 +176,57 @@ class EngineSpec(msgspec.Struct):
 
     engine_id: int
     incarnation: int
-    input_address: str
-    output_address: str
+    input_address: str  # the engine binds it; the supervisor and every front connect
+    output_address: str  # output 0: the supervisor (and, with one front process, the front)
     heartbeat_interval: float
     config: dict  # EngineConfig fields
     # s one message may wait for the supervisor to take it; beyond, the engine exits (the supervisor
     # kills an engine silent for its heartbeat timeout anyway, so waiting longer serves no one)
     send_timeout: float = 30.0
     supervisor_pid: int = 0  # the parent it must not outlive (0: whatever parent it starts with)
+    # outputs 1..N: the front processes of --api-servers N > 1 (a request's deltas go to its front;
+    # what every front needs, Ready and the step messages' stats and keys, goes to all)
+    front_addresses: list[str] = []
+
+
+# -- the supervisor and its front processes (--api-servers N > 1) ---------------------------------
+class EngineState(msgspec.Struct):
+    """One engine as the supervisor knows it: what a front process needs to talk to it and report it."""
+
+    engine_id: int
+    incarnation: int
+    state: str  # starting | ready | backoff | stopped
+    pid: int | None
+    num_restarts: int
+    consecutive_failures: int
+    last_failure: str | None
+    preemptions_before: int
+    policy_params: dict
+    info: Ready | None
+
+
+class EngineTable(msgspec.Struct, tag=True):
+    """Supervisor → every front process (zmq PUB), on every change and every heartbeat interval."""
+
+    engines: list[EngineState]
+    log_level: str
+
+
+class FrontListening(msgspec.Struct, tag=True):
+    """A front process → the supervisor: its port is open."""
+
+    front: int
+    pid: int
+
+
+class FrontSpec(msgspec.Struct):
+    """How the supervisor starts a front process (JSON on its stdin: the [auth] keys are secrets)."""
+
+    front: int  # 1..N: its output index at every engine
+    runtime_dir: str
+    input_address: str  # where it binds for the engines' outputs
+    control_address: str  # the supervisor's EngineTable publisher
+    report_address: str  # where it sends FrontListening
+    server: dict  # ServerConfig fields
+    engine: dict  # EngineConfig fields
+    supervisor_pid: int

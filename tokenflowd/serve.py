@@ -56,44 +56,76 @@ async def run_server(server: ServerConfig, engine: EngineConfig, reload: Reload 
         notifier.close()
         raise
     front = Front(supervisor, tokenizer, server, server.served_model_name or engine.model)
-    runner = web.AppRunner(build_app(front), handler_cancellation=True, access_log=None,
-                           keepalive_timeout=server.keepalive_timeout)
+    http = HttpFront(front, backlog)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(notifier.watchdog(), name="watchdog")]
-    listener: asyncio.AbstractServer | None = None
     if reload is not None:
         loop.add_signal_handler(signal.SIGHUP, reload_live, reload, server, engine, supervisor, notifier)
     try:
-        await runner.setup()
-        quiet_malformed_requests()
-        refused = front.metrics.connections_refused
-        guard = ConnectionGuard(runner.server, connection_bound(server), server.header_timeout,
-                                lambda reason: refused.labels(reason).inc())
-        listener = await loop.create_server(guard, server.host, server.port, backlog=backlog)
-        tasks.append(asyncio.create_task(guard.expire(), name="header-timeouts"))
-        log.info("tokenflowd listening on http://%s:%d (model %s, %d engine(s), at most %d connections)",
-                 server.host, server.port, front.model_name, len(supervisor.slots), guard.max_connections)
+        await http.open()
         freeze_startup_objects()
         tasks.append(asyncio.create_task(report_status(supervisor, notifier), name="status"))
         await stop.wait()
-        front.draining = True
         open_streams = sum(len(slot.streams) for slot in supervisor.slots)
-        log.info("draining: %d open stream(s), up to %g s", open_streams, server.shutdown_timeout)
         notifier.stopping(f"draining {open_streams} open stream(s)")
-        deadline = time.monotonic() + server.shutdown_timeout
-        while any(slot.streams for slot in supervisor.slots) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        await http.drain()
     finally:
         for t in tasks:
             t.cancel()
-        if listener is not None:
-            listener.close()
+        await http.stop_listening()
         await supervisor.stop()  # ends what is still open with an error event
-        await runner.cleanup()
+        await http.close()
         notifier.close()
+
+
+class HttpFront:
+    """The HTTP side of one front process: the aiohttp app behind a ConnectionGuard on the port
+    (shared with the other front processes through SO_REUSEPORT when `reuse_port`)."""
+
+    def __init__(self, front: Front, backlog: int = 1024, reuse_port: bool = False) -> None:
+        self.front = front
+        self.server = front.config
+        self.backlog = backlog
+        self.reuse_port = reuse_port
+        self.runner = web.AppRunner(build_app(front), handler_cancellation=True, access_log=None,
+                                    keepalive_timeout=self.server.keepalive_timeout)
+        self.listener: asyncio.AbstractServer | None = None
+        self._expiry: asyncio.Task | None = None
+
+    async def open(self) -> None:
+        server, front = self.server, self.front
+        await self.runner.setup()
+        quiet_malformed_requests()
+        refused = front.metrics.connections_refused
+        guard = ConnectionGuard(self.runner.server, connection_bound(server), server.header_timeout,
+                                lambda reason: refused.labels(reason).inc())
+        self.listener = await asyncio.get_running_loop().create_server(
+            guard, server.host, server.port, backlog=self.backlog, reuse_port=self.reuse_port or None)
+        self._expiry = asyncio.create_task(guard.expire(), name="header-timeouts")
+        log.info("tokenflowd listening on http://%s:%d (model %s, %d engine(s), at most %d connections)",
+                 server.host, server.port, front.model_name, len(front.supervisor.slots), guard.max_connections)
+
+    async def drain(self) -> None:
+        """New requests get 503; open streams get up to shutdown_timeout to finish."""
+        self.front.draining = True
+        slots = self.front.supervisor.slots
+        open_streams = sum(len(slot.streams) for slot in slots)
+        log.info("draining: %d open stream(s), up to %g s", open_streams, self.server.shutdown_timeout)
+        deadline = time.monotonic() + self.server.shutdown_timeout
+        while any(slot.streams for slot in slots) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
+    async def stop_listening(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        if self.listener is not None:
+            self.listener.close()
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
 
 
 CONNECTION_RESERVE = 256  # descriptors kept for engines' sockets, logs and files
@@ -171,6 +203,30 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def api_servers(server: ServerConfig, engine: EngineConfig) -> int:
+    """--api-servers, else one front process per engine on a GPU box (a front's CPU is what bounds
+    the streams it holds), and one on CPU, where the engines need the cores."""
+    if server.api_servers is not None:
+        return server.api_servers
+    if engine.device.startswith("cuda"):
+        from tokenflowd.launcher import engine_configs
+
+        return len(engine_configs(engine, server.engines))
+    return 1
+
+
+async def run(server: ServerConfig, engine: EngineConfig, reload: Reload | None = None,
+              supervisor_factory: Callable[..., Supervisor] = Supervisor) -> None:
+    """One process for the front and the supervisor, or a supervisor and N front processes (fronts.py)."""
+    n = api_servers(server, engine)
+    if n > 1:
+        from tokenflowd.fronts import run_fronts
+
+        await run_fronts(server, engine, n, reload, supervisor_factory)
+    else:
+        await run_server(server, engine, reload, supervisor_factory)
+
+
 def serve(server: ServerConfig, engine: EngineConfig, reload: Reload | None = None) -> int:
-    uvloop.run(run_server(server, engine, reload))
+    uvloop.run(run(server, engine, reload))
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -41,9 +42,15 @@ class NoEngineReady(RuntimeError):
 
 
 class Supervisor:
-    def __init__(self, server: ServerConfig, engine: EngineConfig) -> None:
+    front = 0  # this process's output at every engine (0: the supervisor's own)
+
+    def __init__(self, server: ServerConfig, engine: EngineConfig, num_fronts: int = 0) -> None:
+        """`num_fronts`: the front processes of --api-servers N > 1 (fronts.py), each an output of every engine."""
         self.server = server
         self.engine_config = engine
+        self.num_fronts = num_fronts
+        self.front_addresses: list[str] = []
+        self.on_change: Callable[[], None] = lambda: None  # an engine came, went or was reconfigured
         self.slots = [
             EngineHandle(i, cfg, env) for i, (cfg, env) in enumerate(engine_configs(engine, server.engines))
         ]
@@ -65,17 +72,19 @@ class Supervisor:
         if base:
             Path(base).mkdir(parents=True, exist_ok=True)
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="tokenflowd-", dir=base))  # mode 0700
+        self.front_addresses = [f"ipc://{self.runtime_dir}/out-f{k}" for k in range(1, self.num_fronts + 1)]
         self._outbox = self._ctx.socket(zmq.PULL)
         self._outbox.bind(f"ipc://{self.runtime_dir}/out")
         asyncio.get_running_loop().add_reader(self._outbox.getsockopt(zmq.FD), self._read_outputs)
-        self.launcher = LocalLauncher(self.server, self._ctx, self.runtime_dir, self._engine_gone, self.engine_command)
+        self.launcher = LocalLauncher(self.server, self._ctx, self.runtime_dir, self._engine_gone, self.engine_command,
+                                      self.front_addresses)
         for handle in self.slots:
             await self.launcher.start(handle)
 
     async def stop(self) -> None:
         for handle in self.slots:
             if handle.pid is not None:
-                self._send(handle, p.Shutdown())
+                self.send(handle, p.Shutdown())
         if self.launcher is not None:
             await self.launcher.stop(self.slots)
         for handle in self.slots:
@@ -85,9 +94,7 @@ class Supervisor:
             asyncio.get_running_loop().remove_reader(self._outbox.getsockopt(zmq.FD))
         self._ctx.destroy(linger=0)
         if self.runtime_dir:
-            for f in self.runtime_dir.iterdir():
-                f.unlink(missing_ok=True)
-            self.runtime_dir.rmdir()
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     def engine_command(self, spec: p.EngineSpec) -> list[str]:
         """The engine process's command line (a benchmark swaps in a model-free engine here)."""
@@ -98,6 +105,7 @@ class Supervisor:
         handle.fail_streams(message)
         handle.retire()
         self.index.forget(handle.engine_id)
+        self.on_change()
 
     # -- engine outputs -----------------------------------------------------------------------
     def _read_outputs(self, budget: int = 64) -> None:
@@ -127,6 +135,7 @@ class Supervisor:
             self._on_step(slot, msg)
         elif isinstance(msg, p.Reconfigured):
             slot.policy_params = msg.policy_params
+            self.on_change()
             log.info("engine %d reconfigured: log level %s, policy parameters %s", msg.engine_id, msg.log_level,
                      msg.policy_params)
         elif isinstance(msg, p.Ready):
@@ -134,8 +143,9 @@ class Supervisor:
             slot.policy_params = msg.policy_params
             wanted = msgspec.to_builtins(slot.config.policy_params)
             if msg.policy_params and msg.policy_params != wanted:  # a reload came while it started
-                self._send(slot, p.Reconfigure(logging.getLevelName(logging.getLogger().level), wanted))
+                self.send(slot, p.Reconfigure(logging.getLevelName(logging.getLogger().level), wanted))
             slot.consecutive_failures = 0
+            self.on_change()
             log.info("engine %d ready (pid %d, %s, context %d)", msg.engine_id, msg.pid, msg.device,
                      msg.max_model_len)
         elif isinstance(msg, p.QueryReply):
@@ -158,7 +168,7 @@ class Supervisor:
         stream = Stream(add.request_id, slot, len(add.prompt_token_ids), on_delta)
         slot.streams[add.request_id] = stream
         slot.num_waiting += 1
-        if not self._send(slot, add):
+        if not self.send(slot, msgspec.structs.replace(add, front=self.front) if self.front else add):
             del slot.streams[add.request_id]
             slot.num_waiting -= 1
             raise NoEngineReady(f"engine {slot.engine_id} is not serving")
@@ -173,23 +183,23 @@ class Supervisor:
         if not stream.started:
             stream.started = True
             slot.num_waiting -= 1
-        self._send(slot, p.AbortRequests([stream.request_id]))
+        self.send(slot, p.AbortRequests([stream.request_id]))
 
     def set_reading_rate(self, stream: Stream, reading_rate: float) -> None:
         slot = stream.engine
         if not stream.finished:
-            self._send(slot, p.SetReadingRate(stream.request_id, reading_rate, time.monotonic()))
+            self.send(slot, p.SetReadingRate(stream.request_id, reading_rate, time.monotonic()))
 
     def set_read_cursor(self, stream: Stream, num_read: int, now: float) -> None:
         if not stream.finished:
-            self._send(stream.engine, p.SetReadCursor(stream.request_id, num_read, now))
+            self.send(stream.engine, p.SetReadCursor(stream.request_id, num_read, now))
 
     async def query(self, request_ids: list[str] | None = None, timeout: float = 5.0) -> list[p.RequestInfo]:
         """Live request state from every serving engine (all requests when `request_ids` is None)."""
         futures = []
         for slot in self.slots:
             qid = next(self._query_ids)
-            if slot.ready and self._send(slot, p.QueryRequests(qid, request_ids)):
+            if slot.ready and self.send(slot, p.QueryRequests(qid, request_ids, self.front)):
                 fut = asyncio.get_running_loop().create_future()
                 self._queries[qid] = fut
                 futures.append((qid, fut))
@@ -208,9 +218,9 @@ class Supervisor:
         for slot in self.slots:
             slot.config = replace(slot.config, policy_params=policy_params)
             if slot.state in ("starting", "ready") and slot.inbox is not None:
-                self._send(slot, msg)
+                self.send(slot, msg)
 
-    def _send(self, slot: EngineHandle, msg: p.ToEngine) -> bool:
+    def send(self, slot: EngineHandle, msg: p.ToEngine) -> bool:
         """False when the slot has no live engine to take it (the engine is gone or not yet connected)."""
         return slot.send(self._encoder.encode(msg))
 

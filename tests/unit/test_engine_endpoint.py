@@ -40,3 +40,60 @@ def test_a_message_nobody_takes_raises_after_the_send_timeout(tmp_path):
         assert 1000 <= i < 5000 and time.monotonic() - t0 < 10
     finally:
         engine.close()
+
+
+def test_deltas_go_to_the_front_that_sent_the_request_and_the_rest_to_all(tmp_path):
+    """With front processes, a request's deltas reach only its front; stats and Ready reach every
+    output; a query's reply the output that asked; AbortFront aborts that front's requests alone."""
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    outs = []
+    for name in ("out", "f1", "f2"):
+        sock = ctx.socket(zmq.PULL)
+        sock.bind(f"ipc://{tmp_path}/{name}")
+        outs.append(sock)
+    spec = p.EngineSpec(0, 1, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", 0.5, {},
+                        front_addresses=[f"ipc://{tmp_path}/f1", f"ipc://{tmp_path}/f2"])
+
+    class Recorder(Idle):
+        aborted: list[str] = []
+
+        def abort(self, request_id):
+            self.aborted.append(request_id)
+
+    engine = Recorder(spec)
+    inbox = ctx.socket(zmq.PUSH)
+    inbox.connect(spec.input_address)
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(p.FromEngine)
+
+    def recv(sock):
+        assert sock.poll(5000)
+        return dec.decode(sock.recv())
+
+    try:
+        for rid, front in (("a", 1), ("b", 2), ("c", 2)):
+            inbox.send(enc.encode(p.AddRequest(rid, [1], p.Sampling(), 10.0, front=front)))
+        inbox.send(enc.encode(p.QueryRequests(7, None, front=2)))
+        deadline = time.monotonic() + 5
+        while len(engine.request_front) < 3 and time.monotonic() < deadline:
+            engine.inbox.poll(100)
+            engine.drain_inbox()
+        assert recv(outs[2]).query_id == 7 and not outs[0].poll(0) and not outs[1].poll(0)
+        stats = p.EngineStats(3, 0, 0, 0, 0, 0, 0, 0.0)
+        engine.send_step(1.0, [p.Delta("a", [5]), p.Delta("b", [6], "length"), p.Delta("c", [7])], stats,
+                         [b"k"], [])
+        got = [recv(s) for s in outs]
+        assert [[d.request_id for d in m.deltas] for m in got] == [[], ["a"], ["b", "c"]]
+        assert all(m.stats == stats and m.keys_added == [b"k"] for m in got)
+        assert "b" not in engine.request_front  # finished: forgotten
+        inbox.send(enc.encode(p.AbortFront(2)))
+        deadline = time.monotonic() + 5
+        while "c" in engine.request_front and time.monotonic() < deadline:
+            engine.inbox.poll(100)
+            engine.drain_inbox()
+        assert engine.aborted == ["c"] and engine.request_front == {"a": 1}
+    finally:
+        engine.close()
+        ctx.destroy(linger=0)

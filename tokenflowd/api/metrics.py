@@ -3,14 +3,19 @@ observed by the front as it sends tokens.
 
 Engine gauges and the preemption counter come from a collector over the engines' last reported
 stats (no copy to keep in sync); the histograms and token counters are ordinary client objects.
-Everything lives in the app's own registry, so several daemons can share a process (tests).
+Everything lives in the app's own registry, so several daemons can share a process (tests). With
+several front processes (--api-servers N), the histograms and counters are prometheus-client's
+multiprocess values (PROMETHEUS_MULTIPROC_DIR, set by the supervisor): any front's /metrics sums
+them over every front, live or gone.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -102,9 +107,13 @@ class EngineCollector(Collector):
 
 class Metrics:
     def __init__(self, supervisor: Supervisor) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()  # what /metrics shows
         self.registry.register(EngineCollector(supervisor))
         r = self.registry
+        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if shared:  # one of several front processes: each writes its own files, a scrape sums them all
+            MultiProcessCollector(self.registry, path=shared)
+            r = CollectorRegistry()  # the objects below write to the files; this registry is never shown
         self.ttft = Histogram("tokenflowd_time_to_first_token_seconds", "Arrival to first token sent",
                               ["engine"], buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tokenflowd_inter_token_latency_seconds", "Time between tokens sent to a client, "

@@ -1,5 +1,14 @@
 """The engine's end of the supervisor protocol: sockets, message decoding and dispatch.
 
+    inbox     one PULL socket the engine binds; the supervisor and every front process connect
+    outputs   0: the supervisor (a PUSH that must not drop: a send that waits out send_timeout ends
+              the engine); 1..N: the front processes of --api-servers N (sends that never block:
+              a front that is gone or slow loses messages, not the engine's loop)
+
+A request's deltas go to the output of the front that sent it (AddRequest.front); Ready,
+Reconfigured and each step's stats and prefix-cache keys go to every output; a query's reply to
+the output that asked. AbortFront aborts every request of a front that went away.
+
 An engine process (engine/process.py) and the benchmark's model-free engine (bench/null_engine.py)
 differ only in what they do with a request; both subclass this and implement the hooks. Imports
 no torch, so a model-free engine stays light.
@@ -32,11 +41,19 @@ class EngineEndpoint(abc.ABC):
         self.parent_pid = spec.supervisor_pid or os.getppid()
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.connect(spec.input_address)
+        self.inbox.bind(spec.input_address)
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 1000)
         self.outbox.setsockopt(zmq.SNDTIMEO, max(1, int(spec.send_timeout * 1000)))  # never block the loop for good
         self.outbox.connect(spec.output_address)
+        self.fronts: list[zmq.Socket] = []  # outputs 1..N
+        for address in spec.front_addresses:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 100_000)  # about a minute of steps for a front that is restarting
+            sock.connect(address)
+            self.fronts.append(sock)
+        self.request_front: dict[str, int] = {}  # with front processes: the output of each live request
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(p.ToEngine)
         self.running = True
@@ -76,20 +93,32 @@ class EngineEndpoint(abc.ABC):
 
     def _handle(self, msg: p.ToEngine) -> None:
         if isinstance(msg, p.AddRequest):
+            if self.fronts:
+                self.request_front[msg.request_id] = msg.front
             error = self.add(msg)
             if error is not None:
                 self._rejected.append(p.Delta(msg.request_id, [], "rejected", error))
         elif isinstance(msg, p.AbortRequests):
             for rid in msg.request_ids:
                 self.abort(rid)
+                self.request_front.pop(rid, None)
             self._aborted = True
+        elif isinstance(msg, p.AbortFront):
+            gone = [rid for rid, front in self.request_front.items() if front == msg.front]
+            for rid in gone:
+                self.abort(rid)
+                del self.request_front[rid]
+            self._aborted = bool(gone)
         elif isinstance(msg, p.SetReadingRate):
             self.set_reading_rate(msg)
         elif isinstance(msg, p.SetReadCursor):
             self.set_read_cursor(msg)
         elif isinstance(msg, p.QueryRequests):
-            self.send(p.QueryReply(self.spec.engine_id, self.spec.incarnation, msg.query_id,
-                                   self.infos(msg.request_ids)))
+            reply = p.QueryReply(self.spec.engine_id, self.spec.incarnation, msg.query_id, self.infos(msg.request_ids))
+            if msg.front and msg.front <= len(self.fronts):
+                self._send_front(msg.front, self.encoder.encode(reply))
+            else:
+                self.send(reply)
         elif isinstance(msg, p.Shutdown):
             self.running = False
         elif isinstance(msg, p.Reconfigure):
@@ -120,10 +149,43 @@ class EngineEndpoint(abc.ABC):
         return True
 
     def send(self, msg: p.FromEngine) -> None:
+        """To every output (Ready, Reconfigured; a query's reply when there are no front processes)."""
+        raw = self.encoder.encode(msg)
         try:
-            self.outbox.send(self.encoder.encode(msg))
+            self.outbox.send(raw)
         except zmq.Again:
             raise SupervisorUnreachable(f"the supervisor took no message for {self.spec.send_timeout:g} s") from None
+        for front in range(1, len(self.fronts) + 1):
+            self._send_front(front, raw)
+
+    def send_step(self, now: float, deltas: list[p.Delta], stats: p.EngineStats, keys_added: list[bytes] = [],
+                  keys_removed: list[bytes] = []) -> None:
+        """One StepOutputs to each output, with the deltas of its own requests."""
+        spec = self.spec
+        if not self.fronts:
+            self.send(p.StepOutputs(spec.engine_id, spec.incarnation, now, deltas, stats, keys_added, keys_removed))
+            return
+        mine: list[list[p.Delta]] = [[] for _ in range(len(self.fronts) + 1)]
+        where = self.request_front
+        for delta in deltas:
+            front = where.get(delta.request_id, 0)
+            if delta.finish_reason is not None:
+                where.pop(delta.request_id, None)
+            mine[front if front < len(mine) else 0].append(delta)
+        try:
+            self.outbox.send(self.encoder.encode(
+                p.StepOutputs(spec.engine_id, spec.incarnation, now, mine[0], stats, keys_added, keys_removed)))
+        except zmq.Again:
+            raise SupervisorUnreachable(f"the supervisor took no message for {spec.send_timeout:g} s") from None
+        for front in range(1, len(mine)):
+            self._send_front(front, self.encoder.encode(
+                p.StepOutputs(spec.engine_id, spec.incarnation, now, mine[front], stats, keys_added, keys_removed)))
+
+    def _send_front(self, front: int, raw: bytes) -> None:
+        try:
+            self.fronts[front - 1].send(raw, zmq.NOBLOCK)
+        except zmq.Again:  # a front gone or far behind: it loses this message, the engine goes on
+            pass
 
     def close(self) -> None:
         self.ctx.destroy(linger=1000)

@@ -74,8 +74,7 @@ class EngineProcess(EngineEndpoint):
             now = time.monotonic()
             if self.must_report(deltas, now, last_sent) or settled:
                 added, removed = core.pool.drain_key_events()
-                self.send(p.StepOutputs(self.spec.engine_id, self.spec.incarnation, now, deltas,
-                                        self._stats(), added, removed))
+                self.send_step(now, deltas, self._stats(), added, removed)
                 last_sent = now
             if self.orphaned(log):
                 break

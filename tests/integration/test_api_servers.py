@@ -1,0 +1,150 @@
+"""`--api-servers 2`: two front processes share the port, each over every engine (fronts.py)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+from daemon import Daemon
+
+MODEL = "smollm2-135m"
+
+
+def fronts(d: Daemon) -> list[psutil.Process]:
+    return [c for c in psutil.Process(d.proc.pid).children()
+            if "tokenflowd.front_process" in " ".join(c.cmdline())]
+
+
+def listening(proc: psutil.Process, port: int) -> bool:
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections("tcp"))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_for_fronts(d: Daemon, n: int, timeout: float = 120) -> list[psutil.Process]:
+    """The n front processes, once each listens on the port and the engines serve."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs = fronts(d)
+        if len(procs) == n and all(listening(f, d.port) for f in procs) and d.health()["status"] == "ok":
+            return procs
+        time.sleep(0.2)
+    raise TimeoutError("the front processes did not come up")
+
+
+async def stream(client: httpx.AsyncClient, body: dict, drop_after: int | None = None) -> tuple[int, str, int]:
+    """(status, text, [DONE] count); leaves after `drop_after` content events when set."""
+    text, done, events = "", 0, 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done += 1
+            elif line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if event["choices"]:
+                    text += event["choices"][0]["text"]
+                    events += 1
+                    if drop_after is not None and events >= drop_after:
+                        break
+    return r.status_code, text, done
+
+
+def test_fifty_streams_through_two_fronts_finish_once_and_in_order():
+    d = Daemon("--api-servers", "2", null_engine=True, env={"NULL_ENGINE_RATE": "50"})
+    try:
+        wait_for_fronts(d, 2)
+
+        async def run():
+            limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)  # a connection each
+            async with httpx.AsyncClient(base_url=d.base_url, timeout=60, limits=limits) as client:
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 40, "stream": True}
+                return await asyncio.gather(*(stream(client, body) for _ in range(50)))
+
+        results = asyncio.run(run())
+        assert results == [(200, " the" * 40, 1)] * 50
+        assert d.metric("tokenflowd_requests_total", outcome="length") == 50  # summed over both fronts
+    finally:
+        assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Daemon("--api-servers", "2", "--dtype", "float32", "--kv-cache-memory", "256MiB")
+    wait_for_fronts(d, 2)
+    yield d
+    assert d.stop() == 0
+
+
+def test_greedy_text_through_either_front_is_the_engines(daemon):
+    prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(8)]
+    whole = [daemon.http.post("/v1/completions", json={"model": MODEL, "prompt": q, "max_tokens": 12,
+                                                       "temperature": 0}).json()["choices"][0]["text"] for q in prompts]
+
+    async def run():
+        limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=daemon.base_url, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(stream(client, {"model": MODEL, "prompt": q, "max_tokens": 12,
+                                                          "temperature": 0, "stream": True}) for q in prompts))
+
+    assert [text for _, text, _ in asyncio.run(run())] == whole
+
+
+def test_disconnects_through_either_front_free_pages_within_a_second(daemon):
+    idle = daemon.metric("tokenflowd_kv_pages_used")
+
+    async def run():
+        limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=daemon.base_url, timeout=120, limits=limits) as client:
+            body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True}
+            await asyncio.gather(*(stream(client, body, drop_after=3) for _ in range(16)))
+
+    asyncio.run(run())
+    dropped = time.monotonic()
+    while daemon.metric("tokenflowd_kv_pages_used") != idle and time.monotonic() - dropped < 1.0:
+        time.sleep(0.05)
+    assert daemon.metric("tokenflowd_kv_pages_used") == idle
+    assert daemon.metric("tokenflowd_requests_total", outcome="abort") >= 16
+
+
+def test_sigkill_of_one_front_leaves_the_other_serving_and_its_requests_are_aborted(daemon):
+    idle = daemon.metric("tokenflowd_kv_pages_used")
+    victim, survivor = wait_for_fronts(daemon, 2)
+
+    async def run():
+        limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=daemon.base_url, timeout=120, limits=limits) as client:
+            body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True}
+            streams = [asyncio.create_task(stream(client, body)) for _ in range(12)]
+            while daemon.metric("tokenflowd_kv_pages_used") <= idle:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            os.kill(victim.pid, signal.SIGKILL)
+            while victim.is_running() and victim.status() != psutil.STATUS_ZOMBIE:  # its socket closes as it exits
+                await asyncio.sleep(0.05)
+            async with httpx.AsyncClient(base_url=daemon.base_url, timeout=120, limits=limits) as fresh:
+                # New connections (a client of their own: the pool above holds the broken streams' ones):
+                # the kernel sends them to the live front.
+                answers = [await fresh.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+                           for _ in range(10)]
+            for s in streams:
+                s.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            return answers
+
+    answers = asyncio.run(run())
+    assert [a.status_code for a in answers] == [200] * 10
+    deadline = time.monotonic() + 10  # the killed front's requests are aborted by the supervisor
+    while daemon.metric("tokenflowd_kv_pages_used") != idle and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert daemon.metric("tokenflowd_kv_pages_used") == idle
+    assert survivor.is_running()
+    new = wait_for_fronts(daemon, 2)  # the supervisor started it again
+    assert victim.pid not in [f.pid for f in new]
