@@ -19,9 +19,11 @@ import signal
 import sys
 from pathlib import Path
 
+import aiohttp
 import msgspec
 import uvloop
 import zmq
+from aiohttp import web
 
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, ServerConfig
@@ -125,6 +127,47 @@ class FrontSupervisor(Supervisor):
         super()._on_message(msg)
 
 
+class CursorRelay:
+    """A read cursor (POST /v1/requests/{id}/read) that reaches a front which does not serve the
+    request is passed, as it came (its API key included), to the front that does: the engines say
+    which one, and each front also serves its app on a unix socket in the private runtime directory."""
+
+    def __init__(self, supervisor: FrontSupervisor, timeout: float) -> None:
+        self.supervisor = supervisor
+        self.timeout = timeout
+        self._sessions: dict[int, aiohttp.ClientSession] = {}
+
+    @staticmethod
+    def socket_path(runtime_dir: str, front: int) -> str:
+        return f"{runtime_dir}/front-{front}.sock"
+
+    async def __call__(self, request_id: str, request: web.Request) -> web.Response | None:
+        from tokenflowd.api.app import RELAYED
+
+        infos = await self.supervisor.query([request_id])
+        owner = next((i.front for i in infos if i.request_id == request_id), 0)
+        if owner in (0, self.supervisor.front):
+            return None
+        session = self._sessions.get(owner)
+        if session is None:
+            path = self.socket_path(self.supervisor.spec.runtime_dir, owner)
+            session = self._sessions[owner] = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=path), timeout=aiohttp.ClientTimeout(total=self.timeout))
+        async with asyncio.timeout(self.timeout):
+            body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k in ("Authorization", "Content-Type")}
+        try:
+            async with session.post(f"http://front{owner}{request.path}", data=body,
+                                    headers={**headers, RELAYED: "1"}) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+        except (aiohttp.ClientError, TimeoutError):  # that front just went away: the request with it
+            return None
+
+    async def close(self) -> None:
+        for session in self._sessions.values():
+            await session.close()
+
+
 async def run_front(spec: p.FrontSpec) -> None:
     from tokenflowd.api.app import Front
     from tokenflowd.serve import HttpFront, freeze_startup_objects
@@ -136,6 +179,7 @@ async def run_front(spec: p.FrontSpec) -> None:
     await supervisor.start()
     tokenizer = await asyncio.to_thread(load_tokenizer, engine.model)
     front = Front(supervisor, tokenizer, server, server.served_model_name or engine.model)
+    relay = front.relay = CursorRelay(supervisor, timeout=10.0)
     http = HttpFront(front, reuse_port=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -145,14 +189,21 @@ async def run_front(spec: p.FrontSpec) -> None:
     report = ctx.socket(zmq.PUSH)
     report.setsockopt(zmq.LINGER, 0)
     report.connect(spec.report_address)
+    inner: asyncio.AbstractServer | None = None
     try:
         await http.open()
+        path = Path(CursorRelay.socket_path(spec.runtime_dir, spec.front))
+        path.unlink(missing_ok=True)  # left by this front's predecessor
+        inner = await loop.create_unix_server(http.runner.server, str(path))
         report.send(msgspec.msgpack.encode(p.FrontListening(spec.front, os.getpid())), zmq.NOBLOCK)
         freeze_startup_objects()
         await stop.wait()
         await http.drain()
     finally:
         report.close(linger=0)
+        await relay.close()
+        if inner is not None:
+            inner.close()
         await http.stop_listening()
         await supervisor.stop()
         await http.close()

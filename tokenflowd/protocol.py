@@ -152,6 +152,7 @@ class RequestInfo(msgspec.Struct):
     stall_time: float
     num_stalls: int
     num_pages: int
+    front: int = 0  # the front process that serves it (--api-servers N > 1), as the engine knows it
 
 
 class QueryReply(msgspec.Struct, tag=True):

@@ -148,3 +148,27 @@ def test_sigkill_of_one_front_leaves_the_other_serving_and_its_requests_are_abor
     assert survivor.is_running()
     new = wait_for_fronts(daemon, 2)  # the supervisor started it again
     assert victim.pid not in [f.pid for f in new]
+
+
+def test_a_read_cursor_and_the_request_listing_work_through_either_front(daemon):
+    """New connections land on either front; the cursor reaches the one streaming the request."""
+    async def run():
+        limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)  # every call a new connection
+        async with httpx.AsyncClient(base_url=daemon.base_url, timeout=120, limits=limits) as client:
+            body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
+                    "stream": True, "reading_rate": 5}
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                rid = r.headers["X-Request-Id"]
+                lines = r.aiter_lines()
+                while "the" not in await anext(lines):  # a few tokens delivered
+                    pass
+                listed = [[x["request_id"] for x in (await client.get("/v1/requests")).json()["data"]]
+                          for _ in range(6)]
+                cursors = [await client.post(f"/v1/requests/{rid}/read", json={"tokens": 1}) for _ in range(8)]
+                other = await client.post("/v1/requests/no-such-request/read", json={"tokens": 1})
+            return rid, listed, cursors, other
+
+    rid, listed, cursors, other = asyncio.run(run())
+    assert all(rid in ids for ids in listed)
+    assert [c.status_code for c in cursors] == [200] * 8 and all(c.json()["id"] == rid for c in cursors)
+    assert other.status_code == 404

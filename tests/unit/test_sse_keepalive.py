@@ -27,7 +27,7 @@ class Transport:
 
 
 def connection(transport: Transport, age: float) -> _SSEConnection:
-    conn = _SSEConnection(SimpleNamespace(transport=transport), False, None, None, None, None)
+    conn = _SSEConnection(SimpleNamespace(transport=transport), False, None, None, None)
     conn.last_write = time.monotonic() - age
     return conn
 

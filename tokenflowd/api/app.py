@@ -64,6 +64,7 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _STREAM_SNDBUF = 8 * 1024  # small socket buffers: a slow reader shows as backpressure within ~25 KB
 _STREAM_HIGH_WATER = 4 * 1024  # the transport pauses writing above it, resumes below a quarter of it
 _KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: no event, bytes on the wire
+RELAYED = "X-Tokenflowd-Relayed"  # a request one front process passed to another: not passed on again
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,9 @@ class Front:
         self.live: dict[str, _Live] = {}
         self.open_by_caller: dict[str, int] = {}  # open requests per API key (its identity), for max_concurrent
         self.streams: set[_SSEConnection] = set()  # open SSE responses, for the keep-alive sweep
+        # --api-servers N > 1: passes a read cursor for a request this front does not serve to the one
+        # that does (front_process.py); None answers 404 as before
+        self.relay: Callable[[str, web.Request], Awaitable[web.Response | None]] | None = None
 
     async def keep_alive(self) -> None:
         """Every half keep-alive interval, an SSE comment to each stream silent for the interval.
@@ -364,7 +368,7 @@ class Front:
             resp.enable_chunked_encoding()
         await resp.prepare(request)
         _tune_for_backpressure(request)
-        conn = _SSEConnection(request, resp.chunked, chunks, gen, self._coalescing(prep), self.metrics.sse_events)
+        conn = _SSEConnection(request, resp.chunked, chunks, gen, self._coalescing(prep))
         conn.write(chunks.role())
         self.streams.add(conn)
         try:
@@ -372,6 +376,7 @@ class Front:
         finally:
             self.streams.discard(conn)
             conn.cancel()
+            self.metrics.sse_events.inc(conn.num_events)  # once a stream: a counter's lock per event costs
         if done and await self._room(request, gen):  # a reader that stopped reading does not hold the handler
             try:
                 async with asyncio.timeout(self.config.write_stall_timeout):
@@ -460,6 +465,10 @@ class Front:
         on at the rate in use), and so does the rate (rates.py). A cursor behind the last one is
         ignored ("accepted": false): reports can cross on the way, reading does not go back."""
         rid = request.match_info["request_id"]
+        if rid not in self.live and self.relay is not None and RELAYED not in request.headers:
+            relayed = await self.relay(rid, request)  # --api-servers: another front process may stream it
+            if relayed is not None:
+                return relayed
         body: s.ReadCursor = await self._decode(request, self._cursor_decoder)
         live = self.live.get(rid)
         if live is None or live.caller != request[CALLER].identity:  # another key's request: not yours to see
@@ -626,13 +635,13 @@ class _SSEConnection:
     the buffer drops by at most `interval` s of reading while a token waits, so it never empties."""
 
     def __init__(self, request: web.Request, chunked: bool, chunks: Any, gen: Generation,
-                 coalescing: _Coalescing | None, events: Any) -> None:
+                 coalescing: _Coalescing | None) -> None:
         self.transport = request.transport
         self.chunked = chunked
         self.chunks = chunks
         self.gen = gen
         self.coalescing = coalescing
-        self.events = events  # tokenflowd_sse_events: events that carry tokens
+        self.num_events = 0  # events that carried tokens (tokenflowd_sse_events, counted when the stream ends)
         self.last_write = time.monotonic()
         self._held_text: list[str] = []
         self._held_tokens = 0
@@ -665,7 +674,7 @@ class _SSEConnection:
             self._held_text, self._held_tokens = [], 0
         if text or num_tokens:
             self.write(self.chunks.text(text))
-            self.events.inc()
+            self.num_events += 1
         self.gen.delivered(num_tokens, blocked)  # no-op without tokens
 
     def push(self, piece: Piece) -> bool:

@@ -120,7 +120,8 @@ class Metrics:
                              "one sample per token (the tokens of one SSE event share its gap)",
                              ["engine"], buckets=_ITL_BUCKETS, registry=r)
         self.sse_events = Counter("tokenflowd_sse_events", "SSE events carrying tokens sent to streaming clients "
-                                  "(fewer than tokens where coalescing gathered them)", registry=r)
+                                  "(fewer than tokens where coalescing gathered them), counted as streams end",
+                                  registry=r)
         self.connections_refused = Counter("tokenflowd_connections_refused", "Connections refused or closed by the "
                                           "front: limit (--max-connections), header_timeout (slow request head)",
                                           ["reason"], registry=r)

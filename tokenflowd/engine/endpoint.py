@@ -114,7 +114,10 @@ class EngineEndpoint(abc.ABC):
         elif isinstance(msg, p.SetReadCursor):
             self.set_read_cursor(msg)
         elif isinstance(msg, p.QueryRequests):
-            reply = p.QueryReply(self.spec.engine_id, self.spec.incarnation, msg.query_id, self.infos(msg.request_ids))
+            infos = self.infos(msg.request_ids)
+            for info in infos:
+                info.front = self.request_front.get(info.request_id, 0)
+            reply = p.QueryReply(self.spec.engine_id, self.spec.incarnation, msg.query_id, infos)
             if msg.front and msg.front <= len(self.fronts):
                 self._send_front(msg.front, self.encoder.encode(reply))
             else:
