@@ -174,7 +174,7 @@ class Fronts:
 async def run_fronts(server: ServerConfig, engine: EngineConfig, n: int, reload=None,
                      supervisor_factory=Supervisor) -> None:
     """The supervisor of N front processes: engines, fronts, systemd notification, signals."""
-    from tokenflowd.serve import reload_live
+    from tokenflowd.serve import reload_live, report_status
 
     supervisor = supervisor_factory(server, engine, num_fronts=n)
     notifier = Notifier()
@@ -193,7 +193,7 @@ async def run_fronts(server: ServerConfig, engine: EngineConfig, n: int, reload=
     try:
         await supervisor.start()
         await fronts.start()
-        tasks.append(asyncio.create_task(_report(supervisor, fronts, notifier), name="status"))
+        tasks.append(asyncio.create_task(report_status(supervisor, notifier, fronts=fronts), name="status"))
         await stop.wait()
         notifier.stopping("draining the front processes")
         await fronts.stop()
@@ -202,18 +202,3 @@ async def run_fronts(server: ServerConfig, engine: EngineConfig, n: int, reload=
             t.cancel()
         await supervisor.stop()
         notifier.close()
-
-
-async def _report(supervisor: Supervisor, fronts: Fronts, notifier: Notifier, every: float = 1.0) -> None:
-    """READY=1 once an engine serves and a front listens; then STATUS lines as they change."""
-    ready_sent, last = False, None
-    while True:
-        serving = sum(slot.ready for slot in supervisor.slots)
-        status = f"{serving}/{len(supervisor.slots)} engines serving, {len(fronts.listening)}/{fronts.n} fronts listening"
-        if serving and fronts.listening and not ready_sent:
-            notifier.ready(status)
-            ready_sent, last = True, status
-        elif status != last:
-            notifier.status(status)
-            last = status
-        await asyncio.sleep(every)

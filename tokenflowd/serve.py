@@ -17,7 +17,7 @@ import logging
 import resource
 import signal
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import uvloop
 from aiohttp import web
@@ -28,6 +28,9 @@ from tokenflowd.config import EngineConfig, ServerConfig
 from tokenflowd.text.source import load_tokenizer
 from tokenflowd.notify import Notifier
 from tokenflowd.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from tokenflowd.fronts import Fronts
 
 log = logging.getLogger("tokenflowd")
 
@@ -175,18 +178,24 @@ def reload_live(reload: Reload, server: ServerConfig, engine: EngineConfig, supe
     notifier.send(READY=1, STATUS="configuration reloaded")
 
 
-async def report_status(supervisor: Supervisor, notifier: Notifier, every: float = 1.0) -> None:
+async def report_status(supervisor: Supervisor, notifier: Notifier, every: float = 1.0, fronts: Fronts | None = None
+                        ) -> None:
     """READY=1 when the first engine serves; then a STATUS line whenever the engines' states or
     the streams change, so `systemctl status` shows an engine in backoff instead of a silent spin."""
     ready_sent, last = False, None
     while True:
         slots = supervisor.slots
         num_ready = sum(slot.ready for slot in slots)
-        streams = sum(len(slot.streams) for slot in slots)
         failing = [f"engine {slot.engine_id} restarting ({slot.consecutive_failures} failures in a row: "
                    f"{slot.last_failure})" for slot in slots if slot.consecutive_failures and not slot.ready]
-        status = f"{num_ready}/{len(slots)} engines serving, {streams} streams" + "".join(f"; {f}" for f in failing)
-        if num_ready and not ready_sent:
+        if fronts is None:
+            listening = True
+            held = f"{sum(len(slot.streams) for slot in slots)} streams"
+        else:  # --api-servers: the streams are the fronts'; READY waits for one to listen
+            listening = bool(fronts.listening)
+            held = f"{len(fronts.listening)}/{fronts.n} fronts listening"
+        status = f"{num_ready}/{len(slots)} engines serving, {held}" + "".join(f"; {f}" for f in failing)
+        if num_ready and listening and not ready_sent:
             notifier.ready(status)
             ready_sent, last = True, status
         elif status != last:

@@ -301,3 +301,40 @@ def _drain(daemon: Daemon, notify: NotifySocket) -> None:
         assert float(f["reading_rate"]) == 10.0 and float(f["ttft"]) > 0 and f["preemptions"] == "0"
         assert f["engine"] == "0" and int(f["prompt_tokens"]) > 0
     print(f"drain with 10 open streams of {n} tokens: {drain:.2f} s to the last stream's end")
+
+
+def test_api_servers_report_ready_once_a_front_listens_and_drain_on_sigterm(tmp_path):
+    """--api-servers 2: the supervisor process talks to systemd (the fronts do not), READY says the
+    fronts listen, and SIGTERM drains the streams of both fronts before it exits 0."""
+    notify = NotifySocket()
+    d = Daemon("--api-servers", "2", "--shutdown-timeout", "60", null_engine=True, log_path=str(tmp_path / "log"),
+               env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "200000", "NULL_ENGINE_RATE": "20"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+                f.get("READY") == "1" and "fronts listening" in f.get("STATUS", "") for _, f in notify.poll()):
+            time.sleep(0.05)
+        ready = [f for _, f in notify.poll() if f.get("READY") == "1"]
+        assert len(ready) == 1 and "1/1 engines serving" in ready[0]["STATUS"], ready
+
+        async def scenario():
+            limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)  # spread over both fronts
+            async with httpx.AsyncClient(base_url=d.base_url, timeout=60, limits=limits) as c:
+                async def one() -> int:
+                    n = 0
+                    async with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                                         "max_tokens": 40, "stream": True}) as r:
+                        async for line in r.aiter_lines():
+                            n += line.count(" the")
+                    return n
+                streams = [asyncio.create_task(one()) for _ in range(10)]
+                await asyncio.sleep(0.5)
+                d.proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*streams)
+
+        assert asyncio.run(scenario()) == [40] * 10  # every stream complete
+        assert d.proc.wait(60) == 0
+        notify.wait_for("STOPPING")
+    finally:
+        d.stop()
+        notify.close()
