@@ -8,11 +8,13 @@ those times afterwards by tokenflowd.buffer.qos (report.py): one implementation 
 Token counting. Each SSE event with text (`choices[0].text`, or `delta.content` on chat) counts as
 one token, and so does one with empty text that is not the chat role's opening or the finish
 (tokenflowd sends such an event for a token whose text is not out yet: held bytes of a partial
-character, a special token). A server may put several tokens in one event (tokenflowd merges the
-pieces a slow client left unread), so a completed stream's count is reconciled with `usage.completion_tokens` of its last
-event (stream_options.include_usage): missing tokens get the time of the last text event (all had
-arrived by then); surplus events are dropped from the end. A stream closed early has no usage: its
-count is its events'.
+character, a special token). A server may put several tokens in one event (tokenflowd gathers the
+tokens of a reader far ahead, and merges those a slow client left unread). Where every event
+carries the usage so far (stream_options.continuous_usage_stats, which tokenflowd and vLLM honour),
+an event counts as the tokens its usage adds, all arriving with it. Otherwise a completed stream's
+count is reconciled with `usage.completion_tokens` of its last event (stream_options.include_usage):
+missing tokens get the time of the last text event (all had arrived by then); surplus events are
+dropped from the end.
 
 Outcomes:
     completed   the stream ended with a finish reason or `data: [DONE]`
@@ -153,11 +155,13 @@ async def _read_events(resp: aiohttp.ClientResponse, rec: RequestRecord, origin:
             chunk = _decode_chunk(payload)
             if chunk.error is not None:
                 rec.error = chunk.error if isinstance(chunk.error, str) else chunk.error.message
-            if chunk.usage is not None and chunk.usage.completion_tokens is not None:
-                rec.usage_tokens = chunk.usage.completion_tokens
+            so_far = chunk.usage.completion_tokens if chunk.usage is not None else None
+            if so_far is not None:
+                rec.usage_tokens = so_far
             for choice in chunk.choices or ():
                 if _is_token(choice):
-                    times.append(now)
+                    # continuous usage: the tokens this event adds (at least its own); else one
+                    times.extend([now] * (max(1, so_far - len(times)) if so_far is not None else 1))
                     rec.num_events += 1
                 if choice.finish_reason:
                     rec.finish_reason = choice.finish_reason

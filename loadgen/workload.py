@@ -205,8 +205,9 @@ def request_body(req: WorkloadRequest, fmt: BodyFormat) -> dict:
     else:
         body["messages"] = [{"role": "user", "content": prompt_text(req)}]
     body.update(max_tokens=req.output_len, ignore_eos=True, stream=True, stream_options={"include_usage": True})
-    if fmt.reading_rate_field:
+    if fmt.reading_rate_field:  # tokenflowd's (and vLLM's) extras: the rate, and the usage in every event
         body["reading_rate"] = req.reading_rate
+        body["stream_options"]["continuous_usage_stats"] = True
     return body
 
 

@@ -2,9 +2,10 @@
 SCHEMATHESIS_HOOKS. It stands in for schemathesis's positive_data_acceptance, which fails any 400 to
 a body valid under the schema. Three refusals depend on more than the schema can say, and are
 accepted here, by their error code, and only these: a prompt longer than the context once
-tokenized (context_length_exceeded), min_tokens above max_tokens (JSON Schema cannot compare two
-fields) and a conversation the model's chat template refuses (chat_template). Every other 400 to a
-schema-valid body still fails."""
+tokenized (context_length_exceeded) or empty once tokenized (empty_prompt: control characters the
+tokenizer drops), min_tokens above max_tokens (JSON Schema cannot compare two fields) and a
+conversation the model's chat template refuses (chat_template). Every other 400 to a schema-valid
+body still fails."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import json
 import schemathesis
 from schemathesis.core.failures import Failure
 
-SCHEMA_CANNOT_SAY = {"context_length_exceeded", "min_tokens_above_max_tokens", "chat_template"}
+SCHEMA_CANNOT_SAY = {"context_length_exceeded", "min_tokens_above_max_tokens", "chat_template", "empty_prompt"}
 ACCEPTED = {401, 403, 404, 409, 429} | set(range(200, 400)) | set(range(500, 600))
 
 

@@ -20,6 +20,15 @@ def fronts(d: Daemon) -> list[psutil.Process]:
             if "tokenflowd.front_process" in " ".join(c.cmdline())]
 
 
+def idle_pages(d: Daemon, timeout: float = 60) -> float:
+    """KV pages in use once no request runs or waits (another test's aborted streams may still be ending)."""
+    deadline = time.monotonic() + timeout
+    while (d.metric("tokenflowd_requests_running") + d.metric("tokenflowd_requests_waiting")
+           and time.monotonic() < deadline):
+        time.sleep(0.1)
+    return d.metric("tokenflowd_kv_pages_used")
+
+
 def listening(proc: psutil.Process, port: int) -> bool:
     try:
         return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections("tcp"))
@@ -96,7 +105,7 @@ def test_greedy_text_through_either_front_is_the_engines(daemon):
 
 
 def test_disconnects_through_either_front_free_pages_within_a_second(daemon):
-    idle = daemon.metric("tokenflowd_kv_pages_used")
+    idle = idle_pages(daemon)
 
     async def run():
         limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)
@@ -114,7 +123,7 @@ def test_disconnects_through_either_front_free_pages_within_a_second(daemon):
 
 
 def test_sigkill_of_one_front_leaves_the_other_serving_and_its_requests_are_aborted(daemon):
-    idle = daemon.metric("tokenflowd_kv_pages_used")
+    idle = idle_pages(daemon)
     victim, survivor = wait_for_fronts(daemon, 2)
 
     async def run():

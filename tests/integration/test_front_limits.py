@@ -278,15 +278,20 @@ def test_a_thousand_readers_that_stop_reading_cost_no_wakeups_and_are_cut_off(ca
 
 
 async def _timed_stream(client: httpx.AsyncClient, payload: dict) -> tuple[list[tuple[float, int]], dict]:
-    """[(arrival, tokens)] per event that carries tokens, and the usage."""
-    events, usage = [], None
+    """[(arrival, tokens)] per event that carries tokens, and the usage. With continuous usage, each
+    event's usage must count the tokens delivered so far."""
+    events, usage, so_far = [], None, 0
     async with client.stream("POST", "/v1/completions", json=payload) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
                 if event["choices"] and event["choices"][0]["text"]:
-                    events.append((time.monotonic(), event["choices"][0]["text"].count(" the")))
+                    n = event["choices"][0]["text"].count(" the")
+                    events.append((time.monotonic(), n))
+                    so_far += n
+                    if payload["stream_options"].get("continuous_usage_stats"):
+                        assert event["usage"]["completion_tokens"] == so_far
                 usage = event.get("usage") or usage
     return events, usage
 
@@ -310,7 +315,8 @@ def test_coalescing_gathers_a_slow_readers_tokens_and_sends_a_fast_reader_each_o
             async with httpx.AsyncClient(base_url=d.base_url, timeout=60) as client:
                 opts = {"include_usage": True}
                 return await asyncio.gather(
-                    _timed_stream(client, body(200, reading_rate=5, stream_options=opts)),
+                    _timed_stream(client, body(200, reading_rate=5,
+                                               stream_options={**opts, "continuous_usage_stats": True})),
                     _timed_stream(client, body(100, reading_rate=100, stream_options=opts)),
                     _timed_stream(client, body(100, reading_rate=5, stream_options={**opts, "coalesce": False})))
 

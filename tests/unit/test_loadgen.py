@@ -104,7 +104,7 @@ def test_same_seed_same_prompts_lengths_and_arrivals():
     assert arrivals[0] == 0.0 and arrivals == sorted(arrivals) and len(set(arrivals)) == 30
     body = msgspec.json.decode(one[3].body)
     assert len(body["prompt"]) == one[3].request.prompt_len and body["max_tokens"] == one[3].request.output_len
-    assert body["ignore_eos"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["stream_options"]["include_usage"] is True
     assert body["reading_rate"] == one[3].request.reading_rate
     other = load_requests(LoadWorkload(num_prompts=30, request_rate=4.0, burstiness=0.5,
                                        lengths=parse_lengths("sharegpt"), seed=8), fmt)

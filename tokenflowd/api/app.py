@@ -79,6 +79,7 @@ class _Prepared:
     rate: RateChoice  # reading_rate and where it came from
     cadence: _Cadence | None = None  # chat turns and requests with `user`: the reply feeds the cadence
     coalesce: bool = True  # stream_options.coalesce: false asks for one event per token
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far in every event
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,8 @@ class Front:
         max_len = self._max_model_len()
         n = len(prompt_ids)
         if n == 0:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, "the prompt is empty once tokenized: send some text", param="prompt",
+                           code="empty_prompt")
         if n >= max_len:
             raise APIError(400, f"the prompt has {n} tokens but the context holds {max_len} (prompt plus at least "
                                 "one new token): shorten the prompt", param="messages", code="context_length_exceeded")
@@ -230,7 +232,8 @@ class Front:
         options = body.stream_options
         return _Prepared(prompt_ids, sampling, stop, rate.reading_rate, body.priority, body.stream,
                          bool(options and options.include_usage), rate, cadence,
-                         coalesce=options is None or options.coalesce)
+                         coalesce=options is None or options.coalesce,
+                         continuous_usage=bool(options and options.continuous_usage_stats))
 
     def _stated_rate(self, body: s.ChatCompletionRequest | s.CompletionRequest, request: web.Request) -> float | None:
         """The client's own rate (the body's, else the X-Reading-Rate header's), before the clamp."""
@@ -368,7 +371,7 @@ class Front:
             resp.enable_chunked_encoding()
         await resp.prepare(request)
         _tune_for_backpressure(request)
-        conn = _SSEConnection(request, resp.chunked, chunks, gen, self._coalescing(prep))
+        conn = _SSEConnection(request, resp.chunked, chunks, gen, self._coalescing(prep), prep.continuous_usage)
         conn.write(chunks.role())
         self.streams.add(conn)
         try:
@@ -552,8 +555,8 @@ class _ChatChunks:
     def role(self) -> bytes:
         return self._event([s.ChatChunkChoice(0, s.ChunkDelta(content="", role="assistant"))])
 
-    def text(self, text: str) -> bytes:
-        return self._event([s.ChatChunkChoice(0, s.ChunkDelta(content=text))])
+    def text(self, text: str, usage: s.Usage | None = None) -> bytes:
+        return self._event([s.ChatChunkChoice(0, s.ChunkDelta(content=text))], usage)
 
     def finish(self, reason: str) -> bytes:
         return self._event([s.ChatChunkChoice(0, s.ChunkDelta(), reason)])
@@ -573,8 +576,8 @@ class _CompletionChunks(_ChatChunks):
     def role(self) -> bytes:
         return b""
 
-    def text(self, text: str) -> bytes:
-        return self._event([s.CompletionChoice(0, text)])
+    def text(self, text: str, usage: s.Usage | None = None) -> bytes:
+        return self._event([s.CompletionChoice(0, text)], usage)
 
     def finish(self, reason: str) -> bytes:
         return self._event([s.CompletionChoice(0, "", reason)])
@@ -635,13 +638,14 @@ class _SSEConnection:
     the buffer drops by at most `interval` s of reading while a token waits, so it never empties."""
 
     def __init__(self, request: web.Request, chunked: bool, chunks: Any, gen: Generation,
-                 coalescing: _Coalescing | None) -> None:
+                 coalescing: _Coalescing | None, continuous_usage: bool = False) -> None:
         self.transport = request.transport
         self.chunked = chunked
         self.chunks = chunks
         self.gen = gen
         self.coalescing = coalescing
         self.num_events = 0  # events that carried tokens (tokenflowd_sse_events, counted when the stream ends)
+        self.continuous_usage = continuous_usage
         self.last_write = time.monotonic()
         self._held_text: list[str] = []
         self._held_tokens = 0
@@ -673,7 +677,9 @@ class _SSEConnection:
             num_tokens += self._held_tokens
             self._held_text, self._held_tokens = [], 0
         if text or num_tokens:
-            self.write(self.chunks.text(text))
+            gen = self.gen
+            usage = _usage_so_far(gen, gen.num_delivered + num_tokens) if self.continuous_usage else None
+            self.write(self.chunks.text(text, usage))
             self.num_events += 1
         self.gen.delivered(num_tokens, blocked)  # no-op without tokens
 
@@ -705,6 +711,11 @@ class _SSEConnection:
 
 def _usage(gen: Generation) -> s.Usage:
     return s.Usage(gen.num_prompt_tokens, gen.num_output_tokens, gen.num_prompt_tokens + gen.num_output_tokens,
+                   s.PromptTokensDetails(gen.num_cached_tokens))
+
+
+def _usage_so_far(gen: Generation, num_tokens: int) -> s.Usage:
+    return s.Usage(gen.num_prompt_tokens, num_tokens, gen.num_prompt_tokens + num_tokens,
                    s.PromptTokensDetails(gen.num_cached_tokens))
 
 

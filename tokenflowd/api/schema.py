@@ -26,6 +26,8 @@ Stop = StopString | Annotated[list[StopString], Meta(max_length=16)] | None
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: Annotated[bool, Meta(description="every event carries the usage so far (as vLLM's): a "
+                                                             "client counts the tokens of a gathered event")] = False
     coalesce: Annotated[bool, Meta(description="tokenflowd: false sends one event per token; true (the default) "
                                                "gathers tokens into one event per --coalesce-interval while the "
                                                "reader's buffer holds over --coalesce-buffer s")] = True
