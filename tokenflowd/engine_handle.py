@@ -72,7 +72,8 @@ class EngineHandle:
 
     def open(self, ctx: zmq.Context, address: str, incarnation: int | None = None) -> None:
         """A new incarnation (the next, or `incarnation`): connect to its input socket, which its engine
-        binds (messages wait until it does). Plain PUSH, no high-water mark: a send never blocks."""
+        binds. Plain PUSH, no high-water mark: a send never blocks, and what is sent before the engine
+        binds waits for it (a new incarnation's address is new: nothing reaches a successor by mistake)."""
         self.incarnation = self.incarnation + 1 if incarnation is None else incarnation
         self.state = "starting"
         self.info = self.stats = None
@@ -84,7 +85,7 @@ class EngineHandle:
         self.inbox.connect(address)
 
     def send(self, raw: bytes) -> bool:
-        """False when no live engine takes it (gone, or not yet connected)."""
+        """False when the handle has no socket (its engine is gone); else queued for the engine."""
         if self.inbox is None:
             return False
         try:

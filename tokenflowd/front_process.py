@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import aiohttp
 import msgspec
@@ -29,6 +30,7 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, ServerConfig
 from tokenflowd.engine.endpoint import die_with_parent
 from tokenflowd.engine_handle import EngineHandle
+from tokenflowd.launcher import engine_input_address
 from tokenflowd.supervisor import Supervisor
 
 log = logging.getLogger("tokenflowd.front")
@@ -39,7 +41,7 @@ class FrontSupervisor(Supervisor):
     EngineTable for their incarnations and states."""
 
     def __init__(self, server: ServerConfig, engine: EngineConfig, spec: p.FrontSpec) -> None:
-        super().__init__(server, engine)
+        super().__init__(server, engine, placement=[(msgspec.convert(c, EngineConfig), {}) for c in spec.engines])
         self.front = spec.front
         self.spec = spec
         self._control: zmq.Socket | None = None
@@ -92,7 +94,7 @@ class FrontSupervisor(Supervisor):
                 self._engine_replaced(handle, f"engine {st.engine_id} was restarted ({st.last_failure or 'gone'}); "
                                               "the request was ended, retry it")
                 if st.incarnation:
-                    handle.open(self._ctx, f"ipc://{self.runtime_dir}/in-{st.engine_id}-{st.incarnation}",
+                    handle.open(self._ctx, engine_input_address(self.runtime_dir, st.engine_id, st.incarnation),
                                 st.incarnation)
             elif handle.ready and st.state != "ready":
                 self._engine_replaced(handle, f"engine {st.engine_id} {st.last_failure or 'stopped'}; the request "
@@ -132,8 +134,10 @@ class CursorRelay:
     request is passed, as it came (its API key included), to the front that does: the engines say
     which one, and each front also serves its app on a unix socket in the private runtime directory."""
 
-    def __init__(self, supervisor: FrontSupervisor, timeout: float) -> None:
+    def __init__(self, supervisor: FrontSupervisor, read_body: Callable[[web.Request], Awaitable[bytes]],
+                 timeout: float) -> None:
         self.supervisor = supervisor
+        self.read_body = read_body  # the front's own, with its body deadline (408)
         self.timeout = timeout
         self._sessions: dict[int, aiohttp.ClientSession] = {}
 
@@ -153,8 +157,7 @@ class CursorRelay:
             path = self.socket_path(self.supervisor.spec.runtime_dir, owner)
             session = self._sessions[owner] = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path=path), timeout=aiohttp.ClientTimeout(total=self.timeout))
-        async with asyncio.timeout(self.timeout):
-            body = await request.read()
+        body = await self.read_body(request)
         headers = {k: v for k, v in request.headers.items() if k in ("Authorization", "Content-Type")}
         try:
             async with session.post(f"http://front{owner}{request.path}", data=body,
@@ -179,7 +182,7 @@ async def run_front(spec: p.FrontSpec) -> None:
     await supervisor.start()
     tokenizer = await asyncio.to_thread(load_tokenizer, engine.model)
     front = Front(supervisor, tokenizer, server, server.served_model_name or engine.model)
-    relay = front.relay = CursorRelay(supervisor, timeout=10.0)
+    relay = front.relay = CursorRelay(supervisor, front.read_body, timeout=10.0)
     http = HttpFront(front, reuse_port=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

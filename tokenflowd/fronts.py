@@ -115,7 +115,8 @@ class Fronts:
         rt = self.supervisor.runtime_dir
         return p.FrontSpec(k, str(rt), self.supervisor.front_addresses[k - 1], f"ipc://{rt}/control",
                            f"ipc://{rt}/fronts", msgspec.to_builtins(front_share(self.server, self.n)),
-                           msgspec.to_builtins(self.engine), os.getpid())
+                           msgspec.to_builtins(self.engine),
+                           [msgspec.to_builtins(slot.config) for slot in self.supervisor.slots])
 
     async def _keep(self, k: int) -> None:
         """Run front k; when it exits, abort its requests in every engine and start it again (backoff)."""

@@ -87,7 +87,7 @@ class LocalLauncher:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _spawn(self, handle: EngineHandle) -> None:
-        address = f"ipc://{self.runtime_dir}/in-{handle.engine_id}-{handle.incarnation + 1}"
+        address = engine_input_address(self.runtime_dir, handle.engine_id, handle.incarnation + 1)
         handle.open(self._ctx, address)  # the next incarnation: messages of older ones are dropped
         spec = p.EngineSpec(handle.engine_id, handle.incarnation, address, f"ipc://{self.runtime_dir}/out",
                             self.server.heartbeat_interval, msgspec.to_builtins(handle.config),
@@ -141,6 +141,11 @@ class LocalLauncher:
                 proc.send_signal(signal.SIGKILL)
             await proc.wait()
             return why
+
+
+def engine_input_address(runtime_dir: Path, engine_id: int, incarnation: int) -> str:
+    """Where an engine's incarnation binds its input socket (the supervisor and every front connect)."""
+    return f"ipc://{runtime_dir}/in-{engine_id}-{incarnation}"
 
 
 def engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[EngineConfig, dict[str, str]]]:

@@ -230,4 +230,4 @@ class FrontSpec(msgspec.Struct):
     report_address: str  # where it sends FrontListening
     server: dict  # ServerConfig fields
     engine: dict  # EngineConfig fields
-    supervisor_pid: int
+    engines: list[dict]  # each engine's EngineConfig fields, as the supervisor placed them (no GPU probe again)

@@ -44,15 +44,18 @@ class NoEngineReady(RuntimeError):
 class Supervisor:
     front = 0  # this process's output at every engine (0: the supervisor's own)
 
-    def __init__(self, server: ServerConfig, engine: EngineConfig, num_fronts: int = 0) -> None:
-        """`num_fronts`: the front processes of --api-servers N > 1 (fronts.py), each an output of every engine."""
+    def __init__(self, server: ServerConfig, engine: EngineConfig, num_fronts: int = 0,
+                 placement: list[tuple[EngineConfig, dict[str, str]]] | None = None) -> None:
+        """`num_fronts`: the front processes of --api-servers N > 1 (fronts.py), each an output of every engine.
+        `placement`: each engine's config and environment (default: launcher.engine_configs)."""
         self.server = server
         self.engine_config = engine
         self.num_fronts = num_fronts
         self.front_addresses: list[str] = []
         self.on_change: Callable[[], None] = lambda: None  # an engine came, went or was reconfigured
         self.slots = [
-            EngineHandle(i, cfg, env) for i, (cfg, env) in enumerate(engine_configs(engine, server.engines))
+            EngineHandle(i, cfg, env)
+            for i, (cfg, env) in enumerate(placement or engine_configs(engine, server.engines))
         ]
         self.index = PrefixIndex()  # which page keys each engine holds (the router's)
         self.runtime_dir: Path | None = None
@@ -168,7 +171,7 @@ class Supervisor:
         stream = Stream(add.request_id, slot, len(add.prompt_token_ids), on_delta)
         slot.streams[add.request_id] = stream
         slot.num_waiting += 1
-        if not self.send(slot, msgspec.structs.replace(add, front=self.front) if self.front else add):
+        if not self.send(slot, add):
             del slot.streams[add.request_id]
             slot.num_waiting -= 1
             raise NoEngineReady(f"engine {slot.engine_id} is not serving")
@@ -221,7 +224,7 @@ class Supervisor:
                 self.send(slot, msg)
 
     def send(self, slot: EngineHandle, msg: p.ToEngine) -> bool:
-        """False when the slot has no live engine to take it (the engine is gone or not yet connected)."""
+        """False when the slot has no socket (its engine is gone)."""
         return slot.send(self._encoder.encode(msg))
 
     @property

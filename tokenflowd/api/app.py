@@ -114,6 +114,8 @@ class Front:
         self.cadence = CadenceEstimator(max_rate=config.max_reading_rate)
         self.live: dict[str, _Live] = {}
         self.open_by_caller: dict[str, int] = {}  # open requests per API key (its identity), for max_concurrent
+        self.coalescing = (_Coalescing(config.coalesce_buffer, config.coalesce_interval)
+                           if config.coalesce_interval > 0 else None)
         self.streams: set[_SSEConnection] = set()  # open SSE responses, for the keep-alive sweep
         # --api-servers N > 1: passes a read cursor for a request this front does not serve to the one
         # that does (front_process.py); None answers 404 as before
@@ -141,13 +143,17 @@ class Front:
                     log.exception("SSE keep-alive failed on one stream; the others go on")
 
     # -- request preparation ------------------------------------------------------------------
-    async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
+    async def read_body(self, request: web.Request) -> bytes:
+        """The body, within --body-timeout (else 408); over client_max_size aiohttp raises → 413."""
         try:
             async with asyncio.timeout(self.config.body_timeout):
-                body = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge → 413
+                return await request.read()
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive within {self.config.body_timeout:g} s: send it "
                                 "at once", code="body_timeout", headers={"Connection": "close"}) from None
+
+    async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
+        body = await self.read_body(request)
         try:
             return decoder.decode(body)
         except msgspec.ValidationError as e:  # a subclass of DecodeError: first
@@ -274,7 +280,8 @@ class Front:
             raise self._unavailable()
         choice = self.router.pick(slots, prep.prompt_ids)
         slot = self.supervisor.slots[choice.engine_id]
-        add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival)
+        add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,
+                         front=self.supervisor.front)
         try:
             return Generation(self.supervisor, slot, add, self.tokenizer, prep.stop,
                               self.metrics.engine(slot.engine_id), arrival,
@@ -380,7 +387,7 @@ class Front:
             self.streams.discard(conn)
             conn.cancel()
             self.metrics.sse_events.inc(conn.num_events)  # once a stream: a counter's lock per event costs
-        if done and await self._room(request, gen):  # a reader that stopped reading does not hold the handler
+        if done:  # a reader that stopped reading does not hold the handler
             try:
                 async with asyncio.timeout(self.config.write_stall_timeout):
                     await resp.write_eof()  # aiohttp waits for room after it, with no deadline of its own
@@ -389,8 +396,7 @@ class Front:
         return resp
 
     def _coalescing(self, prep: _Prepared) -> _Coalescing | None:
-        c = self.config
-        return _Coalescing(c.coalesce_buffer, c.coalesce_interval) if prep.coalesce and c.coalesce_interval > 0 else None
+        return self.coalescing if prep.coalesce else None
 
     async def _room(self, request: web.Request, gen: Generation) -> bool:
         """Wait until the client has read enough to be written to again. False when it read nothing for
@@ -710,8 +716,7 @@ class _SSEConnection:
 
 
 def _usage(gen: Generation) -> s.Usage:
-    return s.Usage(gen.num_prompt_tokens, gen.num_output_tokens, gen.num_prompt_tokens + gen.num_output_tokens,
-                   s.PromptTokensDetails(gen.num_cached_tokens))
+    return _usage_so_far(gen, gen.num_output_tokens)
 
 
 def _usage_so_far(gen: Generation, num_tokens: int) -> s.Usage:

@@ -146,9 +146,20 @@ class _Guarded(asyncio.Protocol):
 
 
 class _Refuse(asyncio.Protocol):
+    """The 503, then our half closed. Closing at once with the client's request still unread would
+    send a reset, which some clients report instead of the answer: the connection closes when the
+    client closes its half, or after a second."""
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport.write(_REFUSAL)  # type: ignore[attr-defined]
-        transport.close()
+        transport.write_eof()  # type: ignore[attr-defined]
+        asyncio.get_running_loop().call_later(1.0, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request it will not serve
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes
 
 
 async def writable(transport: asyncio.BaseTransport | None, timeout: float | None) -> bool:

@@ -108,7 +108,7 @@ class EngineEndpoint(abc.ABC):
             for rid in gone:
                 self.abort(rid)
                 del self.request_front[rid]
-            self._aborted = bool(gone)
+            self._aborted = self._aborted or bool(gone)
         elif isinstance(msg, p.SetReadingRate):
             self.set_reading_rate(msg)
         elif isinstance(msg, p.SetReadCursor):
@@ -161,10 +161,12 @@ class EngineEndpoint(abc.ABC):
         for front in range(1, len(self.fronts) + 1):
             self._send_front(front, raw)
 
-    def send_step(self, now: float, deltas: list[p.Delta], stats: p.EngineStats, keys_added: list[bytes] = [],
-                  keys_removed: list[bytes] = []) -> None:
-        """One StepOutputs to each output, with the deltas of its own requests."""
+    def send_step(self, now: float, deltas: list[p.Delta], stats: p.EngineStats, keys_added: list[bytes] | None = None,
+                  keys_removed: list[bytes] | None = None) -> None:
+        """One StepOutputs to each output, with the deltas of its own requests (an output with none gets
+        the same bytes as every other such output: encoded once)."""
         spec = self.spec
+        keys_added, keys_removed = keys_added or [], keys_removed or []
         if not self.fronts:
             self.send(p.StepOutputs(spec.engine_id, spec.incarnation, now, deltas, stats, keys_added, keys_removed))
             return
@@ -175,14 +177,24 @@ class EngineEndpoint(abc.ABC):
             if delta.finish_reason is not None:
                 where.pop(delta.request_id, None)
             mine[front if front < len(mine) else 0].append(delta)
+        empty: bytes | None = None
+
+        def encoded(own: list[p.Delta]) -> bytes:
+            nonlocal empty
+            if own:
+                return self.encoder.encode(
+                    p.StepOutputs(spec.engine_id, spec.incarnation, now, own, stats, keys_added, keys_removed))
+            if empty is None:
+                empty = self.encoder.encode(
+                    p.StepOutputs(spec.engine_id, spec.incarnation, now, [], stats, keys_added, keys_removed))
+            return empty
+
         try:
-            self.outbox.send(self.encoder.encode(
-                p.StepOutputs(spec.engine_id, spec.incarnation, now, mine[0], stats, keys_added, keys_removed)))
+            self.outbox.send(encoded(mine[0]))
         except zmq.Again:
             raise SupervisorUnreachable(f"the supervisor took no message for {spec.send_timeout:g} s") from None
         for front in range(1, len(mine)):
-            self._send_front(front, self.encoder.encode(
-                p.StepOutputs(spec.engine_id, spec.incarnation, now, mine[front], stats, keys_added, keys_removed)))
+            self._send_front(front, encoded(mine[front]))
 
     def _send_front(self, front: int, raw: bytes) -> None:
         try:
