@@ -22,7 +22,9 @@ Environment:
                           (msgpack, time.monotonic() seconds) for latency measurements
     NULL_ENGINE_CPUS      CPUs to run on, e.g. "1" (sched_setaffinity)
 
-The send time of a token is taken just before its StepOutputs is handed to zmq.
+The send time of a token is taken just before its StepOutputs is handed to zmq; for a token the
+endpoint's pacing holds (engine/pacing.py), when it would have been sent unheld: the hold is part
+of what the front adds to its latency.
 """
 from __future__ import annotations
 
@@ -86,8 +88,8 @@ class NullEngine(EngineEndpoint):
         last_sent = time.monotonic()
         while self.running:
             now = time.monotonic()
-            wait = (heap[0][0] - now) if heap else (last_sent + heartbeat - now)
-            if self.inbox.poll(max(0, int(wait * 1000 + 0.999))):  # ms, rounded up: never wakes early
+            wait = self.wait_until(heap[0][0] if heap else last_sent + heartbeat, now)  # held tokens too
+            if self.inbox.poll(int(wait * 1000 + 0.999)):  # ms, rounded up: never wakes early
                 self.drain_inbox()
             now = time.monotonic()
             deltas = self.take_rejected()
@@ -106,11 +108,13 @@ class NullEngine(EngineEndpoint):
             if emitted:
                 self.num_steps += 1
                 self.last_step_time = now
+            deltas = self.pace(deltas, now)
+            made = time.monotonic()  # a held token's time is this too: when it would have left unheld
             if self.must_report(deltas, now, last_sent):
-                last_sent = time.monotonic()
+                last_sent = made
                 self.send_step(now, deltas, self._stats())
-                for req in emitted:
-                    req.sent.append(last_sent)
+            for req in emitted:
+                req.sent.append(made)
             for req in emitted:  # back into the heap after the batch: at most one token per iteration
                 if not req.done:
                     heapq.heappush(heap, (req.start + req.num_output * period, next(self._seq), req))

@@ -314,6 +314,7 @@ class ServerConfig:
     sse_keepalive: float = 15.0
     # Rate-aware coalescing: while a client's modelled buffer holds at least coalesce_buffer s of
     # reading, its tokens go out as one SSE event per coalesce_interval s; below it, one per token.
+    # The engine's output holds them (engine/pacing.py): the front pays per event, not per token.
     coalesce_buffer: float = 2.0
     coalesce_interval: float = 0.25  # 0: every token its own event
     write_stall_timeout: float = 60.0  # s a stream's write may wait for its reader; then it is aborted

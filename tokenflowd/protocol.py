@@ -24,6 +24,15 @@ class Sampling(msgspec.Struct, frozen=True):
 
 
 # -- supervisor → engine ---------------------------------------------------------------------
+class Coalesce(msgspec.Struct, frozen=True):
+    """Rate-aware coalescing of a streamed request's deltas (engine/pacing.py): while the client's
+    modelled buffer holds at least `buffer` s of reading, its tokens are held and go out together
+    `interval` s after the first of them."""
+
+    buffer: float
+    interval: float
+
+
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -32,6 +41,7 @@ class AddRequest(msgspec.Struct, tag=True):
     priority: int = 0  # higher is sooner
     arrival_time: float = 0.0
     front: int = 0  # the output (EngineSpec) its deltas go to: the front process that serves it
+    coalesce: Coalesce | None = None  # None: every step's tokens at once
 
 
 class AbortRequests(msgspec.Struct, tag=True):

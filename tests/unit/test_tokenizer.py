@@ -214,19 +214,28 @@ def test_detokenizer_random_ids_like_a_dummy_model(tok: Tokenizer) -> None:
 
 
 def test_detokenizer_cost_is_per_window(tok: Tokenizer) -> None:
-    """Each push decodes a few ids around the frontier, not the whole sequence."""
+    """Pushes step the library's DecodeStream; only a flush with a character still open decodes,
+    and then a few ids, never the whole sequence."""
     lengths: list[int] = []
 
     class Spy:
+        backend, vocab_size = tok.backend, tok.vocab_size
+
         def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
             lengths.append(len(ids))
             return tok.decode(ids, skip_special_tokens)
 
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 20)
     detok = IncrementalDetokenizer(Spy(), tok.encode("a long prompt " * 50))  # type: ignore[arg-type]
+    lengths.clear()  # the context's check
     out = "".join(detok.push([i]) for i in ids) + detok.flush()
     assert out == tok.decode(ids)
-    assert max(lengths) <= 8
+    assert lengths == []
+    cut = tok.encode("ok 你好")[:-1]  # the last character's bytes are split over two ids
+    detok = IncrementalDetokenizer(Spy(), tok.encode("a long prompt " * 50))  # type: ignore[arg-type]
+    out = "".join(detok.push([i]) for i in cut) + detok.flush()
+    assert out == tok.decode(cut) and out.endswith("\ufffd")
+    assert lengths and max(lengths) <= 8
 
 
 # ---- StopStringMatcher -------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from tokenflowd.api.metrics import Metrics
 from tokenflowd.api.rates import RateChoice, RateMonitor, choose_rate
 from tokenflowd.config import ServerConfig
 from tokenflowd.procstats import process_figures
-from tokenflowd.protocol import AddRequest, RequestInfo, Sampling
+from tokenflowd.protocol import AddRequest, Coalesce, RequestInfo, Sampling
 from tokenflowd.router import Router
 from tokenflowd.supervisor import NoEngineReady, Supervisor
 from tokenflowd.text.tokenizer import Tokenizer
@@ -114,7 +114,8 @@ class Front:
         self.cadence = CadenceEstimator(max_rate=config.max_reading_rate)
         self.live: dict[str, _Live] = {}
         self.open_by_caller: dict[str, int] = {}  # open requests per API key (its identity), for max_concurrent
-        self.coalescing = (_Coalescing(config.coalesce_buffer, config.coalesce_interval)
+        # rate-aware coalescing of streamed requests, done by the engine's endpoint (engine/pacing.py)
+        self.coalescing = (Coalesce(config.coalesce_buffer, config.coalesce_interval)
                            if config.coalesce_interval > 0 else None)
         self.streams: set[_SSEConnection] = set()  # open SSE responses, for the keep-alive sweep
         # --api-servers N > 1: passes a read cursor for a request this front does not serve to the one
@@ -280,8 +281,9 @@ class Front:
             raise self._unavailable()
         choice = self.router.pick(slots, prep.prompt_ids)
         slot = self.supervisor.slots[choice.engine_id]
+        coalesce = self.coalescing if prep.stream and prep.coalesce else None
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,
-                         front=self.supervisor.front)
+                         front=self.supervisor.front, coalesce=coalesce)
         try:
             return Generation(self.supervisor, slot, add, self.tokenizer, prep.stop,
                               self.metrics.engine(slot.engine_id), arrival,
@@ -378,14 +380,13 @@ class Front:
             resp.enable_chunked_encoding()
         await resp.prepare(request)
         _tune_for_backpressure(request)
-        conn = _SSEConnection(request, resp.chunked, chunks, gen, self._coalescing(prep), prep.continuous_usage)
+        conn = _SSEConnection(request, resp.chunked, chunks, gen, prep.continuous_usage)
         conn.write(chunks.role())
         self.streams.add(conn)
         try:
             done = await self._send_pieces(request, gen, prep, chunks, conn, pieces)
         finally:
             self.streams.discard(conn)
-            conn.cancel()
             self.metrics.sse_events.inc(conn.num_events)  # once a stream: a counter's lock per event costs
         if done:  # a reader that stopped reading does not hold the handler
             try:
@@ -394,9 +395,6 @@ class Front:
             except TimeoutError:
                 self._stalled(request, gen)
         return resp
-
-    def _coalescing(self, prep: _Prepared) -> _Coalescing | None:
-        return self.coalescing if prep.coalesce else None
 
     async def _room(self, request: web.Request, gen: Generation) -> bool:
         """Wait until the client has read enough to be written to again. False when it read nothing for
@@ -418,7 +416,7 @@ class Front:
         blocked = 0.0
         while True:
             text, num_tokens, last = _merge(pieces)  # pieces held while the client was not reading: one event
-            conn.send(text, num_tokens, blocked)  # with what coalescing held back
+            conn.send(text, num_tokens, blocked)
             if last is not None:
                 if last.finish_reason == "error":
                     conn.write(error_event(last.error or "the engine failed while generating"))
@@ -626,36 +624,22 @@ async def _collect(gen: Generation) -> tuple[str, Piece]:
         pieces = await gen.take()
 
 
-@dataclass(frozen=True, slots=True)
-class _Coalescing:
-    buffer: float  # s of reading the client's modelled buffer must hold before its tokens are gathered
-    interval: float  # s a gathered token waits at most
-
-
 class _SSEConnection:
     """Writes SSE events straight to a prepared response's transport, framed as its chunked
     encoding needs: synchronous, so the generation can write a piece from the supervisor's loop.
     (The response's headers are already sent: aiohttp's StreamResponse sends them in prepare().)
-
-    Rate-aware coalescing: while the client's modelled buffer (the generation's TokenBuffer, at the
-    rate in use) holds at least `coalescing.buffer` s of reading, a token is held, and what is held
-    goes out as one event `coalescing.interval` s after the first of it (or sooner, with the next
-    token after the buffer fell below the mark). A reader with little in hand gets every token at once;
-    the buffer drops by at most `interval` s of reading while a token waits, so it never empties."""
+    Each piece is one event: a delta that carries several tokens (the engine coalesced them for a
+    reader far ahead, engine/pacing.py) is one event with all of them."""
 
     def __init__(self, request: web.Request, chunked: bool, chunks: Any, gen: Generation,
-                 coalescing: _Coalescing | None, continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False) -> None:
         self.transport = request.transport
         self.chunked = chunked
         self.chunks = chunks
         self.gen = gen
-        self.coalescing = coalescing
         self.num_events = 0  # events that carried tokens (tokenflowd_sse_events, counted when the stream ends)
         self.continuous_usage = continuous_usage
         self.last_write = time.monotonic()
-        self._held_text: list[str] = []
-        self._held_tokens = 0
-        self._timer: asyncio.TimerHandle | None = None
 
     def write(self, event: bytes) -> None:
         transport = self.transport
@@ -672,16 +656,9 @@ class _SSEConnection:
             self.write(_KEEP_ALIVE)
 
     def send(self, text: str, num_tokens: int, blocked: float = 0.0) -> None:
-        """One event with what is held and `text` (its `num_tokens` tokens), now. A token with no text
-        yet (held bytes of a character, a special token) still gets its event: clients time every
-        token, as the engine counts it."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._held_tokens or self._held_text:
-            text = "".join(self._held_text) + text
-            num_tokens += self._held_tokens
-            self._held_text, self._held_tokens = [], 0
+        """One event with `text` (its `num_tokens` tokens), now. A token with no text yet (held bytes
+        of a character, a special token) still gets its event: clients time every token, as the
+        engine counts it."""
         if text or num_tokens:
             gen = self.gen
             usage = _usage_so_far(gen, gen.num_delivered + num_tokens) if self.continuous_usage else None
@@ -690,29 +667,12 @@ class _SSEConnection:
         self.gen.delivered(num_tokens, blocked)  # no-op without tokens
 
     def push(self, piece: Piece) -> bool:
-        """Send (or hold) one piece now if the connection has room; False leaves it to the handler."""
+        """Send one piece now if the connection has room; False leaves it to the handler."""
         transport = self.transport
         if transport is None or transport.get_write_buffer_size() > _STREAM_HIGH_WATER:
             return False
-        c = self.coalescing
-        if c is not None and self.gen.buffer.time_to_empty(time.monotonic()) >= c.buffer:
-            self._held_text.append(piece.text)
-            self._held_tokens += piece.num_tokens
-            if self._timer is None:
-                self._timer = asyncio.get_running_loop().call_later(c.interval, self._flush)
-            return True
         self.send(piece.text, piece.num_tokens)
         return True
-
-    def _flush(self) -> None:
-        self._timer = None
-        self.send("", 0)
-
-    def cancel(self) -> None:
-        """The stream is over: nothing more is sent by the timer."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
 
 def _usage(gen: Generation) -> s.Usage:

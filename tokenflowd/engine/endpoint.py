@@ -5,7 +5,8 @@
               the engine); 1..N: the front processes of --api-servers N (sends that never block:
               a front that is gone or slow loses messages, not the engine's loop)
 
-A request's deltas go to the output of the front that sent it (AddRequest.front); Ready,
+A streamed request's deltas are paced first (engine/pacing.py: a client far ahead gets its tokens
+in batches). A request's deltas go to the output of the front that sent it (AddRequest.front); Ready,
 Reconfigured and each step's stats and prefix-cache keys go to every output; a query's reply to
 the output that asked. AbortFront aborts every request of a front that went away.
 
@@ -27,6 +28,7 @@ import msgspec
 import zmq
 
 from tokenflowd import protocol as p
+from tokenflowd.engine.pacing import DeltaPacer
 
 
 class SupervisorUnreachable(RuntimeError):
@@ -59,6 +61,7 @@ class EngineEndpoint(abc.ABC):
         self.running = True
         self._rejected: list[p.Delta] = []  # adds refused since the last message
         self._aborted = False  # an abort freed pages since the last message: report promptly
+        self.pacer = DeltaPacer()
 
     # -- what an engine does with requests ----------------------------------------------------
     @abc.abstractmethod
@@ -98,21 +101,27 @@ class EngineEndpoint(abc.ABC):
             error = self.add(msg)
             if error is not None:
                 self._rejected.append(p.Delta(msg.request_id, [], "rejected", error))
+            else:
+                self.pacer.track(msg.request_id, msg.reading_rate, msg.coalesce)
         elif isinstance(msg, p.AbortRequests):
             for rid in msg.request_ids:
                 self.abort(rid)
                 self.request_front.pop(rid, None)
+                self.pacer.forget(rid)
             self._aborted = True
         elif isinstance(msg, p.AbortFront):
             gone = [rid for rid, front in self.request_front.items() if front == msg.front]
             for rid in gone:
                 self.abort(rid)
                 del self.request_front[rid]
+                self.pacer.forget(rid)
             self._aborted = self._aborted or bool(gone)
         elif isinstance(msg, p.SetReadingRate):
             self.set_reading_rate(msg)
+            self.pacer.set_rate(msg.request_id, msg.reading_rate, msg.time)
         elif isinstance(msg, p.SetReadCursor):
             self.set_read_cursor(msg)
+            self.pacer.set_read(msg.request_id, msg.num_read, msg.time)
         elif isinstance(msg, p.QueryRequests):
             infos = self.infos(msg.request_ids)
             for info in infos:
@@ -136,6 +145,16 @@ class EngineEndpoint(abc.ABC):
         """Refusals to report in the next message (a new list the caller may extend)."""
         rejected, self._rejected = self._rejected, []
         return rejected
+
+    def pace(self, deltas: list[p.Delta], now: float) -> list[p.Delta]:
+        """The deltas to send now: those of clients far ahead are held a while (engine/pacing.py),
+        and held ones that are due join them. Call with every iteration's deltas, none too."""
+        return self.pacer.pace(deltas, now)
+
+    def wait_until(self, deadline: float, now: float) -> float:
+        """Seconds to wait for input before `deadline`, or before held tokens are due if sooner."""
+        due = self.pacer.next_release()
+        return max(0.0, (deadline if due is None else min(deadline, due)) - now)
 
     def must_report(self, deltas: list[p.Delta], now: float, last_sent: float) -> bool:
         """Something to say, or the heartbeat is due."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 import sys
 import time
@@ -63,7 +64,11 @@ class EngineProcess(EngineEndpoint):
                 trim_heap()
                 trimmed = True
             copying = core.copies_in_flight()  # they pin KV pages: account for them soon, even idle
-            if self.inbox.poll(0 if busy else 1 if copying else heartbeat_ms):
+            idle_ms = heartbeat_ms
+            if not busy and not copying:  # wake for held tokens that come due (engine/pacing.py)
+                now = time.monotonic()
+                idle_ms = math.ceil(self.wait_until(now + self.spec.heartbeat_interval, now) * 1000)
+            if self.inbox.poll(0 if busy else 1 if copying else idle_ms):
                 self.drain_inbox()
             deltas = self.take_rejected()
             if core.has_unfinished():
@@ -72,6 +77,7 @@ class EngineProcess(EngineEndpoint):
                 core.scheduler.poll_copies()
             settled = copying and not core.copies_in_flight()  # the pages they pinned are free: say so
             now = time.monotonic()
+            deltas = self.pace(deltas, now)
             if self.must_report(deltas, now, last_sent) or settled:
                 added, removed = core.pool.drain_key_events()
                 self.send_step(now, deltas, self._stats(), added, removed)

@@ -2,7 +2,10 @@
 pieces, `StopStringMatcher` cuts the stream at a stop string."""
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+
+from tokenizers.decoders import DecodeStream
 
 from tokenflowd.text.tokenizer import Tokenizer
 
@@ -10,45 +13,64 @@ from tokenflowd.text.tokenizer import Tokenizer
 class IncrementalDetokenizer:
     """Turns a stream of ids into text pieces, never splitting a UTF-8 character.
 
-    Two offsets into the ids (the technique of HF text-generation-inference / vLLM):
-
-        ids: ... | prefix_offset ........ read_offset ........ end |
-                   \\___ already emitted ___/ \\__ pending __/
-
-    Each push decodes ids[prefix_offset:] and ids[prefix_offset:read_offset] and emits the
-    difference, unless the longer decode ends in U+FFFD (a character still incomplete). The
-    window restarts at read_offset only at such clean character boundaries, so the per-token cost
-    is O(window), not O(sequence), and the emitted pieces concatenate to the full decode.
-    Only the window is kept: `_window` is ids[prefix_offset:], `_read` is read_offset - prefix_offset.
+    The stepping is the tokenizers library's `DecodeStream` (the prefix/read-offset technique of
+    HF text-generation-inference and vLLM, in Rust): one call per push, whose cost is O(window),
+    not O(sequence). A step returns nothing while a character is still incomplete; the ids since
+    the last piece are kept here, with a few emitted ones before them as context, so `flush` can
+    still give what they decode to (U+FFFD where a character never completed), and the pieces
+    always concatenate to the full decode. Ids outside the vocabulary decode to nothing, as in
+    `Tokenizer.decode`.
     """
 
-    # Prompt tokens kept as left context (decoders such as SentencePiece's look back for spaces).
-    _PROMPT_CONTEXT = 5
+    # Ids kept as left context (decoders such as SentencePiece's look back for spaces).
+    _CONTEXT = 5
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._backend = tokenizer.backend
+        self._vocab_size = tokenizer.vocab_size
         self._skip = skip_special_tokens
-        self._window: list[int] = list(prompt_ids[-self._PROMPT_CONTEXT:]) if len(prompt_ids) else []
-        self._read = len(self._window)
+        context = self._valid(prompt_ids[-self._CONTEXT:]) if len(prompt_ids) else []
+        # A context whose text ends in U+FFFD (a literal one, or a character cut by the slice) would
+        # be taken for an incomplete character and come out with the first piece.
+        while context and tokenizer.decode(context, skip_special_tokens).endswith("\ufffd"):
+            context.pop()
+        self._context = deque(context, maxlen=self._CONTEXT)  # the last ids of emitted text
+        self._pending: list[int] = []  # stepped since the last piece
+        self._stream = DecodeStream(context, skip_special_tokens)
+
+    def _valid(self, ids: Sequence[int]) -> list[int]:
+        n = self._vocab_size
+        return [i for i in ids if 0 <= i < n]
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Text completed by `new_ids`; "" while a character is still incomplete."""
-        self._window.extend(new_ids)
-        prefix_text = self._tokenizer.decode(self._window[: self._read], self._skip)
-        new_text = self._tokenizer.decode(self._window, self._skip)
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if not new_ids:
             return ""
-        self._window = self._window[self._read :]
-        self._read = len(self._window)
-        return new_text[len(prefix_text) :]
+        ids = new_ids if min(new_ids) >= 0 and max(new_ids) < self._vocab_size else self._valid(new_ids)
+        if not ids:
+            return ""
+        text = self._stream.step(self._backend, ids[0] if len(ids) == 1 else ids)  # an int steps faster
+        if text is None:
+            self._pending.extend(ids)
+            return ""
+        if self._pending:
+            self._context.extend(self._pending)
+            self._pending = []
+        self._context.extend(ids)
+        return text
 
     def flush(self) -> str:
         """Whatever is still held back at the end of the stream (possibly containing U+FFFD)."""
-        prefix_text = self._tokenizer.decode(self._window[: self._read], self._skip)
-        new_text = self._tokenizer.decode(self._window, self._skip)
-        self._window = self._window[self._read :]
-        self._read = len(self._window)
-        return new_text[len(prefix_text) :]
+        if not self._pending:
+            return ""
+        decode, context = self._tokenizer.decode, list(self._context)
+        prefix_text = decode(context, self._skip)
+        new_text = decode(context + self._pending, self._skip)
+        self._context.extend(self._pending)
+        self._pending = []
+        self._stream = DecodeStream(list(self._context), self._skip)
+        return new_text[len(prefix_text):]
 
 
 class StopStringMatcher:
