@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="s open streams may take to finish after SIGTERM before they end with an error (default 30)")
     v.add_argument("--api-servers", type=int,
                    help="front processes sharing the port (SO_REUSEPORT), each talking to every engine; the limits "
-                        "above are split among them (default: one per engine on a GPU box, 1 on CPU)")
+                        "above are split among them, but --max-streams and each key's max_concurrent hold for all "
+                        "together (default: one per engine on a GPU box, 1 on CPU)")
     v.add_argument("--coalesce-buffer", type=float,
                    help="s of reading a client's modelled buffer must hold before its tokens are gathered into one "
                         "SSE event per --coalesce-interval (default 2)")

@@ -173,6 +173,7 @@ class CursorRelay:
 
 async def run_front(spec: p.FrontSpec) -> None:
     from tokenflowd.api.app import Front
+    from tokenflowd.api.open_counts import OPEN_COUNTS, SharedOpenCounts
     from tokenflowd.serve import HttpFront, freeze_startup_objects
     from tokenflowd.text.source import load_tokenizer
 
@@ -181,7 +182,8 @@ async def run_front(spec: p.FrontSpec) -> None:
     supervisor = FrontSupervisor(server, engine, spec)
     await supervisor.start()
     tokenizer = await asyncio.to_thread(load_tokenizer, engine.model)
-    front = Front(supervisor, tokenizer, server, server.served_model_name or engine.model)
+    counts = SharedOpenCounts(Path(spec.runtime_dir) / OPEN_COUNTS, spec.fronts, spec.front)
+    front = Front(supervisor, tokenizer, server, server.served_model_name or engine.model, counts)
     relay = front.relay = CursorRelay(supervisor, front.read_body, timeout=10.0)
     http = HttpFront(front, reuse_port=True)
     stop = asyncio.Event()

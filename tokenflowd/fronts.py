@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from tokenflowd import protocol as p
+from tokenflowd.api.open_counts import OPEN_COUNTS, SharedOpenCounts
 from tokenflowd.config import EngineConfig, ServerConfig
 from tokenflowd.engine_handle import EngineHandle
 from tokenflowd.notify import Notifier
@@ -39,12 +40,12 @@ FRONT_ENV_DROPPED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")  # system
 
 
 def front_share(server: ServerConfig, n: int) -> ServerConfig:
-    """One front's share of the server-wide bounds."""
+    """One front's share of the server-wide bounds it counts alone (--max-streams and each key's
+    max_concurrent are counted by all fronts together: api/open_counts.py)."""
     def share(bound: int | None) -> int | None:
         return None if bound is None else max(1, math.ceil(bound / n))
 
-    return dataclasses.replace(server, max_streams=share(server.max_streams),
-                               max_connections=share(server.max_connections),
+    return dataclasses.replace(server, max_connections=share(server.max_connections),
                                max_waiting_requests=share(server.max_waiting_requests))
 
 
@@ -77,6 +78,7 @@ class Fronts:
         assert rt is not None, "start the supervisor first"
         self.metrics_dir = rt / "metrics"
         self.metrics_dir.mkdir()
+        SharedOpenCounts.create(rt / OPEN_COUNTS, self.n)
         self._table = self._ctx.socket(zmq.PUB)
         self._table.setsockopt(zmq.LINGER, 0)
         self._table.bind(f"ipc://{rt}/control")
@@ -116,7 +118,7 @@ class Fronts:
         return p.FrontSpec(k, str(rt), self.supervisor.front_addresses[k - 1], f"ipc://{rt}/control",
                            f"ipc://{rt}/fronts", msgspec.to_builtins(front_share(self.server, self.n)),
                            msgspec.to_builtins(self.engine),
-                           [msgspec.to_builtins(slot.config) for slot in self.supervisor.slots])
+                           [msgspec.to_builtins(slot.config) for slot in self.supervisor.slots], self.n)
 
     async def _keep(self, k: int) -> None:
         """Run front k; when it exits, abort its requests in every engine and start it again (backoff)."""
@@ -146,6 +148,7 @@ class Fronts:
         for slot in self.supervisor.slots:
             if slot.ready:
                 self.supervisor.send(slot, p.AbortFront(k))
+        SharedOpenCounts.clear(self.supervisor.runtime_dir / OPEN_COUNTS, self.n, k)  # its requests' places
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(pid, str(self.metrics_dir))

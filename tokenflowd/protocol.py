@@ -241,3 +241,4 @@ class FrontSpec(msgspec.Struct):
     server: dict  # ServerConfig fields
     engine: dict  # EngineConfig fields
     engines: list[dict]  # each engine's EngineConfig fields, as the supervisor placed them (no GPU probe again)
+    fronts: int = 1  # N of --api-servers N

@@ -83,6 +83,52 @@ def test_fifty_streams_through_two_fronts_finish_once_and_in_order():
     assert code == 0
 
 
+def test_a_keys_bound_and_max_streams_hold_across_the_fronts(tmp_path):
+    """Counted by both fronts together (api/open_counts.py): the kernel spreads a key's connections over
+    the fronts, and a bound split or repeated per front would let it open more, or refuse it too soon."""
+    config = tmp_path / "tokenflowd.toml"
+    config.write_text('[auth]\n[auth.keys."k-three"]\nmax_concurrent = 3\n[auth.keys."k-free"]\n')
+    d = Daemon("--api-servers", "2", "--max-streams", "5", "--config", str(config), null_engine=True,
+               env={"NULL_ENGINE_RATE": "10"})
+    try:
+        wait_for_fronts(d, 2)
+
+        async def open_stream(key: str, started: asyncio.Event) -> int:
+            async with httpx.AsyncClient(base_url=d.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as c:
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 60, "stream": True, "ignore_eos": True}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            started.set()
+                    return r.status_code
+
+        async def one_more(key: str) -> tuple[int, str]:
+            async with httpx.AsyncClient(base_url=d.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as c:
+                r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+                return r.status_code, r.json().get("error", {}).get("code", "") if r.status_code != 200 else ""
+
+        async def run():
+            started = [asyncio.Event() for _ in range(5)]
+            keys = ["k-three"] * 3 + ["k-free"] * 2
+            streams = [asyncio.create_task(open_stream(k, e)) for k, e in zip(keys[:3], started)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started[:3])), 60)
+            three_more = await asyncio.gather(*(one_more("k-three") for _ in range(6)))  # fresh connections each
+            streams += [asyncio.create_task(open_stream(k, e)) for k, e in zip(keys[3:], started[3:])]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started[3:])), 60)
+            sixth = await asyncio.gather(*(one_more("k-free") for _ in range(4)))
+            ends = await asyncio.gather(*streams)
+            after = await one_more("k-three")
+            return three_more, sixth, ends, after
+
+        three_more, sixth, ends, after = asyncio.run(run())
+        assert three_more == [(429, "too_many_requests_for_key")] * 6
+        assert sixth == [(429, "too_many_streams")] * 4
+        assert ends == [200] * 5
+        assert after == (200, "")  # the places came back
+    finally:
+        d.stop()
+
+
 @pytest.fixture(scope="module")
 def daemon():
     d = Daemon("--api-servers", "2", "--dtype", "float32", "--kv-cache-memory", "256MiB")

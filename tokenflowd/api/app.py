@@ -35,6 +35,7 @@ from tokenflowd.api.connections import head_middleware, writable
 from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
 from tokenflowd.api.generation import Generation, Piece
 from tokenflowd.api.metrics import Metrics
+from tokenflowd.api.open_counts import OpenCounts
 from tokenflowd.api.rates import RateChoice, RateMonitor, choose_rate
 from tokenflowd.config import ServerConfig
 from tokenflowd.procstats import process_figures
@@ -99,7 +100,8 @@ class _Live:
 
 
 class Front:
-    def __init__(self, supervisor: Supervisor, tokenizer: Tokenizer, config: ServerConfig, model_name: str) -> None:
+    def __init__(self, supervisor: Supervisor, tokenizer: Tokenizer, config: ServerConfig, model_name: str,
+                 open_counts: OpenCounts | None = None) -> None:
         self.supervisor = supervisor
         self.tokenizer = tokenizer
         self.config = config
@@ -113,7 +115,8 @@ class Front:
         self._cursor_decoder = msgspec.json.Decoder(s.ReadCursor)
         self.cadence = CadenceEstimator(max_rate=config.max_reading_rate)
         self.live: dict[str, _Live] = {}
-        self.open_by_caller: dict[str, int] = {}  # open requests per API key (its identity), for max_concurrent
+        # open requests, in total and per API key (its identity): this front's, or all fronts' (--api-servers)
+        self.open_counts = open_counts or OpenCounts()
         # rate-aware coalescing of streamed requests, done by the engine's endpoint (engine/pacing.py)
         self.coalescing = (Coalesce(config.coalesce_buffer, config.coalesce_interval)
                            if config.coalesce_interval > 0 else None)
@@ -322,25 +325,28 @@ class Front:
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await self._respond(request, prep, arrival, _CompletionChunks(rid, self.created_now(), self.model_name))
 
-    def _check_open(self, caller: Caller) -> None:
-        """429 beyond --max-streams open requests, or beyond the caller's key's max_concurrent."""
-        bound = self.config.max_streams
-        if bound is not None and len(self.live) >= bound:
-            self.metrics.rejected.labels("429").inc()
-            raise APIError(429, f"the server has {len(self.live)} requests open, its bound (--max-streams): retry "
-                                "after a second", code="too_many_streams", headers={"Retry-After": "1"})
-        bound = caller.max_concurrent
-        if bound is not None and self.open_by_caller.get(caller.identity, 0) >= bound:
-            self.metrics.rejected.labels("429").inc()
-            raise APIError(429, f"this API key has {bound} requests open, as many as it may: wait for one to end",
-                           code="too_many_requests_for_key", headers={"Retry-After": "1"})
+    def _open(self, caller: Caller) -> None:
+        """Counts a request open; 429 beyond --max-streams open requests, or beyond the caller's key's
+        max_concurrent."""
+        refused = self.open_counts.open(caller.identity, self.config.max_streams, caller.max_concurrent)
+        if refused is None:
+            return
+        self.metrics.rejected.labels("429").inc()
+        if refused == "streams":
+            raise APIError(429, f"the server has {self.open_counts.total()} requests open, its bound (--max-streams): "
+                                "retry after a second", code="too_many_streams", headers={"Retry-After": "1"})
+        raise APIError(429, f"this API key has {caller.max_concurrent} requests open, as many as it may: wait for "
+                            "one to end", code="too_many_requests_for_key", headers={"Retry-After": "1"})
 
     async def _respond(self, request: web.Request, prep: _Prepared, arrival: float, chunks: Any) -> web.StreamResponse:
         caller = request[CALLER]
-        self._check_open(caller)
-        gen = self._start(prep, chunks.rid, arrival)
+        self._open(caller)
+        try:
+            gen = self._start(prep, chunks.rid, arrival)
+        except BaseException:
+            self.open_counts.close(caller.identity)
+            raise
         self.live[chunks.rid] = _Live(gen, prep.rate, caller.identity)
-        self.open_by_caller[caller.identity] = self.open_by_caller.get(caller.identity, 0) + 1
         try:
             if prep.stream:
                 return await self._stream(request, gen, prep, chunks)
@@ -349,9 +355,7 @@ class Front:
         finally:
             gen.close()
             del self.live[chunks.rid]
-            left = self.open_by_caller.pop(caller.identity) - 1
-            if left:
-                self.open_by_caller[caller.identity] = left
+            self.open_counts.close(caller.identity)
             if gen.finish_reason == "shed":
                 self.metrics.rejected.labels("429").inc()
             if not prep.stream:  # a stream files its reply before it ends
