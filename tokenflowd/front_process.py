@@ -42,7 +42,7 @@ class FrontSupervisor(Supervisor):
 
     def __init__(self, server: ServerConfig, engine: EngineConfig, spec: p.FrontSpec) -> None:
         super().__init__(server, engine, placement=[(msgspec.convert(c, EngineConfig), {}) for c in spec.engines])
-        self.front = spec.front
+        self.front, self.front_epoch = spec.front, spec.epoch
         self.spec = spec
         self._control: zmq.Socket | None = None
         self._table_decoder = msgspec.msgpack.Decoder(p.EngineTable)
@@ -96,6 +96,9 @@ class FrontSupervisor(Supervisor):
                 if st.incarnation:
                     handle.open(self._ctx, engine_input_address(self.runtime_dir, st.engine_id, st.incarnation),
                                 st.incarnation)
+                    # what its prefix cache already holds (a front restarted beside a running engine);
+                    # queued until the engine reads its input
+                    self.send(handle, p.QueryKeys(self.front))
             elif handle.ready and st.state != "ready":
                 self._engine_replaced(handle, f"engine {st.engine_id} {st.last_failure or 'stopped'}; the request "
                                               "was ended, retry it")

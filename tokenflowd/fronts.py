@@ -7,9 +7,12 @@
       a front gone: AbortFront(k) to engines   deltas; stats, keys and Ready to all)
 
 The fronts share the port (SO_REUSEPORT). Any front can die without the others noticing: the
-supervisor aborts its requests in every engine (their pages are freed) and starts it again. The
-limits that bound a whole server (--max-streams, --max-connections, --max-waiting-requests) are
-split evenly among the fronts, as nginx's per-worker limits are; each front enforces its share.
+supervisor aborts its requests in every engine (their pages are freed) and starts it again. Each
+start of a front has an epoch; AbortFront names the dead one's, so an AddRequest it sent that
+reaches an engine after the abort (the two come over different sockets) is dropped there too.
+--max-streams and each API key's max_concurrent are counted by all fronts together
+(api/open_counts.py); --max-connections and --max-waiting-requests are split evenly among the
+fronts, as nginx's per-worker limits are, and each front enforces its share.
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ class Fronts:
         self.n = n
         self.listening: set[int] = set()
         self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.epochs: dict[int, int] = {}  # front -> how many times it was started before this one
         self._ctx = zmq.Context()
         self._table: zmq.Socket | None = None
         self._reports: zmq.Socket | None = None
@@ -118,7 +122,8 @@ class Fronts:
         return p.FrontSpec(k, str(rt), self.supervisor.front_addresses[k - 1], f"ipc://{rt}/control",
                            f"ipc://{rt}/fronts", msgspec.to_builtins(front_share(self.server, self.n)),
                            msgspec.to_builtins(self.engine),
-                           [msgspec.to_builtins(slot.config) for slot in self.supervisor.slots], self.n)
+                           [msgspec.to_builtins(slot.config) for slot in self.supervisor.slots], self.n,
+                           self.epochs.get(k, 0))
 
     async def _keep(self, k: int) -> None:
         """Run front k; when it exits, abort its requests in every engine and start it again (backoff)."""
@@ -136,6 +141,7 @@ class Fronts:
             code = await proc.wait()
             self.listening.discard(k)
             self._front_gone(k, proc.pid)
+            self.epochs[k] = self.epochs.get(k, 0) + 1
             if self._stopping:
                 return
             failures = 1 if time.monotonic() - started > 60 else failures + 1
@@ -147,7 +153,7 @@ class Fronts:
     def _front_gone(self, k: int, pid: int) -> None:
         for slot in self.supervisor.slots:
             if slot.ready:
-                self.supervisor.send(slot, p.AbortFront(k))
+                self.supervisor.send(slot, p.AbortFront(k, self.epochs.get(k, 0)))
         SharedOpenCounts.clear(self.supervisor.runtime_dir / OPEN_COUNTS, self.n, k)  # its requests' places
         from prometheus_client import multiprocess
 

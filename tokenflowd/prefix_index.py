@@ -3,7 +3,8 @@
 Each engine's step messages carry the chained page keys its prefix cache published and evicted
 since the last one (kv/pages.py drain_key_events); the index keeps one key set per engine from
 them, and answers how many leading pages of a request an engine has. An engine that goes away
-takes its keys with it (its successor starts with an empty cache)."""
+takes its keys with it (its successor starts with an empty cache). A front process that starts
+beside running engines asks each for a snapshot of its keys first (QueryKeys, KeySnapshot)."""
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -18,6 +19,10 @@ class PrefixIndex:
         keys = self._keys.setdefault(engine_id, set())
         keys.difference_update(removed)
         keys.update(added)
+
+    def replace(self, engine_id: int, keys: Iterable[bytes]) -> None:
+        """All the engine holds now (a snapshot): what was known of it before is dropped."""
+        self._keys[engine_id] = set(keys)
 
     def forget(self, engine_id: int) -> None:
         self._keys.pop(engine_id, None)

@@ -41,6 +41,7 @@ class AddRequest(msgspec.Struct, tag=True):
     priority: int = 0  # higher is sooner
     arrival_time: float = 0.0
     front: int = 0  # the output (EngineSpec) its deltas go to: the front process that serves it
+    front_epoch: int = 0  # which start of that front sent it (AbortFront)
     coalesce: Coalesce | None = None  # None: every step's tokens at once
 
 
@@ -72,9 +73,12 @@ class QueryRequests(msgspec.Struct, tag=True):
 
 
 class AbortFront(msgspec.Struct, tag=True):
-    """A front process is gone: every request it sent is aborted (its pages freed)."""
+    """A front process is gone: every request it sent is aborted (its pages freed), and an AddRequest
+    it sent that comes later (from another socket, so in no set order with this) is dropped: any with
+    a front_epoch up to `epoch`."""
 
     front: int
+    epoch: int = 0
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -88,8 +92,15 @@ class Reconfigure(msgspec.Struct, tag=True):
     policy_params: dict  # PolicyConfig fields
 
 
+class QueryKeys(msgspec.Struct, tag=True):
+    """A front process that starts (or restarts) asks for every page key the prefix cache holds: the
+    step messages it missed carried them. Answered by KeySnapshot on that front's output."""
+
+    front: int
+
+
 ToEngine = (AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure
-            | AbortFront)
+            | AbortFront | QueryKeys)
 
 
 # -- engine → supervisor ---------------------------------------------------------------------
@@ -179,7 +190,16 @@ class Reconfigured(msgspec.Struct, tag=True):
     policy_params: dict  # what it schedules with from now on
 
 
-FromEngine = Ready | StepOutputs | QueryReply | Reconfigured
+class KeySnapshot(msgspec.Struct, tag=True):
+    """Every page key the engine's prefix cache holds now; later StepOutputs on the same output carry
+    what changes after it."""
+
+    engine_id: int
+    incarnation: int
+    keys: list[bytes]
+
+
+FromEngine = Ready | StepOutputs | QueryReply | Reconfigured | KeySnapshot
 
 
 class EngineSpec(msgspec.Struct):
@@ -242,3 +262,4 @@ class FrontSpec(msgspec.Struct):
     engine: dict  # EngineConfig fields
     engines: list[dict]  # each engine's EngineConfig fields, as the supervisor placed them (no GPU probe again)
     fronts: int = 1  # N of --api-servers N
+    epoch: int = 0  # how many times this front was started before (AddRequest.front_epoch)

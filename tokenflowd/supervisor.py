@@ -43,6 +43,7 @@ class NoEngineReady(RuntimeError):
 
 class Supervisor:
     front = 0  # this process's output at every engine (0: the supervisor's own)
+    front_epoch = 0  # which start of that front this is (AbortFront)
 
     def __init__(self, server: ServerConfig, engine: EngineConfig, num_fronts: int = 0,
                  placement: list[tuple[EngineConfig, dict[str, str]]] | None = None) -> None:
@@ -151,6 +152,8 @@ class Supervisor:
             self.on_change()
             log.info("engine %d ready (pid %d, %s, context %d)", msg.engine_id, msg.pid, msg.device,
                      msg.max_model_len)
+        elif isinstance(msg, p.KeySnapshot):
+            self.index.replace(msg.engine_id, msg.keys)
         elif isinstance(msg, p.QueryReply):
             fut = self._queries.pop(msg.query_id, None)
             if fut is not None and not fut.done():

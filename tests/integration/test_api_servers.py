@@ -172,6 +172,11 @@ def test_disconnects_through_either_front_free_pages_within_a_second(daemon):
 def test_sigkill_of_one_front_leaves_the_other_serving_and_its_requests_are_aborted(daemon):
     idle = idle_pages(daemon)
     victim, survivor = wait_for_fronts(daemon, 2)
+    # pages published long before the kill (a 290-token prompt: 18 full pages), which a restarted front
+    # can learn only from a snapshot of the engine's keys
+    long_prompt = " ".join(f"w{i}" for i in range(100))
+    assert daemon.http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt,
+                                                     "max_tokens": 1}).status_code == 200
 
     async def run():
         limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)
@@ -207,6 +212,19 @@ def test_sigkill_of_one_front_leaves_the_other_serving_and_its_requests_are_abor
     assert survivor.is_running()
     new = wait_for_fronts(daemon, 2)  # the supervisor started it again
     assert victim.pid not in [f.pid for f in new]
+    # The new front asked the engine for its prefix-cache keys (the step messages it missed carried them):
+    # it knows what the survivor knows. Each front also serves on its own unix socket.
+    def known(front: psutil.Process) -> list[int]:
+        path = next(c.laddr for c in front.net_connections("unix") if c.laddr.endswith(".sock"))
+        with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://front") as client:
+            return [e["prefix_pages_known"] for e in client.get("/health").json()["engines"]]
+
+    restarted = next(f for f in new if f.pid != survivor.pid)
+    assert known(survivor)[0] >= 18
+    deadline = time.monotonic() + 10
+    while known(restarted) != known(survivor) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert known(restarted) == known(survivor)
 
 
 def test_a_read_cursor_and_the_request_listing_work_through_either_front(daemon):

@@ -63,6 +63,9 @@ def test_deltas_go_to_the_front_that_sent_the_request_and_the_rest_to_all(tmp_pa
         def abort(self, request_id):
             self.aborted.append(request_id)
 
+        def cached_keys(self):
+            return [b"k1", b"k2"]
+
     engine = Recorder(spec)
     inbox = ctx.socket(zmq.PUSH)
     inbox.connect(spec.input_address)
@@ -94,6 +97,20 @@ def test_deltas_go_to_the_front_that_sent_the_request_and_the_rest_to_all(tmp_pa
             engine.inbox.poll(100)
             engine.drain_inbox()
         assert engine.aborted == ["c"] and engine.request_front == {"a": 1}
+        # front 2's last add, sent before it died, arrives after the abort: dropped; its successor's is taken
+        inbox.send(enc.encode(p.AddRequest("late", [1], p.Sampling(), 10.0, front=2, front_epoch=0)))
+        inbox.send(enc.encode(p.AddRequest("next", [1], p.Sampling(), 10.0, front=2, front_epoch=1)))
+        deadline = time.monotonic() + 5
+        while "next" not in engine.request_front and time.monotonic() < deadline:
+            engine.inbox.poll(100)
+            engine.drain_inbox()
+        assert engine.request_front == {"a": 1, "next": 2}
+        inbox.send(enc.encode(p.QueryKeys(front=1)))  # a front that (re)starts: the keys it missed
+        engine.inbox.poll(5000)
+        engine.drain_inbox()
+        snapshot = recv(outs[1])
+        assert isinstance(snapshot, p.KeySnapshot) and snapshot.keys == [b"k1", b"k2"]
+        assert not outs[0].poll(0) and not outs[2].poll(0)
     finally:
         engine.close()
         ctx.destroy(linger=0)

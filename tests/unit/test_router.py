@@ -36,6 +36,9 @@ def test_the_index_counts_the_leading_run_only_and_follows_key_events():
     assert index.cached_pages(0, k) == 4
     index.forget(0)  # the engine went away: its successor starts cold
     assert index.cached_pages(0, k) == 0 and index.num_keys(0) == 0
+    index.update(1, [k[3]], [])
+    index.replace(1, [k[0], k[1]])  # a snapshot (a front that restarted): all the engine holds
+    assert index.cached_pages(1, k) == 2 and index.num_keys(1) == 2
 
 
 def test_prefers_the_engine_holding_the_prefix():

@@ -286,7 +286,7 @@ class Front:
         slot = self.supervisor.slots[choice.engine_id]
         coalesce = self.coalescing if prep.stream and prep.coalesce else None
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,
-                         front=self.supervisor.front, coalesce=coalesce)
+                         front=self.supervisor.front, front_epoch=self.supervisor.front_epoch, coalesce=coalesce)
         try:
             return Generation(self.supervisor, slot, add, self.tokenizer, prep.stop,
                               self.metrics.engine(slot.engine_id), arrival,
@@ -500,6 +500,7 @@ class Front:
                     "policy": slot.config.policy, "policy_params": slot.policy_params,
                     "consecutive_failures": slot.consecutive_failures, "last_failure": slot.last_failure,
                     "fallback": slot.info.fallback if slot.info else None,
+                    "prefix_pages_known": self.supervisor.index.num_keys(slot.engine_id),  # as the router sees it
                     "process": _figures(slot)}
                    for slot in self.supervisor.slots]
         serving = not self.draining and any(slot.ready for slot in self.supervisor.slots)

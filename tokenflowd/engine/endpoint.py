@@ -56,6 +56,7 @@ class EngineEndpoint(abc.ABC):
             sock.connect(address)
             self.fronts.append(sock)
         self.request_front: dict[str, int] = {}  # with front processes: the output of each live request
+        self.gone_fronts: dict[int, int] = {}  # front -> its last start known gone (AbortFront.epoch)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(p.ToEngine)
         self.running = True
@@ -80,6 +81,10 @@ class EngineEndpoint(abc.ABC):
     @abc.abstractmethod
     def infos(self, request_ids: list[str] | None) -> list[p.RequestInfo]: ...
 
+    def cached_keys(self) -> list[bytes]:
+        """Every page key the prefix cache holds (none without one)."""
+        return []
+
     def reconfigure(self, msg: p.Reconfigure) -> dict:
         """Apply what may change live; return the policy parameters now in force (none here)."""
         logging.getLogger().setLevel(msg.log_level.upper())
@@ -96,6 +101,8 @@ class EngineEndpoint(abc.ABC):
 
     def _handle(self, msg: p.ToEngine) -> None:
         if isinstance(msg, p.AddRequest):
+            if msg.front and msg.front_epoch <= self.gone_fronts.get(msg.front, -1):
+                return  # sent by a front process that died before it arrived: nobody reads its deltas
             if self.fronts:
                 self.request_front[msg.request_id] = msg.front
             error = self.add(msg)
@@ -110,6 +117,7 @@ class EngineEndpoint(abc.ABC):
                 self.pacer.forget(rid)
             self._aborted = True
         elif isinstance(msg, p.AbortFront):
+            self.gone_fronts[msg.front] = max(msg.epoch, self.gone_fronts.get(msg.front, -1))
             gone = [rid for rid, front in self.request_front.items() if front == msg.front]
             for rid in gone:
                 self.abort(rid)
@@ -131,6 +139,10 @@ class EngineEndpoint(abc.ABC):
                 self._send_front(msg.front, self.encoder.encode(reply))
             else:
                 self.send(reply)
+        elif isinstance(msg, p.QueryKeys):
+            snapshot = p.KeySnapshot(self.spec.engine_id, self.spec.incarnation, self.cached_keys())
+            if msg.front and msg.front <= len(self.fronts):
+                self._send_front(msg.front, self.encoder.encode(snapshot))
         elif isinstance(msg, p.Shutdown):
             self.running = False
         elif isinstance(msg, p.Reconfigure):

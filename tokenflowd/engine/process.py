@@ -90,6 +90,9 @@ class EngineProcess(EngineEndpoint):
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
+    def cached_keys(self) -> list[bytes]:
+        return self.core.pool.cached_keys()
+
     def reconfigure(self, msg: p.Reconfigure) -> dict:
         super().reconfigure(msg)
         params = msgspec.convert(msg.policy_params, PolicyConfig)
