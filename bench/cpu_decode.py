@@ -1,5 +1,6 @@
-"""CPU decode throughput on the embedded model: tokenflowd vs Hugging Face transformers `generate`
-on the same dequantized weights, in one run. Also the TTFT of a 128-token prompt on an idle engine.
+"""CPU decode throughput on the embedded model: tokenflowd with its weights in int4 (the default on
+a CPU for this Q4_1 file) and dequantized, vs Hugging Face transformers `generate` on the dequantized
+weights, in one run. Also the TTFT of a 128-token prompt on an idle engine.
 
     python bench/cpu_decode.py [--batches 1,16,32] [--out bench/results/cpu_decode.json]
 
@@ -33,9 +34,9 @@ def prompts(tokenizer, batch: int, length: int) -> list[list[int]]:
     return [ids[i * 7 : i * 7 + length] for i in range(batch)]  # distinct prompts, same length
 
 
-def ours(dtype: str, batch: int, prompt_len: int, new: int) -> float:
-    loaded = load_model_source("smollm2-135m", getattr(torch, dtype), "cpu")
-    eng = Engine(EngineConfig.resolve(device="cpu", dtype=dtype, enable_prefix_caching=False,
+def ours(dtype: str, batch: int, prompt_len: int, new: int, quantization: str = "none") -> float:
+    loaded = load_model_source("smollm2-135m", getattr(torch, dtype), "cpu", quantization)
+    eng = Engine(EngineConfig.resolve(device="cpu", dtype=dtype, enable_prefix_caching=False, quantization=quantization,
                                       max_num_batched_tokens=max(512, prompt_len)), loaded)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for i, p in enumerate(prompts(eng.tokenizer, batch, prompt_len)):
@@ -77,9 +78,10 @@ def hf(dtype: str, batch: int, prompt_len: int, new: int) -> float:
     return batch * (new - 1) / (timed(new) - timed(1))
 
 
-def ttft(dtype: str, prompt_len: int, repeats: int = 5) -> float:
-    loaded = load_model_source("smollm2-135m", getattr(torch, dtype), "cpu")
-    eng = Engine(EngineConfig.resolve(device="cpu", dtype=dtype, enable_prefix_caching=False), loaded)
+def ttft(dtype: str, prompt_len: int, repeats: int = 5, quantization: str = "none") -> float:
+    loaded = load_model_source("smollm2-135m", getattr(torch, dtype), "cpu", quantization)
+    eng = Engine(EngineConfig.resolve(device="cpu", dtype=dtype, enable_prefix_caching=False,
+                                      quantization=quantization), loaded)
     ps = prompts(eng.tokenizer, repeats + 1, prompt_len)
     eng.generate({"warm": dict(prompt=ps[-1], sampling_params=SamplingParams(max_tokens=1))})
     times = []
@@ -104,12 +106,15 @@ def main() -> None:
     rows = []
     for b in batches:
         row = {"batch": b}
+        row["tokenflowd_int4"] = ours(fast, b, a.prompt_len, a.new_tokens, "int4")
         row[f"tokenflowd_{fast}"] = ours(fast, b, a.prompt_len, a.new_tokens)
         if fast != "float32":
             row["tokenflowd_float32"] = ours("float32", b, a.prompt_len, a.new_tokens)
         row["transformers_float32"] = hf("float32", b, a.prompt_len, a.new_tokens)
         if fast != "float32":
             row[f"transformers_{fast}"] = hf(fast, b, a.prompt_len, a.new_tokens)
+        row["ratio_int4_vs_transformers_fp32"] = row["tokenflowd_int4"] / row["transformers_float32"]
+        row["ratio_int4_vs_dequantized"] = row["tokenflowd_int4"] / row[f"tokenflowd_{fast}"]
         row["ratio_default_vs_transformers_fp32"] = row[f"tokenflowd_{fast}"] / row["transformers_float32"]
         row["ratio_same_dtype"] = row[f"tokenflowd_{fast}"] / row[f"transformers_{fast}"]
         rows.append(row)
@@ -120,7 +125,8 @@ def main() -> None:
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
         "decode_tokens_per_s": rows,
-        "ttft_s": {fast: ttft(fast, a.prompt_len), "float32": ttft("float32", a.prompt_len)},
+        "ttft_s": {"int4": ttft(fast, a.prompt_len, quantization="int4"), fast: ttft(fast, a.prompt_len),
+                   "float32": ttft("float32", a.prompt_len)},
     }
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -1,6 +1,7 @@
 """Frozen, validated configuration. "auto" values are resolved before freezing."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -91,6 +92,9 @@ class EngineConfig:
     model: str = "smollm2-135m"
     device: str = "cpu"
     dtype: str = "float32"  # torch dtype name
+    # none | int4 (CPU: projections and lm_head as int4 weights, engine/quant.py); resolve's "auto" is int4
+    # on a CPU for a GGUF whose projections are Q4_0/Q4_1, else none
+    quantization: str = "none"
     page_size: int = 16
     num_pages: int = 0  # 0: derived from kv_cache_memory when the engine starts
     kv_cache_memory: int | None = None  # bytes; None: gpu_memory_utilization of free GPU memory / 1 GiB on CPU
@@ -135,6 +139,10 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization == "int4" and self.device != "cpu":
+            raise ValueError("int4 weights run on the CPU (torch's int4 CPU kernel); on a GPU use quantization none")
         if self.attention_backend not in ("torch", "flashinfer"):
             raise ValueError(f"attention_backend must be torch or flashinfer, got {self.attention_backend!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -176,6 +184,7 @@ class EngineConfig:
         kv_cache_memory: str | int | None = None,
         host_kv_memory: str | int | None = None,
         disk_kv_memory: str | int = 0,
+        quantization: str = "auto",
         **kw,
     ) -> "EngineConfig":
         """Turn user-level choices ("auto", "1GiB") into a concrete, frozen config."""
@@ -183,6 +192,7 @@ class EngineConfig:
 
         device = platform.pick_device() if device == "auto" else device
         on_gpu = device.startswith("cuda")
+        quantization = resolve_quantization(quantization, kw.get("model", cls.model), device)
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu or platform.cpu_has_fast_bf16() else "float32"
         if attention_backend == "auto":
@@ -202,8 +212,40 @@ class EngineConfig:
             kv_cache_memory=mem,
             host_kv_memory=None if host_kv_memory is None else parse_size(host_kv_memory),
             disk_kv_memory=parse_size(disk_kv_memory),
+            quantization=quantization,
             **kw,
         )
+
+
+QUANTIZATIONS = ("none", "int4")
+
+
+def resolve_quantization(asked: str, model: str, device: str) -> str:
+    """"auto": int4 on a CPU when the model is a GGUF whose projections are Q4_0/Q4_1 (its own numbers,
+    at a seventh of fp32's bytes a step); otherwise none, with a log line where the file is quantized
+    in a form without an int4 twin (K-quants, Q8_0), which is then dequantized. On a GPU int4 is refused
+    at "auto" and asked for: the GPU keeps bf16."""
+    if asked not in ("auto", *QUANTIZATIONS):
+        raise ValueError(f"quantization must be auto or one of {', '.join(QUANTIZATIONS)}, got {asked!r}")
+    if asked != "auto":
+        return asked
+    if device != "cpu":
+        return "none"
+    from tokenflowd.engine.loader import gguf_path
+
+    path = gguf_path(model)
+    if path is None:
+        return "none"
+    from tokenflowd.engine.loader_gguf import int4_exact, projection_types
+
+    if int4_exact(path):
+        return "int4"
+    types = projection_types(path)
+    if types - {"F32", "F16", "BF16"}:
+        logging.getLogger("tokenflowd.engine").info(
+            "%s: its projections are %s, which have no int4 twin here: dequantized to the engine's dtype "
+            "(--quantization int4 requantizes them per group of 32)", path.name, ", ".join(sorted(types)))
+    return "none"
 
 
 MIN_HEARTBEAT_INTERVAL = 0.01  # s: an idle engine wakes this often at most (below: a busy spin)

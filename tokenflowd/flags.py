@@ -18,6 +18,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    "preemption costs a copy), fcfs (first come, first served) or andes")
     g.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default auto")
+    g.add_argument("--quantization", choices=["auto", "none", "int4"],
+                   help="weights at run time: int4 (CPU: group-wise int4 with torch's int4 kernel; a GGUF's "
+                        "Q4_0/Q4_1 exactly, anything else quantized at load), none (dequantized to --dtype), or "
+                        "auto (the default: int4 on a CPU for a Q4_0/Q4_1 GGUF such as the embedded model, else none)")
     g.add_argument("--kv-cache-memory",
                    help="KV cache size, e.g. 512MiB or 4GiB (default: 1GiB on CPU, a fraction of free GPU memory)")
     g.add_argument("--gpu-memory-utilization", type=float, help="default 0.9")
@@ -68,7 +72,8 @@ def policy_args(p: argparse.ArgumentParser) -> None:
 
 # flag (argparse dest) -> EngineConfig.resolve keyword, for flags whose names differ
 ENGINE_FLAGS = {
-    "model": "model", "device": "device", "dtype": "dtype", "kv_cache_memory": "kv_cache_memory",
+    "model": "model", "device": "device", "dtype": "dtype", "quantization": "quantization",
+    "kv_cache_memory": "kv_cache_memory",
     "gpu_memory_utilization": "gpu_memory_utilization", "page_size": "page_size",
     "max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
     "max_model_len": "max_model_len", "attention_backend": "attention_backend", "threads": "num_threads",

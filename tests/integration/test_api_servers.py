@@ -131,7 +131,7 @@ def test_a_keys_bound_and_max_streams_hold_across_the_fronts(tmp_path):
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon("--api-servers", "2", "--dtype", "float32", "--kv-cache-memory", "256MiB")
+    d = Daemon("--api-servers", "2", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "256MiB")
     wait_for_fronts(d, 2)
     yield d
     assert d.stop() == 0

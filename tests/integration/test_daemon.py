@@ -23,7 +23,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon("--dtype", "float32", "--kv-cache-memory", "192MiB", "--max-body-size", "256KiB")
+    d = Daemon("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "192MiB", "--max-body-size", "256KiB")
     yield d
     assert d.stop() == 0
 

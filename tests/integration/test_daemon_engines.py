@@ -18,7 +18,7 @@ LONG = ("You are a careful assistant. Answer in one short sentence, and never us
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon("--engines", "2", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-waiting-requests", "3")
+    d = Daemon("--engines", "2", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "64MiB", "--max-waiting-requests", "3")
     d.wait_all_engines()
     yield d
     assert d.stop() == 0
@@ -103,7 +103,7 @@ def test_sigkill_of_an_engine_ends_its_streams_and_it_comes_back(daemon):
 def test_engines_exit_within_5_s_of_a_sigkilled_supervisor():
     # Engines busy (a busy engine once checked for its parent only when idle, and went on stepping
     # and pushing into a socket nobody read).
-    d = Daemon("--engines", "2", "--dtype", "float32", "--kv-cache-memory", "64MiB")
+    d = Daemon("--engines", "2", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "64MiB")
     clients = []
     try:
         d.wait_all_engines()
@@ -156,7 +156,7 @@ def test_a_dead_copier_lane_ends_the_engine_and_the_supervisor_restarts_it(tmp_p
     armed = tmp_path / "armed"
     (tmp_path / "sitecustomize.py").write_text(FAULT_SITE.format(armed=str(armed)))
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    d = Daemon("--dtype", "float32", "--kv-cache-memory", "64MiB", "--offload", "write-through", env=env)
+    d = Daemon("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "64MiB", "--offload", "write-through", env=env)
     try:
         armed.touch()  # after the warm-up: the next copy, a write-through of this request's prompt
         r = d.http.post("/v1/chat/completions", json=chat_body("Tell me a long story.", max_tokens=200,

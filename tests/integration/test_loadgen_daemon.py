@@ -15,7 +15,7 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon("--dtype", "float32", "--kv-cache-memory", "192MiB")
+    d = Daemon("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "192MiB")
     yield d
     assert d.stop() == 0
 

@@ -29,7 +29,7 @@ max_priority = 10
 def daemon(tmp_path_factory):
     config = tmp_path_factory.mktemp("cfg") / "tokenflowd.toml"
     config.write_text(CONFIG)
-    d = Daemon("--config", str(config), "--dtype", "float32", "--kv-cache-memory", "128MiB",
+    d = Daemon("--config", str(config), "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "128MiB",
                env={"TOKENFLOWD_API_KEY": USER_KEY})
     yield d
     assert d.stop() == 0

@@ -97,7 +97,7 @@ def config_file(tmp_path_factory):
 def start_daemon(notify: NotifySocket, config_file: Path, tmp_path_factory) -> Daemon:
     key_file = tmp_path_factory.mktemp("keys") / "keys"
     key_file.write_text(f"# keys of the test\n\n{KEYS['file']}\n")
-    return Daemon("--config", str(config_file), "--dtype", "float32", "--kv-cache-memory", "64MiB",
+    return Daemon("--config", str(config_file), "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "64MiB",
                   "--api-key-file", str(key_file), "--shutdown-timeout", "60",
                   log_path=str(tmp_path_factory.mktemp("log") / "daemon.log"),
                   env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "200000",
@@ -143,7 +143,7 @@ def test_notifier_without_socket_does_nothing_and_reads_the_watchdog_period():
 def test_an_engine_that_dies_at_start_is_retried_with_backoff_and_reported(tmp_path):
     notify = NotifySocket()
     # 1 KiB of KV cache holds no page: the engine loads the model, then exits with an error
-    d = Daemon("--kv-cache-memory", "1KiB", "--dtype", "float32", env={"NOTIFY_SOCKET": notify.path}, wait=False)
+    d = Daemon("--kv-cache-memory", "1KiB", "--dtype", "float32", "--quantization", "none", env={"NOTIFY_SOCKET": notify.path}, wait=False)
     try:
         deadline = time.monotonic() + 90
         health = {}

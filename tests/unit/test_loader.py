@@ -116,8 +116,10 @@ TINY = ModelConfig(
 )
 
 
-def _write_gguf(path: Path, arch: str, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """A GGUF as llama.cpp's converter writes one: gguf names, Q/K permuted for llama, F16 matrices."""
+def _write_gguf(path: Path, arch: str, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                matrix_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16) -> None:
+    """A GGUF as llama.cpp's converter writes one: gguf names, Q/K permuted for llama, F16 matrices
+    (or `matrix_type` for the layers' matrices)."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["12", "ab", "cd"]
     assert len(tokens) == cfg.vocab_size
@@ -156,7 +158,10 @@ def _write_gguf(path: Path, arch: str, cfg: ModelConfig, weights: dict[str, torc
         else:
             gname = f"{names[stem]}.{kind}"
         # Norms stay F32 as llama.cpp writes them; matrices F16 to exercise a conversion.
-        w.add_tensor(gname, a if a.ndim == 1 else a.astype(np.float16))
+        if a.ndim == 2 and gname.startswith("blk.") and matrix_type != gguf.GGMLQuantizationType.F16:
+            w.add_tensor(gname, gguf.quants.quantize(a, matrix_type), raw_dtype=matrix_type)
+        else:
+            w.add_tensor(gname, a if a.ndim == 1 else a.astype(np.float16))
     if cfg.rope_scaling is not None:
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg.rope_scaling, cfg.rope_theta, cfg.head_dim))
     w.write_header_to_file()
@@ -187,6 +192,29 @@ def test_tiny_gguf_round_trip(tmp_path: Path, arch: str) -> None:
     for name, t in weights.items():
         assert loaded.weights[name].dtype == torch.bfloat16
         assert torch.equal(loaded.weights[name], t.to(torch.bfloat16)), name
+
+
+def test_a_q4_1_gguf_loads_as_its_own_int4_numbers_and_a_q8_0_one_falls_back(tmp_path: Path, caplog) -> None:
+    from tokenflowd.config import resolve_quantization
+    from tokenflowd.engine.quant import Int4Codes
+
+    cfg = dataclasses.replace(TINY, intermediate_size=64)  # every matrix row a whole number of 32-blocks
+    weights = random_weights(cfg, torch.float32, torch.device("cpu"), seed=2)
+    q4, q8 = tmp_path / "q4_1.gguf", tmp_path / "q8_0.gguf"
+    _write_gguf(q4, "llama", cfg, weights, gguf.GGMLQuantizationType.Q4_1)
+    _write_gguf(q8, "llama", cfg, weights, gguf.GGMLQuantizationType.Q8_0)
+    dense = load_model_source(str(q4))
+    packed = load_model_source(str(q4), quantization="int4")
+    for name, t in dense.weights.items():
+        got = packed.weights[name]
+        if name.startswith("model.layers.") and t.ndim == 2:  # Q/K rows unpermuted with their scales
+            assert isinstance(got, Int4Codes) and torch.equal(got.dequantize(), t), name
+        else:
+            assert torch.equal(got, t), name
+    assert resolve_quantization("auto", str(q4), "cpu") == "int4"
+    with caplog.at_level("INFO", logger="tokenflowd.engine"):
+        assert resolve_quantization("auto", str(q8), "cpu") == "none"
+    assert "Q8_0, which have no int4 twin here: dequantized" in caplog.text
 
 
 def test_rope_scaling_fit() -> None:

@@ -35,7 +35,8 @@ def burst(core: EngineCore, max_tokens: int, rates: list[float]) -> tuple[dict[s
 @pytest.mark.slow
 def test_tokenflow_burst_preempts_resumes_and_streams_stay_complete(embedded_fp32):
     dtype, loaded = embedded_fp32
-    base = dict(device="cpu", dtype=dtype, page_size=16, max_num_batched_tokens=256)
+    # dense fp32: greedy tokens that do not depend on the batch (int4's bf16 products do)
+    base = dict(device="cpu", dtype=dtype, quantization="none", page_size=16, max_num_batched_tokens=256)
     reference, _ = burst(EngineCore.from_config(EngineConfig.resolve(**base, policy="fcfs"), loaded), 24, [4.0])
 
     # Four slots for twelve readers at 3 and 5 tokens/s: an agile μ and a short interval, so

@@ -92,7 +92,8 @@ class EngineCore:
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> "EngineCore":
         """The engine on a model: loads it (unless given), its runner, the KV tiers and the scheduler."""
-        loaded = loaded or load_model_source(config.model, getattr(torch, config.dtype), config.device)
+        loaded = loaded or load_model_source(config.model, getattr(torch, config.dtype), config.device,
+                                             config.quantization)
         runner = ModelRunner(config, loaded)
         fallback = self_check(runner)
         if fallback:  # wrong logits served fast are worse than right ones served slower

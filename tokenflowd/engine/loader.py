@@ -21,14 +21,17 @@ from tokenflowd.text.source import EMBEDDED_MODEL, ModelLoadError, embedded_gguf
 __all__ = ["EMBEDDED_MODEL", "LoadedModel", "ModelLoadError", "embedded_gguf_path", "load_model_source"]  # one import for callers
 
 
-def load_model_source(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
-    """Load the model named by `spec` (see the module docstring for the accepted forms)."""
+def load_model_source(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                      quantization: str = "none") -> LoadedModel:
+    """Load the model named by `spec` (see the module docstring for the accepted forms). With
+    quantization "int4" a GGUF's Q4_0 / Q4_1 projections come as int4 codes (the model quantizes
+    whatever else it runs in int4 itself)."""
     # Loaders are imported on use: a GGUF load should not need safetensors and vice versa.
     device = torch.device(device)
     if spec == EMBEDDED_MODEL:
         from tokenflowd.engine.loader_gguf import load_gguf
 
-        return load_gguf(embedded_gguf_path(), dtype, device)
+        return load_gguf(embedded_gguf_path(), dtype, device, quantization)
     if spec.startswith("dummy:"):
         from tokenflowd.engine.loader_dummy import load_dummy
 
@@ -43,5 +46,15 @@ def load_model_source(spec: str, dtype: torch.dtype = torch.float32, device: str
     if path.is_file() and (spec.endswith(".gguf") or has_gguf_magic(path)):
         from tokenflowd.engine.loader_gguf import load_gguf
 
-        return load_gguf(path, dtype, device)
+        return load_gguf(path, dtype, device, quantization)
     raise unrecognised(spec, path)
+
+
+def gguf_path(spec: str) -> Path | None:
+    """The GGUF file `spec` names, or None (a directory, a dummy preset)."""
+    if spec == EMBEDDED_MODEL:
+        return Path(embedded_gguf_path())
+    path = Path(spec).expanduser()
+    if path.is_file() and (spec.endswith(".gguf") or has_gguf_magic(path)):
+        return path
+    return None

@@ -1,4 +1,5 @@
-"""GGUF (llama.cpp) files → Hugging Face-named weights, dequantized to the requested dtype.
+"""GGUF (llama.cpp) files → Hugging Face-named weights, dequantized to the requested dtype, or
+with quantization "int4" the Q4_0 / Q4_1 projection weights kept as int4 codes (engine/quant.py).
 
 Layout facts this relies on (checked against the embedded SmolLM2 file):
 - `tensor.shape` is ggml order ([cols, rows]); `gguf.quants.dequantize` returns numpy [rows, cols],
@@ -17,6 +18,7 @@ import gguf
 import numpy as np
 import torch
 
+from tokenflowd.engine.quant import Int4Codes, from_q4_0, from_q4_1
 from tokenflowd.engine.weights import LoadedModel, ModelLoadError, check_weights
 from tokenflowd.engine.model_config import ModelConfig, RopeScaling
 from tokenflowd.text.source import open_gguf
@@ -38,7 +40,25 @@ _LAYER_NAMES = {
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency divisors
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+_INT4_TYPES = {gguf.GGMLQuantizationType.Q4_0: from_q4_0, gguf.GGMLQuantizationType.Q4_1: from_q4_1}
+
+
+def _projections(path: str | Path) -> list:
+    return [t for t in open_gguf(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+
+
+def int4_exact(path: str | Path) -> bool:
+    """Every projection weight of the file is Q4_0 or Q4_1: int4 at run time is its own numbers."""
+    tensors = _projections(path)
+    return bool(tensors) and all(t.tensor_type in _INT4_TYPES for t in tensors)
+
+
+def projection_types(path: str | Path) -> set[str]:
+    """The GGML types of the file's projection weights ("Q4_K", "F16", ...)."""
+    return {t.tensor_type.name for t in _projections(path)}
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = "none") -> LoadedModel:
     reader = open_gguf(path)
     try:
         tokenizer = Tokenizer.from_gguf(reader)
@@ -46,13 +66,21 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> Loa
         raise ModelLoadError(f"cannot build the tokenizer of {path}: {e}") from e
     config = config_from_gguf(reader, path, tokenizer)
     permuted = reader.fields["general.architecture"].contents() == "llama"
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | Int4Codes] = {}
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue  # folded into config.rope_scaling
         name = hf_name(t.name)
         if name is None:
             raise ModelLoadError(f"unexpected tensor {t.name!r} in {path}: not a llama/qwen2 GGUF")
+        if quantization == "int4" and t.tensor_type in _INT4_TYPES and t.name.startswith("blk."):
+            codes = _INT4_TYPES[t.tensor_type](t.data, int(t.shape[1]), int(t.shape[0]))
+            if permuted and ".self_attn.q_proj." in name:
+                codes = _unpermute_codes(codes, config.num_heads)
+            elif permuted and ".self_attn.k_proj." in name:
+                codes = _unpermute_codes(codes, config.num_kv_heads)
+            weights[name] = codes
+            continue
         w = gguf.quants.dequantize(t.data, t.tensor_type)  # [rows, cols] float32 numpy
         if permuted and ".self_attn.q_proj." in name:
             w = unpermute_qk(w, config.num_heads)
@@ -63,6 +91,14 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> Loa
         weights[name] = torch.from_numpy(w).to(device=device, dtype=dtype)
     check_weights(config, weights, path)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer)
+
+
+def _unpermute_codes(c: Int4Codes, num_heads: int) -> Int4Codes:
+    """unpermute_qk on the rows of an int4 weight: its codes, scales and zeros alike."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(unpermute_qk(t.numpy(), num_heads)))
+
+    return Int4Codes(rows(c.codes), rows(c.scales), rows(c.zeros))
 
 
 def hf_name(gguf_name: str) -> str | None:

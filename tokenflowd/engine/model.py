@@ -2,7 +2,8 @@
 
 Tokens of all requests in a step are concatenated: x is [T, hidden]. Attention, the only operation
 that looks across tokens, goes through an AttentionBackend that reads and writes the paged KV cache.
-Projections are fused (q|k|v and gate|up) so a layer runs four matmuls.
+Projections are fused (q|k|v and gate|up) so a layer runs four matmuls. With quantization "int4"
+(CPU) the projections are int4 weights (engine/quant.py); the embedding and the lm_head stay dense.
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import torch.nn.functional as F
 
 from tokenflowd.engine.attention.base import AttentionBackend
 from tokenflowd.engine.model_config import ModelConfig
+from tokenflowd.engine.quant import GROUP_SIZE, Int4Codes, Int4Weight, quantize
+
+Weight = torch.Tensor | Int4Weight
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -40,17 +44,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, Int4Weight):
+        y = w.matmul(x)
+        return y if bias is None else y + bias
+    return F.linear(x, w, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # torch's fused kernel accumulates in fp32 for bf16/fp16 input, as the reference models do.
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class LlamaModel(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+                 quantization: str = "none") -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
+        self.quantization = quantization
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -58,17 +71,33 @@ class LlamaModel(torch.nn.Module):
         # cos/sin: [max_positions, head_dim/2] in the model dtype, indexed by position each step
         self.register_buffer("rope_cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("rope_sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
-        self.layers: list[dict[str, torch.Tensor]] = []
+        self.layers: list[dict[str, Weight]] = []
 
-    def load_weights(self, w: dict[str, torch.Tensor]) -> None:
-        """Take Hugging Face-named weights (already in dtype/device), fusing q|k|v and gate|up."""
+    def load_weights(self, w: dict[str, torch.Tensor | Int4Codes]) -> None:
+        """Take Hugging Face-named weights (already in dtype/device, or int4 codes), fusing q|k|v and
+        gate|up; with quantization "int4" every projection ends up an Int4Weight."""
         cfg = self.cfg
+        int4 = self.quantization == "int4"
 
-        def take(name: str) -> torch.Tensor:
+        def pop(name: str) -> torch.Tensor | Int4Codes:
             t = w.pop(name, None)
             if t is None:
                 raise KeyError(f"weight {name} missing from the checkpoint")
+            return t
+
+        def take(name: str) -> torch.Tensor:
+            t = pop(name)
+            t = t.dequantize() if isinstance(t, Int4Codes) else t
             return t.to(device=self.device, dtype=self.dtype)
+
+        def proj(*names: str) -> Weight:
+            """One projection, the rows of `names` fused (int4 where its input width is whole groups)."""
+            parts = [pop(n) for n in names]
+            if int4 and parts[0].shape[1] % GROUP_SIZE == 0:
+                return Int4Codes.cat([p if isinstance(p, Int4Codes) else quantize(p) for p in parts]).pack()
+            dense = [(p.dequantize() if isinstance(p, Int4Codes) else p).to(device=self.device, dtype=self.dtype)
+                     for p in parts]
+            return dense[0] if len(dense) == 1 else torch.cat(dense)
 
         self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
         self.layers = []
@@ -76,17 +105,20 @@ class LlamaModel(torch.nn.Module):
             p = f"model.layers.{i}."
             layer = {
                 "attn_norm": take(p + "input_layernorm.weight"),
-                "qkv": torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),  # [q+2kv, hidden]
-                "o": take(p + "self_attn.o_proj.weight"),  # [hidden, q]
+                "qkv": proj(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),  # [q+2kv, hidden]
+                "o": proj(p + "self_attn.o_proj.weight"),  # [hidden, q]
                 "mlp_norm": take(p + "post_attention_layernorm.weight"),
-                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                "down": take(p + "mlp.down_proj.weight"),  # [hidden, inter]
+                "gate_up": proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "down": proj(p + "mlp.down_proj.weight"),  # [hidden, inter]
             }
             if cfg.attention_bias:
                 layer["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             self.layers.append(layer)
         self.norm = take("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else take("lm_head.weight")  # [vocab, hidden]
+        # [vocab, hidden]; tied: the embedding's. It stays dense with int4 projections: int4 logits
+        # changed 16 of 20 greedy answers on the embedded model (int8 per row: 9 of 20; dense: 4 of
+        # 20, from the projections' bf16 activations), at no speed measured (bench/cpu_decode.py).
+        self.lm_head: Weight = self.embed if cfg.tie_word_embeddings else take("lm_head.weight")
         if w:
             raise KeyError(f"unexpected weights in the checkpoint: {sorted(w)[:5]}")
 
@@ -94,7 +126,8 @@ class LlamaModel(torch.nn.Module):
         """Every weight tensor once (tied embeddings counted once)."""
         seen: dict[int, torch.Tensor] = {}
         for t in [self.embed, self.norm, self.lm_head, *(t for layer in self.layers for t in layer.values())]:
-            seen.setdefault(id(t), t)
+            for part in (t.packed, t.scales_zeros) if isinstance(t, Int4Weight) else (t,):
+                seen.setdefault(id(part), part)
         return list(seen.values())
 
     @torch.inference_mode()
@@ -113,18 +146,18 @@ class LlamaModel(torch.nn.Module):
         h = F.embedding(input_ids, self.embed)  # the residual stream
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
+            qkv = linear(x, layer["qkv"], layer.get("qkv_bias"))
             # q and k heads side by side take RoPE in one pass: [T, heads + kv_heads, head_dim]
             qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, -1, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             o = attn.forward(i, q, k, v, kv_caches[i], attn_meta)  # [T, heads, head_dim]
-            h = h + F.linear(o.reshape(T, self.q_size), layer["o"])
+            h = h + linear(o.reshape(T, self.q_size), layer["o"])
             x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, layer["down"])
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] fp32
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

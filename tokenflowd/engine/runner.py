@@ -61,7 +61,7 @@ class ModelRunner(Executor):
     def _init_model(self, loaded: LoadedModel) -> None:
         cfg = loaded.config
         max_len = min(self.config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.model = LlamaModel(cfg, max_len, self.dtype, self.device)
+        self.model = LlamaModel(cfg, max_len, self.dtype, self.device, self.config.quantization)
         self.model.load_weights(dict(loaded.weights))
         self.max_model_len = max_len
 
