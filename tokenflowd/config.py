@@ -231,16 +231,14 @@ def resolve_quantization(asked: str, model: str, device: str) -> str:
         return asked
     if device != "cpu":
         return "none"
-    from tokenflowd.engine.loader import gguf_path
+    from tokenflowd.text.source import INT4_GGUF_TYPES, gguf_path, gguf_projection_types
 
     path = gguf_path(model)
     if path is None:
         return "none"
-    from tokenflowd.engine.loader_gguf import int4_exact, projection_types
-
-    if int4_exact(path):
+    types = gguf_projection_types(path)
+    if types and types <= INT4_GGUF_TYPES:
         return "int4"
-    types = projection_types(path)
     if types - {"F32", "F16", "BF16"}:
         logging.getLogger("tokenflowd.engine").info(
             "%s: its projections are %s, which have no int4 twin here: dequantized to the engine's dtype "

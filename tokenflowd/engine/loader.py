@@ -48,13 +48,3 @@ def load_model_source(spec: str, dtype: torch.dtype = torch.float32, device: str
 
         return load_gguf(path, dtype, device, quantization)
     raise unrecognised(spec, path)
-
-
-def gguf_path(spec: str) -> Path | None:
-    """The GGUF file `spec` names, or None (a directory, a dummy preset)."""
-    if spec == EMBEDDED_MODEL:
-        return Path(embedded_gguf_path())
-    path = Path(spec).expanduser()
-    if path.is_file() and (spec.endswith(".gguf") or has_gguf_magic(path)):
-        return path
-    return None

@@ -43,21 +43,6 @@ _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequenc
 _INT4_TYPES = {gguf.GGMLQuantizationType.Q4_0: from_q4_0, gguf.GGMLQuantizationType.Q4_1: from_q4_1}
 
 
-def _projections(path: str | Path) -> list:
-    return [t for t in open_gguf(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
-
-
-def int4_exact(path: str | Path) -> bool:
-    """Every projection weight of the file is Q4_0 or Q4_1: int4 at run time is its own numbers."""
-    tensors = _projections(path)
-    return bool(tensors) and all(t.tensor_type in _INT4_TYPES for t in tensors)
-
-
-def projection_types(path: str | Path) -> set[str]:
-    """The GGML types of the file's projection weights ("Q4_K", "F16", ...)."""
-    return {t.tensor_type.name for t in _projections(path)}
-
-
 def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = "none") -> LoadedModel:
     reader = open_gguf(path)
     try:

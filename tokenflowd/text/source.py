@@ -81,6 +81,25 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def gguf_path(spec: str) -> Path | None:
+    """The GGUF file `spec` names, or None (a directory, a dummy preset, a name no loader knows)."""
+    if spec == EMBEDDED_MODEL:
+        return embedded_gguf_path()
+    path = Path(spec).expanduser()
+    if path.is_file() and (spec.endswith(".gguf") or has_gguf_magic(path)):
+        return path
+    return None
+
+
+INT4_GGUF_TYPES = frozenset({"Q4_0", "Q4_1"})  # blocks that are int4 weights as they are (engine/quant.py)
+
+
+def gguf_projection_types(path: str | Path) -> set[str]:
+    """The GGML types of a GGUF's projection weights (its per-layer matrices): "Q4_1", "Q4_K", "F16", ...
+    Read from the header: no torch, so the front can resolve `--quantization auto` too."""
+    return {t.tensor_type.name for t in open_gguf(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+
+
 def has_gguf_magic(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
