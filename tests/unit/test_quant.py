@@ -71,6 +71,7 @@ def test_the_flag_is_checked_and_auto_follows_the_file():
     assert resolve_quantization("auto", "dummy:smollm2-135m", "cpu") == "none"
     assert resolve_quantization("auto", "smollm2-135m", "cuda:0") == "none"
     assert resolve_quantization("int4", "dummy:smollm2-135m", "cpu") == "int4"
+    assert EngineConfig.resolve(device="cpu").quantization == "none"  # the default: int4 is asked for
     with pytest.raises(ValueError, match="quantization must be auto or one of none, int4"):
         resolve_quantization("int3", "smollm2-135m", "cpu")
     with pytest.raises(ValueError, match="int4 weights run on the CPU"):
