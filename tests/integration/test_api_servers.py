@@ -95,7 +95,8 @@ def test_a_keys_bound_and_max_streams_hold_across_the_fronts(tmp_path):
 
         async def open_stream(key: str, started: asyncio.Event) -> int:
             async with httpx.AsyncClient(base_url=d.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as c:
-                body = {"model": MODEL, "prompt": "hi", "max_tokens": 60, "stream": True, "ignore_eos": True}
+                # 15 s at 10 tokens/s: the checks below run while all of them are open, however slow the box
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 150, "stream": True, "ignore_eos": True}
                 async with c.stream("POST", "/v1/completions", json=body) as r:
                     async for line in r.aiter_lines():
                         if line.startswith("data: {"):

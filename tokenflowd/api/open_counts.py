@@ -18,10 +18,12 @@ key beyond them is counted by each front alone, and a warning says so once.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import mmap
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger("tokenflowd.api")
@@ -105,8 +107,13 @@ class SharedOpenCounts(OpenCounts):
         start = self._at(row, 1)
         return sum(self._cells[start:start + self.fronts])
 
-    def _locked(self):
-        return _Flock(self._fd)
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _row(self, identity: str) -> int | None:
         """The row of `identity`, claimed if new (call under the lock)."""
@@ -163,14 +170,3 @@ class SharedOpenCounts(OpenCounts):
             self.by_key[identity] = left
         else:
             self.by_key.pop(identity, None)
-
-
-class _Flock:
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __enter__(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)

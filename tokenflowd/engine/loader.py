@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tokenflowd.engine.weights import LoadedModel
-from tokenflowd.text.source import EMBEDDED_MODEL, ModelLoadError, embedded_gguf_path, has_gguf_magic, unrecognised
+from tokenflowd.text.source import EMBEDDED_MODEL, ModelLoadError, embedded_gguf_path, gguf_path, unrecognised
 
 __all__ = ["EMBEDDED_MODEL", "LoadedModel", "ModelLoadError", "embedded_gguf_path", "load_model_source"]  # one import for callers
 
@@ -28,14 +28,15 @@ def load_model_source(spec: str, dtype: torch.dtype = torch.float32, device: str
     whatever else it runs in int4 itself)."""
     # Loaders are imported on use: a GGUF load should not need safetensors and vice versa.
     device = torch.device(device)
-    if spec == EMBEDDED_MODEL:
-        from tokenflowd.engine.loader_gguf import load_gguf
-
-        return load_gguf(embedded_gguf_path(), dtype, device, quantization)
     if spec.startswith("dummy:"):
         from tokenflowd.engine.loader_dummy import load_dummy
 
         return load_dummy(spec.removeprefix("dummy:"), dtype, device)
+    gguf_file = gguf_path(spec)
+    if gguf_file is not None:
+        from tokenflowd.engine.loader_gguf import load_gguf
+
+        return load_gguf(gguf_file, dtype, device, quantization)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -43,8 +44,4 @@ def load_model_source(spec: str, dtype: torch.dtype = torch.float32, device: str
         from tokenflowd.engine.loader_hf import load_hf_dir
 
         return load_hf_dir(path, dtype, device)
-    if path.is_file() and (spec.endswith(".gguf") or has_gguf_magic(path)):
-        from tokenflowd.engine.loader_gguf import load_gguf
-
-        return load_gguf(path, dtype, device, quantization)
     raise unrecognised(spec, path)

@@ -85,19 +85,19 @@ class LlamaModel(torch.nn.Module):
                 raise KeyError(f"weight {name} missing from the checkpoint")
             return t
 
-        def take(name: str) -> torch.Tensor:
-            t = pop(name)
+        def dense(t: torch.Tensor | Int4Codes) -> torch.Tensor:
             t = t.dequantize() if isinstance(t, Int4Codes) else t
             return t.to(device=self.device, dtype=self.dtype)
+
+        def take(name: str) -> torch.Tensor:
+            return dense(pop(name))
 
         def proj(*names: str) -> Weight:
             """One projection, the rows of `names` fused (int4 where its input width is whole groups)."""
             parts = [pop(n) for n in names]
             if int4 and parts[0].shape[1] % GROUP_SIZE == 0:
                 return Int4Codes.cat([p if isinstance(p, Int4Codes) else quantize(p) for p in parts]).pack()
-            dense = [(p.dequantize() if isinstance(p, Int4Codes) else p).to(device=self.device, dtype=self.dtype)
-                     for p in parts]
-            return dense[0] if len(dense) == 1 else torch.cat(dense)
+            return dense(parts[0]) if len(parts) == 1 else torch.cat([dense(p) for p in parts])
 
         self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
         self.layers = []

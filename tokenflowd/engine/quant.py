@@ -45,17 +45,6 @@ class Int4Weight:
                                                         self.scales_zeros)
         return y.to(x.dtype)
 
-    def dequantize(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, [N, K] fp32: the identity through the kernel, column by
-        column (for checks; exact for the kernel's own numbers)."""
-        eye = torch.eye(self.shape[1], dtype=ACT_DTYPE)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size,
-                                                          self.scales_zeros).float().t().contiguous()
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
-
 
 class Int4Codes:
     """An int4 weight before packing: codes [N, K] int32 in 0..15, scales and zeros [N, K / group]

@@ -35,11 +35,12 @@ def load_tokenizer(spec: str) -> Tokenizer:
         if spec.removeprefix("dummy:") not in DUMMY_PRESET_NAMES:
             raise ModelLoadError(unknown_model_message(spec))
         return dummy_tokenizer()
-    path = embedded_gguf_path() if spec == EMBEDDED_MODEL else Path(spec).expanduser()
+    gguf_file = gguf_path(spec)
+    if gguf_file is not None:
+        return Tokenizer.from_gguf(open_gguf(gguf_file))
+    path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return Tokenizer.from_hf_dir(path)
-    if path.is_file() and (path.suffix == ".gguf" or has_gguf_magic(path)):
-        return Tokenizer.from_gguf(open_gguf(path))
     raise unrecognised(spec, path)  # never a load of the weights to find out
 
 
