@@ -83,6 +83,17 @@ class Daemon:
             raise KeyError(f"{name} {labels} not in /metrics")
         return total
 
+    def wait_idle(self, timeout: float = 10.0) -> tuple[float, float]:
+        """(requests running or waiting, KV pages used) once both are 0, or as they are after `timeout`:
+        a request whose client has just gone is aborted asynchronously."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = (self.metric("tokenflowd_requests_running") + self.metric("tokenflowd_requests_waiting"),
+                     self.metric("tokenflowd_kv_pages_used"))
+            if state == (0, 0) or time.monotonic() > deadline:
+                return state
+            time.sleep(0.1)
+
     def stop(self) -> int:
         self.http.close()
         if self.proc.poll() is None:

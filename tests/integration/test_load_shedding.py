@@ -256,12 +256,6 @@ async def open_loop(url: str, payloads: list[dict], rate: float) -> list[Outcome
         return await asyncio.gather(*(at(i, p) for i, p in enumerate(payloads)))
 
 
-def wait_idle(d: Daemon, timeout: float = 30.0) -> float:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and d.metric("tokenflowd_kv_pages_used") != 0:
-        time.sleep(0.1)
-    return d.metric("tokenflowd_kv_pages_used")
-
 
 @pytest.mark.slow
 def test_daemon_sheds_what_would_wait_past_the_bound_under_3x_overload():
@@ -305,7 +299,7 @@ def test_daemon_sheds_what_would_wait_past_the_bound_under_3x_overload():
         # 3× overload: shedding happened, and the engine still served more than one batch's worth
         # while it did (it sheds the excess, not everything).
         assert len(shed) >= n // 4 and len(served) > 2 * SEATS
-        assert wait_idle(d) == 0
+        assert d.wait_idle(30.0) == (0, 0)
         assert d.metric("tokenflowd_requests_shed_total") == len(shed)
         assert d.metric("tokenflowd_requests_rejected_total", status="429") == len(shed)
     finally:

@@ -8,7 +8,6 @@ LOAD of their capacity, under the default policy."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 from daemon import Daemon
@@ -66,16 +65,6 @@ def bursts(d: Daemon, seconds: float, period: float, seed: int):
     return reqs, result
 
 
-def wait_idle(d: Daemon, timeout: float = 10.0) -> float:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        used = d.metric("tokenflowd_kv_pages_used")
-        if used == 0:
-            return used
-        time.sleep(0.1)
-    return d.metric("tokenflowd_kv_pages_used")
-
-
 @pytest.mark.slow
 def test_soak_repeated_bursts_with_abandoning_readers():
     d = Daemon("--max-num-seqs", str(SEATS), "--kv-cache-memory", "48MiB", "--log-level", "WARNING")  # default policy
@@ -86,11 +75,11 @@ def test_soak_repeated_bursts_with_abandoning_readers():
               f"offering {LOAD:.0%} of it: bursts of {BURST} x {OUTPUT_LEN} tokens every {period:.1f} s "
               f"({BURST * OUTPUT_LEN / period:.1f} tokens/s, policy {d.health()['engines'][0]['policy']})")
         bursts(d, 60, period, seed=100)  # warm-up: allocator pools, kernel caches, the step-time model, prefix cache
-        assert wait_idle(d) == 0
+        assert d.wait_idle(10.0) == (0, 0)
         rss_before = daemon_rss(d)
         reqs, result = bursts(d, SOAK_SECONDS, period, seed=1)
         s = summary(result.records, SLO(), result.duration)
-        assert wait_idle(d) == 0  # every page of finished and abandoned requests is back
+        assert d.wait_idle(10.0) == (0, 0)  # every page of finished and abandoned requests is back
         rss_after = daemon_rss(d)
         errors = [r.error for r in result.records if r.outcome in ("error", "timeout")]
         assert not errors, errors[:5]  # no 5xx, no dropped stream, no stream left hanging

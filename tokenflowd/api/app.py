@@ -159,13 +159,15 @@ class Front:
     async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
         body = await self.read_body(request)
         try:
-            return decoder.decode(body)
-        except msgspec.ValidationError as e:  # a subclass of DecodeError: first
-            if "got `float`" in str(e):  # 3.0 is an integer to JSON Schema (and to the published schema)
-                try:
-                    return msgspec.convert(_integral_floats_as_ints(msgspec.json.decode(body)), decoder.type)
-                except msgspec.ValidationError as again:
-                    e = again
+            try:
+                return decoder.decode(body)
+            except msgspec.ValidationError as e:  # a subclass of DecodeError: first
+                if "got `float`" not in str(e):
+                    raise
+                # 3.0 is an integer to JSON Schema (and to the published schema). The typed decoder
+                # stops at the first error, so the body may still not be JSON further on.
+                return msgspec.convert(_integral_floats_as_ints(msgspec.json.decode(body)), decoder.type)
+        except msgspec.ValidationError as e:
             raise _validation_error(e) from None
         except msgspec.DecodeError as e:
             raise APIError(400, f"the body is not valid JSON ({e}): send a JSON object") from None
