@@ -142,8 +142,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization == "int4" and self.device != "cpu":
-            raise ValueError("int4 weights run on the CPU (torch's int4 CPU kernel); on a GPU use quantization none")
+        if self.quantization != "none" and self.device != "cpu":
+            raise ValueError(f"{self.quantization} weights run on the CPU (torch's {self.quantization} CPU kernel); "
+                             "on a GPU use quantization none")
         if self.attention_backend not in ("torch", "flashinfer"):
             raise ValueError(f"attention_backend must be torch or flashinfer, got {self.attention_backend!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -218,21 +219,21 @@ class EngineConfig:
         )
 
 
-QUANTIZATIONS = ("none", "int4")
+QUANTIZATIONS = ("none", "int4", "int8")
 
 
 def resolve_quantization(asked: str, model: str, device: str) -> str:
-    """"auto": int4 on a CPU when the model is a GGUF whose projections are Q4_0/Q4_1 (its own numbers,
-    at a seventh of fp32's bytes a step); otherwise none, with a log line where the file is quantized
-    in a form without an int4 twin (K-quants, Q8_0), which is then dequantized. On a GPU int4 is refused
-    at "auto" and asked for: the GPU keeps bf16."""
+    """"auto": on a CPU, int4 when the model is a GGUF whose projections are Q4_0/Q4_1 (its own numbers,
+    at a seventh of fp32's bytes a step) and int8 when they are Q8_0 (requantized per row); otherwise
+    none, with a log line where the file is quantized in a form without a twin here (K-quants), which
+    is then dequantized. On a GPU "auto" is none, and int4/int8 are refused: the GPU keeps bf16."""
     if asked not in ("auto", *QUANTIZATIONS):
         raise ValueError(f"quantization must be auto or one of {', '.join(QUANTIZATIONS)}, got {asked!r}")
     if asked != "auto":
         return asked
     if device != "cpu":
         return "none"
-    from tokenflowd.text.source import INT4_GGUF_TYPES, gguf_path, gguf_projection_types
+    from tokenflowd.text.source import INT4_GGUF_TYPES, INT8_GGUF_TYPES, gguf_path, gguf_projection_types
 
     path = gguf_path(model)
     if path is None:
@@ -240,10 +241,12 @@ def resolve_quantization(asked: str, model: str, device: str) -> str:
     types = gguf_projection_types(path)
     if types and types <= INT4_GGUF_TYPES:
         return "int4"
+    if types and types <= INT8_GGUF_TYPES:
+        return "int8"
     if types - {"F32", "F16", "BF16"}:
         logging.getLogger("tokenflowd.engine").info(
-            "%s: its projections are %s, which have no int4 twin here: dequantized to the engine's dtype "
-            "(--quantization int4 requantizes them per group of 32)", path.name, ", ".join(sorted(types)))
+            "%s: its projections are %s, which have no int4 or int8 twin here: dequantized to the engine's "
+            "dtype (--quantization int4 or int8 requantizes them)", path.name, ", ".join(sorted(types)))
     return "none"
 
 

@@ -18,11 +18,12 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    "preemption costs a copy), fcfs (first come, first served) or andes")
     g.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default auto")
-    g.add_argument("--quantization", choices=["auto", "none", "int4"],
+    g.add_argument("--quantization", choices=["auto", "none", "int4", "int8"],
                    help="weights at run time: none (the default: dequantized to --dtype), int4 (CPU: the "
                         "projections as group-wise int4 with torch's int4 kernel; a GGUF's Q4_0/Q4_1 exactly, "
-                        "anything else quantized at load; faster decode at small batches, slower prefill), or auto "
-                        "(int4 on a CPU for a Q4_0/Q4_1 GGUF such as the embedded model, else none)")
+                        "anything else quantized at load; faster decode at small batches, slower prefill), int8 "
+                        "(CPU: the projections as int8 with one scale per row), or auto (int4 on a CPU for a "
+                        "Q4_0/Q4_1 GGUF such as the embedded model, int8 for a Q8_0 one, else none)")
     g.add_argument("--kv-cache-memory",
                    help="KV cache size, e.g. 512MiB or 4GiB (default: 1GiB on CPU, a fraction of free GPU memory)")
     g.add_argument("--gpu-memory-utilization", type=float, help="default 0.9")

@@ -45,6 +45,18 @@ def test_int4_weights_answer_as_the_dense_ones(embedded_fp32):
     assert sum(a == b for a, b in zip(answers["none"], answers["int4"])) >= 6
 
 
+def test_int8_weights_answer_as_the_dense_ones(embedded_fp32):
+    """The projections requantized to int8 per row, with bf16 activations like int4."""
+    g = SamplingParams(temperature=0, max_tokens=24)
+    answers = {}
+    for q in ("none", "int8"):
+        engine = make_engine(embedded_fp32, quantization=q)
+        answers[q] = [engine.generate({"r": dict(messages=[{"role": "user", "content": p}], sampling_params=g)})["r"].text
+                      for p in ASKED]
+    assert "4" in answers["int8"][0] and "Paris" in answers["int8"][1]
+    assert sum(a == b for a, b in zip(answers["none"], answers["int8"])) >= 6
+
+
 TOPICS = ["the sea", "a cat", "bread", "winter", "trains", "music", "rain", "the moon",
           "coffee", "maps", "bees", "glass", "snow", "clocks", "rivers", "paper"]
 

@@ -194,15 +194,16 @@ def test_tiny_gguf_round_trip(tmp_path: Path, arch: str) -> None:
         assert torch.equal(loaded.weights[name], t.to(torch.bfloat16)), name
 
 
-def test_a_q4_1_gguf_loads_as_its_own_int4_numbers_and_a_q8_0_one_falls_back(tmp_path: Path, caplog) -> None:
+def test_a_q4_1_gguf_loads_as_its_own_int4_numbers_q8_0_is_int8_and_q5_0_falls_back(tmp_path: Path, caplog) -> None:
     from tokenflowd.config import resolve_quantization
     from tokenflowd.engine.quant import Int4Codes
 
     cfg = dataclasses.replace(TINY, intermediate_size=64)  # every matrix row a whole number of 32-blocks
     weights = random_weights(cfg, torch.float32, torch.device("cpu"), seed=2)
-    q4, q8 = tmp_path / "q4_1.gguf", tmp_path / "q8_0.gguf"
+    q4, q8, q5 = tmp_path / "q4_1.gguf", tmp_path / "q8_0.gguf", tmp_path / "q5_0.gguf"
     _write_gguf(q4, "llama", cfg, weights, gguf.GGMLQuantizationType.Q4_1)
     _write_gguf(q8, "llama", cfg, weights, gguf.GGMLQuantizationType.Q8_0)
+    _write_gguf(q5, "llama", cfg, weights, gguf.GGMLQuantizationType.Q5_0)
     dense = load_model_source(str(q4))
     packed = load_model_source(str(q4), quantization="int4")
     for name, t in dense.weights.items():
@@ -212,9 +213,10 @@ def test_a_q4_1_gguf_loads_as_its_own_int4_numbers_and_a_q8_0_one_falls_back(tmp
         else:
             assert torch.equal(got, t), name
     assert resolve_quantization("auto", str(q4), "cpu") == "int4"
+    assert resolve_quantization("auto", str(q8), "cpu") == "int8"
     with caplog.at_level("INFO", logger="tokenflowd.engine"):
-        assert resolve_quantization("auto", str(q8), "cpu") == "none"
-    assert "Q8_0, which have no int4 twin here: dequantized" in caplog.text
+        assert resolve_quantization("auto", str(q5), "cpu") == "none"
+    assert "Q5_0, which have no int4 or int8 twin here: dequantized" in caplog.text
 
 
 def test_rope_scaling_fit() -> None:

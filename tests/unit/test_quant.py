@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenflowd.config import EngineConfig, resolve_quantization
-from tokenflowd.engine.quant import Int4Codes, from_q4_0, from_q4_1, quantize
+from tokenflowd.engine.quant import Int4Codes, Int8Rows, from_q4_0, from_q4_1, quantize
 from tokenflowd.text.source import embedded_gguf_path, open_gguf
 
 
@@ -58,6 +58,13 @@ def test_the_embedded_models_layers_in_int4_compute_their_fp32_products():
         assert _rel(codes.pack().matmul(xin), xin @ ref.t()) < 0.01
 
 
+@pytest.mark.parametrize("n,k", [(576, 576), (3072, 576), (576, 1536)])
+def test_int8_rows_compute_the_fp32_products(n, k):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
+    assert _rel(Int8Rows(w).matmul(x), x @ w.t()) < 0.01
+
+
 def test_fused_rows_pack_like_their_parts():
     torch.manual_seed(4)
     a, b = quantize(torch.randn(96, 64)), quantize(torch.randn(32, 64))
@@ -72,7 +79,9 @@ def test_the_flag_is_checked_and_auto_follows_the_file():
     assert resolve_quantization("auto", "smollm2-135m", "cuda:0") == "none"
     assert resolve_quantization("int4", "dummy:smollm2-135m", "cpu") == "int4"
     assert EngineConfig.resolve(device="cpu").quantization == "none"  # the default: int4 is asked for
-    with pytest.raises(ValueError, match="quantization must be auto or one of none, int4"):
+    assert resolve_quantization("int8", "dummy:smollm2-135m", "cpu") == "int8"
+    with pytest.raises(ValueError, match="quantization must be auto or one of none, int4, int8"):
         resolve_quantization("int3", "smollm2-135m", "cpu")
-    with pytest.raises(ValueError, match="int4 weights run on the CPU"):
-        EngineConfig(device="cuda:0", dtype="bfloat16", quantization="int4")
+    for q in ("int4", "int8"):
+        with pytest.raises(ValueError, match=f"{q} weights run on the CPU"):
+            EngineConfig(device="cuda:0", dtype="bfloat16", quantization=q)

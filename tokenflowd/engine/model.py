@@ -3,7 +3,8 @@
 Tokens of all requests in a step are concatenated: x is [T, hidden]. Attention, the only operation
 that looks across tokens, goes through an AttentionBackend that reads and writes the paged KV cache.
 Projections are fused (q|k|v and gate|up) so a layer runs four matmuls. With quantization "int4"
-(CPU) the projections are int4 weights (engine/quant.py); the embedding and the lm_head stay dense.
+(CPU) the projections are int4 weights (engine/quant.py); the embedding and the lm_head stay dense,
+and logits come through int8 candidates rescored exactly (engine/logits.py).
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from tokenflowd.engine.attention.base import AttentionBackend
+from tokenflowd.engine.logits import FastLogits
 from tokenflowd.engine.model_config import ModelConfig
-from tokenflowd.engine.quant import GROUP_SIZE, Int4Codes, Int4Weight, quantize
+from tokenflowd.engine.quant import GROUP_SIZE, Int4Codes, Int4Weight, Int8Rows, quantize
 
-Weight = torch.Tensor | Int4Weight
+Weight = torch.Tensor | Int4Weight | Int8Rows
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -45,7 +47,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(w, Int4Weight):
+    if isinstance(w, (Int4Weight, Int8Rows)):
         y = w.matmul(x)
         return y if bias is None else y + bias
     return F.linear(x, w, bias)
@@ -72,12 +74,13 @@ class LlamaModel(torch.nn.Module):
         self.register_buffer("rope_cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("rope_sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
         self.layers: list[dict[str, Weight]] = []
+        self.logits: FastLogits | None = None  # int4, int8: the lm_head through int8 candidates
 
     def load_weights(self, w: dict[str, torch.Tensor | Int4Codes]) -> None:
         """Take Hugging Face-named weights (already in dtype/device, or int4 codes), fusing q|k|v and
         gate|up; with quantization "int4" every projection ends up an Int4Weight."""
         cfg = self.cfg
-        int4 = self.quantization == "int4"
+        int4, int8 = self.quantization == "int4", self.quantization == "int8"
 
         def pop(name: str) -> torch.Tensor | Int4Codes:
             t = w.pop(name, None)
@@ -97,6 +100,8 @@ class LlamaModel(torch.nn.Module):
             parts = [pop(n) for n in names]
             if int4 and parts[0].shape[1] % GROUP_SIZE == 0:
                 return Int4Codes.cat([p if isinstance(p, Int4Codes) else quantize(p) for p in parts]).pack()
+            if int8:
+                return Int8Rows(torch.cat([p.float() for p in parts]))
             return dense(parts[0]) if len(parts) == 1 else torch.cat([dense(p) for p in parts])
 
         self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
@@ -116,9 +121,11 @@ class LlamaModel(torch.nn.Module):
             self.layers.append(layer)
         self.norm = take("model.norm.weight")
         # [vocab, hidden]; tied: the embedding's. It stays dense with int4 projections: int4 logits
-        # changed 16 of 20 greedy answers on the embedded model (int8 per row: 9 of 20; dense: 4 of
-        # 20, from the projections' bf16 activations), at no speed measured (bench/cpu_decode.py).
-        self.lm_head: Weight = self.embed if cfg.tie_word_embeddings else take("lm_head.weight")
+        # changed 16 of 20 greedy answers on the embedded model, int8 per row 9 of 20 (dense: 4 of
+        # 20, from the projections' bf16 activations). With int4 or int8 the product goes through int8
+        # candidates rescored from the dense weight where that is faster (engine/logits.py).
+        self.lm_head: torch.Tensor = self.embed if cfg.tie_word_embeddings else take("lm_head.weight")
+        self.logits = FastLogits(self.lm_head) if int4 or int8 else None
         if w:
             raise KeyError(f"unexpected weights in the checkpoint: {sorted(w)[:5]}")
 
@@ -126,7 +133,9 @@ class LlamaModel(torch.nn.Module):
         """Every weight tensor once (tied embeddings counted once)."""
         seen: dict[int, torch.Tensor] = {}
         for t in [self.embed, self.norm, self.lm_head, *(t for layer in self.layers for t in layer.values())]:
-            for part in (t.packed, t.scales_zeros) if isinstance(t, Int4Weight) else (t,):
+            parts = (t.packed, t.scales_zeros) if isinstance(t, Int4Weight) else (
+                (t.codes, t.scales) if isinstance(t, Int8Rows) else (t,))
+            for part in parts:
                 seen.setdefault(id(part), part)
         return list(seen.values())
 
@@ -160,4 +169,4 @@ class LlamaModel(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] fp32
-        return linear(hidden, self.lm_head).float()
+        return self.logits(hidden) if self.logits is not None else F.linear(hidden, self.lm_head).float()

@@ -46,6 +46,21 @@ class Int4Weight:
         return y.to(x.dtype)
 
 
+class Int8Rows:
+    """A [out_features, in_features] weight as int8 with one symmetric scale per output row,
+    multiplied by torch's `_weight_int8pack_mm` (bf16 activations, like the int4 kernel)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        w = w.float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.codes = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scales = scales.to(ACT_DTYPE)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T for x [T, in_features], in x's dtype."""
+        return torch.ops.aten._weight_int8pack_mm(x.to(ACT_DTYPE), self.codes, self.scales).to(x.dtype)
+
+
 class Int4Codes:
     """An int4 weight before packing: codes [N, K] int32 in 0..15, scales and zeros [N, K / group]
     fp32. Loaders hand these over; the model fuses (concatenates rows: q|k|v, gate|up) and packs."""

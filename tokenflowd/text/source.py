@@ -93,6 +93,7 @@ def gguf_path(spec: str) -> Path | None:
 
 
 INT4_GGUF_TYPES = frozenset({"Q4_0", "Q4_1"})  # blocks that are int4 weights as they are (engine/quant.py)
+INT8_GGUF_TYPES = frozenset({"Q8_0"})  # int8 blocks of 32: requantized per row (engine/quant.py Int8Rows)
 
 
 def gguf_projection_types(path: str | Path) -> set[str]:

@@ -1,0 +1,30 @@
+"""The lm_head through int8 candidates rescored exactly (engine/logits.py)."""
+from __future__ import annotations
+
+import torch
+
+from tokenflowd.engine.logits import RESCORED, FastLogits
+
+
+def test_rescored_logits_are_the_dense_ones_at_the_top_and_close_elsewhere(embedded_fp32):
+    w = embedded_fp32[1].weights["model.embed_tokens.weight"]  # [49152, 576]: the tied lm_head
+    head = FastLogits(w, max_rows=64)
+    hidden = torch.randn(64, w.shape[1], generator=torch.Generator().manual_seed(0)) * 2
+    dense, fast = head.dense(hidden), head(hidden)
+    assert torch.equal(fast.argmax(-1), dense.argmax(-1))  # greedy tokens: the dense weight's
+    top = dense.topk(RESCORED // 2, dim=-1).indices
+    assert torch.allclose(fast.gather(1, top), dense.gather(1, top), rtol=1e-5, atol=1e-4)
+    assert (fast - dense).abs().max() < 0.05 * dense.abs().max()  # the tail: int8's error
+
+
+def test_past_the_calibrated_rows_the_product_is_dense():
+    w = torch.randn(4096, 64, generator=torch.Generator().manual_seed(1))
+    head = FastLogits(w, max_rows=2)
+    x = torch.randn(3, 64)
+    assert torch.equal(head(x), head.dense(x))
+    assert not torch.equal(head(x[:2]), head.dense(x[:2]))  # the int8 tail
+
+
+def test_calibration_picks_a_row_count_it_timed():
+    head = FastLogits(torch.randn(8192, 128, generator=torch.Generator().manual_seed(2)))
+    assert head.max_rows in (0, 1, 2, 4, 8, 16, 32, 64)
