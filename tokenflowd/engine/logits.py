@@ -57,7 +57,7 @@ def calibrate(head: FastLogits, rows: tuple[int, ...] = CALIBRATION_ROWS, repeat
     best = 0
     with torch.inference_mode():
         for n in rows:
-            x = torch.randn(n, head.weight.shape[1], dtype=head.weight.dtype, device=head.weight.device)
+            x = torch.randn(n, head.weight.shape[1], generator=torch.Generator().manual_seed(n)).to(head.weight)
             head.dense(x), head.rescored(x)  # warm-up: allocator, kernel dispatch
             dense = min(_timed(head.dense, x) for _ in range(repeats))
             fast = min(_timed(head.rescored, x) for _ in range(repeats))
