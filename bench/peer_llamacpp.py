@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 from cpu_decode import ours, ttft  # noqa: E402
-from daemon import Daemon, free_port  # noqa: E402
+from daemon import Daemon, free_port, terminate  # noqa: E402
 
 from loadgen.client import ClientConfig, run_blocking  # noqa: E402
 from loadgen.report import SLO, summary  # noqa: E402
@@ -114,12 +114,7 @@ class LlamaServer:
         raise TimeoutError("llama-server did not become healthy")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc)
         self.log.close()
 
 

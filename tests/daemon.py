@@ -26,6 +26,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen, grace: float = 30.0) -> int:
+    """SIGTERM, then SIGKILL after `grace` s; the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class Daemon:
     def __init__(self, *args: str, start_timeout: float = 120.0, env: dict[str, str] | None = None,
                  log_path: str | None = None, wait: bool = True, null_engine: bool = False) -> None:
@@ -96,13 +108,7 @@ class Daemon:
 
     def stop(self) -> int:
         self.http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         if self.log:
             self.log.close()
         return self.proc.returncode

@@ -1,6 +1,8 @@
 """The lm_head through int8 candidates rescored exactly (engine/logits.py)."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tokenflowd.engine.logits import RESCORED, FastLogits
@@ -28,3 +30,26 @@ def test_past_the_calibrated_rows_the_product_is_dense():
 def test_calibration_picks_a_row_count_it_timed():
     head = FastLogits(torch.randn(8192, 128, generator=torch.Generator().manual_seed(2)))
     assert head.max_rows in (0, 1, 2, 4, 8, 16, 32, 64)
+
+
+class _Paced(FastLogits):
+    """The products with a cost set per row count: int8 loses from `int8_loses_at` rows on."""
+
+    def __init__(self, weight: torch.Tensor, int8_loses_at: int) -> None:
+        self.int8_loses_at = int8_loses_at
+        super().__init__(weight)
+
+    def dense(self, hidden):
+        time.sleep(0.01)
+        return super().dense(hidden)
+
+    def rescored(self, hidden):
+        time.sleep(0.05 if hidden.shape[0] >= self.int8_loses_at else 0)
+        return super().rescored(hidden)
+
+
+def test_calibration_stops_at_the_first_row_count_where_int8_loses():
+    w = torch.randn(1024, 32, generator=torch.Generator().manual_seed(3))
+    assert _Paced(w, int8_loses_at=8).max_rows == 4
+    assert _Paced(w, int8_loses_at=1).max_rows == 0
+    assert _Paced(w, int8_loses_at=10**6).max_rows == 64

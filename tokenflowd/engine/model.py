@@ -2,9 +2,9 @@
 
 Tokens of all requests in a step are concatenated: x is [T, hidden]. Attention, the only operation
 that looks across tokens, goes through an AttentionBackend that reads and writes the paged KV cache.
-Projections are fused (q|k|v and gate|up) so a layer runs four matmuls. With quantization "int4"
-(CPU) the projections are int4 weights (engine/quant.py); the embedding and the lm_head stay dense,
-and logits come through int8 candidates rescored exactly (engine/logits.py).
+Projections are fused (q|k|v and gate|up) so a layer runs four matmuls. With quantization "int4" or
+"int8" (CPU) the projections are int4 or int8 weights (engine/quant.py); the embedding and the
+lm_head stay dense, and logits come through int8 candidates rescored exactly (engine/logits.py).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class LlamaModel(torch.nn.Module):
 
     def load_weights(self, w: dict[str, torch.Tensor | Int4Codes]) -> None:
         """Take Hugging Face-named weights (already in dtype/device, or int4 codes), fusing q|k|v and
-        gate|up; with quantization "int4" every projection ends up an Int4Weight."""
+        gate|up; with quantization "int4" every projection ends up an Int4Weight, with "int8" Int8Rows."""
         cfg = self.cfg
         int4, int8 = self.quantization == "int4", self.quantization == "int8"
 
