@@ -75,14 +75,19 @@ def test_deltas_go_to_the_front_that_sent_the_request_and_the_rest_to_all(tmp_pa
         assert sock.poll(5000)
         return dec.decode(sock.recv())
 
+    def pump(done, timeout=10.0):
+        """Handle the engine's inbox until `done()`; messages sent together may arrive apart."""
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            engine.inbox.poll(50)
+            engine.drain_inbox()
+
     try:
         for rid, front in (("a", 1), ("b", 2), ("c", 2)):
             inbox.send(enc.encode(p.AddRequest(rid, [1], p.Sampling(), 10.0, front=front)))
         inbox.send(enc.encode(p.QueryRequests(7, None, front=2)))
-        deadline = time.monotonic() + 5
-        while len(engine.request_front) < 3 and time.monotonic() < deadline:
-            engine.inbox.poll(100)
-            engine.drain_inbox()
+        # the adds and the query may come in separate batches: drain until the reply is out
+        pump(lambda: len(engine.request_front) == 3 and outs[2].poll(0))
         assert recv(outs[2]).query_id == 7 and not outs[0].poll(0) and not outs[1].poll(0)
         stats = p.EngineStats(3, 0, 0, 0, 0, 0, 0, 0.0)
         engine.send_step(1.0, [p.Delta("a", [5]), p.Delta("b", [6], "length"), p.Delta("c", [7])], stats,
@@ -92,22 +97,15 @@ def test_deltas_go_to_the_front_that_sent_the_request_and_the_rest_to_all(tmp_pa
         assert all(m.stats == stats and m.keys_added == [b"k"] for m in got)
         assert "b" not in engine.request_front  # finished: forgotten
         inbox.send(enc.encode(p.AbortFront(2)))
-        deadline = time.monotonic() + 5
-        while "c" in engine.request_front and time.monotonic() < deadline:
-            engine.inbox.poll(100)
-            engine.drain_inbox()
+        pump(lambda: "c" not in engine.request_front)
         assert engine.aborted == ["c"] and engine.request_front == {"a": 1}
         # front 2's last add, sent before it died, arrives after the abort: dropped; its successor's is taken
         inbox.send(enc.encode(p.AddRequest("late", [1], p.Sampling(), 10.0, front=2, front_epoch=0)))
         inbox.send(enc.encode(p.AddRequest("next", [1], p.Sampling(), 10.0, front=2, front_epoch=1)))
-        deadline = time.monotonic() + 5
-        while "next" not in engine.request_front and time.monotonic() < deadline:
-            engine.inbox.poll(100)
-            engine.drain_inbox()
+        pump(lambda: "next" in engine.request_front)
         assert engine.request_front == {"a": 1, "next": 2}
         inbox.send(enc.encode(p.QueryKeys(front=1)))  # a front that (re)starts: the keys it missed
-        engine.inbox.poll(5000)
-        engine.drain_inbox()
+        pump(lambda: outs[1].poll(0))
         snapshot = recv(outs[1])
         assert isinstance(snapshot, p.KeySnapshot) and snapshot.keys == [b"k1", b"k2"]
         assert not outs[0].poll(0) and not outs[2].poll(0)
