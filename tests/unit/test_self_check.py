@@ -47,10 +47,18 @@ def test_logits_differ_on_the_greedy_token_or_beyond_tolerance():
     assert logits_differ(want * float("nan"), want) == "non-finite logits"
 
 
-def test_a_cpu_runner_has_no_fast_path_to_check(hf_dirs):
+def test_a_cpu_runner_checks_its_paged_decode_kernel_and_drops_a_wrong_one(hf_dirs, monkeypatch):
     from tokenflowd.config import EngineConfig
+    from tokenflowd.engine.attention import cpu_kernels
     from tokenflowd.engine.core import EngineCore
 
-    core = EngineCore.from_config(EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cpu", dtype="float32",
-                                                       num_pages=16))
+    config = EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cpu", dtype="float32", num_pages=16)
+    core = EngineCore.from_config(config)
+    assert core.runner.attn.kernel is not None, "the kernel builds here"
     assert self_check(core.runner) is None and core.fallback == ""
+
+    kernel = cpu_kernels.paged_decode()
+    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda: lambda *args: kernel(*args) * 1.5)
+    core = EngineCore.from_config(config)
+    assert core.fallback.startswith("TorchAttentionBackend against the torch backend")
+    assert core.runner.attn.kernel is None and not core.runner.config.paged_kernel

@@ -97,10 +97,11 @@ class EngineCore:
         runner = ModelRunner(config, loaded)
         fallback = self_check(runner)
         if fallback:  # wrong logits served fast are worse than right ones served slower
-            log.warning("start-up check failed: %s; falling back to the torch attention backend, eager", fallback)
+            log.warning("start-up check failed: %s; falling back to the torch attention backend, eager, "
+                        "pages gathered", fallback)
             del runner
             torch.cuda.empty_cache()
-            config = replace(config, attention_backend="torch", cuda_graphs=False)
+            config = replace(config, attention_backend="torch", cuda_graphs=False, paged_kernel=False)
             runner = ModelRunner(config, loaded)
         kv = build_kv(config, runner.kv_cache, runner.attn.page_axis, runner.num_pages)
         scheduler = Scheduler(kv, make_policy(config.policy, config.policy_params), config.max_num_batched_tokens,

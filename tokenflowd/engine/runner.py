@@ -110,7 +110,7 @@ class ModelRunner(Executor):
         else:
             from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
 
-            self.attn = TorchAttentionBackend(*args)
+            self.attn = TorchAttentionBackend(*args, paged_kernel=self.config.paged_kernel)
 
     def _init_cuda_graphs(self) -> None:
         self.graphs = None

@@ -1,13 +1,14 @@
 """The engine's fast paths checked against its plain ones at start-up, before it says READY.
 
-    attention   the configured backend (flashinfer on CUDA) against the torch backend: one tiny
-                prefill and one decode, each on a private KV cache of a few pages
+    attention   the configured backend (flashinfer on CUDA; on a CPU the torch backend with its
+                paged decode kernel) against the torch backend gathering pages: one tiny prefill
+                and one decode, each on a private KV cache of a few pages
     graphs      a CUDA-graph decode replay against the same decode run eagerly, on the runner's
                 own cache (no request holds a page yet)
 
-A check that raises, or logits that disagree, make the engine fall back to the torch backend and
-eager decoding (engine/core.py), say so in its log, and report it (Ready.fallback: /health and
-/metrics). On a CPU the engine runs the plain paths already and nothing is checked.
+A check that raises, or logits that disagree, make the engine fall back to the torch backend
+gathering pages and eager decoding (engine/core.py), say so in its log, and report it
+(Ready.fallback: /health and /metrics).
 """
 from __future__ import annotations
 
@@ -90,14 +91,13 @@ def check_graphs(runner) -> str | None:
 
 def self_check(runner) -> str | None:
     """What failed of the runner's fast paths (None: they agree with the plain ones, or it has none)."""
-    if runner.device.type != "cuda":
-        return None
     from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
 
     problems = []
-    if not isinstance(runner.attn, TorchAttentionBackend):
-        a = runner.attn
-        reference = TorchAttentionBackend(a.num_heads, a.num_kv_heads, a.head_dim, a.page_size, a.dtype, a.device)
+    a = runner.attn
+    if not isinstance(a, TorchAttentionBackend) or a.kernel is not None:
+        reference = TorchAttentionBackend(a.num_heads, a.num_kv_heads, a.head_dim, a.page_size, a.dtype, a.device,
+                                          paged_kernel=False)
         problem = check_attention(runner.model, a, reference, runner.model_config.vocab_size)
         if problem:
             problems.append(f"{type(a).__name__} against the torch backend: {problem}")

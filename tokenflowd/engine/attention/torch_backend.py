@@ -1,12 +1,14 @@
 """Attention with torch's SDPA, for CPU and GPU.
 
-Torch has no paged kernel, so K/V must be gathered from pages; the backend does so only where
-it must and once per layer, page by page (not token by token):
+Torch has no paged kernel. On CPU, decodes (one query each) go through the project's own C++
+kernel (cpu_paged_decode.cpp, built by cpu_kernels.py), which reads K/V in place from the pages.
+Elsewhere, or where the kernel cannot be built, K/V are gathered from pages only where they must
+be and once per layer, page by page (not token by token):
   - a prompt chunk with no earlier context attends to its own fresh k/v: no gather at all;
-  - decodes (one query each) are batched: their pages are gathered into one padded
+  - decodes without the kernel are batched: their pages are gathered into one padded
     [B, max_pages * page_size] block, masked past each seq_len;
   - a prompt chunk that continues earlier context (chunked prefill, prefix-cache hit) gathers
-    its own pages.
+    its own pages (SDPA's flash kernel then does the work; a chunk has many queries).
 """
 from __future__ import annotations
 
@@ -35,10 +37,21 @@ class TorchAttentionMeta:
     decode_all: bool  # every row is a decode, in order: no row gather/scatter needed
     decode_pages: torch.Tensor | None  # [Bd * max_pages] int64, request-major (padded with page 0)
     decode_bias: torch.Tensor | None  # [Bd, 1, max_pages * page_size] fp32: 0, or -inf past seq_len
+    decode_table: torch.Tensor | None  # with the kernel: [Bd, max_pages] int32 (instead of the two above)
+    decode_lens: torch.Tensor | None  # with the kernel: [Bd] int32 seq_lens
     chunks: list[_Chunk]
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, *args, paged_kernel: bool = True) -> None:
+        """`paged_kernel`: decode through the CPU kernel where the device is a CPU and it builds."""
+        super().__init__(*args)
+        self.kernel = None
+        if paged_kernel and self.device.type == "cpu":
+            from tokenflowd.engine.attention.cpu_kernels import paged_decode
+
+            self.kernel = paged_decode()
+
     def kv_cache_shape(self, num_pages: int) -> tuple[int, ...]:
         return (2, self.num_kv_heads, num_pages, self.page_size, self.head_dim)
 
@@ -60,22 +73,27 @@ class TorchAttentionBackend(AttentionBackend):
             qpos = torch.arange(past, seq_len, device=dev)[:, None]
             mask = torch.arange(seq_len, device=dev)[None, :] <= qpos
             chunks.append(_Chunk(start, start + q_len, pages, mask, seq_len))
-        rows = pages_t = mask_t = None
+        rows = pages_t = mask_t = table_t = lens_t = None
         decode_all = False
         if decode_idx:
             lens = [inputs.seq_lens[i] for i in decode_idx]
             max_pages = -(-max(lens) // ps)
             table = [inputs.block_tables[i][:max_pages] + [0] * (max_pages - len(inputs.block_tables[i][:max_pages]))
                      for i in decode_idx]
-            pages_t = torch.tensor(table, dtype=torch.int64, device=dev).flatten()
-            lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
-            past_end = torch.arange(max_pages * ps, device=dev)[None, :] >= lens_t[:, None]
-            mask_t = torch.zeros(past_end.shape, device=dev).masked_fill_(past_end, float("-inf"))[:, None, :]
+            if self.kernel is not None:
+                table_t = torch.tensor(table, dtype=torch.int32, device=dev)
+                lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+            else:
+                pages_t = torch.tensor(table, dtype=torch.int64, device=dev).flatten()
+                lens64 = torch.tensor(lens, dtype=torch.int64, device=dev)
+                past_end = torch.arange(max_pages * ps, device=dev)[None, :] >= lens64[:, None]
+                mask_t = torch.zeros(past_end.shape, device=dev).masked_fill_(past_end, float("-inf"))[:, None, :]
             rows_list = [inputs.query_start[i] for i in decode_idx]
             decode_all = len(decode_idx) == inputs.num_requests
             rows = torch.tensor(rows_list, dtype=torch.int64, device=dev)
         slots = inputs.slot_mapping
-        return TorchAttentionMeta(slots // ps, slots % ps, rows, decode_all, pages_t, mask_t, chunks)
+        return TorchAttentionMeta(slots // ps, slots % ps, rows, decode_all, pages_t, mask_t, table_t, lens_t,
+                                  chunks)
 
     def forward(self, layer, q, k, v, kv_cache, meta: TorchAttentionMeta):
         kv_cache[0][:, meta.slot_page, meta.slot_offset] = k.transpose(0, 1)  # [kv_heads, T, d]
@@ -93,7 +111,10 @@ class TorchAttentionBackend(AttentionBackend):
             out[c.start : c.stop] = o.transpose(0, 1)
         if meta.decode_rows is not None:
             qd = q if meta.decode_all else q[meta.decode_rows]  # [Bd, heads, d]
-            o = self._decode(qd, kv_cache, meta)
+            if meta.decode_table is not None:
+                o = self.kernel(qd, kv_cache[0], kv_cache[1], meta.decode_table, meta.decode_lens, self.scale)
+            else:
+                o = self._decode(qd, kv_cache, meta)
             if meta.decode_all:
                 return o
             out[meta.decode_rows] = o
