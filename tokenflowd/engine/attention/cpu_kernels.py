@@ -54,9 +54,11 @@ def _build() -> None:
         log.warning("removing a stale build lock %s", lock)
         lock.unlink(missing_ok=True)
     # -march=native: the build is per machine and the kernel's inner loops take this CPU's vector
-    # width. -fopenmp: ATen's parallel_for is inline OpenMP; at run time the OpenMP runtime is
-    # torch's own (same soname, already loaded), so the kernel shares torch's thread pool.
-    flags = ["-O3", "-march=native", "-fopenmp"]
+    # width. -ffast-math: the dot products vectorize and exp comes from glibc's vector library (2x
+    # faster at batch 1 on 2-core AVX2), keeping infinities (-fno-finite-math-only). -fopenmp: ATen's
+    # parallel_for is inline OpenMP; at run time the OpenMP runtime is torch's own (same soname,
+    # already loaded), so the kernel shares torch's thread pool.
+    flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
     cpp_extension.load(
         name="tokenflowd_cpu_kernels", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir), is_python_module=False, verbose=False,
