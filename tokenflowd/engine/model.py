@@ -2,7 +2,8 @@
 
 Tokens of all requests in a step are concatenated: x is [T, hidden]. Attention, the only operation
 that looks across tokens, goes through an AttentionBackend that reads and writes the paged KV cache.
-Projections are fused (q|k|v and gate|up) so a layer runs four matmuls. With quantization "int4" or
+Projections are fused (q|k|v and gate|up) so a layer runs four matmuls; dense fp32 ones on a CPU are
+packed once for oneDNN (engine/packed.py). With quantization "int4" or
 "int8" (CPU) the projections are int4 or int8 weights (engine/quant.py); the embedding and the
 lm_head stay dense, and logits come through int8 candidates rescored exactly (engine/logits.py).
 """
@@ -16,9 +17,10 @@ import torch.nn.functional as F
 from tokenflowd.engine.attention.base import AttentionBackend
 from tokenflowd.engine.logits import FastLogits
 from tokenflowd.engine.model_config import ModelConfig
+from tokenflowd.engine.packed import PackedDense
 from tokenflowd.engine.quant import GROUP_SIZE, Int4Codes, Int4Weight, Int8Rows, quantize
 
-Weight = torch.Tensor | Int4Weight | Int8Rows
+Weight = torch.Tensor | Int4Weight | Int8Rows | PackedDense
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -47,7 +49,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(w, (Int4Weight, Int8Rows)):
+    if isinstance(w, (Int4Weight, Int8Rows, PackedDense)):
         y = w.matmul(x)
         return y if bias is None else y + bias
     return F.linear(x, w, bias)
@@ -102,7 +104,8 @@ class LlamaModel(torch.nn.Module):
                 return Int4Codes.cat([p if isinstance(p, Int4Codes) else quantize(p) for p in parts]).pack()
             if int8:
                 return Int8Rows(torch.cat([p.float() for p in parts]))
-            return dense(parts[0]) if len(parts) == 1 else torch.cat([dense(p) for p in parts])
+            t = dense(parts[0]) if len(parts) == 1 else torch.cat([dense(p) for p in parts])
+            return PackedDense.make(t) or t  # fp32 on a CPU: packed once for oneDNN (engine/packed.py)
 
         self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
         self.layers = []
@@ -134,7 +137,7 @@ class LlamaModel(torch.nn.Module):
         seen: dict[int, torch.Tensor] = {}
         for t in [self.embed, self.norm, self.lm_head, *(t for layer in self.layers for t in layer.values())]:
             parts = (t.packed, t.scales_zeros) if isinstance(t, Int4Weight) else (
-                (t.codes, t.scales) if isinstance(t, Int8Rows) else (t,))
+                (t.codes, t.scales) if isinstance(t, Int8Rows) else ((t.packed,) if isinstance(t, PackedDense) else (t,)))
             for part in parts:
                 seen.setdefault(id(part), part)
         return list(seen.values())
