@@ -2,6 +2,9 @@
 that computes wrong attention (or raises) is caught. tests/gpu runs it on flashinfer and graphs."""
 from __future__ import annotations
 
+import shutil
+
+import pytest
 import torch
 
 from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
@@ -52,9 +55,11 @@ def test_a_cpu_runner_checks_its_paged_decode_kernel_and_drops_a_wrong_one(hf_di
     from tokenflowd.engine.attention import cpu_kernels
     from tokenflowd.engine.core import EngineCore
 
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler to build the kernel")
     config = EngineConfig.resolve(model=str(hf_dirs["llama"]), device="cpu", dtype="float32", num_pages=16)
     core = EngineCore.from_config(config)
-    assert core.runner.attn.kernel is not None, "the kernel builds here"
+    assert core.runner.attn.kernel is not None, "the kernel builds where a compiler is"
     assert self_check(core.runner) is None and core.fallback == ""
 
     kernel = cpu_kernels.paged_decode()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,10 @@ def _build() -> None:
     from torch.utils import cpp_extension
 
     t0 = time.monotonic()
+    if shutil.which("ninja") is None:  # the ninja wheel's binary, when the venv's bin is not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     # one directory per torch and Python: torch's build cache keys on source and flags only
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     build_dir = root / f"tokenflowd-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
