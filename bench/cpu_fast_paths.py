@@ -1,0 +1,84 @@
+"""The engine's CPU fast paths against their twins, in one run, each pair alternated over rounds
+(pairs are what count: this box's speed drifts):
+
+    paged       decode attention through the paged C++ kernel vs gathering pages per layer
+    packed      dense fp32 projections packed once for oneDNN vs plain F.linear
+
+    .venv/bin/python bench/cpu_fast_paths.py [--rounds 2] [--out bench/results/cpu_fast_paths.json]
+
+Each run is bench/cpu_decode.py's shape: distinct prompts of one length, 48 new tokens, greedy, the
+embedded model in fp32 (quantization none: the default), decode tokens/s from the first token of
+the last request to the end. The other fast path stays on while one is toggled.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_decode import prompts  # noqa: E402
+
+import tokenflowd.engine.packed as packed  # noqa: E402
+from tokenflowd.config import EngineConfig  # noqa: E402
+from tokenflowd.engine.engine import Engine  # noqa: E402
+from tokenflowd.engine.loader import load_model_source  # noqa: E402
+from tokenflowd.engine.request import SamplingParams  # noqa: E402
+
+NEW = 48
+CASES = {"paged": [(1, 128), (16, 128), (32, 128), (16, 512)], "packed": [(1, 128), (16, 128), (32, 128)]}
+PACK = packed.PackedDense.make
+
+
+def decode_rate(loaded, batch: int, prompt_len: int, paged: bool, pack: bool) -> float:
+    packed.PackedDense.make = PACK if pack else classmethod(lambda cls, w: None)
+    try:
+        config = EngineConfig.resolve(device="cpu", dtype="float32", enable_prefix_caching=False,
+                                      max_num_batched_tokens=512)
+        eng = Engine(dataclasses.replace(config, paged_kernel=paged), loaded)
+    finally:
+        packed.PackedDense.make = PACK
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    for i, p in enumerate(prompts(eng.tokenizer, batch, prompt_len)):
+        eng.add_request(f"r{i}", p, params)
+    seen, t_first = set(), None
+    while eng.has_unfinished():
+        for out in eng.step():
+            seen.add(out.request_id)
+        if t_first is None and len(seen) == batch:
+            t_first = time.perf_counter()
+    return batch * (NEW - 1) / (time.perf_counter() - t_first)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="bench/results/cpu_fast_paths.json")
+    a = ap.parse_args()
+    loaded = load_model_source("smollm2-135m", torch.float32, "cpu", "none")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    rows = []
+    for path, cases in CASES.items():
+        for batch, prompt_len in cases:
+            runs = {True: [], False: []}
+            for r in range(a.rounds):
+                for on in ((False, True) if r % 2 == 0 else (True, False)):
+                    kw = {"paged": on, "pack": True} if path == "paged" else {"paged": True, "pack": on}
+                    runs[on].append(decode_rate(loaded, batch, prompt_len, **kw))
+            row = {"path": path, "batch": batch, "prompt": prompt_len, "on_tokens_per_s": runs[True],
+                   "off_tokens_per_s": runs[False], "ratio": sum(runs[True]) / sum(runs[False])}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    with open(a.out, "w") as f:
+        json.dump({"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}, f,
+                  indent=2)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
