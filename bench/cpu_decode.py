@@ -38,6 +38,11 @@ def ours(dtype: str, batch: int, prompt_len: int, new: int, quantization: str = 
     loaded = load_model_source("smollm2-135m", getattr(torch, dtype), "cpu", quantization)
     eng = Engine(EngineConfig.resolve(device="cpu", dtype=dtype, enable_prefix_caching=False, quantization=quantization,
                                       max_num_batched_tokens=max(512, prompt_len)), loaded)
+    return decode_rate(eng, batch, prompt_len, new)
+
+
+def decode_rate(eng: Engine, batch: int, prompt_len: int, new: int) -> float:
+    """Decode tokens/s of `batch` distinct prompts on `eng`, from the last request's first token on."""
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for i, p in enumerate(prompts(eng.tokenizer, batch, prompt_len)):
         eng.add_request(f"r{i}", p, params)

@@ -16,26 +16,24 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_decode import prompts  # noqa: E402
+from cpu_decode import decode_rate  # noqa: E402
 
 import tokenflowd.engine.packed as packed  # noqa: E402
 from tokenflowd.config import EngineConfig  # noqa: E402
 from tokenflowd.engine.engine import Engine  # noqa: E402
 from tokenflowd.engine.loader import load_model_source  # noqa: E402
-from tokenflowd.engine.request import SamplingParams  # noqa: E402
 
 NEW = 48
 CASES = {"paged": [(1, 128), (16, 128), (32, 128), (16, 512)], "packed": [(1, 128), (16, 128), (32, 128)]}
 PACK = packed.PackedDense.make
 
 
-def decode_rate(loaded, batch: int, prompt_len: int, paged: bool, pack: bool) -> float:
+def rate(loaded, batch: int, prompt_len: int, paged: bool, pack: bool) -> float:
     packed.PackedDense.make = PACK if pack else classmethod(lambda cls, w: None)
     try:
         config = EngineConfig.resolve(device="cpu", dtype="float32", enable_prefix_caching=False,
@@ -43,16 +41,7 @@ def decode_rate(loaded, batch: int, prompt_len: int, paged: bool, pack: bool) ->
         eng = Engine(dataclasses.replace(config, paged_kernel=paged), loaded)
     finally:
         packed.PackedDense.make = PACK
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    for i, p in enumerate(prompts(eng.tokenizer, batch, prompt_len)):
-        eng.add_request(f"r{i}", p, params)
-    seen, t_first = set(), None
-    while eng.has_unfinished():
-        for out in eng.step():
-            seen.add(out.request_id)
-        if t_first is None and len(seen) == batch:
-            t_first = time.perf_counter()
-    return batch * (NEW - 1) / (time.perf_counter() - t_first)
+    return decode_rate(eng, batch, prompt_len, NEW)
 
 
 def main() -> None:
@@ -69,7 +58,7 @@ def main() -> None:
             for r in range(a.rounds):
                 for on in ((False, True) if r % 2 == 0 else (True, False)):
                     kw = {"paged": on, "pack": True} if path == "paged" else {"paged": True, "pack": on}
-                    runs[on].append(decode_rate(loaded, batch, prompt_len, **kw))
+                    runs[on].append(rate(loaded, batch, prompt_len, **kw))
             row = {"path": path, "batch": batch, "prompt": prompt_len, "on_tokens_per_s": runs[True],
                    "off_tokens_per_s": runs[False], "ratio": sum(runs[True]) / sum(runs[False])}
             rows.append(row)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 
 
-def backends(dtype, kernel_too=True):
+def backends(dtype):
     args = (HEADS, KV_HEADS, HEAD_DIM, PAGE, dtype, torch.device("cpu"))
     gather = TorchAttentionBackend(*args, paged_kernel=False)
     kernel = TorchAttentionBackend(*args)

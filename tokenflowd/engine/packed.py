@@ -36,10 +36,6 @@ class PackedDense:
             log.info("dense weights stay unpacked: %s", e)
             return None
 
-    @property
-    def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * 4
-
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T for x [T, in_features] fp32."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
