@@ -36,6 +36,16 @@ class AttentionInputs:
         return self.query_start[i + 1] - self.query_start[i]
 
 
+@dataclass(frozen=True)
+class PageQuery:
+    """Query rows that attend, with no mask, to whole pages of context before all of them (a
+    prefix segment held by this cache): request i's rows query_start[i] : query_start[i+1] see
+    every token of pages[i]. A request with no pages here gets the empty state (o 0, s −inf)."""
+
+    query_start: list[int]  # [B+1]
+    pages: list[list[int]]  # [B][n]
+
+
 class AttentionBackend(abc.ABC):
     """Invariants: `prepare` runs once per step before any layer; `forward` first writes k/v of the
     step's tokens at `slot_mapping`, then attends each query causally over its request's KV only;
@@ -76,3 +86,16 @@ class AttentionBackend(abc.ABC):
         meta: object,
     ) -> torch.Tensor:  # [T, heads, head_dim]
         ...
+
+    @abc.abstractmethod
+    def forward_with_lse(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, also returning each row's log-sum-exp (base e, [T, heads] fp32), so that the
+        output can be merged exactly with attention over context held elsewhere (partial.py)."""
+
+    @abc.abstractmethod
+    def attend_pages(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                     query: PageQuery) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial attention of q's rows over whole pages of this cache, unmasked: (o [T, heads, d],
+        s [T, heads] fp32, base e). Reads the cache only; the pool's query service calls it for
+        the segments this engine holds on behalf of another."""

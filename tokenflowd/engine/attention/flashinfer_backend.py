@@ -9,13 +9,16 @@ Page table as flashinfer wants it, per request i (int32 on the device):
 """
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
 
-from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
+from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs, PageQuery
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
+LN2 = math.log(2.0)  # flashinfer's log-sum-exp is base 2; the seam's is base e
 
 
 @dataclass
@@ -51,6 +54,10 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND")
+        # attend_pages runs between a step's layers (the pool's query service): its own wrapper and
+        # workspace, so the step's planned wrapper stays as planned.
+        self.pages_workspace = torch.empty(WORKSPACE_BYTES // 4, dtype=torch.uint8, device=self.device)
+        self.pages_prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.pages_workspace, "HND")
         group = self.num_heads // self.num_kv_heads
         # Tensor cores pay off for decode once several query heads share a KV head.
         self.decode_tensor_cores = group >= 4
@@ -100,3 +107,29 @@ class FlashInferBackend(AttentionBackend):
         kv_cache[0][meta.slot_page, :, meta.slot_offset] = k  # [T, kv_heads, d]
         kv_cache[1][meta.slot_page, :, meta.slot_offset] = v
         return meta.wrapper.run(q, (kv_cache[0], kv_cache[1]))
+
+    def forward_with_lse(self, layer, q, k, v, kv_cache, meta: FlashInferMeta):
+        kv_cache[0][meta.slot_page, :, meta.slot_offset] = k
+        kv_cache[1][meta.slot_page, :, meta.slot_offset] = v
+        out, lse2 = meta.wrapper.run(q, (kv_cache[0], kv_cache[1]), return_lse=True)
+        return out, lse2.float() * LN2
+
+    def attend_pages(self, q, kv_cache, query: PageQuery):
+        # Rows of requests with no pages here are planned over no pages: their state stays empty.
+        ps, i32 = self.page_size, dict(dtype=torch.int32)
+        counts = [len(p) for p in query.pages]
+        indptr = torch.tensor([0, *itertools.accumulate(counts)], **i32)
+        indices = torch.tensor([p for pages in query.pages for p in pages], **i32)
+        last = torch.tensor([ps if n else 0 for n in counts], **i32)
+        self.pages_prefill.plan(
+            torch.tensor(query.query_start, **i32), indptr, indices.to(self.device, non_blocking=True), last,
+            self.num_heads, self.num_kv_heads, self.head_dim, ps, causal=False, pos_encoding_mode="NONE",
+            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+        out, lse2 = self.pages_prefill.run(q, (kv_cache[0], kv_cache[1]), return_lse=True)
+        lse = lse2.float() * LN2
+        empty = torch.tensor([n == 0 for n in counts], device=self.device).repeat_interleave(
+            torch.tensor([b - a for a, b in zip(query.query_start, query.query_start[1:])], device=self.device))
+        lse[empty] = float("-inf")
+        out[empty] = 0
+        return out, lse

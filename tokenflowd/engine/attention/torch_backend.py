@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
+from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs, PageQuery
+from tokenflowd.engine.attention.partial import attention_with_lse
 
 
 @dataclass
@@ -27,6 +28,19 @@ class _Chunk:
     pages: torch.Tensor | None  # [n_pages] int64, None when there is no earlier context
     mask: torch.Tensor | None  # [q_len, seq_len] bool, causal with the context offset
     seq_len: int
+
+
+class _Spans:
+    """Each request's rows and pages, built only when iterated (forward_with_lse)."""
+
+    def __init__(self, inputs: AttentionInputs, page_size: int, device: torch.device) -> None:
+        self.inputs, self.page_size, self.device = inputs, page_size, device
+
+    def __iter__(self):
+        inputs, ps = self.inputs, self.page_size
+        for i, seq_len in enumerate(inputs.seq_lens):
+            pages = torch.tensor(inputs.block_tables[i][: -(-seq_len // ps)], dtype=torch.int64, device=self.device)
+            yield inputs.query_start[i], inputs.query_start[i + 1], pages, seq_len
 
 
 @dataclass
@@ -40,6 +54,7 @@ class TorchAttentionMeta:
     decode_table: torch.Tensor | None  # with the kernel: [Bd, max_pages] int32 (instead of the two above)
     decode_lens: torch.Tensor | None  # with the kernel: [Bd] int32 seq_lens
     chunks: list[_Chunk]
+    spans: _Spans  # every request: (row start, stop, pages, seq_len), for forward_with_lse
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -93,7 +108,7 @@ class TorchAttentionBackend(AttentionBackend):
             rows = torch.tensor(rows_list, dtype=torch.int64, device=dev)
         slots = inputs.slot_mapping
         return TorchAttentionMeta(slots // ps, slots % ps, rows, decode_all, pages_t, mask_t, table_t, lens_t,
-                                  chunks)
+                                  chunks, _Spans(inputs, ps, dev))
 
     def forward(self, layer, q, k, v, kv_cache, meta: TorchAttentionMeta):
         kv_cache[0][:, meta.slot_page, meta.slot_offset] = k.transpose(0, 1)  # [kv_heads, T, d]
@@ -119,6 +134,34 @@ class TorchAttentionBackend(AttentionBackend):
                 return o
             out[meta.decode_rows] = o
         return out
+
+    def forward_with_lse(self, layer, q, k, v, kv_cache, meta: TorchAttentionMeta):
+        # Every request by the gathering path with explicit scores (SDPA returns no LSE): the pool's
+        # requester side, run only for steps whose requests attend to context held elsewhere.
+        kv_cache[0][:, meta.slot_page, meta.slot_offset] = k.transpose(0, 1)
+        kv_cache[1][:, meta.slot_page, meta.slot_offset] = v.transpose(0, 1)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for start, stop, pages, seq_len in meta.spans:
+            kc, vc = self._gather(kv_cache, pages, seq_len)  # [kv_heads, seq_len, d]
+            qpos = torch.arange(seq_len - (stop - start), seq_len, device=q.device)[:, None]
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos
+            out[start:stop], lse[start:stop] = attention_with_lse(
+                q[start:stop], kc.transpose(0, 1), vc.transpose(0, 1), self.scale, mask)
+        return out, lse
+
+    def attend_pages(self, q: torch.Tensor, kv_cache: torch.Tensor, query: PageQuery):
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        for i, pages in enumerate(query.pages):
+            start, stop = query.query_start[i], query.query_start[i + 1]
+            if not pages or start == stop:
+                continue
+            index = torch.tensor(pages, dtype=torch.int64, device=q.device)
+            kc, vc = self._gather(kv_cache, index, len(pages) * self.page_size)
+            out[start:stop], lse[start:stop] = attention_with_lse(
+                q[start:stop], kc.transpose(0, 1), vc.transpose(0, 1), self.scale)
+        return out, lse
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMeta) -> torch.Tensor:
         # q: [B, heads, d] -> [B, heads, d]; one query per request over its gathered pages.
