@@ -45,6 +45,12 @@ class Router:
             return Choice(engines[0].engine_id, 0)
         # The last prompt token is always computed, so only pages before it can be hits.
         keys = chain_page_keys(prompt_token_ids, self.page_size, [], max(0, len(prompt_token_ids) - 1))
+        return self.pick_keys(engines, keys)
+
+    def pick_keys(self, engines: Sequence[EngineLoad], keys: Sequence[bytes]) -> Choice:
+        """`pick` for a request whose chained page keys are known."""
+        if len(engines) == 1:
+            return Choice(engines[0].engine_id, 0)
         best: tuple[float, int, Choice] | None = None
         for e in engines:
             hit = self.index.cached_pages(e.engine_id, keys) if keys else 0

@@ -1,0 +1,245 @@
+"""Where segments live and which replica serves an access (TokenLake §4.3).
+
+- **Homes by hash.** A new segment goes to its home engine, picked by rendezvous hashing of its key
+  over the live engines (the engine with the highest hash of (key, engine)). It is put there
+  whichever engine computed it, and it never migrates: only when its home dies does a segment's
+  home change, and then only for that engine's segments.
+- **Heavy hitters are replicated.** Each engine's load is the prefix tokens it served for others
+  and itself, decayed with the tree's half-life. When an engine's load exceeds (1 + slack) times
+  the mean, its heavy hitters (the top ⌈N·ln N⌉ + N segments by accesses, found by best-first
+  search from the roots) are copied, most accessed first, to the least-loaded engine without a
+  copy, until its expected load is back under the bound.
+- **Power of two choices.** An access to a segment with several replicas goes to the less loaded
+  of two replicas drawn at random.
+- **Global LRU over replicas.** When an engine needs room, its replicas that nobody pins go in the
+  order of their segment's last access (an access through any replica refreshes them all: power of
+  two choices serves a hot segment from each of them in turn, and a replica left out of a few
+  draws must not be lost to churn). A segment's last replica takes the segments below it along
+  (wherever they are: no match can reach them), unless one of them is pinned; a child is never
+  more recent than its parent, so this drops only what LRU would drop soon. A segment that falls out of the heavy hitters is trimmed back to
+  one replica at the next rebalance: its home's (the one used last if its home lost it).
+
+Everything here is bookkeeping over keys and engine ids; the engines move the bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from tokenflowd.pool.tree import Node, PrefixTree
+
+
+def rendezvous_home(key: bytes, engines: Sequence[int]) -> int:
+    """The engine with the highest hash of (key, engine): stable while engines come and go."""
+    return max(engines, key=lambda e: hashlib.blake2b(key + e.to_bytes(4, "little"), digest_size=8).digest())
+
+
+@dataclass(frozen=True)
+class Replication:
+    key: bytes
+    source: int
+    target: int
+    tokens: int
+
+
+class Placement:
+    def __init__(self, engines: Sequence[int], *, half_life: float = 60.0, slack: float = 0.1,
+                 seed: int = 0) -> None:
+        self.engines: list[int] = sorted(engines)
+        self.tree = PrefixTree(half_life)
+        self.slack = slack
+        self.rng = random.Random(seed)
+        self._load = {e: 0.0 for e in self.engines}
+        self._load_at = {e: 0.0 for e in self.engines}
+        self._held = {e: 0 for e in self.engines}  # tokens of replicas each engine holds
+        self._lru: dict[int, OrderedDict[bytes, None]] = {e: OrderedDict() for e in self.engines}  # oldest first
+        self._replicated: set[bytes] = set()  # segments given more than their home's replica
+
+    # -- load ---------------------------------------------------------------------------------
+    def load(self, engine: int, now: float) -> float:
+        dt = now - self._load_at[engine]
+        if dt > 0:
+            self._load[engine] *= math.exp2(-dt / self.tree.half_life)
+            self._load_at[engine] = now
+        return self._load[engine]
+
+    def loads(self, now: float) -> dict[int, float]:
+        return {e: self.load(e, now) for e in self.engines}
+
+    def held_tokens(self, engine: int) -> int:
+        return self._held[engine]
+
+    def _charge(self, engine: int, tokens: float, now: float) -> None:
+        self.load(engine, now)
+        self._load[engine] += tokens
+
+    # -- segments -----------------------------------------------------------------------------
+    def home(self, key: bytes) -> int:
+        return rendezvous_home(key, self.engines)
+
+    def put(self, keys: Sequence[bytes], tokens: Sequence[int], now: float) -> list[tuple[bytes, int]]:
+        """A prefix's segments (in order) exist: each one not held anywhere gets a replica at its
+        home. -> (key, engine) of each new one: where its KV must be stored."""
+        placed = []
+        parent: bytes | None = None
+        for key, n in zip(keys, tokens):
+            if key not in self.tree:
+                home = self.home(key)
+                self.tree.add_replica(key, parent, n, home, home, now)
+                self._held[home] += n
+                self._lru[home][key] = None
+                placed.append((key, home))
+            parent = key
+        return placed
+
+    def add_replica(self, key: bytes, engine: int, now: float) -> None:
+        node = self.tree.nodes[key]
+        if engine not in node.replicas:
+            self.tree.add_replica(key, node.parent, node.tokens, node.home, engine, now)
+            self._held[engine] += node.tokens
+            self._lru[engine][key] = None
+            self._replicated.add(key)
+
+    def route(self, keys: Sequence[bytes], now: float) -> list[tuple[Node, int]]:
+        """The cached leading segments of a prefix, each with the replica that serves this access
+        (power of two choices), charged to that replica's engine."""
+        out = []
+        for node in self.tree.match(keys):
+            engine = self._choose(node, now)
+            self.tree.hit(node, engine, now)
+            for holder in node.replicas:  # an access keeps every replica: each serves a share
+                self._lru[holder].move_to_end(node.key)
+            self._charge(engine, node.tokens, now)
+            out.append((node, engine))
+        return out
+
+    def _choose(self, node: Node, now: float) -> int:
+        holders = list(node.replicas)
+        if len(holders) == 1:
+            return holders[0]
+        a, b = self.rng.sample(holders, 2)
+        return a if self.load(a, now) <= self.load(b, now) else b
+
+    # -- balance ------------------------------------------------------------------------------
+    def num_heavy_hitters(self) -> int:
+        n = len(self.engines)
+        return math.ceil(n * math.log(max(n, 2))) + n
+
+    def rebalance(self, now: float) -> list[Replication]:
+        """Replicate the heavy hitters of every overloaded engine (see the module docstring)."""
+        loads = self.loads(now)
+        if len(self.engines) < 2:
+            return []
+        mean = sum(loads.values()) / len(loads)
+        bound = (1 + self.slack) * mean
+        hitters = self.tree.heavy_hitters(self.num_heavy_hitters(), now)
+        self._trim(hitters)
+        plans = []
+        for engine in sorted(self.engines, key=lambda e: -loads[e]):
+            if loads[engine] <= bound:
+                break
+            for node in hitters:
+                if engine not in node.replicas or loads[engine] <= bound:
+                    continue
+                targets = [e for e in self.engines if e not in node.replicas]
+                if not targets:
+                    continue
+                target = min(targets, key=lambda e: loads[e])
+                if loads[target] >= loads[engine]:
+                    continue
+                # The node's recent load spreads evenly over its replicas once it has one more.
+                share = self.tree.hits(node, now) * node.tokens / (len(node.replicas) * (len(node.replicas) + 1))
+                share = min(share, loads[engine] - loads[target])
+                loads[engine] -= share
+                loads[target] += share
+                self.add_replica(node.key, target, now)
+                plans.append(Replication(node.key, engine, target, node.tokens))
+        for e, value in loads.items():  # the expected loads, until accesses say otherwise
+            self._load[e], self._load_at[e] = value, now
+        return plans
+
+    def _trim(self, hitters: list[Node]) -> None:
+        """A segment that is no longer a heavy hitter keeps one replica: its home's where it has one."""
+        hot = {node.key for node in hitters}
+        for key in [k for k in self._replicated if k not in hot]:
+            self._replicated.discard(key)
+            node = self.tree.get(key)
+            if node is None or len(node.replicas) < 2:
+                continue
+            keep = node.home if node.home in node.replicas else max(node.replicas,
+                                                                     key=lambda e: node.replicas[e].last_access)
+            for engine in [e for e, r in node.replicas.items() if e != keep and not r.pins]:
+                for k, e, n in self.tree.remove_replica(key, engine):
+                    self._held[e] -= n
+                    self._lru[e].pop(k, None)
+
+    # -- eviction -----------------------------------------------------------------------------
+    def _may_evict(self, node: Node, engine: int) -> bool:
+        """Not pinned; and if it is the segment's last replica, nothing below it is pinned either
+        (its descendants go with it)."""
+        if node.replicas[engine].pins:
+            return False
+        if len(node.replicas) > 1 or not node.children:
+            return True
+        return not any(r.pins for below in self.tree.subtree(node.key) for r in below.replicas.values())
+
+    def evictable(self, engine: int) -> list[Node]:
+        """This engine's replicas that may go, least recently accessed first."""
+        nodes = (self.tree.nodes[key] for key in self._lru[engine])
+        return [node for node in nodes if self._may_evict(node, engine)]
+
+    def evict(self, engine: int, tokens: int) -> list[tuple[bytes, int]]:
+        """Free at least `tokens` of this engine's replicas (fewer if not enough may go), by global
+        LRU. -> every (key, engine) replica dropped."""
+        dropped: list[tuple[bytes, int]] = []
+        freed = 0
+        progress = True
+        while freed < tokens and progress:
+            progress = False
+            for key in list(self._lru[engine]):
+                if freed >= tokens:
+                    break
+                node = self.tree.get(key)
+                if node is None or engine not in node.replicas or not self._may_evict(node, engine):
+                    continue
+                for k, e, n in self.tree.remove_replica(key, engine):
+                    self._held[e] -= n
+                    self._lru[e].pop(k, None)
+                    dropped.append((k, e))
+                freed += node.tokens
+                progress = True
+        return dropped
+
+    def pin(self, node: Node, engine: int) -> None:
+        node.replicas[engine].pins += 1
+
+    def unpin(self, key: bytes, engine: int) -> None:
+        node = self.tree.get(key)
+        if node is not None and engine in node.replicas:
+            node.replicas[engine].pins -= 1
+
+    # -- engines ------------------------------------------------------------------------------
+    def drop_engine(self, engine: int) -> list[tuple[bytes, int]]:
+        """An engine is gone: its replicas leave the index at once, and so does every segment no
+        longer reachable (its only copy of an ancestor died). -> (key, engine) of replicas other
+        engines must free."""
+        dropped = []
+        for node in [n for n in self.tree.nodes.values() if engine in n.replicas]:
+            if node.key in self.tree and engine in node.replicas:
+                dropped += self.tree.remove_replica(node.key, engine)
+        self.engines.remove(engine)
+        for k, e, n in dropped:
+            self._held[e] -= n
+            self._lru[e].pop(k, None)
+        del self._load[engine], self._load_at[engine], self._held[engine], self._lru[engine]
+        return [(k, e) for k, e, _ in dropped if e != engine]
+
+    def add_engine(self, engine: int, now: float) -> None:
+        if engine not in self.engines:
+            self.engines = sorted([*self.engines, engine])
+            self._load[engine], self._load_at[engine], self._held[engine] = 0.0, now, 0
+            self._lru[engine] = OrderedDict()
