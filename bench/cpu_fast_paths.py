@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_decode import decode_rate  # noqa: E402
+from machine import cpu_info  # noqa: E402
 
 import tokenflowd.engine.packed as packed  # noqa: E402
 from tokenflowd.config import EngineConfig  # noqa: E402
@@ -50,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/cpu_fast_paths.json")
     a = ap.parse_args()
     loaded = load_model_source("smollm2-135m", torch.float32, "cpu", "none")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_info()["cpu"]
     rows = []
     for path, cases in CASES.items():
         for batch, prompt_len in cases:

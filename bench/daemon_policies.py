@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from daemon import Daemon  # noqa: E402
+from machine import cpu_info  # noqa: E402
 
 from loadgen.client import ClientConfig, RunResult, run_blocking  # noqa: E402
 from loadgen.workload import BodyFormat, LoadWorkload, build_requests, load_requests  # noqa: E402
@@ -71,14 +72,6 @@ TABLE = (("effective_throughput", "effective throughput (tok/s)", "{:.1f}"),
 
 
 # -- the machine -------------------------------------------------------------------------------
-def cpu_info() -> dict:
-    text = Path("/proc/cpuinfo").read_text()
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return {"cpu": model, "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags, "avx2": "avx2" in flags,
-            "avx512f": "avx512f" in flags}
-
-
 def others_running(pattern: str) -> list[str]:
     out = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if line.split(maxsplit=1)[0] != str(os.getpid())]

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 from cpu_decode import ours, ttft  # noqa: E402
 from daemon import Daemon, free_port, terminate  # noqa: E402
+from machine import cpu_info  # noqa: E402
 
 from loadgen.client import ClientConfig, run_blocking  # noqa: E402
 from loadgen.report import SLO, summary  # noqa: E402
@@ -144,11 +145,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     gguf = embedded_gguf_path()
     bin_dir = llama_bin_dir()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
     result: dict = {"burst_quantization": a.quantization,
-                    "machine": {"cpu": cpu, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
-                                "threads": a.threads, "torch": torch.__version__,
+                    "machine": {**cpu_info(), "threads": a.threads, "torch": torch.__version__,
                                 "python": platform.python_version()},
                     "llama_cpp": LLAMA_CPP_BIN, "gguf": str(gguf)}
     if not a.skip_decode:

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 from daemon import Daemon  # noqa: E402
+from machine import cpu_info  # noqa: E402
 from peer_llamacpp import READERS, SLOTS, burst  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def main() -> None:
             s = one(t, logs)
             runs[t].append(s)
             print(f"round {r} threads {t}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()), flush=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_info()["cpu"]
     mean = {t: {k: sum(s[k] for s in rs) / len(rs) for k in rs[0]} for t, rs in runs.items()}
     with open(a.out, "w") as f:
         json.dump({"cpu": cpu, "cores": cores, "runs": runs, "mean": mean}, f, indent=2)

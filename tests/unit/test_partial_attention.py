@@ -53,16 +53,18 @@ def test_an_empty_piece_weighs_nothing_and_two_empty_pieces_stay_empty():
 
 
 @settings(max_examples=40, deadline=None)
-@given(shape=SHAPES, page=st.sampled_from([1, 4, 16]), data=st.data(), seed=st.integers(0, 2**16))
-def test_pages_held_elsewhere_merged_with_the_rest_equal_attention_over_all_pages(shape, page, data, seed):
+@given(shape=SHAPES, page=st.sampled_from([1, 4, 16]), data=st.data(), seed=st.integers(0, 2**16),
+       kernel=st.booleans())
+def test_pages_held_elsewhere_merged_with_the_rest_equal_attention_over_all_pages(shape, page, data, seed, kernel):
     """Per request: its first `held` full pages are another engine's segment (attend_pages on that
     cache); its remaining tokens, with the step's new ones, are attended here (forward_with_lse on a
-    block table that starts after the segment). The merge equals forward over all its pages."""
+    block table that starts after the segment). The merge equals forward over all its pages. With
+    `kernel`, one-row requests' segments go through the C++ kernel (where it builds)."""
     heads, kvh = shape
     d, num_pages = 16, 160  # enough for 3 requests of 47 one-token pages
     gen = torch.Generator().manual_seed(seed)
     args = (heads, kvh, d, page, torch.float32, torch.device("cpu"))
-    backend = TorchAttentionBackend(*args, paged_kernel=False)
+    backend = TorchAttentionBackend(*args, paged_kernel=kernel)
     n_req = data.draw(st.integers(1, 3))
     perm = torch.randperm(num_pages, generator=gen).tolist()
     seq_lens, q_lens, held, tables = [], [], [], []
@@ -87,7 +89,8 @@ def test_pages_held_elsewhere_merged_with_the_rest_equal_attention_over_all_page
                              for i, n in enumerate(lens) for p in range(n - q_lens[i], n)], dtype=torch.int64)
 
     whole = AttentionInputs(start, seq_lens, tables, slots(tables, seq_lens))
-    want = backend.forward(0, q, k, v, cache.clone(), backend.prepare(whole))
+    reference = TorchAttentionBackend(*args, paged_kernel=False)
+    want = reference.forward(0, q, k, v, cache.clone(), reference.prepare(whole))
 
     rest_tables = [t[h:] for t, h in zip(tables, held)]
     rest_lens = [n - h * page for n, h in zip(seq_lens, held)]

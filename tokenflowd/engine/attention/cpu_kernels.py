@@ -41,6 +41,11 @@ def paged_decode() -> Callable | None:
     return torch.ops.tokenflowd.paged_decode
 
 
+def paged_decode_lse() -> Callable | None:
+    """The same kernel returning (out, log-sum-exp) as well, or None where it cannot be built here."""
+    return torch.ops.tokenflowd.paged_decode_lse if paged_decode() is not None else None
+
+
 def _build() -> None:
     from torch.utils import cpp_extension
 

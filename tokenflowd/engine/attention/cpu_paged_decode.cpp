@@ -13,13 +13,14 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
 
 template <typename T>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-                       const at::Tensor& lens, double scale, at::Tensor& out) {
+                       const at::Tensor& lens, double scale, at::Tensor& out, float* lse) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k.size(0), P = k.size(1), PS = k.size(2);
   const int64_t G = H / KVH, MP = table.size(1);
@@ -68,6 +69,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tenso
         }
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+        if (lse != nullptr) lse[b * H + h * G + g] = m + std::log(sum);
       }
       // out_g = sum_t p[g, t] v_t
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -91,8 +93,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   });
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-                        const at::Tensor& lens, double scale) {
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                  const at::Tensor& lens) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [B, heads, head_dim] with rows contiguous");
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes(),
               "k, v: contiguous [kv_heads, num_pages, page_size, head_dim]");
@@ -111,16 +113,39 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
     for (int64_t j = 0; j * ps < lp[b]; ++j)
       TORCH_CHECK(tp[b * mp + j] >= 0 && tp[b * mp + j] < num_pages, "page ", tp[b * mp + j], " out of range");
   }
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                        const at::Tensor& lens, double scale) {
+  check_inputs(q, k, v, table, lens);
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode",
-                                  [&] { paged_decode_impl<scalar_t>(q, k, v, table, lens, scale, out); });
+                                  [&] { paged_decode_impl<scalar_t>(q, k, v, table, lens, scale, out, nullptr); });
   return out;
+}
+
+// The same, with each row's log-sum-exp of its scaled scores (base e, fp32 [B, heads]), so the
+// output can be merged with attention over context held elsewhere (partial.py).
+std::tuple<at::Tensor, at::Tensor> paged_decode_lse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& table, const at::Tensor& lens, double scale) {
+  check_inputs(q, k, v, table, lens);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  float* lp = lse.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_lse",
+                                  [&] { paged_decode_impl<scalar_t>(q, k, v, table, lens, scale, out, lp); });
+  return {out, lse};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tokenflowd, m) {
   m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_decode_lse(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor seq_lens, float scale)"
+        " -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(tokenflowd, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(tokenflowd, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_decode_lse", &paged_decode_lse);
+}

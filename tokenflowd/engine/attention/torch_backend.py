@@ -61,11 +61,11 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, *args, paged_kernel: bool = True) -> None:
         """`paged_kernel`: decode through the CPU kernel where the device is a CPU and it builds."""
         super().__init__(*args)
-        self.kernel = None
+        self.kernel = self.kernel_lse = None
         if paged_kernel and self.device.type == "cpu":
-            from tokenflowd.engine.attention.cpu_kernels import paged_decode
+            from tokenflowd.engine.attention.cpu_kernels import paged_decode, paged_decode_lse
 
-            self.kernel = paged_decode()
+            self.kernel, self.kernel_lse = paged_decode(), paged_decode_lse()
 
     def kv_cache_shape(self, num_pages: int) -> tuple[int, ...]:
         return (2, self.num_kv_heads, num_pages, self.page_size, self.head_dim)
@@ -153,9 +153,19 @@ class TorchAttentionBackend(AttentionBackend):
     def attend_pages(self, q: torch.Tensor, kv_cache: torch.Tensor, query: PageQuery):
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        starts = query.query_start
+        single = [i for i, pages in enumerate(query.pages) if pages and starts[i + 1] - starts[i] == 1]
+        if self.kernel_lse is not None and single:  # one row each (decodes): the kernel reads pages in place
+            width = max(len(query.pages[i]) for i in single)
+            table = torch.tensor([query.pages[i] + [0] * (width - len(query.pages[i])) for i in single],
+                                 dtype=torch.int32)
+            lens = torch.tensor([len(query.pages[i]) * self.page_size for i in single], dtype=torch.int32)
+            rows = torch.tensor([starts[i] for i in single], dtype=torch.int64)
+            out[rows], lse[rows] = self.kernel_lse(q[rows], kv_cache[0], kv_cache[1], table, lens, self.scale)
+        done = set(single) if self.kernel_lse is not None else set()
         for i, pages in enumerate(query.pages):
-            start, stop = query.query_start[i], query.query_start[i + 1]
-            if not pages or start == stop:
+            start, stop = starts[i], starts[i + 1]
+            if not pages or start == stop or i in done:
                 continue
             index = torch.tensor(pages, dtype=torch.int64, device=q.device)
             kc, vc = self._gather(kv_cache, index, len(pages) * self.page_size)

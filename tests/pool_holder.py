@@ -1,0 +1,57 @@
+"""A pool holder process for tests/unit/test_pool_query.py: a KV cache of seeded random pages, a
+page table of segment keys, and a QueryService over them. It prints its reference counts on
+request (stdin "refs") and exits on "quit"."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
+from tokenflowd.pool.query import QueryService
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS, PAGES = 6, 2, 16, 4, 3, 40
+SEGMENTS = {bytes([i]): [2 * i + 7, 2 * i + 8] for i in range(8)}  # key -> its two pages
+
+
+def caches(seed: int) -> list[torch.Tensor]:
+    backend = backend_()
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(backend.kv_cache_shape(PAGES), generator=gen) for _ in range(LAYERS)]
+
+
+def backend_() -> TorchAttentionBackend:
+    return TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float32, torch.device("cpu"), paged_kernel=False)
+
+
+def main() -> None:
+    address, seed = sys.argv[1], int(sys.argv[2])
+    refs: dict[int, int] = {}
+
+    def resolve(keys):
+        out = []
+        for key in keys:
+            if key not in SEGMENTS:
+                break
+            out.append(SEGMENTS[key])
+            for page in SEGMENTS[key]:
+                refs[page] = refs.get(page, 0) + 1
+        return out
+
+    def release(segments):
+        for pages in segments:
+            for page in pages:
+                refs[page] -= 1
+
+    service = QueryService(address, backend_(), caches(seed), resolve, release).start()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "refs":
+            print(sum(refs.values()), service.pinned_requests, flush=True)
+        elif line.strip() == "quit":
+            break
+    service.close()
+
+
+if __name__ == "__main__":
+    main()

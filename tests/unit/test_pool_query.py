@@ -1,0 +1,106 @@
+"""The pool's query path across processes: a requester ships each layer's query rows to a holder
+process (POSIX shared memory for the rows, zmq for the control message), gets back partial
+outputs and log-sum-exp over the holder's pinned segments, and merges them with its own
+attention: the result equals attention over all pages (fp32, 1e-5). Pins are released by unpin
+and by the holder's release of a dead peer; a key the holder lacks ends the pinned run."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenflowd.engine.attention.base import AttentionInputs
+from tokenflowd.engine.attention.partial import merge_states
+from tokenflowd.pool.query import QueryClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import pool_holder as H  # noqa: E402
+
+SEED = 11
+
+
+@pytest.fixture
+def holder(tmp_path):
+    address = f"ipc://{tmp_path}/pool-query.sock"
+    proc = subprocess.Popen([sys.executable, str(Path(H.__file__)), address, str(SEED)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+
+    def refs() -> tuple[int, int]:
+        proc.stdin.write("refs\n")
+        proc.stdin.flush()
+        pages, requests = proc.stdout.readline().split()
+        return int(pages), int(requests)
+
+    yield address, refs
+    proc.stdin.write("quit\n")
+    proc.stdin.flush()
+    assert proc.wait(timeout=30) == 0
+
+
+def test_shipped_queries_merged_with_local_attention_equal_attention_over_all_pages(holder):
+    address, refs = holder
+    backend = H.backend_()
+    caches = H.caches(SEED)  # the holder's cache, rebuilt here for the reference
+    client = QueryClient(1, address, 64, H.HEADS, H.HEAD_DIM, torch.float32)
+    try:
+        # Request a: segments 0 and 1 on the holder (16 tokens), then its own pages 30..33 with 3
+        # more tokens and a 3-row chunk; request b: segment 5 only, then one decode token.
+        held_a = client.pin("a", [bytes([0]), bytes([1]), bytes([99])])
+        held_b = client.pin("b", [bytes([5])])
+        assert (held_a, held_b) == (2, 1), "the run stops at the key it lacks"
+        assert refs() == (6, 2)
+        seg_pages = {"a": H.SEGMENTS[bytes([0])] + H.SEGMENTS[bytes([1])], "b": H.SEGMENTS[bytes([5])]}
+        local_tables = {"a": [30, 31], "b": [34]}
+        local_lens = {"a": 7, "b": 2}
+        q_lens = {"a": 3, "b": 1}
+        start = [0, 3, 4]
+        gen = torch.Generator().manual_seed(1)
+        for layer in range(H.LAYERS):
+            q = torch.randn(4, H.HEADS, H.HEAD_DIM, generator=gen)
+            k = torch.randn(4, H.KV_HEADS, H.HEAD_DIM, generator=gen)
+            v = torch.randn(4, H.KV_HEADS, H.HEAD_DIM, generator=gen)
+            cache = caches[layer].clone()
+            # The reference: one block table with the segments' pages first, attended here.
+            slots_all, tables_all, lens_all = [], [], []
+            for rid in ("a", "b"):
+                table = seg_pages[rid] + local_tables[rid]
+                n = len(seg_pages[rid]) * H.PAGE + local_lens[rid]
+                tables_all.append(table)
+                lens_all.append(n)
+                slots_all += [table[p // H.PAGE] * H.PAGE + p % H.PAGE for p in range(n - q_lens[rid], n)]
+            whole = AttentionInputs(start, lens_all, tables_all, torch.tensor(slots_all))
+            want = backend.forward(layer, q, k, v, cache.clone(), backend.prepare(whole))
+            # Shipped: the holder attends to the segments; the rest is attended here.
+            slots = [local_tables[r][p // H.PAGE] * H.PAGE + p % H.PAGE
+                     for r in ("a", "b") for p in range(local_lens[r] - q_lens[r], local_lens[r])]
+            rest = AttentionInputs(start, [local_lens["a"], local_lens["b"]], [local_tables["a"], local_tables["b"]],
+                                   torch.tensor(slots))
+            o_local, s_local = backend.forward_with_lse(layer, q, k, v, cache, backend.prepare(rest))
+            o_seg, s_seg = client.query(layer, q, start, ["a", "b"])
+            o, _ = merge_states(o_seg.clone(), s_seg.clone(), o_local, s_local)
+            assert (o - want).abs().max() <= 1e-5
+        client.unpin("a")
+        assert refs() == (2, 1)
+        client.release_peer(1)  # the supervisor's word that requester 1 died
+        assert refs() == (0, 0)
+    finally:
+        client.close()
+
+
+def test_a_bad_query_is_an_error_for_the_requester_and_the_holder_keeps_serving(holder):
+    address, refs = holder
+    client = QueryClient(2, address, 4, H.HEADS, H.HEAD_DIM, torch.float32)
+    try:
+        with pytest.raises(ValueError):
+            client.query(0, torch.zeros(5, H.HEADS, H.HEAD_DIM), [0, 5], ["x"])
+        with pytest.raises(RuntimeError, match="pool peer"):
+            client.query(H.LAYERS, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["x"])  # no such layer
+        o, lse = client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["nothing pinned"])
+        assert torch.isneginf(lse).all() and not o.any()
+        assert refs() == (0, 0)
+    finally:
+        client.close()

@@ -1,0 +1,271 @@
+"""The pool's query path (TokenLake §3.3–3.4) on one host: an engine ships a layer's query rows to
+the engine that holds prefix segments and gets back partial outputs with their log-sum-exp, which
+it merges with its own attention (engine/attention/partial.py). Prefix KV never moves.
+
+    requester                                      holder (a thread beside its engine)
+    QueryClient.query(layer, q, segments) ──zmq──► QueryService: pages of the pinned segments,
+      q rows in the requester's q_buf (shm)          backend.attend_pages(q, its layer's cache)
+      (o, lse) read from its out_buf (shm)  ◄──zmq── (o, lse) written into the requester's out_buf
+
+Buffers are POSIX shared memory (multiprocessing.shared_memory), one q_buf/out_buf pair per
+(requester, holder), made by the requester, so only the small control message crosses zmq. On a
+GPU box the same pair would be CUDA IPC handles under MPS; that twin is not built yet.
+
+Pins. Before the first layer, the requester pins the segments a request reads (`pin`): the holder
+resolves their keys to its pages and holds a reference for that request, so no eviction can reuse
+them while queries run; `unpin` (the request ended) or `release_peer` (the requester died) drops
+them. Keys the holder no longer has are reported, and the requester computes those tokens itself.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from typing import Callable, Sequence
+
+import msgspec
+import torch
+import zmq
+
+from tokenflowd.engine.attention.base import PageQuery
+
+log = logging.getLogger("tokenflowd.pool")
+
+
+# -- messages ---------------------------------------------------------------------------------
+class Pin(msgspec.Struct, tag=True):
+    peer: int
+    request_id: str
+    keys: list[bytes]
+
+
+class Unpin(msgspec.Struct, tag=True):
+    peer: int
+    request_id: str
+
+
+class ReleasePeer(msgspec.Struct, tag=True):
+    peer: int
+
+
+class Query(msgspec.Struct, tag=True):
+    peer: int
+    buffer: str  # the requester's shared memory block
+    buffer_rows: int  # the rows it was made for
+    layer: int
+    rows: int
+    query_start: list[int]
+    request_ids: list[str]  # per request of query_start: its pinned segments are what it reads
+
+
+class Pinned(msgspec.Struct, tag=True):
+    held: int  # leading keys the holder has and pinned for the request
+
+
+class Done(msgspec.Struct, tag=True):
+    error: str = ""
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_TO_HOLDER = msgspec.msgpack.Decoder(Pin | Unpin | ReleasePeer | Query)
+_TO_PEER = msgspec.msgpack.Decoder(Pinned | Done)
+
+
+# -- buffers ----------------------------------------------------------------------------------
+@dataclass
+class QueryBuffers:
+    """q [rows, heads, d], o [rows, heads, d] (the cache's dtype) and lse [rows, heads] fp32 in one
+    shared memory block."""
+
+    shm: shared_memory.SharedMemory
+    max_rows: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    owner: bool = False
+    q: torch.Tensor = field(init=False)
+    o: torch.Tensor = field(init=False)
+    lse: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        plane = self.max_rows * self.heads * self.head_dim * item
+        raw = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+        shape = (self.max_rows, self.heads, self.head_dim)
+        self.q = raw[:plane].view(self.dtype).view(shape)
+        self.o = raw[plane : 2 * plane].view(self.dtype).view(shape)
+        self.lse = raw[2 * plane : 2 * plane + self.max_rows * self.heads * 4].view(torch.float32).view(
+            self.max_rows, self.heads)
+
+    @staticmethod
+    def nbytes(max_rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * max_rows * heads * head_dim * item + max_rows * heads * 4
+
+    @classmethod
+    def create(cls, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> "QueryBuffers":
+        shm = shared_memory.SharedMemory(create=True, size=cls.nbytes(max_rows, heads, head_dim, dtype))
+        return cls(shm, max_rows, heads, head_dim, dtype, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> "QueryBuffers":
+        # Untracked: the requester made it and unlinks it; the holder only maps it (before Python
+        # 3.13 every attach is tracked, and the tracker would unlink it when the holder exits).
+        try:
+            shm = shared_memory.SharedMemory(name=name, track=False)
+        except TypeError:
+            from multiprocessing import resource_tracker
+
+            shm = shared_memory.SharedMemory(name=name)
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        return cls(shm, max_rows, heads, head_dim, dtype)
+
+    def close(self) -> None:
+        del self.q, self.o, self.lse
+        self.shm.close()
+        if self.owner:
+            self.shm.unlink()
+
+
+# -- the holder -------------------------------------------------------------------------------
+class QueryService:
+    """Serves peers' queries over this engine's segments, in a thread of the engine's process.
+
+    `resolve(keys)` -> this engine's pages of the longest leading run of `keys` it holds, each
+    with a reference taken; `release(pages)` drops those references. Both run in the service's
+    thread: the engine passes callables that are safe there (its page pool's lock)."""
+
+    def __init__(self, address: str, backend, kv_layers: Sequence[torch.Tensor],
+                 resolve: Callable[[Sequence[bytes]], list[list[int]]],
+                 release: Callable[[list[list[int]]], None], ctx: zmq.Context | None = None) -> None:
+        self.backend = backend
+        self.kv_layers = list(kv_layers)
+        self.resolve, self.release = resolve, release
+        self.pins: dict[tuple[int, str], list[list[int]]] = {}  # (peer, request) -> pages per segment
+        self._buffers: dict[str, QueryBuffers] = {}
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.bind(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pool-query", daemon=True)
+
+    def start(self) -> "QueryService":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for pages in self.pins.values():
+            self.release(pages)
+        self.pins.clear()
+        for buf in self._buffers.values():
+            buf.close()
+        self._sock.close(0)
+
+    @property
+    def pinned_requests(self) -> int:
+        return len(self.pins)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            ident, raw = self._sock.recv_multipart()
+            try:
+                reply = self._handle(_TO_HOLDER.decode(raw))
+            except Exception as e:  # a bad query must not take the engine's service down
+                log.exception("pool query failed")
+                reply = Done(error=f"{type(e).__name__}: {e}")
+            if reply is not None:
+                self._sock.send_multipart([ident, _ENCODER.encode(reply)])
+
+    def _handle(self, msg) -> Pinned | Done | None:
+        if isinstance(msg, Query):
+            return self._query(msg)
+        if isinstance(msg, Pin):
+            pages = self.resolve(msg.keys)
+            old = self.pins.pop((msg.peer, msg.request_id), None)
+            if old is not None:
+                self.release(old)
+            self.pins[(msg.peer, msg.request_id)] = pages
+            return Pinned(held=len(pages))
+        if isinstance(msg, Unpin):
+            pages = self.pins.pop((msg.peer, msg.request_id), None)
+            if pages is not None:
+                self.release(pages)
+            return Done()
+        if isinstance(msg, ReleasePeer):
+            for key in [k for k in self.pins if k[0] == msg.peer]:
+                self.release(self.pins.pop(key))
+            return Done()
+        return Done(error=f"unknown message {type(msg).__name__}")
+
+    def _query(self, msg: Query) -> Done:
+        buf = self._buffers.get(msg.buffer)
+        if buf is None:
+            b = self.backend
+            buf = self._buffers[msg.buffer] = QueryBuffers.attach(msg.buffer, msg.buffer_rows, b.num_heads,
+                                                                  b.head_dim, b.dtype)
+        pages = [[p for seg in self.pins.get((msg.peer, rid), []) for p in seg] for rid in msg.request_ids]
+        q = buf.q[: msg.rows]
+        o, lse = self.backend.attend_pages(q, self.kv_layers[msg.layer], PageQuery(msg.query_start, pages))
+        buf.o[: msg.rows].copy_(o)
+        buf.lse[: msg.rows].copy_(lse)
+        return Done()
+
+
+# -- the requester ----------------------------------------------------------------------------
+class QueryClient:
+    """One requester's channel to one holder. Not thread-safe: the engine's step loop owns it."""
+
+    def __init__(self, peer: int, address: str, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype,
+                 ctx: zmq.Context | None = None, timeout_ms: int = 10_000) -> None:
+        self.peer = peer
+        self.max_rows = max_rows
+        self.buffers = QueryBuffers.create(max_rows, heads, head_dim, dtype)
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.rcvtimeo = timeout_ms
+        self._sock.connect(address)
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self.buffers.close()
+
+    def _call(self, msg) -> Pinned | Done:
+        self._sock.send(_ENCODER.encode(msg))
+        try:
+            reply = _TO_PEER.decode(self._sock.recv())
+        except zmq.Again:
+            raise TimeoutError(f"pool peer did not answer {type(msg).__name__}") from None
+        if isinstance(reply, Done) and reply.error:
+            raise RuntimeError(f"pool peer: {reply.error}")
+        return reply
+
+    def pin(self, request_id: str, keys: list[bytes]) -> int:
+        """Pin a request's segments on the holder. -> how many leading ones it holds."""
+        return self._call(Pin(self.peer, request_id, keys)).held  # type: ignore[union-attr]
+
+    def unpin(self, request_id: str) -> None:
+        self._call(Unpin(self.peer, request_id))
+
+    def release_peer(self, peer: int) -> None:
+        self._call(ReleasePeer(peer))
+
+    def query(self, layer: int, q: torch.Tensor, query_start: list[int],
+              request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial attention of q's rows over the holder's pinned segments of each request.
+        -> (o, lse) views of the shared buffer, valid until the next query."""
+        rows = q.shape[0]
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} query rows exceed the pool buffer's {self.max_rows}")
+        self.buffers.q[:rows].copy_(q)
+        self._call(Query(self.peer, self.buffers.shm.name, self.max_rows, layer, rows, query_start, request_ids))
+        return self.buffers.o[:rows], self.buffers.lse[:rows]
+
