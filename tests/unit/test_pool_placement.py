@@ -162,3 +162,18 @@ def test_gen_plans_serves_cached_segments_where_they_live_and_runs_a_batch_besid
     assert index.get_cache_load([], 0.01, 4096, hw) == 0.0
     load = index.get_cache_load([(4096, 1)] * 32, 0.02, 4096, hw)
     assert 0.0 < load < 1.0
+
+
+@pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason="the Mooncake trace is not on this machine")
+def test_sim_pool_command_compares_both_modes_and_writes_json(tmp_path, capsys):
+    import json
+
+    from tokenflowd.cli import main
+
+    out = tmp_path / "pool.json"
+    assert main(["sim-pool", "--engines", "4", "--num-prompts", "300", "--capacity-tokens", "50000,200000",
+                 "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["capacity_tokens"], r["mode"]) for r in doc["results"]] == [
+        (50000, "routing"), (50000, "pool"), (200000, "routing"), (200000, "pool")]
+    assert "hit rate" in capsys.readouterr().out

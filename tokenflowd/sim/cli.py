@@ -18,6 +18,7 @@ from tokenflowd.config import PolicyConfig, parse_size
 
 def add_commands(sub, common: argparse.ArgumentParser) -> None:
     from tokenflowd.flags import engine_args, policy_args
+    from tokenflowd.sim import pool as pool_sim
     from tokenflowd.sim.cost import PRESETS
     from tokenflowd.sim.scenarios import SCENARIOS
 
@@ -57,6 +58,21 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     policy_args(s)
     s.set_defaults(func=cmd_sim)
 
+    sp = sub.add_parser("sim-pool", parents=[common],
+                        help="N engines' prefix caches on the Mooncake trace: the node pool against cache-aware routing",
+                        description=pool_sim.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--engines", type=int, default=8)
+    sp.add_argument("--preset", default="a100-llama2-7b",
+                    help=f"cost model for the KV pool's size and time in flight: {', '.join(PRESETS)} or calibrated:FILE.json")
+    sp.add_argument("--capacity-tokens", help="prefix cache per engine, tokens; several: 100000,500000 "
+                                              "(default: the cost model's KV pool)")
+    sp.add_argument("--trace", help="Mooncake conversation_trace.jsonl (default: the shared copy)")
+    sp.add_argument("--num-prompts", type=int, help="the trace's first N requests (default all)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--out", help="write the results as JSON here")
+    sp.set_defaults(func=cmd_sim_pool)
+
     c = sub.add_parser("calibrate", parents=[common], help="time our engine's steps and fit a cost model for `sim`")
     c.add_argument("--out", required=True, help="the cost model file to write (load with --preset calibrated:FILE)")
     c.add_argument("--batch-sizes", default="1,4,8", help="requests per run (default 1,4,8)")
@@ -64,6 +80,37 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     c.add_argument("--decode-steps", type=int, default=5, help="output tokens per request (default 5)")
     engine_args(c)
     c.set_defaults(func=cmd_calibrate)
+
+
+def cmd_sim_pool(a: argparse.Namespace) -> int:
+    import json
+
+    from tokenflowd.sim.cost import cost_model
+    from tokenflowd.sim.pool import MODES, config_from_cost, replay
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload
+
+    if a.engines < 1:
+        raise ValueError("--engines must be at least 1")
+    cost = cost_model(a.preset)
+    capacities = _ints(a.capacity_tokens, "--capacity-tokens") if a.capacity_tokens else (None,)
+    requests = build_workload(WorkloadSpec.parse("trace", trace=a.trace, num_requests=a.num_prompts, seed=a.seed))
+    rows = []
+    print(f"{len(requests)} trace requests, {a.engines} engines, cost model {cost.name}")
+    print(f"{'capacity':>10} {'mode':>8} {'hit rate':>9} {'load CV':>8} {'CV max':>7} {'replicas made':>14}")
+    for capacity in capacities:
+        cfg = config_from_cost(cost, a.engines, capacity, a.seed)
+        for mode in MODES:
+            s = replay(mode, requests, cfg).summary()
+            rows.append({"capacity_tokens": cfg.capacity_tokens, **s})
+            print(f"{cfg.capacity_tokens:>10} {mode:>8} {s['hit_rate']:>9.3f} {s['load_cv_mean']:>8.3f} "
+                  f"{s['load_cv_max']:>7.3f} {s['replications']:>14}")
+    if a.out:
+        doc = {"engines": a.engines, "cost_model": cost.name, "cost_source": cost.source,
+               "requests": len(requests), "results": rows}
+        with open(a.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print("wrote", a.out)
+    return 0
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:

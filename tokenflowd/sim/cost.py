@@ -48,6 +48,17 @@ _handle_gpu_memory_settings) reserves 512 MiB + 1.5 MiB · max(chunked_prefill 2
 2 MiB · cuda_graph_max_bs 24 + 128 MiB = 3,760 MiB on a card under 35 GiB, so mem-frac 0.847 and
 KV memory = 20,804 MiB − 16.06 GB = 5.75 GB → 43,888 tokens in pages of 16.
 
+Llama-2-7B on an A100 80 GB (TokenLake §7: 8 A100 80 GB per server, NVLink 400 GB/s, the
+LWM-1M-Text model, a long-context Llama-2-7B). Llama-2-7B (meta-llama/Llama-2-7b-hf config.json):
+6,738,415,616 parameters, fp16/bf16; 32 layers, hidden 4096, 32 query heads and 32 KV heads (no
+GQA) of head_dim 128, vocab 32,000, untied embeddings. So weight_bytes = 13.48 GB, num_params =
+6,738,415,616 − 32,000 · 4096 = 6,607,343,616, KV per token = 2 · 32 · 32 · 128 · 2 = 524,288
+bytes = 512 KiB. A100 SXM4 80 GB (NVIDIA A100 datasheet): 2,039 GB/s HBM2e; BF16 Tensor Core 312
+TFLOPS dense; PCIe Gen4 x16, 31.5 GB/s each way. The paper states no memory fraction; 0.85 of the
+card's 81,920 MiB is assumed [inf: SGLang's default for cards above 80 GiB is 0.85–0.88]: KV memory
+= 0.85 · 81,920 MiB − 13.48 GB = 59.5 GB → 113,504 tokens in pages of 16. The paper's instances
+run TP 2 (two GPUs each); `a100-llama2-7b` is one GPU, and the pool simulator counts engines.
+
 Engine limits: max_num_batched_tokens is SGLang's default chunked-prefill size for the card's
 memory bucket (8,192 above 90 GiB, 2,048 under 35 GiB; same heuristic); max_num_seqs = 256 (the
 CUDA-graph batch limit SGLang picks for an H200, and a bound the 4090's pool never reaches).
@@ -233,6 +244,18 @@ def _rtx4090_llama3_8b() -> CostModel:
     )
 
 
+def _a100_llama2_7b() -> CostModel:
+    card = 81_920 * MiB
+    weights = 2 * 6_738_415_616
+    return CostModel(
+        name="a100-llama2-7b", num_params=6_738_415_616 - 32_000 * 4096, weight_bytes=weights,
+        num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, kv_dtype_bytes=2,
+        peak_flops=312e12, mem_bandwidth=2039e9, kv_memory=int(0.85 * card - weights), host_link_bandwidth=31.5e9,
+        max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=32_768,
+        source="A100 SXM4 80GB datasheet; Llama-2-7B config; TokenLake §7 setup; mem-frac 0.85 assumed; see sim/cost.py",
+    )
+
+
 def fig6_cost_model() -> CostModel:
     """TokenFlow Fig. 6 (§4.1): every running request decodes at 40 tokens/s whatever the batch,
     two at a time; prefill costs next to nothing. The per-step overhead is the whole step."""
@@ -247,6 +270,7 @@ def fig6_cost_model() -> CostModel:
 PRESETS = types.MappingProxyType({
     "h200-llama3-8b": _h200_llama3_8b,
     "rtx4090-llama3-8b": _rtx4090_llama3_8b,
+    "a100-llama2-7b": _a100_llama2_7b,
     "fig6": fig6_cost_model,
 })
 

@@ -70,6 +70,13 @@ class PoolSimResult:
                 "held_tokens_end": self.held_tokens_end}
 
 
+def config_from_cost(cost, engines: int, capacity_tokens: int | None = None, seed: int = 0) -> PoolSimConfig:
+    """Each engine's prefix cache is its KV pool (unless given); time in flight from the roofline:
+    prefill at the rate of an 8,192-token prompt, decode at a batch of 32 over 8,192 tokens."""
+    return PoolSimConfig(engines=engines, capacity_tokens=capacity_tokens or cost.max_tokens_in_pool,
+                         prefill_rate=8192 / cost.prefill_time(8192), tbt=cost.decode_step_time(32, 8192), seed=seed)
+
+
 def chain_keys(hash_ids: Sequence[int], full_blocks: int) -> list[bytes]:
     keys: list[bytes] = []
     for h in hash_ids[:full_blocks]:
