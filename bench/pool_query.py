@@ -7,11 +7,13 @@ Two processes, as in a pool of two engines on one host: this one (the requester)
 started from this script, with a KV cache shaped as the embedded model's (9 heads, 3 KV heads,
 d 64, page 16; fp32) and a QueryService over it. For each prefix length S and row count R:
 
-    local    backend.attend_pages on the same pages in this process (what the requester would
-             spend attending to the segment itself)
-    shipped  QueryClient.query: rows into shared memory, a zmq round trip, the holder's
-             attend_pages, (o, lse) back
-    added    shipped − local: the latency a layer pays for not holding the segment
+    local    backend.attend_pages on a cache of this process (what the requester would spend
+             attending to the segment were it its own)
+    shipped  query mode, QueryClient.query: rows into shared memory, a zmq round trip, the
+             holder's attend_pages, (o, lse) back
+    read     read mode: this process's attend_pages on the holder's cache, mapped from shared
+             memory (shared_kv.py); no message per layer
+    added    shipped − local, and read − local: what a layer pays for not holding the segment
 
 Each figure is the median of --repeats calls after a warm-up, alternating local and shipped.
 α is half the round trip of a 1-row query over no pages; B comes from the extra time of
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,6 +41,7 @@ from tokenflowd.engine.attention.base import PageQuery  # noqa: E402
 from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tokenflowd.pool.query import QueryClient, QueryService  # noqa: E402
 from tokenflowd.pool.segments import SegmentCosts, pages_per_segment, query_payload  # noqa: E402
+from tokenflowd.pool.shared_kv import SharedKV  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 HERE = Path(__file__).resolve().parent
@@ -55,9 +59,11 @@ def segment_of(tokens: int) -> bytes:
     return tokens.to_bytes(8, "little")
 
 
-def holder(address: str, num_pages: int, threads: int) -> None:
+def holder(address: str, num_pages: int, threads: int, shm_name: str) -> None:
     torch.set_num_threads(threads)
-    kv = cache(num_pages)
+    shared = SharedKV.create(shm_name, 1, backend().kv_cache_shape(num_pages), torch.float32)
+    kv = shared.layers[0]
+    kv.copy_(cache(num_pages))
 
     def resolve(keys):
         return [list(range(int.from_bytes(k, "little") // PAGE)) for k in keys]
@@ -66,6 +72,7 @@ def holder(address: str, num_pages: int, threads: int) -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     service.close()
+    shared.close()
 
 
 def median_pair(local, shipped, repeats: int) -> tuple[float, float]:
@@ -90,20 +97,22 @@ def main() -> None:
     ap.add_argument("--role", default="bench", help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     ap.add_argument("--pages", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--shm", help=argparse.SUPPRESS)
     a = ap.parse_args()
     prefixes = [int(x) for x in a.prefix.split(",")]
     rows_list = [int(x) for x in a.rows.split(",")]
     num_pages = max(prefixes) // PAGE + 1
     if a.role == "holder":
-        holder(a.address, a.pages, a.threads)
+        holder(a.address, a.pages, a.threads, a.shm)
         return
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        address = f"ipc://{tmp}/query.sock"
+        address, shm = f"ipc://{tmp}/query.sock", f"tokenflowd-bench-{os.getpid()}"
         proc = subprocess.Popen([sys.executable, __file__, "--role", "holder", "--address", address, "--pages",
-                                 str(num_pages), "--threads", str(a.threads)], stdin=subprocess.PIPE,
+                                 str(num_pages), "--threads", str(a.threads), "--shm", shm], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
+        peer = SharedKV.attach(shm, 1, backend().kv_cache_shape(num_pages), torch.float32)
         max_rows = max(max(rows_list), a.bw_rows)
         client = QueryClient(1, address, max_rows, HEADS, HEAD_DIM, torch.float32)
         b, kv = backend(), cache(num_pages)
@@ -133,14 +142,20 @@ def main() -> None:
                     pages = [list(range(tokens // PAGE))] * rows
                     local, shipped = median_pair(lambda: b.attend_pages(q, kv, PageQuery(starts, pages)),
                                                  lambda: client.query(0, q, starts, [rid] * rows), a.repeats)
+                    local2, read = median_pair(lambda: b.attend_pages(q, kv, PageQuery(starts, pages)),
+                                               lambda: b.attend_pages(q, peer.layers[0], PageQuery(starts, pages)),
+                                               a.repeats)
                     rows_out.append({"prefix_tokens": tokens, "rows": rows, "local_us": round(local * 1e6, 1),
-                                     "shipped_us": round(shipped * 1e6, 1),
-                                     "added_us_per_layer": round((shipped - local) * 1e6, 1)})
-                    print(f"prefix {tokens:5d} rows {rows:3d}: local {local * 1e6:8.1f} us  shipped "
-                          f"{shipped * 1e6:8.1f} us  added {(shipped - local) * 1e6:8.1f} us per layer", flush=True)
+                                     "shipped_us": round(shipped * 1e6, 1), "read_us": round(read * 1e6, 1),
+                                     "query_added_us_per_layer": round((shipped - local) * 1e6, 1),
+                                     "read_added_us_per_layer": round((read - local2) * 1e6, 1)})
+                    print(f"prefix {tokens:5d} rows {rows:3d}: local {local * 1e6:8.1f} us  query {shipped * 1e6:8.1f}"
+                          f" (+{(shipped - local) * 1e6:7.1f})  read {read * 1e6:8.1f} (+{(read - local2) * 1e6:6.1f})"
+                          f" us per layer", flush=True)
                     client.unpin(rid)
         finally:
             client.close()
+            peer.close()
             proc.stdin.write("quit\n")
             proc.stdin.flush()
             proc.wait(timeout=30)

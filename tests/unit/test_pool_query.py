@@ -5,6 +5,7 @@ attention: the result equals attention over all pages (fp32, 1e-5). Pins are rel
 and by the holder's release of a dead peer; a key the holder lacks ends the pinned run."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,9 @@ import torch
 
 from tokenflowd.engine.attention.base import AttentionInputs
 from tokenflowd.engine.attention.partial import merge_states
+from tokenflowd.engine.attention.base import PageQuery
 from tokenflowd.pool.query import QueryClient
+from tokenflowd.pool.shared_kv import SharedKV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pool_holder as H  # noqa: E402
@@ -25,8 +28,9 @@ SEED = 11
 @pytest.fixture
 def holder(tmp_path):
     address = f"ipc://{tmp_path}/pool-query.sock"
-    proc = subprocess.Popen([sys.executable, str(Path(H.__file__)), address, str(SEED)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    shm_name = f"tokenflowd-test-{os.getpid()}-{tmp_path.name}"
+    proc = subprocess.Popen([sys.executable, str(Path(H.__file__)), address, str(SEED), shm_name],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
 
     def refs() -> tuple[int, int]:
@@ -35,14 +39,15 @@ def holder(tmp_path):
         pages, requests = proc.stdout.readline().split()
         return int(pages), int(requests)
 
-    yield address, refs
+    yield address, refs, shm_name
     proc.stdin.write("quit\n")
     proc.stdin.flush()
     assert proc.wait(timeout=30) == 0
+    assert not Path(f"/dev/shm/{shm_name}").exists(), "the owner unlinks its cache"
 
 
 def test_shipped_queries_merged_with_local_attention_equal_attention_over_all_pages(holder):
-    address, refs = holder
+    address, refs, _ = holder
     backend = H.backend_()
     caches = H.caches(SEED)  # the holder's cache, rebuilt here for the reference
     client = QueryClient(1, address, 64, H.HEADS, H.HEAD_DIM, torch.float32)
@@ -92,7 +97,7 @@ def test_shipped_queries_merged_with_local_attention_equal_attention_over_all_pa
 
 
 def test_a_bad_query_is_an_error_for_the_requester_and_the_holder_keeps_serving(holder):
-    address, refs = holder
+    address, refs, _ = holder
     client = QueryClient(2, address, 4, H.HEADS, H.HEAD_DIM, torch.float32)
     try:
         with pytest.raises(ValueError):
@@ -104,3 +109,46 @@ def test_a_bad_query_is_an_error_for_the_requester_and_the_holder_keeps_serving(
         assert refs() == (0, 0)
     finally:
         client.close()
+
+
+def test_read_mode_attends_in_place_to_the_peers_mapped_cache_and_equals_query_mode(holder):
+    address, refs, shm_name = holder
+    backend = H.backend_()
+    peer = SharedKV.attach(shm_name, H.LAYERS, backend.kv_cache_shape(H.PAGES), torch.float32)
+    client = QueryClient(3, address, 8, H.HEADS, H.HEAD_DIM, torch.float32)
+    try:
+        assert client.pin("r", [bytes([2]), bytes([3])]) == 2  # read mode pins too: pages must not move
+        pages = H.SEGMENTS[bytes([2])] + H.SEGMENTS[bytes([3])]
+        q = torch.randn(3, H.HEADS, H.HEAD_DIM, generator=torch.Generator().manual_seed(4))
+        for layer in range(H.LAYERS):
+            o_read, s_read = backend.attend_pages(q, peer.layers[layer], PageQuery([0, 1, 3], [pages, pages]))
+            o_query, s_query = client.query(layer, q, [0, 1, 3], ["r", "r"])
+            assert (o_read - o_query).abs().max() <= 1e-5 and (s_read - s_query).abs().max() <= 1e-5
+            want, _ = backend.attend_pages(q, H.caches(SEED)[layer], PageQuery([0, 1, 3], [pages, pages]))
+            assert (o_read - want).abs().max() <= 1e-6
+        client.unpin("r")
+        assert refs() == (0, 0)
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_a_dead_holder_is_an_error_within_the_timeout_not_a_hang(tmp_path):
+    address = f"ipc://{tmp_path}/pool-query.sock"
+    shm_name = f"tokenflowd-test-{os.getpid()}-dead"
+    proc = subprocess.Popen([sys.executable, str(Path(H.__file__)), address, str(SEED), shm_name],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        client = QueryClient(4, address, 2, H.HEADS, H.HEAD_DIM, torch.float32, timeout_ms=1000)
+        assert client.pin("r", [bytes([0])]) == 1
+        proc.kill()
+        proc.wait(timeout=30)
+        with pytest.raises(TimeoutError):
+            client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["r"])
+        with pytest.raises(TimeoutError, match="earlier"):  # at once: the channel is known dead
+            client.unpin("r")
+        client.close()
+    finally:
+        proc.kill()
+        Path(f"/dev/shm/{shm_name}").unlink(missing_ok=True)  # a killed owner cannot unlink its cache

@@ -29,6 +29,7 @@ import torch
 import zmq
 
 from tokenflowd.engine.attention.base import PageQuery
+from tokenflowd.pool.shared_kv import attach_untracked
 
 log = logging.getLogger("tokenflowd.pool")
 
@@ -110,16 +111,7 @@ class QueryBuffers:
 
     @classmethod
     def attach(cls, name: str, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> "QueryBuffers":
-        # Untracked: the requester made it and unlinks it; the holder only maps it (before Python
-        # 3.13 every attach is tracked, and the tracker would unlink it when the holder exits).
-        try:
-            shm = shared_memory.SharedMemory(name=name, track=False)
-        except TypeError:
-            from multiprocessing import resource_tracker
-
-            shm = shared_memory.SharedMemory(name=name)
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        return cls(shm, max_rows, heads, head_dim, dtype)
+        return cls(attach_untracked(name), max_rows, heads, head_dim, dtype)  # the requester unlinks it
 
     def close(self) -> None:
         del self.q, self.o, self.lse
@@ -233,17 +225,22 @@ class QueryClient:
         self._sock.linger = 0
         self._sock.rcvtimeo = timeout_ms
         self._sock.connect(address)
+        self.dead = False
 
     def close(self) -> None:
         self._sock.close(0)
         self.buffers.close()
 
     def _call(self, msg) -> Pinned | Done:
+        if self.dead:
+            raise TimeoutError(f"pool peer {self.peer} stopped answering earlier")
         self._sock.send(_ENCODER.encode(msg))
         try:
             reply = _TO_PEER.decode(self._sock.recv())
         except zmq.Again:
-            raise TimeoutError(f"pool peer did not answer {type(msg).__name__}") from None
+            # A late answer would be taken for the next call's: this channel is done for.
+            self.dead = True
+            raise TimeoutError(f"pool peer {self.peer} did not answer {type(msg).__name__}") from None
         if isinstance(reply, Done) and reply.error:
             raise RuntimeError(f"pool peer: {reply.error}")
         return reply
