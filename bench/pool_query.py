@@ -15,10 +15,10 @@ d 64, page 16; fp32) and a QueryService over it. For each prefix length S and ro
              memory (shared_kv.py); no message per layer
     added    shipped − local, and read − local: what a layer pays for not holding the segment
 
-Each figure is the median of --repeats calls after a warm-up, alternating local and shipped.
-α is half the round trip of a 1-row query over no pages; B comes from the extra time of
---bw-rows rows over 1 row (the bytes of q out and o, lse back); k_comp is the slope of local
-attend_pages for one row between S/4 and S. Torch threads: --threads in both processes.
+Each time is the median of --repeats calls after a warm-up, alternating the two sides. α, B and
+k_comp come from pool/segments.py's measures (medians of --repeats calls): α is half the round
+trip of a 1-row query over no pages; B comes from the extra time of --bw-rows rows over 1 row (the
+bytes of q out and o, lse back); k_comp is the slope of attend_pages for one row between S/4 and S. Torch threads: --threads in both processes.
 """
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ from machine import cpu_info  # noqa: E402
 from tokenflowd.engine.attention.base import PageQuery  # noqa: E402
 from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tokenflowd.pool.query import QueryClient, QueryService  # noqa: E402
-from tokenflowd.pool.segments import SegmentCosts, pages_per_segment, query_payload  # noqa: E402
+from tokenflowd.pool.segments import (SegmentCosts, attend_probe, measure_k_comp, measure_link,  # noqa: E402
+                                      pages_per_segment, query_payload)
 from tokenflowd.pool.shared_kv import SharedKV  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
@@ -118,20 +119,13 @@ def main() -> None:
         b, kv = backend(), cache(num_pages)
         rows_out = []
         try:
-            # α and B: queries over no pinned pages (the holder returns the empty state).
-            q1, qn = torch.randn(1, HEADS, HEAD_DIM), torch.randn(a.bw_rows, HEADS, HEAD_DIM)
-            rt1, rtn = median_pair(lambda: client.query(0, q1, [0, 1], ["none"]),
-                                   lambda: client.query(0, qn, [0, a.bw_rows], ["none"]), a.repeats)
-            alpha = rt1 / 2
+            # α and B: queries over no pinned pages (the holder returns the empty state); k_comp:
+            # one row over S/4 and S tokens, locally. Medians of --repeats, as the engine would measure.
             payload = query_payload(HEADS, HEAD_DIM, 4)
-            bandwidth = (a.bw_rows - 1) * payload / max(rtn - rt1, 1e-9)
-            # k_comp: one row over S/4 and S tokens, locally.
-            big = max(prefixes)
-
-            def local_over(tokens):
-                return lambda: b.attend_pages(q1, kv, PageQuery([0, 1], [list(range(tokens // PAGE))]))
-            t_small, t_big = median_pair(local_over(big // 4), local_over(big), a.repeats)
-            k_comp = max((t_big - t_small) / (big - big // 4), 1e-12)
+            qs = torch.randn(a.bw_rows, HEADS, HEAD_DIM)
+            alpha, bandwidth = measure_link(lambda n: client.query(0, qs[:n], [0, n], ["none"]), payload,
+                                            a.bw_rows, a.repeats)
+            k_comp = measure_k_comp(attend_probe(b, num_pages), max(prefixes), a.repeats)
             costs = SegmentCosts(alpha, bandwidth, k_comp, payload)
             for tokens in prefixes:
                 for rows in rows_list:

@@ -136,6 +136,25 @@ def test_segment_threshold_follows_the_formula_and_rounds_to_pages():
     assert segment_keys(keys, 4) == [keys[3], keys[7]]
 
 
+def test_link_and_compute_measures_recover_known_costs(monkeypatch):
+    from tokenflowd.pool import segments
+    from tokenflowd.pool.segments import measure_k_comp, measure_link
+
+    clock = [0.0]
+    monkeypatch.setattr(segments.time, "perf_counter", lambda: clock[0])
+
+    def round_trip(rows):  # 50 us each way, 10 GB/s, 1,000 bytes a row
+        clock[0] += 2 * 50e-6 + rows * 1000 / 10e9
+
+    def attend(tokens):  # 10 us a call, 2 ns a token
+        clock[0] += 10e-6 + tokens * 2e-9
+
+    alpha, bandwidth = measure_link(round_trip, 1000, rows=101, repeats=3)
+    assert alpha == pytest.approx(50e-6 + 1000 / 10e9 / 2)
+    assert bandwidth == pytest.approx(10e9)
+    assert measure_k_comp(attend, 4096, repeats=3) == pytest.approx(2e-9)
+
+
 def test_dispatch_is_the_least_cost_assignment():
     rng = random.Random(5)
     engines = [0, 1, 2, 3]

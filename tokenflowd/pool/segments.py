@@ -17,6 +17,7 @@ at start-up (`measure_segment_costs`); the threshold rounds up to whole pages.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -52,27 +53,31 @@ def segment_keys(page_keys: Sequence[bytes], per_segment: int) -> list[bytes]:
     return [page_keys[(i + 1) * per_segment - 1] for i in range(len(page_keys) // per_segment)]
 
 
-def measure_k_comp(attend: Callable[[int], None], tokens: int = 4096, repeats: int = 5) -> float:
-    """Seconds per prefix token of one query row's attention in one layer: `attend(n)` runs it
-    over n tokens. The slope between n and n/4 cancels the fixed cost of a call."""
-    def best(n: int) -> float:
-        attend(n)  # warm
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            attend(n)
-            times.append(time.perf_counter() - t0)
-        return min(times)
+def typical_time(call: Callable[[], object], repeats: int) -> float:
+    """The median of `repeats` timed calls, after one to warm up: what a call usually costs, not
+    its luckiest run (the threshold weighs a typical round trip)."""
+    call()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
-    small, large = best(tokens // 4), best(tokens)
+
+def measure_k_comp(attend: Callable[[int], object], tokens: int = 4096, repeats: int = 20) -> float:
+    """Seconds per prefix token of one query row's attention in one layer: `attend(n)` runs it
+    over n tokens. The slope between n/4 and n cancels the fixed cost of a call."""
+    small = typical_time(lambda: attend(tokens // 4), repeats)
+    large = typical_time(lambda: attend(tokens), repeats)
     return max((large - small) / (tokens - tokens // 4), 1e-12)
 
 
-def attend_probe(backend, num_pages: int) -> Callable[[int], None]:
-    """A k_comp probe over the backend's own `attend_pages` (one query row, pages of random KV)."""
+def attend_probe(backend, num_pages: int) -> Callable[[int], object]:
+    """A k_comp probe over the backend's own `attend_pages`: one query row over random pages."""
     from tokenflowd.engine.attention.base import PageQuery
 
-    cache = torch.randn(backend.kv_cache_shape(num_pages), dtype=torch.float32).to(backend.dtype).to(backend.device)
+    cache = torch.randn(backend.kv_cache_shape(num_pages)).to(backend.dtype).to(backend.device)
     q = torch.randn(1, backend.num_heads, backend.head_dim).to(backend.dtype).to(backend.device)
 
     def attend(tokens: int) -> None:
@@ -84,17 +89,11 @@ def attend_probe(backend, num_pages: int) -> Callable[[int], None]:
     return attend
 
 
-def measure_link(round_trip: Callable[[int], None], size: int = 1 << 20, repeats: int = 20) -> tuple[float, float]:
-    """(α s, B bytes/s) of a query path: `round_trip(n)` sends n bytes to a peer and waits for the
-    echo of one byte. α is half the round trip of one byte; B comes from the extra time of `size`."""
-    def best(n: int) -> float:
-        round_trip(n)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            round_trip(n)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    tiny, big = best(1), best(size)
-    return tiny / 2, size / max(big - tiny, 1e-9)
+def measure_link(round_trip: Callable[[int], object], payload: int, rows: int = 256,
+                 repeats: int = 50) -> tuple[float, float]:
+    """(α s, B bytes/s) of a query path: `round_trip(n)` sends n query rows to a peer and waits
+    for their results, `payload` bytes a row. α is half the round trip of one row; B comes from
+    the extra time of `rows` rows."""
+    one = typical_time(lambda: round_trip(1), repeats)
+    many = typical_time(lambda: round_trip(rows), repeats)
+    return one / 2, (rows - 1) * payload / max(many - one, 1e-9)
