@@ -18,7 +18,8 @@ d 64, page 16; fp32) and a QueryService over it. For each prefix length S and ro
 Each time is the median of --repeats calls after a warm-up, alternating the two sides. α, B and
 k_comp come from pool/segments.py's measures (medians of --repeats calls): α is half the round
 trip of a 1-row query over no pages; B comes from the extra time of --bw-rows rows over 1 row (the
-bytes of q out and o, lse back); k_comp is the slope of attend_pages for one row between S/4 and S. Torch threads: --threads in both processes.
+bytes of q out and o, lse back); k_comp is the slope of attend_pages for one row between S/4 and S.
+Torch threads: --threads in both processes.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A pool holder process for tests/unit/test_pool_query.py: a KV cache of seeded random pages in
-shared memory (read mode maps it), a page table of segment keys, and a QueryService over them. It prints its reference counts on
-request (stdin "refs") and exits on "quit"."""
+shared memory (read mode maps it), a page table of segment keys, and a QueryService over them.
+It prints its reference counts on request (stdin "refs") and exits on "quit"."""
 from __future__ import annotations
 
 import sys
@@ -22,7 +22,8 @@ def caches(seed: int) -> list[torch.Tensor]:
 
 
 def backend_() -> TorchAttentionBackend:
-    return TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float32, torch.device("cpu"), paged_kernel=False)
+    args = (HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float32, torch.device("cpu"))
+    return TorchAttentionBackend(*args, paged_kernel=False)
 
 
 def main() -> None:

@@ -48,9 +48,8 @@ class Router:
         return self.pick_keys(engines, keys)
 
     def pick_keys(self, engines: Sequence[EngineLoad], keys: Sequence[bytes]) -> Choice:
-        """`pick` for a request whose chained page keys are known."""
-        if len(engines) == 1:
-            return Choice(engines[0].engine_id, 0)
+        """`pick` for a request whose chained page keys are known (its cached pages counted even
+        with one engine)."""
         best: tuple[float, int, Choice] | None = None
         for e in engines:
             hit = self.index.cached_pages(e.engine_id, keys) if keys else 0

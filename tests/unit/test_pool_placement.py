@@ -99,12 +99,12 @@ def test_lru_over_replicas_keeps_pinned_ones_and_takes_the_unreachable_below_a_l
     p = Placement([0, 1], half_life=1e9)
     old, new = chain(1, 2, 3), chain(4, 5)
     p.put(old, [SEG] * 3, 0.0)
+    pinned = p.route(old, 0.5)[0]  # a running request reads the old prefix's first segment
+    p.pin(*pinned)
     p.put(new, [SEG] * 2, 1.0)
     p.route(new, 2.0)
     on0 = [k for k in old + new if p.tree.get(k).home == 0]
     assert on0, "some segment lives on engine 0"
-    pinned = p.route(old, 0.5)[0]
-    p.pin(*pinned)
     dropped = p.evict(0, 10 * SEG)
     assert (pinned[0].key, pinned[1]) not in dropped
     assert all(p.tree.get(k) is None for k, _ in dropped)
@@ -112,6 +112,16 @@ def test_lru_over_replicas_keeps_pinned_ones_and_takes_the_unreachable_below_a_l
     p.evict(pinned[1], 10 * SEG)
     assert p.tree.get(old[0]) is None and p.tree.get(old[-1]) is None, "below a dropped prefix nothing stays"
     assert p.held_tokens(0) + p.held_tokens(1) == SEG * len(p.tree)
+
+
+def test_eviction_takes_a_chains_leaves_first_and_counts_what_it_freed():
+    p = Placement([0], half_life=1e9)
+    keys = chain(1, 2, 3, 4)
+    p.put(keys, [SEG] * 4, 0.0)
+    p.route(keys, 1.0)
+    assert p.evict(0, 1) == [(keys[-1], 0)]
+    assert p.held_tokens(0) == 3 * SEG and len(p.tree.match(keys)) == 3
+    assert p.evict(0, 2 * SEG) == [(keys[2], 0), (keys[1], 0)]
 
 
 def test_a_dead_engine_leaves_the_index_at_once_with_what_only_it_led_to():
@@ -124,6 +134,8 @@ def test_a_dead_engine_leaves_the_index_at_once_with_what_only_it_led_to():
     assert len(p.tree.match(keys)) == first_on_1
     assert {k for k, _ in freed} == {k for k in keys[first_on_1:] if rendezvous_home(k, range(3)) != 1}
     assert sum(p.held_tokens(e) for e in p.engines) == SEG * len(p.tree)
+    p.add_engine(1, 1.0)  # its successor: new segments hash over all three again
+    assert [e for _, e in p.put(keys, [SEG] * 30, 1.0)] == [rendezvous_home(k, range(3)) for k in keys[first_on_1:]]
 
 
 def test_segment_threshold_follows_the_formula_and_rounds_to_pages():
@@ -179,8 +191,12 @@ def test_gen_plans_serves_cached_segments_where_they_live_and_runs_a_batch_besid
     assert plans.transfer["b"] == []  # its ninth page fills no segment
     hw = Hardware(mem_bandwidth=1e12, flops=1e14)
     assert index.get_cache_load([], 0.01, 4096, hw) == 0.0
-    load = index.get_cache_load([(4096, 1)] * 32, 0.02, 4096, hw)
-    assert 0.0 < load < 1.0
+    # 32 decodes over 4,096-token prefixes, d 4096, 3 engines, a 20 ms step:
+    # M = 32·4·4096·4097 = 2.148e9, F = 32·2·4096·4096 = 1.074e9; memory binds.
+    mem, flops = 32 * 4 * 4096 * 4097, 32 * 2 * 4096 * 4096
+    want = max(mem / (mem + 3 * 1e12 * 0.02), flops / (flops + 3 * 1e14 * 0.02))
+    assert index.get_cache_load([(4096, 1)] * 32, 0.02, 4096, hw) == pytest.approx(want)
+    assert want == pytest.approx(mem / (mem + 6e10))
 
 
 @pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason="the Mooncake trace is not on this machine")

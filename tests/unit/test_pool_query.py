@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenflowd.engine.attention.base import AttentionInputs
+from tokenflowd.engine.attention.base import AttentionInputs, PageQuery
 from tokenflowd.engine.attention.partial import merge_states
-from tokenflowd.engine.attention.base import PageQuery
 from tokenflowd.pool.query import QueryClient
 from tokenflowd.pool.shared_kv import SharedKV
 
@@ -140,15 +139,18 @@ def test_a_dead_holder_is_an_error_within_the_timeout_not_a_hang(tmp_path):
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        client = QueryClient(4, address, 2, H.HEADS, H.HEAD_DIM, torch.float32, timeout_ms=1000)
-        assert client.pin("r", [bytes([0])]) == 1
-        proc.kill()
-        proc.wait(timeout=30)
-        with pytest.raises(TimeoutError):
-            client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["r"])
-        with pytest.raises(TimeoutError, match="earlier"):  # at once: the channel is known dead
-            client.unpin("r")
-        client.close()
+        client = QueryClient(4, address, 2, H.HEADS, H.HEAD_DIM, torch.float32)  # a busy box may be slow here
+        try:
+            assert client.pin("r", [bytes([0])]) == 1
+            proc.kill()
+            proc.wait(timeout=30)
+            client._sock.rcvtimeo = 1000  # the holder is dead: no answer is coming however long we wait
+            with pytest.raises(TimeoutError):
+                client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["r"])
+            with pytest.raises(TimeoutError, match="earlier"):  # at once: the channel is known dead
+                client.unpin("r")
+        finally:
+            client.close()
     finally:
         proc.kill()
         Path(f"/dev/shm/{shm_name}").unlink(missing_ok=True)  # a killed owner cannot unlink its cache

@@ -8,7 +8,7 @@ pages go to their segments' homes. The cost of running batch u on engine v is th
 
 Q(u): engines holding segments u reads; P(u): engines where u's new KV goes (with its bytes).
 scipy's linear_sum_assignment finds the matching of least total cost. With more batches than
-engines, each engine appears ⌈B/N⌉ times as a column, so the batches spread evenly.
+engines, each engine appears ⌈B/N⌉ times as a column: no engine takes more than ⌈B/N⌉ batches.
 """
 from __future__ import annotations
 

@@ -77,6 +77,7 @@ class PoolIndex:
     def gen_plans(self, batches: Sequence[Sequence[PoolRequest]], now: float) -> Plans:
         plans = Plans()
         traffic = []
+        planned: set[bytes] = set()
         for batch in batches:
             queries: dict[int, int] = {}
             kv: dict[int, int] = {}
@@ -91,7 +92,8 @@ class PoolIndex:
                 for engine in by_engine:
                     queries[engine] = queries.get(engine, 0) + req.query_rows * self.query_bytes_per_row
                 tree = self.placement.tree
-                placed = [(key, self.placement.home(key)) for key in keys if key not in tree]
+                placed = [(key, self.placement.home(key)) for key in keys if key not in tree and key not in planned]
+                planned.update(key for key, _ in placed)  # two requests of one call computing it: one put
                 plans.transfer[req.request_id] = placed
                 for _, home in placed:
                     kv[home] = kv.get(home, 0) + self.segment_tokens * self.kv_bytes_per_token
@@ -109,6 +111,3 @@ class PoolIndex:
     def engine_gone(self, engine: int) -> list[tuple[bytes, int]]:
         """Drop a dead engine's segments at once. -> replicas elsewhere that are now unreachable."""
         return self.placement.drop_engine(engine)
-
-    def engine_back(self, engine: int, now: float) -> None:
-        self.placement.add_engine(engine, now)

@@ -2,8 +2,9 @@
 
 - **Homes by hash.** A new segment goes to its home engine, picked by rendezvous hashing of its key
   over the live engines (the engine with the highest hash of (key, engine)). It is put there
-  whichever engine computed it, and it never migrates: only when its home dies does a segment's
-  home change, and then only for that engine's segments.
+  whichever engine computed it, and it never migrates. When an engine dies its replicas leave
+  the index; a segment computed again later hashes over the engines left, and the other engines'
+  segments keep their homes (that is what rendezvous hashing buys over a modulo).
 - **Heavy hitters are replicated.** Each engine's load is the prefix tokens it served for others
   and itself, decayed with the tree's half-life. When an engine's load exceeds (1 + slack) times
   the mean, its heavy hitters (the top ⌈N·ln N⌉ + N segments by accesses, found by best-first
@@ -14,10 +15,11 @@
 - **Global LRU over replicas.** When an engine needs room, its replicas that nobody pins go in the
   order of their segment's last access (an access through any replica refreshes them all: power of
   two choices serves a hot segment from each of them in turn, and a replica left out of a few
-  draws must not be lost to churn). A segment's last replica takes the segments below it along
-  (wherever they are: no match can reach them), unless one of them is pinned; a child is never
-  more recent than its parent, so this drops only what LRU would drop soon. A segment that falls out of the heavy hitters is trimmed back to
-  one replica at the next rebalance: its home's (the one used last if its home lost it).
+  draws must not be lost to churn). A path is refreshed deepest first, so a parent is never older
+  than its children and LRU reaches leaves first. A segment's last replica takes the segments
+  below it along (wherever they are: no match can reach them), unless one of them is pinned. A
+  segment that falls out of the heavy hitters is trimmed back to one replica at the next
+  rebalance: its home's (the one used last if its home lost it).
 
 Everything here is bookkeeping over keys and engine ids; the engines move the bytes.
 """
@@ -94,6 +96,7 @@ class Placement:
                 self._lru[home][key] = None
                 placed.append((key, home))
             parent = key
+        self._refresh(self.tree.match(keys))
         return placed
 
     def add_replica(self, key: bytes, engine: int, now: float) -> None:
@@ -111,11 +114,18 @@ class Placement:
         for node in self.tree.match(keys):
             engine = self._choose(node, now)
             self.tree.hit(node, engine, now)
-            for holder in node.replicas:  # an access keeps every replica: each serves a share
-                self._lru[holder].move_to_end(node.key)
             self._charge(engine, node.tokens, now)
             out.append((node, engine))
+        self._refresh([node for node, _ in out])
         return out
+
+    def _refresh(self, path: Sequence[Node]) -> None:
+        """An access keeps every replica of the path's segments (each serves a share of the
+        segment's accesses), deepest first: a parent is never older than its children, so LRU
+        reaches a chain's leaves before the prefix they hang from."""
+        for node in reversed(path):
+            for holder in node.replicas:
+                self._lru[holder].move_to_end(node.key)
 
     def _choose(self, node: Node, now: float) -> int:
         holders = list(node.replicas)
@@ -151,24 +161,25 @@ class Placement:
                 target = min(targets, key=lambda e: loads[e])
                 if loads[target] >= loads[engine]:
                     continue
-                # The node's recent load spreads evenly over its replicas once it has one more.
-                share = self.tree.hits(node, now) * node.tokens / (len(node.replicas) * (len(node.replicas) + 1))
-                share = min(share, loads[engine] - loads[target])
-                loads[engine] -= share
-                loads[target] += share
+                # The node's recent load, spread evenly over r replicas, spreads over r + 1: the
+                # target takes 1/(r + 1) of it, each holder gives up 1/(r(r + 1)).
+                total, r = self.tree.hits(node, now) * node.tokens, len(node.replicas)
+                for holder in node.replicas:
+                    loads[holder] -= total / (r * (r + 1))
+                loads[target] += total / (r + 1)
                 self.add_replica(node.key, target, now)
                 plans.append(Replication(node.key, engine, target, node.tokens))
         for e, value in loads.items():  # the expected loads, until accesses say otherwise
-            self._load[e], self._load_at[e] = value, now
+            self._load[e], self._load_at[e] = max(value, 0.0), now
         return plans
 
     def _trim(self, hitters: list[Node]) -> None:
         """A segment that is no longer a heavy hitter keeps one replica: its home's where it has one."""
         hot = {node.key for node in hitters}
         for key in [k for k in self._replicated if k not in hot]:
-            self._replicated.discard(key)
             node = self.tree.get(key)
             if node is None or len(node.replicas) < 2:
+                self._replicated.discard(key)
                 continue
             keep = node.home if node.home in node.replicas else max(node.replicas,
                                                                      key=lambda e: node.replicas[e].last_access)
@@ -176,6 +187,8 @@ class Placement:
                 for k, e, n in self.tree.remove_replica(key, engine):
                     self._held[e] -= n
                     self._lru[e].pop(k, None)
+            if len(node.replicas) < 2:  # a pinned extra replica is trimmed at a later pass
+                self._replicated.discard(key)
 
     # -- eviction -----------------------------------------------------------------------------
     def _may_evict(self, node: Node, engine: int) -> bool:
@@ -210,7 +223,7 @@ class Placement:
                     self._held[e] -= n
                     self._lru[e].pop(k, None)
                     dropped.append((k, e))
-                freed += node.tokens
+                    freed += n if e == engine else 0
                 progress = True
         return dropped
 
@@ -220,7 +233,10 @@ class Placement:
     def unpin(self, key: bytes, engine: int) -> None:
         node = self.tree.get(key)
         if node is not None and engine in node.replicas:
-            node.replicas[engine].pins -= 1
+            replica = node.replicas[engine]
+            if replica.pins <= 0:
+                raise ValueError("unpin of a replica nobody pinned")
+            replica.pins -= 1
 
     # -- engines ------------------------------------------------------------------------------
     def drop_engine(self, engine: int) -> list[tuple[bytes, int]]:

@@ -13,8 +13,11 @@ GPU box the same pair would be CUDA IPC handles under MPS; that twin is not buil
 
 Pins. Before the first layer, the requester pins the segments a request reads (`pin`): the holder
 resolves their keys to its pages and holds a reference for that request, so no eviction can reuse
-them while queries run; `unpin` (the request ended) or `release_peer` (the requester died) drops
-them. Keys the holder no longer has are reported, and the requester computes those tokens itself.
+them while queries run; `unpin` (the request ended) or `release_peer` (the requester died: the
+supervisor says so) drops them, and the requester's mapped blocks with them. Keys the holder no
+longer has are reported, and the requester computes those tokens itself. A holder that does not
+answer within the timeout is a TimeoutError, and the channel is closed for good: a late answer
+would be taken for the next call's. Its pins for that requester stay until `release_peer`.
 """
 from __future__ import annotations
 
@@ -114,7 +117,8 @@ class QueryBuffers:
         return cls(attach_untracked(name), max_rows, heads, head_dim, dtype)  # the requester unlinks it
 
     def close(self) -> None:
-        del self.q, self.o, self.lse
+        """Unmap (and, for the maker, unlink) the block. Every view of it (q, o, lse, and what a
+        query returned) is dead from here on: torch does not hold the mapping."""
         self.shm.close()
         if self.owner:
             self.shm.unlink()
@@ -135,7 +139,7 @@ class QueryService:
         self.kv_layers = list(kv_layers)
         self.resolve, self.release = resolve, release
         self.pins: dict[tuple[int, str], list[list[int]]] = {}  # (peer, request) -> pages per segment
-        self._buffers: dict[str, QueryBuffers] = {}
+        self._buffers: dict[str, tuple[int, QueryBuffers]] = {}  # block name -> (its peer, the mapping)
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
@@ -149,11 +153,11 @@ class QueryService:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join()  # it polls every 100 ms: the buffers are not unmapped under a query
         for pages in self.pins.values():
             self.release(pages)
         self.pins.clear()
-        for buf in self._buffers.values():
+        for _, buf in self._buffers.values():
             buf.close()
         self._sock.close(0)
 
@@ -167,16 +171,19 @@ class QueryService:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            ident, raw = self._sock.recv_multipart()
+            frames = self._sock.recv_multipart()
+            if len(frames) != 2:
+                log.warning("pool query service: a message of %d frames dropped", len(frames))
+                continue
+            ident, raw = frames
             try:
                 reply = self._handle(_TO_HOLDER.decode(raw))
             except Exception as e:  # a bad query must not take the engine's service down
-                log.exception("pool query failed")
+                log.warning("pool query failed: %s: %s", type(e).__name__, e)
                 reply = Done(error=f"{type(e).__name__}: {e}")
-            if reply is not None:
-                self._sock.send_multipart([ident, _ENCODER.encode(reply)])
+            self._sock.send_multipart([ident, _ENCODER.encode(reply)])
 
-    def _handle(self, msg) -> Pinned | Done | None:
+    def _handle(self, msg) -> Pinned | Done:
         if isinstance(msg, Query):
             return self._query(msg)
         if isinstance(msg, Pin):
@@ -194,15 +201,17 @@ class QueryService:
         if isinstance(msg, ReleasePeer):
             for key in [k for k in self.pins if k[0] == msg.peer]:
                 self.release(self.pins.pop(key))
+            for name in [n for n, (peer, _) in self._buffers.items() if peer == msg.peer]:
+                self._buffers.pop(name)[1].close()
             return Done()
         return Done(error=f"unknown message {type(msg).__name__}")
 
     def _query(self, msg: Query) -> Done:
-        buf = self._buffers.get(msg.buffer)
-        if buf is None:
+        if msg.buffer not in self._buffers:
             b = self.backend
-            buf = self._buffers[msg.buffer] = QueryBuffers.attach(msg.buffer, msg.buffer_rows, b.num_heads,
-                                                                  b.head_dim, b.dtype)
+            self._buffers[msg.buffer] = (msg.peer, QueryBuffers.attach(msg.buffer, msg.buffer_rows, b.num_heads,
+                                                                       b.head_dim, b.dtype))
+        buf = self._buffers[msg.buffer][1]
         pages = [[p for seg in self.pins.get((msg.peer, rid), []) for p in seg] for rid in msg.request_ids]
         q = buf.q[: msg.rows]
         o, lse = self.backend.attend_pages(q, self.kv_layers[msg.layer], PageQuery(msg.query_start, pages))

@@ -49,8 +49,16 @@ class SharedKV:
 
     @classmethod
     def create(cls, name: str, num_layers: int, layer_shape: tuple[int, ...], dtype: torch.dtype) -> "SharedKV":
-        """The owner's cache, zeroed (as the runner's: masked reads must not meet NaNs)."""
-        shm = shared_memory.SharedMemory(name=name, create=True, size=cls.nbytes(num_layers, layer_shape, dtype))
+        """The owner's cache, zeroed (as the runner's: masked reads must not meet NaNs). A block of
+        this name left by a killed owner is unlinked first (its old mappings stay valid)."""
+        size = cls.nbytes(num_layers, layer_shape, dtype)
+        try:
+            shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        except FileExistsError:
+            stale = attach_untracked(name)
+            stale.close()
+            stale.unlink()
+            shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         kv = cls(shm, cls._views(shm, num_layers, layer_shape, dtype), owner=True)
         for layer in kv.layers:
             layer.zero_()
@@ -72,6 +80,7 @@ class SharedKV:
         return [raw[i * size : (i + 1) * size].view(dtype).view(layer_shape) for i in range(num_layers)]
 
     def close(self) -> None:
+        """Unmap (and, for the owner, unlink). Every view of the block is dead from here on."""
         self.layers.clear()
         self.shm.close()
         if self.owner:

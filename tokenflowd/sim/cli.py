@@ -59,12 +59,14 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     s.set_defaults(func=cmd_sim)
 
     sp = sub.add_parser("sim-pool", parents=[common],
-                        help="N engines' prefix caches on the Mooncake trace: the node pool against cache-aware routing",
+                        help="N engines' prefix caches on the Mooncake trace: the node pool against "
+                             "cache-aware routing",
                         description=pool_sim.__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("--engines", type=int, default=8)
     sp.add_argument("--preset", default="a100-llama2-7b",
-                    help=f"cost model for the KV pool's size and time in flight: {', '.join(PRESETS)} or calibrated:FILE.json")
+                    help=f"cost model for the KV pool's size and time in flight: {', '.join(PRESETS)} "
+                         "or calibrated:FILE.json")
     sp.add_argument("--capacity-tokens", help="prefix cache per engine, tokens; several: 100000,500000 "
                                               "(default: the cost model's KV pool)")
     sp.add_argument("--trace", help="Mooncake conversation_trace.jsonl (default: the shared copy)")

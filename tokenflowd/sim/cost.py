@@ -56,7 +56,7 @@ GQA) of head_dim 128, vocab 32,000, untied embeddings. So weight_bytes = 13.48 G
 bytes = 512 KiB. A100 SXM4 80 GB (NVIDIA A100 datasheet): 2,039 GB/s HBM2e; BF16 Tensor Core 312
 TFLOPS dense; PCIe Gen4 x16, 31.5 GB/s each way. The paper states no memory fraction; 0.85 of the
 card's 81,920 MiB is assumed [inf: SGLang's default for cards above 80 GiB is 0.85–0.88]: KV memory
-= 0.85 · 81,920 MiB − 13.48 GB = 59.5 GB → 113,504 tokens in pages of 16. The paper's instances
+= 0.85 · 81,920 MiB − 13.48 GB = 59.5 GB → 113,552 tokens in pages of 16. The paper's instances
 run TP 2 (two GPUs each); `a100-llama2-7b` is one GPU, and the pool simulator counts engines.
 
 Engine limits: max_num_batched_tokens is SGLang's default chunked-prefill size for the card's
@@ -252,7 +252,8 @@ def _a100_llama2_7b() -> CostModel:
         num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, kv_dtype_bytes=2,
         peak_flops=312e12, mem_bandwidth=2039e9, kv_memory=int(0.85 * card - weights), host_link_bandwidth=31.5e9,
         max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=32_768,
-        source="A100 SXM4 80GB datasheet; Llama-2-7B config; TokenLake §7 setup; mem-frac 0.85 assumed; see sim/cost.py",
+        source="A100 SXM4 80GB datasheet; Llama-2-7B config; TokenLake §7 setup; mem-frac 0.85 assumed; "
+               "see sim/cost.py",
     )
 
 

@@ -4,8 +4,10 @@
 the machine's compiler (torch.utils.cpp_extension, about 15 s on 2 cores). The build lands under
 torch's extensions directory (TORCH_EXTENSIONS_DIR or the user's cache), and later processes load
 it in well under a second. Where there is no compiler, or TOKENFLOWD_CPU_KERNELS=0, it returns None
-and the backend gathers pages instead, with one log line saying so. `python -m tokenflowd.engine.attention.cpu_kernels` builds ahead of time
-(the Makefile does, so a first `serve` does not pay the build).
+and the backend gathers pages instead, with one log line saying so. `paged_decode_lse()` is the same
+kernel returning each row's log-sum-exp too (the pool's partial attention).
+`python -m tokenflowd.engine.attention.cpu_kernels` builds ahead of time (the Makefile does, so a
+first `serve` does not pay the build).
 """
 from __future__ import annotations
 

@@ -115,9 +115,11 @@ class FlashInferBackend(AttentionBackend):
         return out, lse2.float() * LN2
 
     def attend_pages(self, q, kv_cache, query: PageQuery):
-        # Rows of requests with no pages here are planned over no pages: their state stays empty.
+        # Rows of requests with no pages here are planned over no pages: their state is set empty.
         ps, i32 = self.page_size, dict(dtype=torch.int32)
         counts = [len(p) for p in query.pages]
+        if not any(counts):
+            return torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         indptr = torch.tensor([0, *itertools.accumulate(counts)], **i32)
         indices = torch.tensor([p for pages in query.pages for p in pages], **i32)
         last = torch.tensor([ps if n else 0 for n in counts], **i32)
@@ -128,8 +130,9 @@ class FlashInferBackend(AttentionBackend):
         )
         out, lse2 = self.pages_prefill.run(q, (kv_cache[0], kv_cache[1]), return_lse=True)
         lse = lse2.float() * LN2
-        empty = torch.tensor([n == 0 for n in counts], device=self.device).repeat_interleave(
-            torch.tensor([b - a for a, b in zip(query.query_start, query.query_start[1:])], device=self.device))
+        rows = [b - a for a, b in zip(query.query_start, query.query_start[1:])]
+        empty = torch.tensor([n == 0 for n in counts]).repeat_interleave(torch.tensor(rows))  # on the host: no sync
+        empty = empty.to(self.device, non_blocking=True)
         lse[empty] = float("-inf")
         out[empty] = 0
         return out, lse

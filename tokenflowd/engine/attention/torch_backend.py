@@ -31,16 +31,20 @@ class _Chunk:
 
 
 class _Spans:
-    """Each request's rows and pages, built only when iterated (forward_with_lse)."""
+    """Each request's rows and pages, built at the first iteration (forward_with_lse's first layer)
+    and kept for the step's other layers; a step that never merges never builds them."""
 
     def __init__(self, inputs: AttentionInputs, page_size: int, device: torch.device) -> None:
         self.inputs, self.page_size, self.device = inputs, page_size, device
+        self._spans: list[tuple[int, int, torch.Tensor, int]] | None = None
 
     def __iter__(self):
-        inputs, ps = self.inputs, self.page_size
-        for i, seq_len in enumerate(inputs.seq_lens):
-            pages = torch.tensor(inputs.block_tables[i][: -(-seq_len // ps)], dtype=torch.int64, device=self.device)
-            yield inputs.query_start[i], inputs.query_start[i + 1], pages, seq_len
+        if self._spans is None:
+            inputs, ps = self.inputs, self.page_size
+            self._spans = [(inputs.query_start[i], inputs.query_start[i + 1],
+                            torch.tensor(inputs.block_tables[i][: -(-n // ps)], dtype=torch.int64, device=self.device), n)
+                           for i, n in enumerate(inputs.seq_lens)]
+        return iter(self._spans)
 
 
 @dataclass
