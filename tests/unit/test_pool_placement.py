@@ -212,3 +212,26 @@ def test_sim_pool_command_compares_both_modes_and_writes_json(tmp_path, capsys):
     assert [(r["capacity_tokens"], r["mode"]) for r in doc["results"]] == [
         (50000, "routing"), (50000, "pool"), (200000, "routing"), (200000, "pool")]
     assert "hit rate" in capsys.readouterr().out
+
+
+def test_two_engines_hold_a_shared_system_prompt_once_and_replicate_it_only_when_hot():
+    """20 requests share a 1,024-token system prompt (64 pages of 16, segments of 4 pages): the
+    pool holds each of its 16 segments once, at its home, whichever engine runs the request; a
+    rebalance under the load they make copies hot segments to the other engine, at most once."""
+    index = PoolIndex([0, 1], page_size=16, pages_per_segment=4, query_bytes_per_row=1000,
+                      kv_bytes_per_token=10_000)
+    system = list(range(64))
+    for i in range(20):
+        pages = chain(*system, 1000 + i, 2000 + i, 3000 + i, 4000 + i)  # the prompt's own last segment
+        plans = index.gen_plans([[PoolRequest(f"r{i}", pages, 1)]], float(i))
+        assert plans.cached_tokens[f"r{i}"] == (16 * 64 if i else 0)
+        index.stored(pages, float(i))
+    tree = index.get_prefix_tree()
+    shared = segment_keys(chain(*system), 4)
+    assert all(len(tree.get(k).replicas) == 1 for k in shared)
+    assert len(tree) == 16 + 20
+    held = sum(index.placement.held_tokens(e) for e in (0, 1))
+    assert held == (16 + 20) * 64, "each segment once"
+    plans = index.placement.rebalance(20.0)
+    assert all(len(tree.get(k).replicas) <= 2 for k in shared)
+    assert all(p.key in set(shared) for p in plans), "only the hot segments are copied"
