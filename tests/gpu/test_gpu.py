@@ -183,3 +183,35 @@ def test_the_start_up_check_passes_flashinfer_and_graphs_and_falls_back_on_a_bro
     core = build()
     assert "FlashInferBackend against the torch backend" in core.fallback
     assert core.config.attention_backend == "torch" and core.runner.graphs is None
+
+
+@needs_flashinfer
+def test_flashinfer_partial_attention_matches_the_torch_backend():
+    """The pool's partial attention on flashinfer (base-2 lse converted, requests with no pages
+    here left empty) against the torch backend, over the same pages in each one's layout."""
+    from tokenflowd.engine.attention.base import AttentionInputs, PageQuery
+    from tokenflowd.engine.attention.flashinfer_backend import FlashInferBackend
+    from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
+
+    dev, heads, kvh, d, ps, num_pages = torch.device("cuda"), 8, 2, 128, 16, 32
+    fi = FlashInferBackend(heads, kvh, d, ps, torch.bfloat16, dev)
+    ref = TorchAttentionBackend(heads, kvh, d, ps, torch.bfloat16, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    cache_ref = torch.randn(ref.kv_cache_shape(num_pages), generator=g, device=dev).to(torch.bfloat16)
+    cache_fi = cache_ref.permute(0, 2, 1, 3, 4).contiguous()  # [2, kvh, P, ps, d] -> HND [2, P, kvh, ps, d]
+    q = torch.randn(5, heads, d, generator=g, device=dev).to(torch.bfloat16)
+    query = PageQuery([0, 1, 1, 5], [[3, 7, 9], [], [11, 12]])  # a decode, a request with no rows, a chunk
+    o_fi, s_fi = fi.attend_pages(q, cache_fi, query)
+    o_ref, s_ref = ref.attend_pages(q, cache_ref, query)
+    assert (o_fi.float() - o_ref.float()).abs().max() < 2e-2 and (s_fi - s_ref).abs().max() < 2e-2
+    query = PageQuery([0, 1, 2], [[], [4]])  # no pages: the empty state
+    o, s = fi.attend_pages(q[:2], cache_fi, query)
+    assert torch.isneginf(s[0]).all() and not o[0].any() and torch.isfinite(s[1]).all()
+    # forward_with_lse: the step's own attention with its lse, against the torch backend's.
+    inputs = AttentionInputs([0, 1, 4], [20, 40], [[1, 2], [5, 6, 8]],
+                             torch.tensor([2 * ps + 3, 8 * ps + 5, 8 * ps + 6, 8 * ps + 7], device=dev))
+    k = torch.randn(4, kvh, d, generator=g, device=dev).to(torch.bfloat16)
+    v = torch.randn(4, kvh, d, generator=g, device=dev).to(torch.bfloat16)
+    o_fi, s_fi = fi.forward_with_lse(0, q[:4], k, v, cache_fi.clone(), fi.prepare(inputs))
+    o_ref, s_ref = ref.forward_with_lse(0, q[:4], k, v, cache_ref.clone(), ref.prepare(inputs))
+    assert (o_fi.float() - o_ref.float()).abs().max() < 2e-2 and (s_fi - s_ref).abs().max() < 2e-2

@@ -115,24 +115,28 @@ class FlashInferBackend(AttentionBackend):
         return out, lse2.float() * LN2
 
     def attend_pages(self, q, kv_cache, query: PageQuery):
-        # Rows of requests with no pages here are planned over no pages: their state is set empty.
+        # Only requests with pages here are planned (a request of zero pages has no valid page
+        # table); the rows of the others keep the empty state (o 0, lse −inf).
         ps, i32 = self.page_size, dict(dtype=torch.int32)
-        counts = [len(p) for p in query.pages]
-        if not any(counts):
-            return torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        indptr = torch.tensor([0, *itertools.accumulate(counts)], **i32)
-        indices = torch.tensor([p for pages in query.pages for p in pages], **i32)
-        last = torch.tensor([ps if n else 0 for n in counts], **i32)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        held = [i for i, pages in enumerate(query.pages)
+                if pages and query.query_start[i + 1] > query.query_start[i]]
+        if not held:
+            return out, lse
+        rows = [r for i in held for r in range(query.query_start[i], query.query_start[i + 1])]
+        qo_indptr = [0, *itertools.accumulate(query.query_start[i + 1] - query.query_start[i] for i in held)]
+        indptr = [0, *itertools.accumulate(len(query.pages[i]) for i in held)]
+        indices = torch.tensor([p for i in held for p in query.pages[i]], **i32)
         self.pages_prefill.plan(
-            torch.tensor(query.query_start, **i32), indptr, indices.to(self.device, non_blocking=True), last,
-            self.num_heads, self.num_kv_heads, self.head_dim, ps, causal=False, pos_encoding_mode="NONE",
-            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            torch.tensor(qo_indptr, **i32), torch.tensor(indptr, **i32), indices.to(self.device, non_blocking=True),
+            torch.full((len(held),), ps, **i32), self.num_heads, self.num_kv_heads, self.head_dim, ps,
+            causal=False, pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype,
+            kv_data_type=self.dtype,
         )
-        out, lse2 = self.pages_prefill.run(q, (kv_cache[0], kv_cache[1]), return_lse=True)
-        lse = lse2.float() * LN2
-        rows = [b - a for a, b in zip(query.query_start, query.query_start[1:])]
-        empty = torch.tensor([n == 0 for n in counts]).repeat_interleave(torch.tensor(rows))  # on the host: no sync
-        empty = empty.to(self.device, non_blocking=True)
-        lse[empty] = float("-inf")
-        out[empty] = 0
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        sub_out, sub_lse2 = self.pages_prefill.run(q.index_select(0, index), (kv_cache[0], kv_cache[1]),
+                                                   return_lse=True)
+        out.index_copy_(0, index, sub_out)
+        lse.index_copy_(0, index, sub_lse2.float() * LN2)
         return out, lse
