@@ -1,0 +1,86 @@
+"""KV pages between two processes over Mooncake's Transfer Engine (TCP, P2P handshake): scattered
+pages of one cache land on other pages of a differently sized cache, byte-identical (SHA-256 on
+both sides), as one aggregated batch; the link's measured bandwidth is kept; a peer that is gone
+is a failed transfer within the timeout, not a hang."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("mooncake.engine", reason="the federation extra (Mooncake Transfer Engine) is not installed")
+
+from tokenflowd.federation.transport import (Block, KVLayout, MooncakeTransport, TransferFailed,  # noqa: E402
+                                             kv_blocks)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import federation_peer as peer_script  # noqa: E402
+
+
+@pytest.fixture
+def peer():
+    env = {**os.environ, "GLOG_minloglevel": "2"}
+    proc = subprocess.Popen([sys.executable, peer_script.__file__, "20"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    info = json.loads(proc.stdout.readline())
+
+    def ask(line: str) -> str:
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+        return proc.stdout.readline().strip()
+
+    yield info, ask, proc
+    if proc.poll() is None:
+        proc.stdin.write("quit\n")
+        proc.stdin.flush()
+        proc.wait(timeout=30)
+
+
+def test_scattered_pages_arrive_byte_identical_in_one_batch(peer):
+    info, ask, _ = peer
+    P = peer_script
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(P.LAYERS, 2, P.KV_HEADS, 12, P.PAGE, P.HEAD_DIM, generator=g).to(torch.bfloat16)
+    transport = MooncakeTransport()
+    try:
+        transport.register(cache)
+        src = KVLayout.of(list(cache.unbind(0)))
+        dst = KVLayout(tuple(info["bases"]), tuple(info["shape"]), info["itemsize"])
+        src_pages, dst_pages = [3, 4, 5, 9], [10, 11, 2, 7]
+        blocks = kv_blocks(src, dst, src_pages, dst_pages)
+        # pages 3, 4 -> 10, 11 are adjacent on both sides: one run per (layer, plane, head) for them
+        assert len(blocks) == P.LAYERS * 2 * P.KV_HEADS * 3
+        transport.write(info["endpoint"], blocks, timeout=30)
+        assert ask("sha " + ",".join(map(str, dst_pages))) == P.page_digest(list(cache.unbind(0)), src_pages)
+        assert ask("sha 0,1") == P.page_digest([torch.zeros_like(cache[0])] * P.LAYERS, [0, 1]), "nothing else written"
+        assert transport.bandwidth(info["endpoint"]) > 0
+    finally:
+        transport.close()
+
+
+def test_a_peer_that_is_gone_is_a_failed_transfer_not_a_hang(peer):
+    info, _, proc = peer
+    proc.kill()
+    proc.wait(timeout=30)
+    transport = MooncakeTransport()
+    try:
+        buf = torch.ones(4096, dtype=torch.uint8)
+        region = transport.register(buf)
+        with pytest.raises(TransferFailed):
+            transport.write(info["endpoint"], [Block(region.address, info["bases"][0], 4096)], timeout=60)
+        assert transport.links[info["endpoint"]].failures == 1
+    finally:
+        transport.close()
+
+
+def test_kv_blocks_refuses_caches_of_other_shapes_and_pages_out_of_range():
+    a = KVLayout((0,), (2, 2, 8, 4, 8), 2)
+    with pytest.raises(ValueError):
+        kv_blocks(a, KVLayout((0,), (2, 2, 8, 4, 16), 2), [1], [1])
+    with pytest.raises(ValueError):
+        kv_blocks(a, KVLayout((0,), (2, 2, 4, 4, 8), 2), [1], [5])

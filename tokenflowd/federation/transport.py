@@ -1,0 +1,240 @@
+"""Moving KV pages between nodes: the `KVTransport` seam and its Mooncake Transfer Engine twin.
+
+A transport registers memory (a node's KV cache) and writes runs of bytes from local registered
+memory into a peer's registered memory, one request's runs as one aggregated batch (MemServe §4:
+not one call per block). Peers name each other by `endpoint` (host:port of the transfer engine's
+handshake). Each transport measures what its writes achieved per peer (`bandwidth`): the federation's
+plans use measured bandwidth, never a nominal one.
+
+    transport = MooncakeTransport("10.0.0.2")          # P2P handshake: no etcd
+    region = transport.register(kv_cache)              # the peer learns (endpoint, region.address)
+    t = transport.submit_write(peer, blocks)           # async; blocks from kv_blocks()
+    transport.wait(t, timeout=5.0)                     # or poll status(t) from a step loop
+
+`kv_blocks` turns "these pages of my cache go to those pages of yours" into byte runs, one per
+(layer, K|V plane, KV head, page), merged where both sides are adjacent. The two caches may hold a
+different number of pages (a prefill node and a decode node size theirs apart).
+
+NIXL (UCX) can be a second implementation of the same ABC.
+"""
+from __future__ import annotations
+
+import abc
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+PENDING, DONE, FAILED = "pending", "done", "failed"
+
+
+class TransferFailed(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Region:
+    address: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """One contiguous copy: `nbytes` from local address `src` to the peer's address `dst`."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
+@dataclass
+class Transfer:
+    peer: str
+    nbytes: int
+    started: float
+    state: str = PENDING
+    done: Future | None = None  # the implementation's completion (result: True when the bytes landed)
+
+
+@dataclass
+class LinkStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    failures: int = 0
+
+    @property
+    def bandwidth(self) -> float | None:
+        return self.bytes / self.seconds if self.seconds > 0 else None
+
+
+class KVTransport(abc.ABC):
+    def __init__(self) -> None:
+        self.links: dict[str, LinkStats] = {}
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """How peers name this transport."""
+
+    @abc.abstractmethod
+    def register(self, tensor: torch.Tensor) -> Region:
+        """Make a contiguous tensor's memory writable by peers (it must outlive the registration)."""
+
+    @abc.abstractmethod
+    def unregister(self, region: Region) -> None: ...
+
+    @abc.abstractmethod
+    def submit_write(self, peer: str, blocks: Sequence[Block]) -> Transfer:
+        """Start writing the blocks to the peer as one batch. A peer that cannot be reached is a
+        Transfer already FAILED, not an exception."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def status(self, transfer: Transfer) -> str:
+        """PENDING, DONE or FAILED, without blocking (a step loop polls it)."""
+        if transfer.state == PENDING and transfer.done is not None and transfer.done.done():
+            ok = transfer.done.exception() is None and transfer.done.result()
+            transfer.state = DONE if ok else FAILED
+            self._account(transfer)
+        return transfer.state
+
+    def wait(self, transfer: Transfer, timeout: float) -> None:
+        """Until the transfer is done; TransferFailed if it failed or `timeout` s passed first."""
+        deadline = time.monotonic() + timeout
+        while self.status(transfer) == PENDING:
+            if time.monotonic() > deadline:
+                transfer.state = FAILED
+                self._account(transfer)
+                raise TransferFailed(f"write to {transfer.peer} still pending after {timeout} s")
+            time.sleep(0.0005)
+        if transfer.state == FAILED:
+            raise TransferFailed(f"write of {transfer.nbytes} bytes to {transfer.peer} failed")
+
+    def write(self, peer: str, blocks: Sequence[Block], timeout: float = 30.0) -> None:
+        self.wait(self.submit_write(peer, blocks), timeout)
+
+    def bandwidth(self, peer: str) -> float | None:
+        """Bytes/s its finished writes to `peer` achieved (None before the first)."""
+        link = self.links.get(peer)
+        return link.bandwidth if link else None
+
+    def _account(self, transfer: Transfer) -> None:
+        link = self.links.setdefault(transfer.peer, LinkStats())
+        if transfer.state == DONE:
+            link.bytes += transfer.nbytes
+            link.seconds += time.monotonic() - transfer.started
+        else:
+            link.failures += 1
+
+
+class MooncakeTransport(KVTransport):
+    """Mooncake's Transfer Engine (`mooncake-transfer-engine` on GPU clusters,
+    `mooncake-transfer-engine-non-cuda` on CPU): TCP here, RDMA where the node has NICs for it
+    (`protocol="rdma"`, `device` the NIC). The P2P handshake needs no metadata server.
+
+    The engine's batch status call blocks until the batch ends (or its own timeout,
+    MC_TRANSFER_TIMEOUT, default 30 s, passes) with the GIL released, so one waiter thread per
+    transport turns it into a future the step loop can poll."""
+
+    _INVALID = (2**64 - 1, -1)  # batch ids of a batch the engine could not submit (no such peer)
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
+        super().__init__()
+        os.environ.setdefault("GLOG_minloglevel", "1")  # the engine's per-transfer INFO lines stay out of the journal
+        from mooncake.engine import TransferEngine  # the federation extra
+
+        self._te = TransferEngine()
+        rc = self._te.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake transfer engine did not start on {host} over {protocol} (code {rc})")
+        self._endpoint = f"{host}:{self._te.get_rpc_port()}"
+        self._regions: dict[int, Region] = {}
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake-wait")
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register(self, tensor: torch.Tensor) -> Region:
+        if not tensor.is_contiguous():
+            raise ValueError("only a contiguous tensor can be registered")
+        region = Region(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if self._te.register_memory(region.address, region.nbytes) != 0:
+            raise RuntimeError(f"Mooncake could not register {region.nbytes} bytes")
+        self._regions[region.address] = region
+        return region
+
+    def unregister(self, region: Region) -> None:
+        if self._regions.pop(region.address, None) is not None:
+            self._te.unregister_memory(region.address)
+
+    def submit_write(self, peer: str, blocks: Sequence[Block]) -> Transfer:
+        transfer = Transfer(peer, sum(b.nbytes for b in blocks), time.monotonic())
+        if not blocks:
+            transfer.state = DONE
+            return transfer
+        batch = self._te.batch_transfer_async_write(peer, [b.src for b in blocks], [b.dst for b in blocks],
+                                                    [b.nbytes for b in blocks])
+        if batch in self._INVALID:
+            transfer.state = FAILED
+            self._account(transfer)
+            return transfer
+        transfer.done = self._waiter.submit(lambda: self._te.get_batch_transfer_status([batch]) == 0)
+        return transfer
+
+    def close(self) -> None:
+        self._waiter.shutdown(wait=True)
+        for region in list(self._regions.values()):
+            self.unregister(region)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where a node's KV cache lives, as a peer needs it to write pages there: each layer's base
+    address and shape [2, kv_heads, num_pages, page_size, head_dim] (the torch backend's layout),
+    and the element size."""
+
+    bases: tuple[int, ...]
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @classmethod
+    def of(cls, layers: Sequence[torch.Tensor]) -> "KVLayout":
+        if any(not t.is_contiguous() for t in layers):
+            raise ValueError("KV layers must be contiguous")
+        return cls(tuple(t.data_ptr() for t in layers), tuple(layers[0].shape), layers[0].element_size())
+
+    def page_offset(self, plane: int, head: int, page: int) -> int:
+        _, kvh, num_pages, ps, d = self.shape
+        if not 0 <= page < num_pages:
+            raise ValueError(f"page {page} outside a cache of {num_pages} pages")
+        return (((plane * kvh + head) * num_pages + page) * ps * d) * self.itemsize
+
+
+def kv_blocks(src: KVLayout, dst: KVLayout, src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[Block]:
+    """The byte runs that copy src's pages onto dst's pages, in every layer, plane and KV head,
+    adjacent runs merged."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError("as many destination pages as source pages")
+    if src.shape[0:2] != dst.shape[0:2] or src.shape[3:] != dst.shape[3:] or src.itemsize != dst.itemsize \
+            or len(src.bases) != len(dst.bases):
+        raise ValueError("the two caches differ in more than their number of pages")
+    _, kvh, _, ps, d = src.shape
+    page_bytes = ps * d * src.itemsize
+    blocks: list[Block] = []
+    for s_base, d_base in zip(src.bases, dst.bases):
+        for plane in (0, 1):
+            for head in range(kvh):
+                for sp, dp in zip(src_pages, dst_pages):
+                    a = s_base + src.page_offset(plane, head, sp)
+                    b = d_base + dst.page_offset(plane, head, dp)
+                    last = blocks[-1] if blocks else None
+                    if last and last.src + last.nbytes == a and last.dst + last.nbytes == b:
+                        blocks[-1] = Block(last.src, last.dst, last.nbytes + page_bytes)
+                    else:
+                        blocks.append(Block(a, b, page_bytes))
+    return blocks
