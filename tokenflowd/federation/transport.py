@@ -15,6 +15,12 @@ plans use measured bandwidth, never a nominal one.
 (layer, K|V plane, KV head, page), merged where both sides are adjacent. The two caches may hold a
 different number of pages (a prefill node and a decode node size theirs apart).
 
+What DONE means. Over TCP, Mooncake reports a batch complete once its last send returned: the
+bytes are in flight to the peer, not yet in its memory. The receiver must not read the pages on
+the sender's word alone; it confirms their arrival itself (a checksum, or a notification that
+follows the data). And a transfer that FAILED by our timeout may still be writing: its destination
+pages are not reusable until `settled(transfer)`.
+
 NIXL (UCX) can be a second implementation of the same ABC.
 """
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import abc
 import os
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
@@ -56,7 +63,8 @@ class Transfer:
     nbytes: int
     started: float
     state: str = PENDING
-    done: Future | None = None  # the implementation's completion (result: True when the bytes landed)
+    # The implementation's completion: its result is (ok, monotonic time the engine said so).
+    done: Future | None = None
 
 
 @dataclass
@@ -97,20 +105,25 @@ class KVTransport(abc.ABC):
     def status(self, transfer: Transfer) -> str:
         """PENDING, DONE or FAILED, without blocking (a step loop polls it)."""
         if transfer.state == PENDING and transfer.done is not None and transfer.done.done():
-            ok = transfer.done.exception() is None and transfer.done.result()
+            ok, ended = transfer.done.result() if transfer.done.exception() is None else (False, time.monotonic())
             transfer.state = DONE if ok else FAILED
-            self._account(transfer)
+            self._account(transfer, ended)
         return transfer.state
 
+    @staticmethod
+    def settled(transfer: Transfer) -> bool:
+        """The engine is done with the transfer, whatever its state: its pages may be reused."""
+        return transfer.done is None or transfer.done.done()
+
     def wait(self, transfer: Transfer, timeout: float) -> None:
-        """Until the transfer is done; TransferFailed if it failed or `timeout` s passed first."""
-        deadline = time.monotonic() + timeout
-        while self.status(transfer) == PENDING:
-            if time.monotonic() > deadline:
-                transfer.state = FAILED
-                self._account(transfer)
-                raise TransferFailed(f"write to {transfer.peer} still pending after {timeout} s")
-            time.sleep(0.0005)
+        """Until the transfer is done; TransferFailed if it failed or `timeout` s passed first (it may
+        then still be writing: see `settled`)."""
+        if transfer.done is not None:
+            futures.wait([transfer.done], timeout)
+        if self.status(transfer) == PENDING:
+            transfer.state = FAILED
+            self._account(transfer, time.monotonic())
+            raise TransferFailed(f"write to {transfer.peer} still pending after {timeout} s")
         if transfer.state == FAILED:
             raise TransferFailed(f"write of {transfer.nbytes} bytes to {transfer.peer} failed")
 
@@ -122,11 +135,11 @@ class KVTransport(abc.ABC):
         link = self.links.get(peer)
         return link.bandwidth if link else None
 
-    def _account(self, transfer: Transfer) -> None:
+    def _account(self, transfer: Transfer, ended: float) -> None:
         link = self.links.setdefault(transfer.peer, LinkStats())
         if transfer.state == DONE:
             link.bytes += transfer.nbytes
-            link.seconds += time.monotonic() - transfer.started
+            link.seconds += ended - transfer.started
         else:
             link.failures += 1
 
@@ -136,11 +149,14 @@ class MooncakeTransport(KVTransport):
     `mooncake-transfer-engine-non-cuda` on CPU): TCP here, RDMA where the node has NICs for it
     (`protocol="rdma"`, `device` the NIC). The P2P handshake needs no metadata server.
 
-    The engine's batch status call blocks until the batch ends (or its own timeout,
-    MC_TRANSFER_TIMEOUT, default 30 s, passes) with the GIL released, so one waiter thread per
-    transport turns it into a future the step loop can poll."""
+    The engine's batch status call blocks, spinning, until the batch ends (or its own timeout,
+    MC_TRANSFER_TIMEOUT, default 30 s, passes), with the GIL released. A small pool of waiter
+    threads turns it into futures the step loop can poll, so one stalled peer does not hold up the
+    others; each waiter first sleeps the time the batch should take at the link's measured
+    bandwidth, so the spin is short."""
 
-    _INVALID = (2**64 - 1, -1)  # batch ids of a batch the engine could not submit (no such peer)
+    _INVALID = (0, 2**64 - 1, -1)  # batch ids of a batch the engine could not submit (no such peer)
+    WAITERS = 4
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
         super().__init__()
@@ -152,8 +168,9 @@ class MooncakeTransport(KVTransport):
         if rc != 0:
             raise RuntimeError(f"Mooncake transfer engine did not start on {host} over {protocol} (code {rc})")
         self._endpoint = f"{host}:{self._te.get_rpc_port()}"
-        self._regions: dict[int, Region] = {}
-        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake-wait")
+        self._regions: dict[int, tuple[Region, torch.Tensor]] = {}  # the tensor is kept: peers write into it
+        self._waiter = ThreadPoolExecutor(max_workers=self.WAITERS, thread_name_prefix="mooncake-wait")
+        self._closed = False
 
     @property
     def endpoint(self) -> str:
@@ -165,7 +182,7 @@ class MooncakeTransport(KVTransport):
         region = Region(tensor.data_ptr(), tensor.numel() * tensor.element_size())
         if self._te.register_memory(region.address, region.nbytes) != 0:
             raise RuntimeError(f"Mooncake could not register {region.nbytes} bytes")
-        self._regions[region.address] = region
+        self._regions[region.address] = (region, tensor)
         return region
 
     def unregister(self, region: Region) -> None:
@@ -173,6 +190,8 @@ class MooncakeTransport(KVTransport):
             self._te.unregister_memory(region.address)
 
     def submit_write(self, peer: str, blocks: Sequence[Block]) -> Transfer:
+        if self._closed:
+            raise RuntimeError("the transport is closed")
         transfer = Transfer(peer, sum(b.nbytes for b in blocks), time.monotonic())
         if not blocks:
             transfer.state = DONE
@@ -181,14 +200,23 @@ class MooncakeTransport(KVTransport):
                                                     [b.nbytes for b in blocks])
         if batch in self._INVALID:
             transfer.state = FAILED
-            self._account(transfer)
+            self._account(transfer, time.monotonic())
             return transfer
-        transfer.done = self._waiter.submit(lambda: self._te.get_batch_transfer_status([batch]) == 0)
+        expected = transfer.nbytes / (self.bandwidth(peer) or 1e9)
+
+        def settle() -> tuple[bool, float]:
+            time.sleep(min(expected * 0.8, 1.0))  # most of the batch's time asleep, not spinning
+            ok = self._te.get_batch_transfer_status([batch]) == 0
+            return ok, time.monotonic()
+
+        transfer.done = self._waiter.submit(settle)
         return transfer
 
     def close(self) -> None:
+        """Waits for the transfers still in the engine (each ends by MC_TRANSFER_TIMEOUT at most)."""
+        self._closed = True
         self._waiter.shutdown(wait=True)
-        for region in list(self._regions.values()):
+        for region, _ in list(self._regions.values()):
             self.unregister(region)
 
 
@@ -204,8 +232,8 @@ class KVLayout:
 
     @classmethod
     def of(cls, layers: Sequence[torch.Tensor]) -> "KVLayout":
-        if any(not t.is_contiguous() for t in layers):
-            raise ValueError("KV layers must be contiguous")
+        if any(not t.is_contiguous() or t.shape != layers[0].shape or t.dtype != layers[0].dtype for t in layers):
+            raise ValueError("KV layers must be contiguous, of one shape and dtype")
         return cls(tuple(t.data_ptr() for t in layers), tuple(layers[0].shape), layers[0].element_size())
 
     def page_offset(self, plane: int, head: int, page: int) -> int:
@@ -220,6 +248,8 @@ def kv_blocks(src: KVLayout, dst: KVLayout, src_pages: Sequence[int], dst_pages:
     adjacent runs merged."""
     if len(src_pages) != len(dst_pages):
         raise ValueError("as many destination pages as source pages")
+    if len(set(dst_pages)) != len(dst_pages):
+        raise ValueError("a destination page twice")
     if src.shape[0:2] != dst.shape[0:2] or src.shape[3:] != dst.shape[3:] or src.itemsize != dst.itemsize \
             or len(src.bases) != len(dst.bases):
         raise ValueError("the two caches differ in more than their number of pages")
