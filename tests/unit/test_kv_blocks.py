@@ -31,3 +31,20 @@ def test_caches_of_other_shapes_pages_out_of_range_and_repeated_destinations_are
         kv_blocks(a, KVLayout((0,), (2, 2, 4, 4, 8), 2), [1], [5])
     with pytest.raises(ValueError):
         kv_blocks(a, a, [1, 2], [3, 3])
+
+
+def test_pages_gathered_into_a_staging_run_and_scattered_land_as_a_direct_copy_would():
+    import torch
+
+    from tokenflowd.federation.transport import gather_pages, scatter_pages
+
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(2, 3, 10, 4, 8, generator=g) for _ in range(2)]
+    dst = [torch.zeros(2, 3, 16, 4, 8) for _ in range(2)]
+    staging = torch.empty(10_000)
+    staged = gather_pages(src, [7, 1, 4], staging)
+    assert staged.is_contiguous() and staged.data_ptr() == staging.data_ptr()
+    scatter_pages(staged.clone(), dst, [0, 15, 9])
+    for s, d in zip(src, dst):
+        assert torch.equal(d[:, :, [0, 15, 9]], s[:, :, [7, 1, 4]])
+        assert not d[:, :, [p for p in range(16) if p not in (0, 15, 9)]].any()

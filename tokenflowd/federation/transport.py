@@ -12,7 +12,9 @@ plans use measured bandwidth, never a nominal one.
     transport.wait(t, timeout=5.0)                     # or poll status(t) from a step loop
 
 `kv_blocks` turns "these pages of my cache go to those pages of yours" into byte runs, one per
-(layer, K|V plane, KV head, page), merged where both sides are adjacent. The two caches may hold a
+(layer, K|V plane, KV head, page), merged where both sides are adjacent. Over TCP each run costs
+about as much as a page of bytes (bench/kv_transport.py), so the page-by-page form is for RDMA;
+`gather_pages` / `scatter_pages` stage a request's pages into one contiguous run instead. The two caches may hold a
 different number of pages (a prefill node and a decode node size theirs apart).
 
 What DONE means. Over TCP, Mooncake reports a batch complete once its last send returned: the
@@ -26,6 +28,7 @@ NIXL (UCX) can be a second implementation of the same ABC.
 from __future__ import annotations
 
 import abc
+import math
 import os
 import time
 from concurrent import futures
@@ -72,6 +75,7 @@ class LinkStats:
     bytes: int = 0
     seconds: float = 0.0
     failures: int = 0
+    peak: float = 0.0  # bytes/s of its fastest transfer: what the wire can do, small transfers aside
 
     @property
     def bandwidth(self) -> float | None:
@@ -140,6 +144,7 @@ class KVTransport(abc.ABC):
         if transfer.state == DONE:
             link.bytes += transfer.nbytes
             link.seconds += ended - transfer.started
+            link.peak = max(link.peak, transfer.nbytes / max(ended - transfer.started, 1e-9))
         else:
             link.failures += 1
 
@@ -152,8 +157,8 @@ class MooncakeTransport(KVTransport):
     The engine's batch status call blocks, spinning, until the batch ends (or its own timeout,
     MC_TRANSFER_TIMEOUT, default 30 s, passes), with the GIL released. A small pool of waiter
     threads turns it into futures the step loop can poll, so one stalled peer does not hold up the
-    others; each waiter first sleeps the time the batch should take at the link's measured
-    bandwidth, so the spin is short."""
+    others; each waiter first sleeps most of the time the batch would take at the link's best
+    measured rate, so the spin is short and a fast batch is not held back."""
 
     _INVALID = (0, 2**64 - 1, -1)  # batch ids of a batch the engine could not submit (no such peer)
     WAITERS = 4
@@ -202,7 +207,8 @@ class MooncakeTransport(KVTransport):
             transfer.state = FAILED
             self._account(transfer, time.monotonic())
             return transfer
-        expected = transfer.nbytes / (self.bandwidth(peer) or 1e9)
+        link = self.links.get(peer)
+        expected = transfer.nbytes / (link.peak if link and link.peak else 1e9)  # at the wire's best
 
         def settle() -> tuple[bool, float]:
             time.sleep(min(expected * 0.8, 1.0))  # most of the batch's time asleep, not spinning
@@ -241,6 +247,25 @@ class KVLayout:
         if not 0 <= page < num_pages:
             raise ValueError(f"page {page} outside a cache of {num_pages} pages")
         return (((plane * kvh + head) * num_pages + page) * ps * d) * self.itemsize
+
+
+def gather_pages(layers: Sequence[torch.Tensor], pages: Sequence[int], out: torch.Tensor) -> torch.Tensor:
+    """Copy `pages` of every layer ([2, kv_heads, num_pages, page_size, d] each) into `out`, a
+    contiguous staging buffer of at least [layers, 2, kv_heads, len(pages), page_size, d], so that
+    they travel as one run instead of one per (layer, plane, head, page). -> the filled view."""
+    index = torch.tensor(list(pages), dtype=torch.int64, device=layers[0].device)
+    shape = (len(layers), *layers[0].shape[:2], len(pages), *layers[0].shape[3:])
+    view = out.view(-1)[: math.prod(shape)].view(shape)
+    for i, layer in enumerate(layers):
+        torch.index_select(layer, 2, index, out=view[i])
+    return view
+
+
+def scatter_pages(staged: torch.Tensor, layers: Sequence[torch.Tensor], pages: Sequence[int]) -> None:
+    """The receiver's half of gather_pages: put a staged run of pages into `pages` of its layers."""
+    index = torch.tensor(list(pages), dtype=torch.int64, device=layers[0].device)
+    for i, layer in enumerate(layers):
+        layer.index_copy_(2, index, staged[i])
 
 
 def kv_blocks(src: KVLayout, dst: KVLayout, src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[Block]:
