@@ -1,7 +1,7 @@
 """KV pages between two processes over Mooncake's Transfer Engine (TCP, P2P handshake): scattered
 pages of one cache land on other pages of a differently sized cache, byte-identical (SHA-256 on
-both sides), as one aggregated batch; the link's measured bandwidth is kept; a peer that is gone
-is a failed transfer within the timeout, not a hang."""
+both sides), as one aggregated batch of runs and staged as one contiguous run; the link's measured
+bandwidth is kept; a peer that is gone is a failed transfer within the timeout, not a hang."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("mooncake.engine", reason="the federation extra (Mooncake Transfer Engine) is not installed")
 
 from tokenflowd.federation.transport import (Block, KVLayout, MooncakeTransport, TransferFailed,  # noqa: E402
-                                             kv_blocks)
+                                             gather_pages, kv_blocks)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import federation_peer as peer_script  # noqa: E402
@@ -74,6 +74,30 @@ def test_scattered_pages_arrive_byte_identical_in_one_batch(peer):
             time.sleep(0.05)
         assert ask("sha 0,1") == P.page_digest([torch.zeros_like(cache[0])] * P.LAYERS, [0, 1]), "nothing else written"
         assert transport.bandwidth(info["endpoint"]) > 0
+    finally:
+        transport.close()
+
+
+def test_staged_pages_travel_as_one_run_and_land_byte_identical(peer):
+    info, ask, _ = peer
+    P = peer_script
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(P.LAYERS, 2, P.KV_HEADS, 12, P.PAGE, P.HEAD_DIM, generator=g).to(torch.bfloat16)
+    staging = torch.empty(cache.numel(), dtype=torch.bfloat16)
+    transport = MooncakeTransport()
+    try:
+        transport.register(staging)
+        layers, src_pages, dst_pages = list(cache.unbind(0)), [8, 0, 6], [19, 3, 12]
+        run = gather_pages(layers, src_pages, staging)
+        transport.write(info["endpoint"], [Block(run.data_ptr(), info["staging"], run.numel() * run.element_size())],
+                        timeout=60)
+        want, deadline = P.page_digest(layers, src_pages), time.monotonic() + 30
+        while True:  # DONE means sent: scatter again until the staged bytes are all in
+            assert ask("scatter " + ",".join(map(str, dst_pages))) == "ok"
+            if ask("sha " + ",".join(map(str, dst_pages))) == want:
+                break
+            assert time.monotonic() < deadline, "the staged pages never arrived intact"
+            time.sleep(0.05)
     finally:
         transport.close()
 
