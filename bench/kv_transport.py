@@ -20,9 +20,7 @@ and the receiver checks the SHA-256 of what landed once per length and way. Time
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -35,51 +33,14 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import federation_peer  # noqa: E402  (the receiver, shared with the transport's tests)
 from machine import cpu_info  # noqa: E402
 
-from tokenflowd.federation.transport import (Block, KVLayout, MooncakeTransport, gather_pages,  # noqa: E402
-                                             kv_blocks, scatter_pages)
+from tokenflowd.federation.transport import Block, KVLayout, MooncakeTransport, gather_pages, kv_blocks  # noqa: E402
 
 LAYERS, KV_HEADS, PAGE, HEAD_DIM = 30, 3, 16, 64
 HERE = Path(__file__).resolve().parent
-
-
-def digest(layers: list[torch.Tensor], pages: list[int]) -> str:
-    h = hashlib.sha256()
-    for layer in layers:
-        for plane in (0, 1):
-            for head in range(KV_HEADS):
-                for page in pages:
-                    h.update(layer[plane, head, page].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def receiver(num_pages: int, dtype: torch.dtype) -> None:
-    cache = torch.zeros(LAYERS, 2, KV_HEADS, num_pages, PAGE, HEAD_DIM, dtype=dtype)
-    staging = torch.zeros(cache.numel() // 2, dtype=dtype)  # room for half the cache's pages
-    transport = MooncakeTransport()
-    transport.register(cache)
-    transport.register(staging)
-    layout = KVLayout.of(list(cache.unbind(0)))
-    print(json.dumps({"endpoint": transport.endpoint, "bases": layout.bases, "shape": layout.shape,
-                      "itemsize": layout.itemsize, "staging": staging.data_ptr()}), flush=True)
-    layers = list(cache.unbind(0))
-    for line in sys.stdin:
-        cmd, _, arg = line.strip().partition(" ")
-        if cmd == "sha":
-            print(digest(layers, [int(p) for p in arg.split(",")]), flush=True)
-        elif cmd == "zero":
-            for layer in layers:
-                layer[:, :, [int(p) for p in arg.split(",")]] = 0
-            print("ok", flush=True)
-        elif cmd == "scatter":
-            pages = [int(p) for p in arg.split(",")]
-            shape = (LAYERS, 2, KV_HEADS, len(pages), PAGE, HEAD_DIM)
-            scatter_pages(staging[: math.prod(shape)].view(shape), layers, pages)
-            print("ok", flush=True)
-        else:
-            break
-    transport.close()
 
 
 def main() -> None:
@@ -88,17 +49,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(HERE / "results" / "kv_transport.json"))
-    ap.add_argument("--role", default="bench", help=argparse.SUPPRESS)
-    ap.add_argument("--pages", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
     lengths = [int(x) for x in a.tokens.split(",")]
     recv_pages = 2 * (max(lengths) // PAGE) + 2
-    if a.role == "receiver":
-        receiver(a.pages, dtype)
-        return
-    proc = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--pages", str(recv_pages),
-                             "--dtype", a.dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, federation_peer.__file__, str(recv_pages), "--dtype", a.dtype,
+                             "--shape", f"{LAYERS},{KV_HEADS},{PAGE},{HEAD_DIM}"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     info = json.loads(proc.stdout.readline())
     dst_layout = KVLayout(tuple(info["bases"]), tuple(info["shape"]), info["itemsize"])
     send_pages = 2 * (max(lengths) // PAGE) + 2
@@ -139,7 +96,7 @@ def main() -> None:
                 assert ask("scatter " + ",".join(map(str, dst))) == "ok"
 
             ways = {"batch": batch, "per_run": per_run, "staged": staged}
-            want = digest(layers, src)
+            want = federation_peer.page_digest(layers, src)
             for name, f in ways.items():  # warm each way, and check what it lands on cleared pages
                 assert ask("zero " + ",".join(map(str, dst))) == "ok"
                 f()

@@ -26,6 +26,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def read_line(proc: subprocess.Popen, within: float = 120.0) -> str:
+    """The next line of a text-mode child's stdout, or a failed test after `within` s (a child that
+    hangs or dies before it speaks must not hang the suite). Empty when it exited."""
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], within)
+    if not ready:
+        proc.kill()
+        raise AssertionError(f"{proc.args[1] if len(proc.args) > 1 else proc.args} said nothing in {within} s")
+    return proc.stdout.readline()
+
+
 def terminate(proc: subprocess.Popen, grace: float = 30.0) -> int:
     """SIGTERM, then SIGKILL after `grace` s; the exit code."""
     if proc.poll() is None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from tokenflowd.federation.transport import (Block, KVLayout, MooncakeTransport,
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import federation_peer as peer_script  # noqa: E402
+from daemon import read_line  # noqa: E402
 
 
 @pytest.fixture
@@ -30,11 +30,7 @@ def peer(tmp_path):
     log = open(tmp_path / "peer.log", "w")
     proc = subprocess.Popen([sys.executable, peer_script.__file__, "20"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    ready, _, _ = select.select([proc.stdout], [], [], 120)
-    if not ready:
-        proc.kill()
-        pytest.fail(f"the peer did not start in 120 s: {(tmp_path / 'peer.log').read_text()[-2000:]}")
-    line = proc.stdout.readline()
+    line = read_line(proc)
     if not line:
         pytest.fail(f"the peer exited: {(tmp_path / 'peer.log').read_text()[-2000:]}")
     info = json.loads(line)
@@ -42,7 +38,7 @@ def peer(tmp_path):
     def ask(line: str) -> str:
         proc.stdin.write(line + "\n")
         proc.stdin.flush()
-        return proc.stdout.readline().strip()
+        return read_line(proc).strip()
 
     yield info, ask, proc
     if proc.poll() is None:
@@ -50,6 +46,20 @@ def peer(tmp_path):
         proc.stdin.flush()
         proc.wait(timeout=60)
     log.close()
+
+
+def landed(ask, pages: list[int], want: str, scatter: bool = False, within: float = 30.0) -> None:
+    """DONE means sent, not landed (Mooncake over TCP): ask the receiver until `pages` hold `want`
+    (scattering the staged run again first, with `scatter`), or fail after `within` s."""
+    listed = ",".join(map(str, pages))
+    deadline = time.monotonic() + within
+    while True:
+        if scatter:
+            assert ask("scatter " + listed) == "ok"
+        if ask("sha " + listed) == want:
+            return
+        assert time.monotonic() < deadline, "the pages never arrived intact"
+        time.sleep(0.05)
 
 
 def test_scattered_pages_arrive_byte_identical_in_one_batch(peer):
@@ -66,12 +76,10 @@ def test_scattered_pages_arrive_byte_identical_in_one_batch(peer):
         blocks = kv_blocks(src, dst, src_pages, dst_pages)
         # pages 3, 4 -> 10, 11 are adjacent on both sides: one run per (layer, plane, head) for them
         assert len(blocks) == P.LAYERS * 2 * P.KV_HEADS * 3
-        transport.write(info["endpoint"], blocks, timeout=60)
-        # DONE means sent, not landed (Mooncake over TCP): the receiver checks until the bytes are in.
-        want, deadline = P.page_digest(list(cache.unbind(0)), src_pages), time.monotonic() + 30
-        while ask("sha " + ",".join(map(str, dst_pages))) != want:
-            assert time.monotonic() < deadline, "the pages never arrived intact"
-            time.sleep(0.05)
+        transfer = transport.submit_write(info["endpoint"], blocks)
+        transport.wait(transfer, timeout=60)
+        assert transport.settled(transfer), "done: the engine is through with it"
+        landed(ask, dst_pages, P.page_digest(list(cache.unbind(0)), src_pages))
         assert ask("sha 0,1") == P.page_digest([torch.zeros_like(cache[0])] * P.LAYERS, [0, 1]), "nothing else written"
         assert transport.bandwidth(info["endpoint"]) > 0
     finally:
@@ -91,13 +99,7 @@ def test_staged_pages_travel_as_one_run_and_land_byte_identical(peer):
         run = gather_pages(layers, src_pages, staging)
         transport.write(info["endpoint"], [Block(run.data_ptr(), info["staging"], run.numel() * run.element_size())],
                         timeout=60)
-        want, deadline = P.page_digest(layers, src_pages), time.monotonic() + 30
-        while True:  # DONE means sent: scatter again until the staged bytes are all in
-            assert ask("scatter " + ",".join(map(str, dst_pages))) == "ok"
-            if ask("sha " + ",".join(map(str, dst_pages))) == want:
-                break
-            assert time.monotonic() < deadline, "the staged pages never arrived intact"
-            time.sleep(0.05)
+        landed(ask, dst_pages, P.page_digest(layers, src_pages), scatter=True)
     finally:
         transport.close()
 
@@ -110,8 +112,10 @@ def test_a_peer_that_is_gone_is_a_failed_transfer_not_a_hang(peer):
     try:
         buf = torch.ones(4096, dtype=torch.uint8)
         region = transport.register(buf)
+        transfer = transport.submit_write(info["endpoint"], [Block(region.address, info["bases"][0], 4096)])
         with pytest.raises(TransferFailed):
-            transport.write(info["endpoint"], [Block(region.address, info["bases"][0], 4096)], timeout=60)
+            transport.wait(transfer, timeout=60)
+        assert transport.status(transfer) == "failed" and transport.settled(transfer)
         assert transport.links[info["endpoint"]].failures == 1
     finally:
         transport.close()

@@ -3,13 +3,13 @@ of two choices balancing 8 engines on the Mooncake trace, global LRU with pins, 
 the segment-size threshold, and dispatch by minimum-cost matching."""
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import random
 
 import pytest
 
+from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.pool.dispatch import BatchTraffic, dispatch
 from tokenflowd.pool.index import Hardware, PoolIndex, PoolRequest
 from tokenflowd.pool.placement import Placement, rendezvous_home
@@ -21,10 +21,8 @@ SEG = 512
 
 
 def chain(*ids: int) -> list[bytes]:
-    keys: list[bytes] = []
-    for i in ids:
-        keys.append(hashlib.blake2b((keys[-1] if keys else b"") + i.to_bytes(8, "little"), digest_size=16).digest())
-    return keys
+    """Chained keys of pages of one "token" each (kv/pages.py)."""
+    return chain_page_keys(ids, 1, [])
 
 
 def test_homes_are_by_hash_and_only_a_dead_engines_segments_move():

@@ -20,6 +20,7 @@ from tokenflowd.pool.shared_kv import SharedKV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pool_holder as H  # noqa: E402
+from daemon import read_line  # noqa: E402
 
 SEED = 11
 
@@ -30,12 +31,12 @@ def holder(tmp_path):
     shm_name = f"tokenflowd-test-{os.getpid()}-{tmp_path.name}"
     proc = subprocess.Popen([sys.executable, str(Path(H.__file__)), address, str(SEED), shm_name],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
+    assert read_line(proc).strip() == "ready"
 
     def refs() -> tuple[int, int]:
         proc.stdin.write("refs\n")
         proc.stdin.flush()
-        pages, requests = proc.stdout.readline().split()
+        pages, requests = read_line(proc).split()
         return int(pages), int(requests)
 
     yield address, refs, shm_name
@@ -138,7 +139,7 @@ def test_a_dead_holder_is_an_error_within_the_timeout_not_a_hang(tmp_path):
     proc = subprocess.Popen([sys.executable, str(Path(H.__file__)), address, str(SEED), shm_name],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        assert read_line(proc).strip() == "ready"
         client = QueryClient(4, address, 2, H.HEADS, H.HEAD_DIM, torch.float32)  # a busy box may be slow here
         try:
             assert client.pin("r", [bytes([0])]) == 1

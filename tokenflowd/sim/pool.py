@@ -19,13 +19,13 @@ coefficient of variation (std / mean over engines) is averaged over windows with
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
-import math
+import statistics
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.pool.placement import Placement
 from tokenflowd.prefix_index import PrefixIndex
 from tokenflowd.router import Router
@@ -78,18 +78,14 @@ def config_from_cost(cost, engines: int, capacity_tokens: int | None = None, see
 
 
 def chain_keys(hash_ids: Sequence[int], full_blocks: int) -> list[bytes]:
-    keys: list[bytes] = []
-    for h in hash_ids[:full_blocks]:
-        keys.append(hashlib.blake2b((keys[-1] if keys else b"") + h.to_bytes(8, "little", signed=True),
-                                    digest_size=16).digest())
-    return keys
+    """The segment keys of a trace prompt's full blocks: the engine's chained page keys, with a
+    block's id as its one "token"."""
+    return chain_page_keys(hash_ids, 1, [], full_blocks)
 
 
 def coefficient_of_variation(values: Sequence[float]) -> float:
-    mean = sum(values) / len(values)
-    if mean <= 0:
-        return 0.0
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean
+    mean = statistics.fmean(values)
+    return statistics.pstdev(values, mean) / mean if mean > 0 else 0.0
 
 
 class _Loads:
