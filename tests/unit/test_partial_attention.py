@@ -28,13 +28,15 @@ def full(q, k, v, scale, mask=None):
 
 @settings(max_examples=60, deadline=None)
 @given(shape=SHAPES, d=st.sampled_from([8, 64]), t=st.integers(1, 5), length=st.integers(1, 90),
-       cuts=st.lists(st.floats(0, 1), max_size=4), seed=st.integers(0, 2**16))
+       cuts=st.lists(st.integers(0, 90), max_size=4), seed=st.integers(0, 2**16))
 def test_pieces_merged_by_lse_equal_attention_over_all_keys(shape, d, t, length, cuts, seed):
     heads, kvh = shape
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(t, heads, d, generator=gen)
     k, v = torch.randn(length, kvh, d, generator=gen), torch.randn(length, kvh, d, generator=gen)
-    bounds = sorted({0, length, *(int(c * length) for c in cuts)})
+    # Cut points are drawn as integers: once an in-process engine has set flush-to-zero
+    # (torch.set_flush_denormal, engine/runner.py), hypothesis cannot draw floats in this process.
+    bounds = sorted({0, length, *(min(c, length) for c in cuts)})
     states = [attention_with_lse(q, k[a:b], v[a:b], d**-0.5) for a, b in zip(bounds, bounds[1:])]
     o, s = merge_all(states)
     assert (o - full(q, k, v, d**-0.5)).abs().max() <= TOL
