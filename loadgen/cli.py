@@ -70,6 +70,8 @@ def _common_args() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0, help="workload seed: prompts, lengths, arrivals, rates (default 0)")
     w.add_argument("--time-scale", type=float, default=1.0, help="trace arrivals × this (below 1 replays faster)")
     w.add_argument("--max-prompt-len", type=int, help="trace datasets: truncate longer prompts to this many tokens")
+    w.add_argument("--output-scale", type=float, default=1.0,
+                   help="trace datasets: output lengths times this (default 1; a small CPU box: e.g. 0.1)")
     c = p.add_argument_group("clients")
     c.add_argument("--max-concurrency", type=int, help="streams open at once (default: no bound)")
     c.add_argument("--timeout", type=float, default=60.0,
@@ -113,7 +115,8 @@ def workload_from_args(a: argparse.Namespace) -> LoadWorkload:
                         burstiness=a.burstiness, burst_size=a.burst_size, burst_period=a.burst_period,
                         lengths=parse_lengths(a.lengths), reading_rates=parse_reading_rates(a.reading_rate),
                         seed=a.seed, dataset_path=a.dataset_path, time_scale=a.time_scale,
-                        max_prompt_len=a.max_prompt_len, abandon_fraction=a.abandon_fraction)
+                        max_prompt_len=a.max_prompt_len, output_scale=a.output_scale,
+                        abandon_fraction=a.abandon_fraction)
 
 
 def _headers(a: argparse.Namespace) -> tuple[tuple[str, str], ...]:

@@ -54,6 +54,7 @@ class LoadWorkload:
     dataset_path: str | None = None
     time_scale: float = 1.0  # trace datasets: arrival = timestamp · time_scale
     max_prompt_len: int | None = None  # trace datasets: truncate longer prompts
+    output_scale: float = 1.0  # trace datasets: output lengths × this (a small model on a CPU: below 1)
     abandon_fraction: float = 0.0  # share of clients that close their stream partway
 
     def __post_init__(self) -> None:
@@ -77,6 +78,8 @@ class LoadWorkload:
                                  "(s between bursts)")
         if self.burst_period is not None and (self.burst_size is None or not self.burst_period > 0):
             raise ValueError("--burst-period needs --burst-size and must be above 0")
+        if not self.output_scale > 0:
+            raise ValueError(f"--output-scale must be above 0, got {self.output_scale}")
         if not self.time_scale > 0:
             raise ValueError(f"--time-scale must be above 0, got {self.time_scale}")
         if not 0 <= self.abandon_fraction <= 1:
@@ -113,7 +116,8 @@ def build_requests(w: LoadWorkload) -> list[WorkloadRequest]:
         reqs = build_workload(spec)
     elif w.dataset == "mooncake":
         reqs = build_workload(WorkloadSpec("trace", w.num_prompts, trace=w.dataset_path or str(DEFAULT_TRACE),
-                                           time_scale=w.time_scale, max_prompt_len=w.max_prompt_len, **common))
+                                           time_scale=w.time_scale, max_prompt_len=w.max_prompt_len,
+                                           output_scale=w.output_scale, **common))
     else:
         reqs = burstgpt_requests(Path(w.dataset_path), w)
     if w.burst_size is not None:
@@ -166,6 +170,7 @@ def burstgpt_requests(path: Path, w: LoadWorkload) -> list[WorkloadRequest]:
     for i, (ts, prompt_len, output_len) in enumerate(rows):
         prompt_len = min(prompt_len, w.max_prompt_len or prompt_len)
         k = math.ceil(prompt_len / BLOCK_TOKENS)  # fresh blocks: BurstGPT records no shared prefixes
+        output_len = max(1, round(output_len * w.output_scale))
         out.append(WorkloadRequest(f"r{i:0{width}d}", (ts - t0) * w.time_scale, prompt_len, output_len, rates[i],
                                    tuple(range(next_block, next_block + k))))
         next_block += k
@@ -226,7 +231,7 @@ def describe(w: LoadWorkload) -> dict:
     """The workload as JSON-able config (for the result file)."""
     d = {k: getattr(w, k) for k in ("dataset", "num_prompts", "request_rate", "burstiness", "burst_size",
                                      "burst_period", "seed", "dataset_path", "time_scale", "max_prompt_len",
-                                     "abandon_fraction")}
+                                     "output_scale", "abandon_fraction")}
     d["lengths"] = {k: getattr(w.lengths, k) for k in ("kind", "input_center", "input_spread", "output_center",
                                                         "output_spread")}
     d["reading_rates"] = [list(p) for p in w.reading_rates]

@@ -124,6 +124,14 @@ class EngineConfig:
     load_evict_overlap: bool = True  # loads run while evictions are in flight (off: the ablation's baseline)
     # s: a request whose predicted time to first token exceeds it gets 429 at once (engine/admission.py); None: off
     max_queue_delay: float | None = None
+    # The node's prefix-cache pool across engines (pool/): off (each engine its own cache, the
+    # router follows prefixes), query (a request's prefix pages held by a peer stay there; its
+    # query rows go to the peer each layer and come back as partial attention merged by LSE), or
+    # read (the engine maps the peer's KV cache and attends to its pages in place; CPU only)
+    pool_mode: str = "off"
+    # tokens of a pool segment, the unit a request reads from one holder; 0: the threshold of
+    # pool/segments.py with α, B and k_comp measured at start-up (logged)
+    pool_segment_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -174,6 +182,16 @@ class EngineConfig:
             raise ValueError("a disk KV tier needs a host tier: set offload to write-through or write-back")
         if self.disk_kv_memory and not (self.disk_kv_dir or os.environ.get("STATE_DIRECTORY")):
             raise ValueError("disk_kv_memory needs disk_kv_dir (or systemd's STATE_DIRECTORY) to put its file in")
+        if self.pool_mode not in ("off", "query", "read"):
+            raise ValueError(f"pool_mode must be off, query or read, got {self.pool_mode!r}")
+        if self.pool_segment_tokens < 0 or self.pool_segment_tokens % self.page_size:
+            raise ValueError(f"pool_segment_tokens must be a multiple of page_size ({self.page_size}) or 0 (measured), "
+                             f"got {self.pool_segment_tokens}")
+        if self.pool_mode != "off" and not self.enable_prefix_caching:
+            raise ValueError("the pool shares prefix-cache pages: it needs prefix caching on")
+        if self.pool_mode == "read" and self.device != "cpu":
+            raise ValueError("pool_mode read maps peers' caches through host shared memory: on a GPU use "
+                             "pool_mode query (CUDA IPC of the caches is not built)")
         if self.max_queue_delay is not None and not 0 < self.max_queue_delay < float("inf"):
             raise ValueError(f"max_queue_delay must be a finite number of seconds above 0 (leave it out to never "
                              f"shed load), got {self.max_queue_delay}")

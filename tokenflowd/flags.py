@@ -43,6 +43,13 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-kv-memory", help="disk KV tier size, e.g. 64GiB (default 0: none); host evictions of "
                                             "prefix pages spill to it")
     g.add_argument("--disk-kv-dir", help="directory of the disk tier's file (default: $STATE_DIRECTORY)")
+    g.add_argument("--pool-mode", choices=["off", "query", "read"],
+                   help="one prefix cache across this node's engines: off (the default: each engine its own, "
+                        "requests follow their prefixes), query (a peer's prefix pages stay there and each layer's "
+                        "queries go to it; LSE-merged) or read (peers' caches mapped and read in place; CPU)")
+    g.add_argument("--pool-segment-tokens", type=int,
+                   help="tokens of a pool segment, a multiple of the page size (default: the break-even length "
+                        "measured at start-up, logged)")
     g.add_argument("--no-load-evict-overlap", action="store_true",
                    help="loads wait for evictions in flight (a benchmark baseline)")
     policy_args(p)
@@ -81,6 +88,7 @@ ENGINE_FLAGS = {
     "max_model_len": "max_model_len", "attention_backend": "attention_backend", "threads": "num_threads",
     "policy": "policy", "offload": "offload", "host_kv_memory": "host_kv_memory",
     "disk_kv_memory": "disk_kv_memory", "disk_kv_dir": "disk_kv_dir", "max_queue_delay": "max_queue_delay",
+    "pool_mode": "pool_mode", "pool_segment_tokens": "pool_segment_tokens",
 }
 
 

@@ -92,7 +92,7 @@ class LocalLauncher:
         spec = p.EngineSpec(handle.engine_id, handle.incarnation, address, f"ipc://{self.runtime_dir}/out",
                             self.server.heartbeat_interval, msgspec.to_builtins(handle.config),
                             send_timeout=self.server.heartbeat_timeout, supervisor_pid=os.getpid(),
-                            front_addresses=self._front_addresses)
+                            front_addresses=self._front_addresses, runtime_dir=str(self.runtime_dir))
         proc = self._procs[handle.engine_id] = await asyncio.create_subprocess_exec(
             *self._command(spec), env=engine_environment(handle.env))
         handle.pid = proc.pid

@@ -30,6 +30,19 @@ class PrefixIndex:
     def num_keys(self, engine_id: int) -> int:
         return len(self._keys.get(engine_id, ()))
 
+    def num_replicated(self) -> int:
+        """Keys held by more than one engine."""
+        seen: set[bytes] = set()
+        twice: set[bytes] = set()
+        for held in self._keys.values():
+            twice.update(held & seen)
+            seen.update(held)
+        return len(twice)
+
+    def holders(self, key: bytes) -> list[int]:
+        """The engines that hold the page of `key`."""
+        return [e for e, held in self._keys.items() if key in held]
+
     def cached_pages(self, engine_id: int, keys: Sequence[bytes]) -> int:
         """Leading pages of a request (by chained key) that the engine holds."""
         held = self._keys.get(engine_id, ())

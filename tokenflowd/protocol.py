@@ -33,6 +33,14 @@ class Coalesce(msgspec.Struct, frozen=True):
     interval: float
 
 
+class PrefixRun(msgspec.Struct, frozen=True):
+    """Leading pages of a prompt that an engine of the pool holds (`--pool-mode query|read`): the
+    chained keys of consecutive pages, in prompt order."""
+
+    engine: int
+    keys: list[bytes]
+
+
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -43,6 +51,9 @@ class AddRequest(msgspec.Struct, tag=True):
     front: int = 0  # the output (EngineSpec) its deltas go to: the front process that serves it
     front_epoch: int = 0  # which start of that front sent it (AbortFront)
     coalesce: Coalesce | None = None  # None: every step's tokens at once
+    # The pool: runs covering the prompt's leading pages, held by engines of this node (the
+    # receiving one too); the engine attends to them where they are instead of computing them.
+    prefix: list[PrefixRun] = []
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -99,8 +110,22 @@ class QueryKeys(msgspec.Struct, tag=True):
     front: int
 
 
+class PoolPeer(msgspec.Struct, frozen=True):
+    engine: int
+    incarnation: int
+    pid: int
+    num_pages: int  # its KV cache's pages (read mode maps the cache)
+
+
+class PoolPeers(msgspec.Struct, tag=True):
+    """The pool's engines that serve now (the supervisor sends it whenever one comes or goes): a
+    peer missing or with a new incarnation is gone, with its segments and its pins."""
+
+    peers: list[PoolPeer]
+
+
 ToEngine = (AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure
-            | AbortFront | QueryKeys)
+            | AbortFront | QueryKeys | PoolPeers)
 
 
 # -- engine → supervisor ---------------------------------------------------------------------
@@ -119,6 +144,15 @@ class EngineStats(msgspec.Struct):
     kv_pages_written: int = 0  # device -> host, since the engine started
     kv_pages_loaded: int = 0  # host -> device
     num_shed: int = 0  # requests refused by --max-queue-delay (engine/admission.py), since the engine started
+    # prompt tokens of the requests it took, and of them those its own prefix cache held (first
+    # admissions) and those it read where peers of the pool hold them; since the engine started
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    peer_tokens: int = 0
+    pool_queries: int = 0  # query mode: layer queries shipped to peers
+    pool_query_bytes: int = 0  # their query rows and answers
+    pool_query_seconds: float = 0.0  # waiting for the answers, after the own attention
+    pool_pins: int = 0  # pages pinned here for peers' requests now
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -133,6 +167,7 @@ class Ready(msgspec.Struct, tag=True):
     policy: str = ""
     policy_params: dict = {}  # the PolicyConfig fields it schedules with
     fallback: str = ""  # a fast path failed its start-up check and was replaced (engine/self_check.py); "": none
+    pool_segment_pages: int = 0  # the pool's segment size (pool/segments.py); 0: pool off
 
 
 class Delta(msgspec.Struct):
@@ -218,6 +253,7 @@ class EngineSpec(msgspec.Struct):
     # outputs 1..N: the front processes of --api-servers N > 1 (a request's deltas go to its front;
     # what every front needs, Ready and the step messages' stats and keys, goes to all)
     front_addresses: list[str] = []
+    runtime_dir: str = ""  # the daemon's private directory (the pool's sockets and shared caches)
 
 
 # -- the supervisor and its front processes (--api-servers N > 1) ---------------------------------

@@ -10,14 +10,29 @@ requests an engine holds (running + waiting, and those sent but not yet seen in 
 
 A cached page saves its prefill; a request ahead in the queue costs about a page of waiting at
 load_weight 1, so the router gives up a match only for a clearly busier engine.
+
+With the node's pool on (`--pool-mode query|read`, pool/), where a prefix lives no longer decides
+where a request runs: any engine reads any engine's pages. `pick_pooled` takes the least loaded
+engine (ties: the one holding more of the prefix, then the lower id) and names, for the prompt's
+longest prefix held anywhere, which engine each segment is read from: the chosen engine's own where
+it has it, else the previous segment's holder while it has it, else the less loaded of two random
+holders (power of two choices). A hot segment (a heavy hitter, pool/heat.py) whose holders are all
+busier than the chosen engine by more than a slack is not read there: the chosen engine computes
+it and what follows, and so holds a replica of it. Heavy hitters are replicated to the least
+loaded engines that lack them, by use (Mooncake's hot prefixes replicate the same way).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
 
 from tokenflowd.kv.pages import chain_page_keys
+from tokenflowd.pool.heat import SegmentHeat
 from tokenflowd.prefix_index import PrefixIndex
+
+REPLICATE_SLACK = 0.5  # a holder busier than 1.5x the chosen engine's load, plus one request, is overloaded
 
 
 class EngineLoad(Protocol):
@@ -31,13 +46,22 @@ class EngineLoad(Protocol):
 class Choice:
     engine_id: int
     cached_pages: int
+    # pool: (engine, keys) runs of the prompt's leading pages to read where they are ([]: none)
+    runs: list[tuple[int, list[bytes]]] = field(default_factory=list)
 
 
 class Router:
-    def __init__(self, page_size: int, index: PrefixIndex, load_weight: float = 1.0) -> None:
+    def __init__(self, page_size: int, index: PrefixIndex, load_weight: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.page_size = page_size
         self.index = index
         self.load_weight = load_weight
+        self.heat = SegmentHeat()  # the pool's: which segments are read most
+        self.clock = clock
+
+    def _overloaded(self, holder_load: int, target_load: int) -> bool:
+        """A holder too busy to serve a hot segment that the chosen engine could hold too."""
+        return holder_load > (1 + REPLICATE_SLACK) * target_load + 1
 
     def pick(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int]) -> Choice:
         """`engines` must be non-empty (the serving ones). Ties go to the lower engine id."""
@@ -59,3 +83,50 @@ class Router:
                 best = cand
         assert best is not None
         return best[2]
+
+    def pick_pooled(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int = 1,
+                    rng: random.Random | None = None) -> Choice:
+        """The pool's pick (see the module docstring); `engines` non-empty. A request reads each
+        segment (`segment_pages` pages) from one engine that holds all of it; of a segment no engine
+        holds whole, the longest leading part one engine holds, and nothing after it."""
+        keys = chain_page_keys(prompt_token_ids, self.page_size, [], max(0, len(prompt_token_ids) - 1))
+        load = {e.engine_id: e.load for e in engines}
+        target = min(engines, key=lambda e: (e.load, -self.index.cached_pages(e.engine_id, keys), e.engine_id)).engine_id
+        rng = rng or random
+        now = self.clock()
+        runs: list[tuple[int, list[bytes]]] = []
+        seg = max(1, segment_pages)
+        for start in range(0, len(keys), seg):
+            chunk = keys[start : start + seg]
+            held = {e: self.index.cached_pages(e, chunk) for e in load}
+            whole = [e for e, n in held.items() if n == len(chunk)]
+            current = runs[-1][0] if runs else None
+            if len(chunk) == seg:
+                self.heat.hit(chunk[-1], now)
+            if (whole and target not in whole and self.heat.is_heavy(chunk[-1], len(load), now)
+                    and all(self._overloaded(load[e], load[target]) for e in whole)):
+                break  # a hot segment on busy engines only: the target computes it (a replica)
+            if not whole:
+                best = max(held, key=lambda e: (held[e], e == target, -e))
+                if held[best]:
+                    self._extend(runs, best, chunk[: held[best]])
+                break
+            if target in whole:
+                holder = target
+            elif current in whole:
+                holder = current
+            else:
+                two = rng.sample(whole, 2) if len(whole) > 2 else whole
+                holder = min(two, key=lambda e: (load[e], e))
+            self._extend(runs, holder, chunk)
+        own = sum(len(k) for e, k in runs if e == target)
+        if all(e == target for e, _ in runs):
+            return Choice(target, own)  # all of it here: the engine's own prefix cache serves it
+        return Choice(target, own, runs)
+
+    @staticmethod
+    def _extend(runs: list[tuple[int, list[bytes]]], engine: int, keys: list[bytes]) -> None:
+        if runs and runs[-1][0] == engine:
+            runs[-1][1].extend(keys)
+        else:
+            runs.append((engine, list(keys)))

@@ -32,6 +32,7 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, PolicyConfig, ServerConfig
 from tokenflowd.engine_handle import EngineHandle, Stream
 from tokenflowd.launcher import LocalLauncher, engine_configs
+from tokenflowd.pool.names import cache_name, unlink
 from tokenflowd.prefix_index import PrefixIndex
 
 log = logging.getLogger("tokenflowd.supervisor")
@@ -94,6 +95,8 @@ class Supervisor:
         for handle in self.slots:
             handle.fail_streams("the server is shutting down")
             handle.state = "stopped"
+            if self.engine_config.pool_mode != "off" and self.runtime_dir is not None:  # one killed at stop
+                unlink(cache_name(str(self.runtime_dir), handle.engine_id, handle.incarnation))
         if self._outbox is not None:
             asyncio.get_running_loop().remove_reader(self._outbox.getsockopt(zmq.FD))
         self._ctx.destroy(linger=0)
@@ -105,11 +108,25 @@ class Supervisor:
         return [sys.executable, "-m", "tokenflowd.engine.process", msgspec.json.encode(spec).decode()]
 
     def _engine_gone(self, handle: EngineHandle, message: str) -> None:
-        """Its process exited or was killed: its streams end with `message`, its cache is gone."""
+        """Its process exited or was killed: its streams end with `message`, its cache is gone (and
+        with the pool on, the peers that read its pages learn so at once)."""
         handle.fail_streams(message)
+        if self.engine_config.pool_mode != "off" and self.runtime_dir is not None:
+            unlink(cache_name(str(self.runtime_dir), handle.engine_id, handle.incarnation))
         handle.retire()
         self.index.forget(handle.engine_id)
+        self._announce_pool(gone=handle)
         self.on_change()
+
+    def _announce_pool(self, gone: EngineHandle | None = None) -> None:
+        """Tell every serving engine which engines serve (the pool's peers), when one comes or goes."""
+        if self.engine_config.pool_mode == "off" or self.launcher is None:
+            return
+        ready = [slot for slot in self.slots if slot.ready and slot.info is not None and slot is not gone]
+        peers = p.PoolPeers([p.PoolPeer(s.engine_id, s.incarnation, s.info.pid, s.info.stats.kv_pages_total)
+                             for s in ready])
+        for slot in ready:
+            self.send(slot, peers)
 
     # -- engine outputs -----------------------------------------------------------------------
     def _read_outputs(self, budget: int = 64) -> None:
@@ -149,6 +166,7 @@ class Supervisor:
             if msg.policy_params and msg.policy_params != wanted:  # a reload came while it started
                 self.send(slot, p.Reconfigure(logging.getLevelName(logging.getLogger().level), wanted))
             slot.consecutive_failures = 0
+            self._announce_pool()
             self.on_change()
             log.info("engine %d ready (pid %d, %s, context %d)", msg.engine_id, msg.pid, msg.device,
                      msg.max_model_len)

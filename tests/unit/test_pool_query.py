@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from tokenflowd.engine.attention.base import AttentionInputs, PageQuery
 from tokenflowd.engine.attention.partial import merge_states
-from tokenflowd.pool.query import QueryClient
+from tokenflowd.pool.query import PeerGone, QueryClient
 from tokenflowd.pool.shared_kv import SharedKV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,8 +55,8 @@ def test_shipped_queries_merged_with_local_attention_equal_attention_over_all_pa
     try:
         # Request a: segments 0 and 1 on the holder (16 tokens), then its own pages 30..33 with 3
         # more tokens and a 3-row chunk; request b: segment 5 only, then one decode token.
-        held_a = client.pin("a", [bytes([0]), bytes([1]), bytes([99])])
-        held_b = client.pin("b", [bytes([5])])
+        held_a = client.pin("a", [bytes([0]), bytes([1]), bytes([99])]).held
+        held_b = client.pin("b", [bytes([5])]).held
         assert (held_a, held_b) == (2, 1), "the run stops at the key it lacks"
         assert refs() == (6, 2)
         seg_pages = {"a": H.SEGMENTS[bytes([0])] + H.SEGMENTS[bytes([1])], "b": H.SEGMENTS[bytes([5])]}
@@ -117,8 +118,11 @@ def test_read_mode_attends_in_place_to_the_peers_mapped_cache_and_equals_query_m
     peer = SharedKV.attach(shm_name, H.LAYERS, backend.kv_cache_shape(H.PAGES), torch.float32)
     client = QueryClient(3, address, 8, H.HEADS, H.HEAD_DIM, torch.float32)
     try:
-        assert client.pin("r", [bytes([2]), bytes([3])]) == 2  # read mode pins too: pages must not move
+        pinned = client.pin("r", [bytes([2])])  # read mode pins too: pages must not move
+        pinned_more = client.pin("r", [bytes([3])])  # a second pin adds to the first
+        assert refs() == (4, 1)
         pages = H.SEGMENTS[bytes([2])] + H.SEGMENTS[bytes([3])]
+        assert pinned.pages + pinned_more.pages == pages, "the holder says which of its pages to read"
         q = torch.randn(3, H.HEADS, H.HEAD_DIM, generator=torch.Generator().manual_seed(4))
         for layer in range(H.LAYERS):
             o_read, s_read = backend.attend_pages(q, peer.layers[layer], PageQuery([0, 1, 3], [pages, pages]))
@@ -142,14 +146,38 @@ def test_a_dead_holder_is_an_error_within_the_timeout_not_a_hang(tmp_path):
         assert read_line(proc).strip() == "ready"
         client = QueryClient(4, address, 2, H.HEADS, H.HEAD_DIM, torch.float32)  # a busy box may be slow here
         try:
-            assert client.pin("r", [bytes([0])]) == 1
+            assert client.pin("r", [bytes([0])]).held == 1
             proc.kill()
             proc.wait(timeout=30)
-            client._sock.rcvtimeo = 1000  # the holder is dead: no answer is coming however long we wait
-            with pytest.raises(TimeoutError):
+            client.timeout_ms = 1000  # the holder is dead: no answer is coming however long we wait
+            with pytest.raises(PeerGone):
                 client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["r"])
-            with pytest.raises(TimeoutError, match="earlier"):  # at once: the channel is known dead
+            with pytest.raises(PeerGone, match="earlier"):  # at once: the channel is known dead
                 client.unpin("r")
+        finally:
+            client.close()
+    finally:
+        proc.kill()
+        Path(f"/dev/shm/{shm_name}").unlink(missing_ok=True)  # a killed owner cannot unlink its cache
+
+
+def test_a_holder_whose_process_is_gone_is_known_at_once_with_a_liveness_check(tmp_path):
+    address = f"ipc://{tmp_path}/pool-query.sock"
+    shm_name = f"tokenflowd-test-{os.getpid()}-gone"
+    proc = subprocess.Popen([sys.executable, str(Path(H.__file__)), address, str(SEED), shm_name],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert read_line(proc).strip() == "ready"
+        client = QueryClient(5, address, 2, H.HEADS, H.HEAD_DIM, torch.float32, timeout_ms=600_000,
+                             alive=lambda: proc.poll() is None)
+        try:
+            assert client.pin("r", [bytes([0])]).held == 1
+            proc.kill()
+            proc.wait(timeout=30)
+            t0 = time.monotonic()
+            with pytest.raises(PeerGone):
+                client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["r"])
+            assert time.monotonic() - t0 < 60, "the liveness check, not the 10-minute timeout, ended the wait"
         finally:
             client.close()
     finally:

@@ -66,3 +66,70 @@ def test_no_match_goes_to_the_least_loaded_then_lowest_id():
     prompt = list(range(10))
     engines = [FakeEngine(0, load=3), FakeEngine(1, load=1), FakeEngine(2, load=1)]
     assert router_with({}).pick(engines, prompt).engine_id == 1
+
+
+# -- the pool (--pool-mode query|read) ---------------------------------------------------------
+def test_pooled_pick_runs_on_the_least_loaded_engine_and_names_where_each_segment_is_read():
+    tokens = list(range(33))  # 8 full pages before the last token
+    k = keys_of(tokens)
+    r = router_with({0: k[:8], 1: k[:2]})
+    engines = [FakeEngine(0, load=5), FakeEngine(1, load=1), FakeEngine(2, load=1)]
+    c = r.pick_pooled(engines, tokens, segment_pages=2)
+    # Engines 1 and 2 are the least loaded; 1 holds more of the prefix. It reads its own first
+    # segment, and the other three where they are: on engine 0 (busier, but the only holder).
+    assert c.engine_id == 1 and c.cached_pages == 2
+    assert c.runs == [(1, k[:2]), (0, k[2:8])]
+
+
+def test_pooled_pick_sends_no_runs_when_the_engine_holds_all_of_the_prefix_itself():
+    tokens = list(range(33))
+    k = keys_of(tokens)
+    r = router_with({0: k[:8], 1: k[:8]})
+    c = r.pick_pooled([FakeEngine(0, load=2), FakeEngine(1)], tokens, segment_pages=4)
+    assert (c.engine_id, c.cached_pages, c.runs) == (1, 8, [])  # its own prefix cache serves it
+
+
+def test_pooled_pick_reads_a_segment_from_one_holder_and_stops_where_none_holds_it_whole():
+    tokens = list(range(33))
+    k = keys_of(tokens)
+    # Segment 0 (pages 0-3) is whole on engine 0 only; of segment 1, engine 1 holds pages 4-5 only
+    # (its own leading run of that segment) and engine 0 pages 4-6: the longer part is read.
+    r = router_with({0: k[:7], 1: k[4:6]})
+    c = r.pick_pooled([FakeEngine(0, load=3), FakeEngine(1), FakeEngine(2, load=1)], tokens, segment_pages=4)
+    assert c.engine_id == 1
+    assert c.runs == [(0, k[:7])]
+
+
+def test_pooled_pick_takes_the_less_loaded_of_two_replicas():
+    tokens = list(range(17))
+    k = keys_of(tokens)
+    engines = [FakeEngine(0, load=9), FakeEngine(1, load=9), FakeEngine(2, load=2), FakeEngine(3, load=0)]
+    import random
+
+    # a fresh router each time: read this often, the segment would be hot, and replicated instead
+    picks = {router_with({0: k[:4], 1: k[:4], 2: k[:4]}).pick_pooled(engines, tokens, 4, random.Random(s)).runs[0][0]
+             for s in range(40)}
+    assert 3 not in picks and picks <= {0, 1, 2}
+    assert 2 in picks, "engine 2, the least loaded holder, wins whenever it is one of the two drawn"
+    # engines 0 and 1 are picked only when they are the two drawn (then the lower id of equal loads)
+    assert picks - {2} <= {0}
+
+
+def test_a_hot_segment_on_busy_holders_only_is_computed_by_the_chosen_engine_a_cold_one_is_read():
+    tokens = list(range(33))
+    k = keys_of(tokens)
+    now = [0.0]
+    r = router_with({0: k[:8]})
+    r.clock = lambda: now[0]
+    busy = [FakeEngine(0, load=6), FakeEngine(1, load=1)]
+    # Cold (its first access): read where it is, however busy the holder.
+    assert r.pick_pooled(busy, tokens, segment_pages=4).runs == [(0, k[:8])]
+    for _ in range(20):  # it becomes a heavy hitter
+        r.pick_pooled([FakeEngine(0, load=1), FakeEngine(1, load=1)], tokens, segment_pages=4)
+    c = r.pick_pooled(busy, tokens, segment_pages=4)
+    assert (c.engine_id, c.runs) == (1, []), "engine 1 computes the hot prefix: a replica of it"
+    # A holder about as busy as the chosen engine keeps serving it.
+    assert r.pick_pooled([FakeEngine(0, load=2), FakeEngine(1, load=1)], tokens, 4).runs == [(0, k[:8])]
+    now[0] += 3600  # an hour later the segment is cold again (and forgotten)
+    r.heat.hit(b"other", now[0])
+    assert r.pick_pooled(busy, tokens, segment_pages=4).runs == [(0, k[:8])]

@@ -39,7 +39,7 @@ from tokenflowd.api.open_counts import OpenCounts
 from tokenflowd.api.rates import RateChoice, RateMonitor, choose_rate
 from tokenflowd.config import ServerConfig
 from tokenflowd.procstats import process_figures
-from tokenflowd.protocol import AddRequest, Coalesce, RequestInfo, Sampling
+from tokenflowd.protocol import AddRequest, Coalesce, PrefixRun, RequestInfo, Sampling
 from tokenflowd.router import Router
 from tokenflowd.supervisor import NoEngineReady, Supervisor
 from tokenflowd.text.tokenizer import Tokenizer
@@ -284,11 +284,17 @@ class Front:
         slots = [slot for slot in self.supervisor.slots if slot.ready]
         if not slots:
             raise self._unavailable()
-        choice = self.router.pick(slots, prep.prompt_ids)
+        pooled = self.supervisor.engine_config.pool_mode != "off"
+        if pooled:
+            segment = min(slot.info.pool_segment_pages for slot in slots if slot.info is not None) or 1
+            choice = self.router.pick_pooled(slots, prep.prompt_ids, segment)
+        else:
+            choice = self.router.pick(slots, prep.prompt_ids)
         slot = self.supervisor.slots[choice.engine_id]
         coalesce = self.coalescing if prep.stream and prep.coalesce else None
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,
-                         front=self.supervisor.front, front_epoch=self.supervisor.front_epoch, coalesce=coalesce)
+                         front=self.supervisor.front, front_epoch=self.supervisor.front_epoch, coalesce=coalesce,
+                         prefix=[PrefixRun(e, keys) for e, keys in choice.runs])
         try:
             return Generation(self.supervisor, slot, add, self.tokenizer, prep.stop,
                               self.metrics.engine(slot.engine_id), arrival,

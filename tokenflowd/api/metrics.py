@@ -87,6 +87,9 @@ class EngineCollector(Collector):
             if slot.stats is not None:
                 shed.add_metric([str(slot.engine_id)], slot.stats.num_shed)
         yield shed
+        yield from self._prompt_sources()
+        if self.supervisor.engine_config.pool_mode != "off":
+            yield from self._pool()
         up = GaugeMetricFamily("tokenflowd_engine_up", "1 while an engine serves", labels=["engine"])
         restarts = CounterMetricFamily("tokenflowd_engine_restarts", "Engine processes restarted", labels=["engine"])
         fallback = GaugeMetricFamily("tokenflowd_engine_fallback", "1 while an engine runs a plain path because its "
@@ -100,6 +103,54 @@ class EngineCollector(Collector):
         yield restarts
         yield fallback
         yield from self._processes()
+
+    def _prompt_sources(self) -> Iterator[CounterMetricFamily]:
+        """Where the prompt tokens an engine took came from: its own prefix cache (local), pages a
+        peer of the pool holds (peer), or computed (miss). Counted at a request's first admission."""
+        c = CounterMetricFamily("tokenflowd_prompt_token_sources", "Prompt tokens by where their KV came from: "
+                                "local (the engine's prefix cache), peer (the pool: another engine's pages), miss "
+                                "(computed)", labels=["engine", "source"])
+        for slot in self.supervisor.slots:
+            s = slot.stats
+            if s is not None:
+                c.add_metric([str(slot.engine_id), "local"], s.hit_tokens)
+                c.add_metric([str(slot.engine_id), "peer"], s.peer_tokens)
+                c.add_metric([str(slot.engine_id), "miss"], max(0, s.prompt_tokens - s.hit_tokens - s.peer_tokens))
+        yield c
+
+    def _pool(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The node's prefix-cache pool (--pool-mode query|read)."""
+        index, slots = self.supervisor.index, self.supervisor.slots
+        pages = GaugeMetricFamily("tokenflowd_pool_pages", "Prefix-cache pages an engine holds for the pool",
+                                  labels=["engine"])
+        for slot in slots:
+            pages.add_metric([str(slot.engine_id)], index.num_keys(slot.engine_id))
+        yield pages
+        yield GaugeMetricFamily("tokenflowd_pool_replicated_pages", "Prefix-cache pages held by more than one engine "
+                                "(each counted once)", value=index.num_replicated())
+        loads = [slot.load for slot in slots if slot.ready]
+        mean = sum(loads) / len(loads) if loads else 0.0
+        cv = (sum((x - mean) ** 2 for x in loads) / len(loads)) ** 0.5 / mean if mean else 0.0
+        yield GaugeMetricFamily("tokenflowd_pool_load_cv", "Coefficient of variation of the requests in flight "
+                                "across serving engines", value=cv)
+        figures = {
+            "tokenflowd_pool_queries": ("Layer queries shipped to peers (query mode)", lambda s: s.pool_queries),
+            "tokenflowd_pool_query_bytes": ("Bytes of shipped query rows and answers", lambda s: s.pool_query_bytes),
+            "tokenflowd_pool_query_seconds": ("Time steps waited for peers' answers (divide by queries for the "
+                                              "mean latency)", lambda s: s.pool_query_seconds),
+        }
+        for name, (doc, value) in figures.items():
+            c = CounterMetricFamily(name, doc, labels=["engine"])
+            for slot in slots:
+                if slot.stats is not None:
+                    c.add_metric([str(slot.engine_id)], value(slot.stats))
+            yield c
+        pins = GaugeMetricFamily("tokenflowd_pool_pinned_pages", "Pages an engine keeps pinned for peers' requests",
+                                 labels=["engine"])
+        for slot in slots:
+            if slot.stats is not None:
+                pins.add_metric([str(slot.engine_id)], slot.stats.pool_pins)
+        yield pins
 
     def _processes(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """Each live engine process as the OS sees it (psutil): a leaking or spinning engine shows."""

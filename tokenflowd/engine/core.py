@@ -9,7 +9,9 @@ The one step loop there is: the engine runs it with the model runner on the wall
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -30,6 +32,15 @@ log = logging.getLogger(__name__)
 
 WARM_UP_PROMPT_LEN = 64  # tokens, at most, of the warm-up request's prompt (engine start-up)
 MAX_FAILED_STEPS = 3  # consecutive steps that raise before the engine gives up (EngineFailed)
+
+
+class ForeignPrefixLost(RuntimeError):
+    """A peer engine holding the leading KV of some requests is gone (pool/member.py): the step
+    that needed it did not happen; those requests recompute their prefix here, the rest go on."""
+
+    def __init__(self, request_ids: list[str], why: str) -> None:
+        super().__init__(why)
+        self.request_ids = request_ids
 
 
 class EngineFailed(RuntimeError):
@@ -88,13 +99,19 @@ class EngineCore:
         self.model_config = None
         self.tokenizer = None
         self.fallback = ""  # what failed the start-up check and was replaced (engine/self_check.py)
+        # Held by the engine's loop while it touches the KV pages, when another thread of the
+        # process does too (the pool's query service, pool/member.py); a step lets go of it while
+        # the model runs. None: only the loop's thread touches them.
+        self.lock: threading.Lock | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> "EngineCore":
-        """The engine on a model: loads it (unless given), its runner, the KV tiers and the scheduler."""
+    def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None,
+                    kv_memory=None) -> "EngineCore":
+        """The engine on a model: loads it (unless given), its runner, the KV tiers and the scheduler.
+        `kv_memory`: where the runner puts its KV cache (runner.py)."""
         loaded = loaded or load_model_source(config.model, getattr(torch, config.dtype), config.device,
                                              config.quantization)
-        runner = ModelRunner(config, loaded)
+        runner = ModelRunner(config, loaded, kv_memory)
         fallback = self_check(runner)
         if fallback:  # wrong logits served fast are worse than right ones served slower
             log.warning("start-up check failed: %s; falling back to the torch attention backend, eager, "
@@ -102,7 +119,7 @@ class EngineCore:
             del runner
             torch.cuda.empty_cache()
             config = replace(config, attention_backend="torch", cuda_graphs=False, paged_kernel=False)
-            runner = ModelRunner(config, loaded)
+            runner = ModelRunner(config, loaded, kv_memory)
         kv = build_kv(config, runner.kv_cache, runner.attn.page_axis, runner.num_pages)
         scheduler = Scheduler(kv, make_policy(config.policy, config.policy_params), config.max_num_batched_tokens,
                               config.max_num_seqs, expected_output_len=config.policy_params.expected_output_len)
@@ -152,10 +169,22 @@ class EngineCore:
         return generated
 
     # -- API ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def unlocked(self):
+        """Let go of `lock` (held by the caller) for a while: the model's run, a call to a peer."""
+        if self.lock is None:
+            yield
+            return
+        self.lock.release()
+        try:
+            yield
+        finally:
+            self.lock.acquire()
+
     def add_request(self, req: Request) -> None:
         """Validate and queue. Raises InvalidRequestError (nothing changes) when it cannot be served,
         QueueDelayExceeded (nothing changes) when it would wait longer than --max-queue-delay."""
-        n = req.num_prompt_tokens
+        n = req.prefix_offset + req.num_prompt_tokens
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
         if n >= self.max_model_len:
@@ -172,7 +201,7 @@ class EngineCore:
         vocab = self.vocab_size
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        req.max_model_len = self.max_model_len
+        req.max_model_len = self.max_model_len - req.prefix_offset  # its own tokens' room
         if not req.eos_token_ids:
             req.eos_token_ids = self.eos_token_ids
         if self.admission is not None:
@@ -221,7 +250,15 @@ class EngineCore:
             return []
         t0 = clock()
         try:
-            sampled = self.executor.execute(batch)
+            with self.unlocked():
+                sampled = self.executor.execute(batch)
+        except ForeignPrefixLost as e:  # nothing of the step is kept; it runs again without them
+            log.warning("%s: %d requests recompute their prefix here", e, len(e.request_ids))
+            for rid in e.request_ids:
+                req = self.scheduler.requests.get(rid)
+                if req is not None:
+                    self.scheduler.take_foreign_prefix(req)
+            return []
         except Exception as e:  # a fault ends this step's requests with an error, never a hang
             log.exception("step failed; ending its %d requests", len(batch))
             outs = self._fail(batch, f"engine error: {type(e).__name__}: {e}")
@@ -254,7 +291,7 @@ class EngineCore:
                     req.request_id,
                     [token] if token is not None else [],
                     req.finish_reason if req.request_id in done else None,
-                    num_cached_tokens=req.num_cached_tokens,
+                    num_cached_tokens=req.prefix_offset + req.num_cached_tokens,
                     num_preemptions=req.num_preemptions,
                 )
             )
@@ -270,6 +307,6 @@ class EngineCore:
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 self.scheduler.finish(req, FinishReason.ERROR, error)
-                outs.append(EngineCoreOutput(rid, [], FinishReason.ERROR, error, req.num_cached_tokens,
+                outs.append(EngineCoreOutput(rid, [], FinishReason.ERROR, error, req.prefix_offset + req.num_cached_tokens,
                                              req.num_preemptions))
         return outs

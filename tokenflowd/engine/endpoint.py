@@ -85,6 +85,9 @@ class EngineEndpoint(abc.ABC):
         """Every page key the prefix cache holds (none without one)."""
         return []
 
+    def pool_peers(self, msg: p.PoolPeers) -> None:
+        """The pool's engines changed (an engine without the pool ignores it)."""
+
     def reconfigure(self, msg: p.Reconfigure) -> dict:
         """Apply what may change live; return the policy parameters now in force (none here)."""
         logging.getLogger().setLevel(msg.log_level.upper())
@@ -143,6 +146,8 @@ class EngineEndpoint(abc.ABC):
             snapshot = p.KeySnapshot(self.spec.engine_id, self.spec.incarnation, self.cached_keys())
             if msg.front and msg.front <= len(self.fronts):
                 self._send_front(msg.front, self.encoder.encode(snapshot))
+        elif isinstance(msg, p.PoolPeers):
+            self.pool_peers(msg)
         elif isinstance(msg, p.Shutdown):
             self.running = False
         elif isinstance(msg, p.Reconfigure):

@@ -16,17 +16,20 @@ signal, and a check every loop).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import replace
 from typing import Callable
 
 import msgspec
+import torch
 
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, PolicyConfig
@@ -35,6 +38,9 @@ from tokenflowd.engine.core import EngineCore, EngineCoreOutput, EngineFailed
 from tokenflowd.engine.endpoint import EngineEndpoint, SupervisorUnreachable, die_with_parent
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
 from tokenflowd.kv.copier import CopierDead
+from tokenflowd.pool.member import PoolMember
+from tokenflowd.pool.names import cache_name
+from tokenflowd.pool.shared_kv import SharedKV
 
 log = logging.getLogger("tokenflowd.engine")
 
@@ -43,19 +49,52 @@ class EngineProcess(EngineEndpoint):
     def __init__(self, spec: p.EngineSpec) -> None:
         super().__init__(spec)
         self.config = msgspec.convert(spec.config, EngineConfig)
-        self.core = EngineCore.from_config(self.config)
+        self.shared_cache: SharedKV | None = None
+        pooled = self.config.pool_mode != "off"
+        self.core = EngineCore.from_config(self.config, kv_memory=self._shared_cache if pooled else None)
         self.config = self.core.config  # as it runs: a fast path that failed its check is replaced
         self.core.warm_up()  # before READY: the first user request is as fast as the tenth
         self.core.pool.drain_key_events()  # start recording: the router learns every key from here on
+        self.member: PoolMember | None = None
+        self.prompt_tokens = 0  # of the requests taken (EngineStats)
+        if pooled:
+            self.core.lock = threading.Lock()
+            runner = self.core.runner
+            self.member = runner.pool = PoolMember(
+                spec.engine_id, spec.incarnation, self.config.pool_mode, spec.runtime_dir, runner.attn,
+                runner.kv_layers, self.core.pool, self.core.lock, self.config.max_num_batched_tokens,
+                runner.attn.kv_cache_shape(runner.num_pages + 1))
+            log.info("pool: %s mode, serving %d pages to peers", self.config.pool_mode, runner.num_pages)
+            self.member.size_segments(self.config.pool_segment_tokens)
+
+    def _shared_cache(self, shape: tuple[int, ...], dtype) -> torch.Tensor:
+        """The KV cache in shared memory, where the pool's peers can map it (read mode)."""
+        if self.shared_cache is not None:  # a runner built again (engine/self_check.py's fallback)
+            self.shared_cache.close()
+        name = cache_name(self.spec.runtime_dir, self.spec.engine_id, self.spec.incarnation)
+        self.shared_cache = SharedKV.create(name, shape[0], shape[1:], dtype)
+        return self.shared_cache.whole()
 
     def run(self) -> None:
         core = self.core
         self.send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.config.model,
                           core.max_model_len, self.config.page_size, self.config.device, self._stats(),
-                          self.config.policy, msgspec.to_builtins(self.config.policy_params), core.fallback))
+                          self.config.policy, msgspec.to_builtins(self.config.policy_params), core.fallback,
+                          self.member.segment_pages if self.member is not None else 0))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
         trimmed = True  # nothing freed since the heap was last handed back
+        with core.lock or contextlib.nullcontext():  # let go of only while waiting (core.py `unlocked`)
+            self._loop(heartbeat_ms, last_sent, trimmed)
+        if self.member is not None:
+            self.member.close()
+        core.close()
+        if self.shared_cache is not None:
+            self.shared_cache.close()
+        self.close()
+
+    def _loop(self, heartbeat_ms: int, last_sent: float, trimmed: bool) -> None:
+        core = self.core
         while self.running:
             busy = core.has_unfinished()
             if busy:
@@ -68,7 +107,9 @@ class EngineProcess(EngineEndpoint):
             if not busy and not copying:  # wake for held tokens that come due (engine/pacing.py)
                 now = time.monotonic()
                 idle_ms = math.ceil(self.wait_until(now + self.spec.heartbeat_interval, now) * 1000)
-            if self.inbox.poll(0 if busy else 1 if copying else idle_ms):
+            with core.unlocked():
+                polled = self.inbox.poll(0 if busy else 1 if copying else idle_ms)
+            if polled:
                 self.drain_inbox()
             deltas = self.take_rejected()
             if core.has_unfinished():
@@ -82,10 +123,30 @@ class EngineProcess(EngineEndpoint):
                 added, removed = core.pool.drain_key_events()
                 self.send_step(now, deltas, self._stats(), added, removed)
                 last_sent = now
+            if self.member is not None:
+                self._sweep_pins()
             if self.orphaned(log):
                 break
-        core.close()
-        self.close()
+
+    def _sweep_pins(self) -> None:
+        """Unpin the foreign prefixes of requests that ended or recompute theirs."""
+        member, reqs = self.member, self.core.scheduler.requests
+        if any(rid not in reqs or not reqs[rid].foreign_token_ids for rid in member.foreign):
+            reading = {rid for rid, r in reqs.items() if r.foreign_token_ids}
+            with self.core.unlocked():
+                member.sweep(reading)
+
+    def pool_peers(self, msg: p.PoolPeers) -> None:
+        if self.member is None:
+            return
+        with self.core.unlocked():
+            lost = self.member.set_peers(msg.peers)
+        for rid in lost:
+            req = self.core.scheduler.requests.get(rid)
+            if req is not None:
+                self.core.scheduler.take_foreign_prefix(req)
+        if lost:
+            log.warning("pool: a peer is gone; %d requests recompute their prefix here", len(lost))
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
@@ -114,12 +175,39 @@ class EngineProcess(EngineEndpoint):
                                     s.stop_token_ids, s.ignore_eos, s.min_tokens)
             req = Request(msg.request_id, msg.prompt_token_ids, params, arrival_time=msg.arrival_time,
                           reading_rate=msg.reading_rate, priority=msg.priority)
+            self._take_prefix(req, msg.prefix)
             self.core.add_request(req)
+            self.prompt_tokens += len(msg.prompt_token_ids)
         except QueueDelayExceeded as e:
+            self._release_pins(msg.request_id)
             self.shed(msg.request_id, str(e), e.retry_after)
         except (InvalidRequestError, ValueError) as e:
+            self._release_pins(msg.request_id)
             return str(e)
         return None
+
+    def _take_prefix(self, req: Request, runs: list[p.PrefixRun]) -> None:
+        """Pin the prompt's leading pages where the pool holds them; the request keeps the rest."""
+        if self.member is None or not runs or req.request_id in self.core.scheduler.requests:
+            return
+        ps = self.config.page_size
+        with self.core.unlocked():
+            pages = self.member.pin(req.request_id, runs)
+        if pages * ps > req.num_prompt_tokens - 1:  # the last prompt token is always computed here
+            self._release_pins(req.request_id)
+            return
+        if pages:
+            keys = [k for run in runs for k in run.keys]
+            f = pages * ps
+            req.foreign_token_ids, req.key_seed = req.prompt_token_ids[:f], keys[pages - 1]
+            req.prompt_token_ids = req.prompt_token_ids[f:]
+            req.token_ids = list(req.prompt_token_ids)
+            req.num_prompt_tokens -= f
+
+    def _release_pins(self, request_id: str) -> None:
+        if self.member is not None and request_id in self.member.foreign:
+            with self.core.unlocked():
+                self.member.release(request_id)
 
     def infos(self, request_ids: list[str] | None) -> list[p.RequestInfo]:
         reqs = self.core.scheduler.requests
@@ -128,8 +216,8 @@ class EngineProcess(EngineEndpoint):
         return [
             p.RequestInfo(
                 r.request_id, r.status.value, r.buffer.reading_rate, r.priority, r.arrival_time,
-                r.first_token_time, r.num_prompt_tokens, r.num_output_tokens, r.num_computed_tokens,
-                r.num_cached_tokens, r.num_preemptions, r.buffer.buffer(now), r.buffer.stall_time_at(now),
+                r.first_token_time, r.prefix_offset + r.num_prompt_tokens, r.num_output_tokens,
+                r.prefix_offset + r.num_computed_tokens, r.prefix_offset + r.num_cached_tokens, r.num_preemptions, r.buffer.buffer(now), r.buffer.stall_time_at(now),
                 r.buffer.num_stalls, len(self.core.kv.block_table(r)),
             )
             for r in chosen
@@ -147,7 +235,14 @@ class EngineProcess(EngineEndpoint):
             host_kv_pages_total=kv.host.num_pages,
             kv_pages_written=kv.stats.pages_written, kv_pages_loaded=kv.stats.pages_loaded,
             num_shed=self.core.admission.num_shed if self.core.admission else 0,
+            prompt_tokens=self.prompt_tokens, hit_tokens=kv.stats.hit_tokens,
+            **(self._pool_stats() if self.member is not None else {}),
         )
+
+    def _pool_stats(self) -> dict:
+        m = self.member.stats
+        return dict(peer_tokens=m["peer_tokens"], pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
+                    pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages)
 
 
 def _malloc_trim() -> Callable[[int], int] | None:

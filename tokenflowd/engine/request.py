@@ -100,6 +100,11 @@ class Request:
     reading_rate: float = DEFAULT_READING_RATE  # tokens/s the client stated; the live rate is buffer.reading_rate
     priority: int = 0  # higher is sooner
     arrival_seq: int = 0  # set by the scheduler: arrival order, the tie-break of equal arrival times
+    # The prompt's leading tokens whose KV peer engines of the pool hold (pool/member.py): this
+    # engine neither stores nor computes them; its tokens' positions start after them, and
+    # key_seed is the last of their page keys, so its own pages are keyed as the whole prompt's.
+    foreign_token_ids: list[int] = field(default_factory=list)
+    key_seed: bytes = b""
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -121,6 +126,22 @@ class Request:
             import torch  # here: the front builds SamplingParams from this module without torch
 
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def prefix_offset(self) -> int:
+        """Tokens before token_ids[0] that peers hold (position of token_ids[0] in the sequence)."""
+        return len(self.foreign_token_ids)
+
+    def take_foreign_prefix(self) -> None:
+        """The peers' prefix is lost: it becomes this request's own tokens, to be computed here.
+        Only while it holds no KV (the scheduler frees it first)."""
+        assert self.num_computed_tokens == 0
+        f = self.foreign_token_ids
+        self.prompt_token_ids = f + self.prompt_token_ids
+        self.token_ids = f + self.token_ids
+        self.num_prompt_tokens += len(f)
+        self.max_model_len += len(f)
+        self.foreign_token_ids, self.key_seed = [], b""
 
     @property
     def first_token_time(self) -> float | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 import torch
@@ -36,8 +37,13 @@ def activation_bytes(cfg: ModelConfig, num_tokens: int, num_seqs: int, dtype: to
 class ModelRunner(Executor):
     cold_start = True
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel,
+                 kv_memory: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
+        """`kv_memory(shape, dtype)`: a zeroed tensor to hold the KV cache (the pool's read mode
+        puts it in shared memory); None: the device's memory."""
         self.config = config
+        self.kv_memory = kv_memory
+        self.pool = None  # the engine's PoolMember (pool/member.py), set once the engine joins the pool
         self.model_config = loaded.config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
@@ -92,9 +98,9 @@ class ModelRunner(Executor):
         # hands it out.
         # NOTE: zeroed, not empty. Attention reads whole pages and masks the slots past a sequence's
         # end; masked weights are 0, and 0 * NaN from never-written memory would still be NaN.
-        self.kv_cache = torch.zeros(
-            cfg.num_layers, *self.attn.kv_cache_shape(num_pages + 1), dtype=self.dtype, device=self.device
-        )
+        shape = (cfg.num_layers, *self.attn.kv_cache_shape(num_pages + 1))
+        self.kv_cache = (self.kv_memory(shape, self.dtype) if self.kv_memory is not None
+                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.kv_layers = list(self.kv_cache.unbind(0))
         self.max_model_len = min(self.max_model_len, num_pages * self.page_size)
         log.info("KV cache: %d pages x %d tokens (%.1f MiB), max_model_len %d",
@@ -126,11 +132,12 @@ class ModelRunner(Executor):
         ps = self.page_size
         ids, pos, slots = [], [], []
         query_start, seq_lens, tables, sample_rows, sampling = [0], [], [], [], []
+        offsets = batch.offsets or [0] * len(batch)
         for i, (start, n, block_table) in enumerate(zip(batch.positions, batch.num_tokens, batch.block_tables)):
             p = np.arange(start, start + n)
             table = np.asarray(block_table, dtype=np.int64)
             ids.append(np.asarray(batch.input_ids[i], dtype=np.int64))
-            pos.append(p)
+            pos.append(p + offsets[i])  # in the sequence: after the prefix peers of the pool hold
             slots.append(table[p // ps] * ps + p % ps)
             query_start.append(query_start[-1] + n)
             seq_lens.append(start + n)
@@ -149,7 +156,13 @@ class ModelRunner(Executor):
         indices in the batch (a request samples when its chunk reaches its last known token)."""
         input_ids, positions, attn_inputs, sample_rows, sampling = self._prepare(batch)
         T = input_ids.shape[0]
-        if self.graphs is not None and T == len(batch) and T <= self.graphs.max_batch:
+        holders = self.pool.holders(batch, attn_inputs.query_start) if self.pool is not None and any(batch.offsets) else []
+        if holders:  # some requests read prefix pages held elsewhere in the pool
+            from tokenflowd.pool.attention import PooledAttention
+
+            meta = self.attn.prepare(attn_inputs)
+            hidden = self.model(input_ids, positions, self.kv_layers, PooledAttention(self.attn, holders), meta)
+        elif self.graphs is not None and T == len(batch) and T <= self.graphs.max_batch:
             hidden = self.graphs.run(input_ids, positions, attn_inputs)  # pure decode: replay a graph
         else:
             meta = self.attn.prepare(attn_inputs)

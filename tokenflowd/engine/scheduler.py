@@ -59,6 +59,9 @@ class ScheduledBatch:
     sampling: list[SamplingRow | None] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     num_context_tokens: int = 0  # KV tokens the batch's attention covers (computed + new, summed)
+    # per row: tokens before the request's own whose KV peers of the pool hold (request.py
+    # prefix_offset): its positions in the sequence are positions[i] + offsets[i]
+    offsets: list[int] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -75,7 +78,8 @@ class ScheduledBatch:
         self.input_ids.append(req.token_ids[start : start + n])
         self.block_tables.append(list(block_table))  # a copy: the manager's list grows in later steps
         self.sampling.append(req.sampling_row() if start + n == req.num_tokens else None)
-        self.num_context_tokens += start + n
+        self.offsets.append(req.prefix_offset)
+        self.num_context_tokens += req.prefix_offset + start + n
 
 
 class Scheduler:
@@ -346,6 +350,24 @@ class Scheduler:
         req.finish_reason = reason
         req.error = error
         del self.requests[req.request_id]
+
+    def take_foreign_prefix(self, req: Request) -> None:
+        """The peers holding `req`'s leading KV are gone (pool/member.py): it lets go of its KV
+        and waits again with the whole prompt as its own, to recompute it here; the tokens it
+        produced stay, so its stream goes on where it was."""
+        if req.is_finished or not req.foreign_token_ids:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.LOADING:
+            self.loading.remove(req)
+        else:
+            self._leave_queue(req)
+        self.kv.free(req)
+        req.take_foreign_prefix()
+        req.num_cached_tokens = 0
+        self.kv.track(req)
+        self._requeue(req)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)

@@ -56,6 +56,7 @@ class Request(Protocol):
     num_computed_tokens: int  # written by admit / load / release
     num_cached_tokens: int  # written by admit
     num_preemptions: int
+    key_seed: bytes  # the key chained before token_ids[0] (b"": the sequence's start)
 
     @property
     def num_tokens(self) -> int: ...
@@ -76,6 +77,7 @@ class RequestKV:
 
     block_table: list[int] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # chained keys of full pages, lazily extended
+    key_seed: bytes = b""  # the key chained before page 0 (the request's tokens follow a peer-held prefix)
     num_published_pages: int = 0  # leading pages of block_table offered to the device prefix cache
     host_pages: list[int] = field(default_factory=list)
     num_offloaded_tokens: int = 0  # the write frontier: leading tokens whose KV the host holds
@@ -131,6 +133,7 @@ class OffloadStats:
     pages_shared: int = 0  # host prefix pages a request took at admission instead of writing them
     host_full: int = 0  # times a write found no host page
     copies_failed: int = 0
+    hit_tokens: int = 0  # prompt tokens a first admission found in the device prefix cache
 
 
 class _Tag(NamedTuple):
@@ -172,12 +175,12 @@ class KVCacheManager:
     def track(self, req: Request) -> None:
         """Keep KV state for `req` from now until `free` (its page keys are computed once). A fresh
         state: nothing of an earlier request under the same id carries over."""
-        self._kv[req.request_id] = RequestKV()
+        self._kv[req.request_id] = RequestKV(key_seed=getattr(req, "key_seed", b""))
 
     def state(self, req: Request) -> RequestKV:
         st = self._kv.get(req.request_id)
         if st is None:
-            st = self._kv[req.request_id] = RequestKV()
+            st = self._kv[req.request_id] = RequestKV(key_seed=getattr(req, "key_seed", b""))
         return st
 
     def num_host_tokens(self, req: Request) -> int:
@@ -199,9 +202,9 @@ class KVCacheManager:
         what loading would restore beyond it: its own host copy if it was preempted, else the host
         (and disk) prefix cache. Changes nothing (a request not tracked, such as one load
         shedding weighs before it is queued, is matched without keeping its keys)."""
-        st = self._kv.get(req.request_id) or RequestKV()
+        st = self._kv.get(req.request_id) or RequestKV(key_seed=getattr(req, "key_seed", b""))
         ps = self.page_size
-        chain_page_keys(req.token_ids, ps, st.page_hashes)
+        chain_page_keys(req.token_ids, ps, st.page_hashes, None, st.key_seed)
         max_pages = (req.num_tokens - 1) // ps
         pages = self.pool.lookup(st.page_hashes[:max_pages])
         hit = len(pages)
@@ -261,6 +264,7 @@ class KVCacheManager:
         req.num_computed_tokens = len(hit) * self.page_size
         if req.num_preemptions == 0:  # a resumed request's hit on its own pages is no saving
             req.num_cached_tokens = req.num_computed_tokens
+            self.stats.hit_tokens += req.num_computed_tokens
         st.num_published_pages = len(hit)
         ok = self.grow(req, num_new_tokens)
         assert ok, "admission checked the room"
@@ -282,7 +286,7 @@ class KVCacheManager:
             return
         st = self.state(req)
         num_full = req.num_computed_tokens // self.page_size
-        chain_page_keys(req.token_ids, self.page_size, st.page_hashes, req.num_computed_tokens)
+        chain_page_keys(req.token_ids, self.page_size, st.page_hashes, req.num_computed_tokens, st.key_seed)
         for i in range(st.num_published_pages, num_full):
             self.pool.register(st.block_table[i], st.page_hashes[i])
         st.num_published_pages = max(st.num_published_pages, num_full)
@@ -411,7 +415,7 @@ class KVCacheManager:
             self.host.pool.incref(h)
         keys: tuple[bytes, ...] = ()
         if lane == WRITE:  # the full pages it writes, by key: another request waits for them (_share_written)
-            chain_page_keys(req.token_ids, self.page_size, st.page_hashes, end)
+            chain_page_keys(req.token_ids, self.page_size, st.page_hashes, end, st.key_seed)
             keys = tuple(st.page_hashes[i] for i, _, _ in pairs if (i + 1) * self.page_size <= end)
             self._keys_in_flight.update(keys)
         tag = _Tag(req, st, [i for i, _, _ in pairs], end, evict, st.epoch, keys)
@@ -472,7 +476,7 @@ class KVCacheManager:
         """Offer the written full pages to the host prefix cache under their chained keys."""
         if not self.host.pool.enable_prefix_caching:
             return
-        chain_page_keys(req.token_ids, self.page_size, st.page_hashes, end)
+        chain_page_keys(req.token_ids, self.page_size, st.page_hashes, end, st.key_seed)
         for i, h in zip(page_index, host_pages):
             if (i + 1) * self.page_size <= end:
                 self.host.pool.register(h, st.page_hashes[i])
@@ -545,7 +549,7 @@ class KVCacheManager:
         i = st.num_offloaded_tokens // ps
         if st.num_offload_issued != st.num_offloaded_tokens or st.num_offloaded_tokens % ps or i >= end_tokens // ps:
             return True
-        chain_page_keys(req.token_ids, ps, st.page_hashes, end_tokens)
+        chain_page_keys(req.token_ids, ps, st.page_hashes, end_tokens, st.key_seed)
         start = i
         while i < end_tokens // ps:
             found = self.host.pool.lookup(st.page_hashes[i : i + 1])

@@ -34,12 +34,14 @@ def leading_run(keys: Sequence[bytes], table: dict[bytes, int]) -> list[int]:
 
 
 def chain_page_keys(
-    token_ids: Sequence[int], page_size: int, keys: list[bytes], num_tokens: int | None = None
+    token_ids: Sequence[int], page_size: int, keys: list[bytes], num_tokens: int | None = None, seed: bytes = b""
 ) -> list[bytes]:
-    """Extend `keys` in place with the keys of every full page of `token_ids[:num_tokens]` not yet keyed."""
+    """Extend `keys` in place with the keys of every full page of `token_ids[:num_tokens]` not yet keyed.
+    `seed`: the key of the page before token_ids[0] (a request whose leading pages live on a peer
+    engine of the pool keys its own pages as the whole prompt's), b"" at a sequence's start."""
     n = len(token_ids) if num_tokens is None else num_tokens
     for i in range(len(keys), n // page_size):
-        prev = keys[i - 1] if i else b""
+        prev = keys[i - 1] if i else seed
         chunk = array("q", token_ids[i * page_size : (i + 1) * page_size]).tobytes()
         keys.append(hashlib.blake2b(prev + chunk, digest_size=16).digest())
     return keys

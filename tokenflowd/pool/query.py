@@ -11,18 +11,21 @@ Buffers are POSIX shared memory (multiprocessing.shared_memory), one q_buf/out_b
 (requester, holder), made by the requester, so only the small control message crosses zmq. On a
 GPU box the same pair would be CUDA IPC handles under MPS; that twin is not built yet.
 
-Pins. Before the first layer, the requester pins the segments a request reads (`pin`): the holder
+Pins. Before the first layer, the requester pins the segments a request reads (`pin`; a second
+pin of the same request adds to the first): the holder
 resolves their keys to its pages and holds a reference for that request, so no eviction can reuse
 them while queries run; `unpin` (the request ended) or `release_peer` (the requester died: the
 supervisor says so) drops them, and the requester's mapped blocks with them. Keys the holder no
 longer has are reported, and the requester computes those tokens itself. A holder that does not
 answer within the timeout is a TimeoutError, and the channel is closed for good: a late answer
-would be taken for the next call's. Its pins for that requester stay until `release_peer`.
+would be taken for the next call's. Its pins for that requester stay until `release_peer`. A
+holder whose process is gone (`alive` says so; checked every 20 ms of a wait) is PeerGone at once.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from typing import Callable, Sequence
@@ -32,7 +35,7 @@ import torch
 import zmq
 
 from tokenflowd.engine.attention.base import PageQuery
-from tokenflowd.pool.shared_kv import attach_untracked
+from tokenflowd.pool.names import attach_untracked
 
 log = logging.getLogger("tokenflowd.pool")
 
@@ -65,6 +68,7 @@ class Query(msgspec.Struct, tag=True):
 
 class Pinned(msgspec.Struct, tag=True):
     held: int  # leading keys the holder has and pinned for the request
+    pages: list[int] = []  # the holder's pages of them (read mode attends to them in place)
 
 
 class Done(msgspec.Struct, tag=True):
@@ -139,6 +143,7 @@ class QueryService:
         self.kv_layers = list(kv_layers)
         self.resolve, self.release = resolve, release
         self.pins: dict[tuple[int, str], list[list[int]]] = {}  # (peer, request) -> pages per segment
+        self._lock = threading.Lock()  # the pins and buffers: the service's thread and release_peer
         self._buffers: dict[str, tuple[int, QueryBuffers]] = {}  # block name -> (its peer, the mapping)
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -162,6 +167,10 @@ class QueryService:
         self._sock.close(0)
 
     @property
+    def pinned_pages(self) -> int:
+        return sum(len(seg) for segs in list(self.pins.values()) for seg in segs)
+
+    @property
     def pinned_requests(self) -> int:
         return len(self.pins)
 
@@ -177,7 +186,8 @@ class QueryService:
                 continue
             ident, raw = frames
             try:
-                reply = self._handle(_TO_HOLDER.decode(raw))
+                with self._lock:
+                    reply = self._handle(_TO_HOLDER.decode(raw))
             except Exception as e:  # a bad query must not take the engine's service down
                 log.warning("pool query failed: %s: %s", type(e).__name__, e)
                 reply = Done(error=f"{type(e).__name__}: {e}")
@@ -188,23 +198,28 @@ class QueryService:
             return self._query(msg)
         if isinstance(msg, Pin):
             pages = self.resolve(msg.keys)
-            old = self.pins.pop((msg.peer, msg.request_id), None)
-            if old is not None:
-                self.release(old)
-            self.pins[(msg.peer, msg.request_id)] = pages
-            return Pinned(held=len(pages))
+            self.pins.setdefault((msg.peer, msg.request_id), []).extend(pages)
+            return Pinned(held=len(pages), pages=[p for seg in pages for p in seg])
         if isinstance(msg, Unpin):
             pages = self.pins.pop((msg.peer, msg.request_id), None)
             if pages is not None:
                 self.release(pages)
             return Done()
         if isinstance(msg, ReleasePeer):
-            for key in [k for k in self.pins if k[0] == msg.peer]:
-                self.release(self.pins.pop(key))
-            for name in [n for n, (peer, _) in self._buffers.items() if peer == msg.peer]:
-                self._buffers.pop(name)[1].close()
+            self._release_peer(msg.peer)
             return Done()
         return Done(error=f"unknown message {type(msg).__name__}")
+
+    def release_peer(self, peer: int) -> None:
+        """The requester `peer` is gone: drop its pins and its buffers (any thread)."""
+        with self._lock:
+            self._release_peer(peer)
+
+    def _release_peer(self, peer: int) -> None:
+        for key in [k for k in self.pins if k[0] == peer]:
+            self.release(self.pins.pop(key))
+        for name in [n for n, (p, _) in self._buffers.items() if p == peer]:
+            self._buffers.pop(name)[1].close()
 
     def _query(self, msg: Query) -> Done:
         if msg.buffer not in self._buffers:
@@ -213,7 +228,7 @@ class QueryService:
                                                                        b.head_dim, b.dtype))
         buf = self._buffers[msg.buffer][1]
         pages = [[p for seg in self.pins.get((msg.peer, rid), []) for p in seg] for rid in msg.request_ids]
-        q = buf.q[: msg.rows]
+        q = buf.q[: msg.rows].to(self.backend.device)  # a GPU holder stages through the host
         o, lse = self.backend.attend_pages(q, self.kv_layers[msg.layer], PageQuery(msg.query_start, pages))
         buf.o[: msg.rows].copy_(o)
         buf.lse[: msg.rows].copy_(lse)
@@ -221,42 +236,59 @@ class QueryService:
 
 
 # -- the requester ----------------------------------------------------------------------------
+class PeerGone(ConnectionError):
+    """The holder's process is gone (or stopped answering): its pins and segments are lost."""
+
+
 class QueryClient:
-    """One requester's channel to one holder. Not thread-safe: the engine's step loop owns it."""
+    """One requester's channel to one holder. Not thread-safe: the engine's step loop owns it.
+    `peer`: the requester's own id (the holder keys its pins by it); `alive()`: whether the holder's
+    process still exists (None: only the timeout tells); `holder`: its name in errors."""
 
     def __init__(self, peer: int, address: str, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 ctx: zmq.Context | None = None, timeout_ms: int = 10_000) -> None:
+                 ctx: zmq.Context | None = None, timeout_ms: int = 10_000,
+                 alive: Callable[[], bool] | None = None, holder: str = "") -> None:
         self.peer = peer
+        self.holder = holder or address  # for messages
         self.max_rows = max_rows
         self.buffers = QueryBuffers.create(max_rows, heads, head_dim, dtype)
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.linger = 0
-        self._sock.rcvtimeo = timeout_ms
         self._sock.connect(address)
+        self.timeout_ms = timeout_ms
+        self.alive = alive
         self.dead = False
+        self._rows = 0  # of the query in flight (submit → collect)
 
     def close(self) -> None:
         self._sock.close(0)
         self.buffers.close()
 
-    def _call(self, msg) -> Pinned | Done:
+    def _send(self, msg) -> None:
         if self.dead:
-            raise TimeoutError(f"pool peer {self.peer} stopped answering earlier")
+            raise PeerGone(f"pool holder {self.holder} stopped answering earlier")
         self._sock.send(_ENCODER.encode(msg))
-        try:
-            reply = _TO_PEER.decode(self._sock.recv())
-        except zmq.Again:
-            # A late answer would be taken for the next call's: this channel is done for.
-            self.dead = True
-            raise TimeoutError(f"pool peer {self.peer} did not answer {type(msg).__name__}") from None
+
+    def _recv(self, what: str) -> Pinned | Done:
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while not self._sock.poll(20):
+            if (self.alive is not None and not self.alive()) or time.monotonic() > deadline:
+                # A late answer would be taken for the next call's: this channel is done for.
+                self.dead = True
+                raise PeerGone(f"pool holder {self.holder} did not answer {what}")
+        reply = _TO_PEER.decode(self._sock.recv())
         if isinstance(reply, Done) and reply.error:
             raise RuntimeError(f"pool peer: {reply.error}")
         return reply
 
-    def pin(self, request_id: str, keys: list[bytes]) -> int:
-        """Pin a request's segments on the holder. -> how many leading ones it holds."""
-        return self._call(Pin(self.peer, request_id, keys)).held  # type: ignore[union-attr]
+    def _call(self, msg) -> Pinned | Done:
+        self._send(msg)
+        return self._recv(type(msg).__name__)
+
+    def pin(self, request_id: str, keys: list[bytes]) -> Pinned:
+        """Pin a request's segments on the holder: how many leading ones it holds, and their pages."""
+        return self._call(Pin(self.peer, request_id, keys))  # type: ignore[return-value]
 
     def unpin(self, request_id: str) -> None:
         self._call(Unpin(self.peer, request_id))
@@ -264,14 +296,23 @@ class QueryClient:
     def release_peer(self, peer: int) -> None:
         self._call(ReleasePeer(peer))
 
-    def query(self, layer: int, q: torch.Tensor, query_start: list[int],
-              request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial attention of q's rows over the holder's pinned segments of each request.
-        -> (o, lse) views of the shared buffer, valid until the next query."""
+    def submit(self, layer: int, q: torch.Tensor, query_start: list[int], request_ids: list[str]) -> None:
+        """Send a query: partial attention of q's rows over the holder's pinned segments of each
+        request. `collect` takes its answer; nothing else may be sent in between."""
         rows = q.shape[0]
         if rows > self.max_rows:
             raise ValueError(f"{rows} query rows exceed the pool buffer's {self.max_rows}")
         self.buffers.q[:rows].copy_(q)
-        self._call(Query(self.peer, self.buffers.shm.name, self.max_rows, layer, rows, query_start, request_ids))
-        return self.buffers.o[:rows], self.buffers.lse[:rows]
+        self._send(Query(self.peer, self.buffers.shm.name, self.max_rows, layer, rows, query_start, request_ids))
+        self._rows = rows
 
+    def collect(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o, lse) of the query submitted: views of the shared buffer, valid until the next query."""
+        self._recv("Query")
+        return self.buffers.o[: self._rows], self.buffers.lse[: self._rows]
+
+    def query(self, layer: int, q: torch.Tensor, query_start: list[int],
+              request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """submit, then collect."""
+        self.submit(layer, q, query_start, request_ids)
+        return self.collect()

@@ -16,22 +16,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-
-def attach_untracked(name: str) -> shared_memory.SharedMemory:
-    """Map a block another process made and will unlink. Before Python 3.13 every attach is
-    tracked, and the tracker would unlink the block when this process exits."""
-    try:
-        return shared_memory.SharedMemory(name=name, track=False)
-    except TypeError:
-        from multiprocessing import resource_tracker
-
-        shm = shared_memory.SharedMemory(name=name)
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        return shm
-
-
-def block_name(prefix: str, engine: int) -> str:
-    return f"{prefix}-kv-{engine}"
+from tokenflowd.pool.names import attach_untracked
 
 
 @dataclass
@@ -78,6 +63,12 @@ class SharedKV:
         size = SharedKV.nbytes(1, layer_shape, dtype)
         raw = torch.frombuffer(shm.buf, dtype=torch.uint8, count=num_layers * size)
         return [raw[i * size : (i + 1) * size].view(dtype).view(layer_shape) for i in range(num_layers)]
+
+    def whole(self) -> torch.Tensor:
+        """Every layer as one tensor [layers, *layer_shape] (the runner's KV cache), a view of the block."""
+        first = self.layers[0]
+        raw = torch.frombuffer(self.shm.buf, dtype=first.dtype, count=len(self.layers) * first.numel())
+        return raw.view(len(self.layers), *first.shape)
 
     def close(self) -> None:
         """Unmap (and, for the owner, unlink). Every view of the block is dead from here on."""

@@ -1,0 +1,280 @@
+"""An engine's place in the node's pool (`--pool-mode query|read`): it serves its pages to peers and
+attends to theirs.
+
+    the front: AddRequest.prefix = runs of the prompt's leading pages and the engines holding them
+    admit   pin each run on its holder (query.py Pin; this engine's own runs resolved here) → the
+            request keeps only the tokens past them (request.py foreign_token_ids, key_seed)
+    a step  every layer: own causal attention with LSE, merged with each holder's partial attention
+            over its pinned pages (attention.py): query mode ships the rows, read mode maps the
+            holder's cache (shared_kv.py) and attends in place
+    the end unpin (`sweep`, once a request is gone or recomputes its prefix)
+    a peer goes (PoolPeers without it, or a wait on it finds its process gone): the requests that
+            read its pages recompute them here (core.py ForeignPrefixLost), its pins here are dropped
+
+Threads: the query service answers peers in its own thread and takes `lock` (the engine's, held by
+its loop whenever the loop touches pages) to resolve and release pins. The loop never holds `lock`
+while it waits on a peer (core.py `unlocked`): two engines pinning on each other would deadlock.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from tokenflowd import protocol as p
+from tokenflowd.engine.core import ForeignPrefixLost
+from tokenflowd.engine.scheduler import ScheduledBatch
+from tokenflowd.kv.pages import PagePool
+from tokenflowd.pool.attention import HolderRows, PeerCache, QueriedHolder
+from tokenflowd.pool.names import cache_name, service_address
+from tokenflowd.pool.query import PeerGone, QueryClient, QueryService
+from tokenflowd.pool.segments import (SegmentCosts, attend_probe, measure_k_comp, measure_link, pages_per_segment,
+                                      query_payload)
+from tokenflowd.pool.shared_kv import SharedKV
+
+log = logging.getLogger("tokenflowd.pool")
+
+QUERY_TIMEOUT_MS = 30_000  # a peer alive but silent this long is taken for gone
+MAX_SEGMENT_PAGES = 64  # a segment longer than this would leave most prefixes unpooled
+PROBE_PAGES = 256  # k_comp's probe: one query row over this many pages
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Holding:
+    """Pages of one request's prefix that one engine holds and pinned for it."""
+
+    engine: int
+    pages: list[int]  # the holder's page ids (read mode, and this engine's own)
+
+
+@dataclass
+class Peer:
+    info: p.PoolPeer
+    client: QueryClient | None = None
+    cache: SharedKV | None = None
+
+
+@dataclass
+class ForeignPrefix:
+    holdings: list[Holding] = field(default_factory=list)
+
+    @property
+    def num_pages(self) -> int:
+        return sum(len(h.pages) for h in self.holdings)
+
+
+class PoolMember:
+    def __init__(self, engine: int, incarnation: int, mode: str, runtime_dir: str, backend,
+                 kv_layers: Sequence[torch.Tensor], pool: PagePool, lock: threading.Lock, max_rows: int,
+                 layer_shape: tuple[int, ...]) -> None:
+        assert mode in ("query", "read")
+        self.engine, self.incarnation, self.mode, self.runtime_dir = engine, incarnation, mode, runtime_dir
+        self.backend = backend
+        self.kv_layers = list(kv_layers)
+        self.pool = pool
+        self.lock = lock
+        self.max_rows = max_rows
+        self.layer_shape = layer_shape  # of this engine's cache; a peer's differs only in pages
+        self.peers: dict[int, Peer] = {}
+        self.foreign: dict[str, ForeignPrefix] = {}  # request id -> what it reads on engines of the pool
+        self.stats = {"peer_tokens": 0, "query_calls": 0, "query_bytes": 0, "query_seconds": 0.0, "peers_lost": 0}
+        self.service = QueryService(service_address(runtime_dir, engine, incarnation), backend, self.kv_layers,
+                                    self._resolve, self._release).start()
+        self.segment_pages = 0  # set by size_segments
+
+    def size_segments(self, tokens: int = 0, max_pages: int = MAX_SEGMENT_PAGES) -> int:
+        """The segment size in pages: `tokens` if given, else the threshold of segments.py with
+        k_comp measured on this engine's attention and α, B on its own query path (the path a
+        peer's queries take: ipc and shared memory; in read mode, α and B are 0 and ∞)."""
+        ps = self.backend.page_size
+        if tokens:
+            self.segment_pages = tokens // ps
+            log.info("pool: segments of %d pages (%d tokens, as configured)", self.segment_pages, tokens)
+            return self.segment_pages
+        b = self.backend
+        k_comp = measure_k_comp(attend_probe(b, PROBE_PAGES), tokens=PROBE_PAGES * ps)
+        payload = query_payload(b.num_heads, b.head_dim, torch.empty((), dtype=b.dtype).element_size())
+        if self.mode == "read":
+            alpha, bandwidth = 0.0, math.inf
+        else:
+            probe = QueryClient(-1, service_address(self.runtime_dir, self.engine, self.incarnation), 256,
+                                b.num_heads, b.head_dim, b.dtype)
+            q = torch.zeros(256, b.num_heads, b.head_dim, dtype=b.dtype)
+            try:
+                alpha, bandwidth = measure_link(lambda n: probe.query(0, q[:n], [0, n], ["probe"]), payload)
+            finally:
+                probe.close()
+                self.service.release_peer(-1)
+        costs = SegmentCosts(alpha, bandwidth, k_comp, payload)
+        self.segment_pages = pages_per_segment(costs, ps, max_pages)
+        log.info("pool: segments of %d pages (%d tokens): threshold %.0f tokens from alpha %.1f us, B %.2f GB/s, "
+                 "k_comp %.1f ns/token", self.segment_pages, self.segment_pages * ps, costs.threshold_tokens(),
+                 alpha * 1e6, bandwidth / 1e9, k_comp * 1e9)
+        return self.segment_pages
+
+    def close(self) -> None:
+        self.service.close()
+        for peer in self.peers.values():
+            self._close_peer(peer)
+        self.peers.clear()
+
+    # -- the holder's side (the service's thread, and this engine's own runs) -----------------
+    def _resolve(self, keys: Sequence[bytes]) -> list[list[int]]:
+        with self.lock:
+            pages = self.pool.lookup(keys)
+            for page in pages:
+                self.pool.incref(page)
+        return [[page] for page in pages]
+
+    def _release(self, segments: list[list[int]]) -> None:
+        with self.lock:
+            for pages in reversed(segments):
+                for page in pages:
+                    self.pool.decref(page)
+
+    # -- peers ----------------------------------------------------------------------------------
+    def set_peers(self, peers: list[p.PoolPeer]) -> list[str]:
+        """The engines serving now. -> the requests whose prefix a peer that went away held."""
+        now = {peer.engine: peer for peer in peers if peer.engine != self.engine}
+        lost = [e for e, known in self.peers.items() if now.get(e) != known.info]
+        for e in lost:
+            self._close_peer(self.peers.pop(e))
+            self.service.release_peer(e)  # its requests' pins here
+            self.stats["peers_lost"] += 1
+        for e, info in now.items():
+            if e not in self.peers:
+                self.peers[e] = Peer(info)
+        return self.dependents(lost)
+
+    def _close_peer(self, peer: Peer) -> None:
+        if peer.client is not None:
+            peer.client.close()
+        if peer.cache is not None:
+            peer.cache.close()
+
+    def dependents(self, engines: Sequence[int]) -> list[str]:
+        gone = set(engines)
+        return [rid for rid, f in self.foreign.items() if any(h.engine in gone for h in f.holdings)]
+
+    def _client(self, peer: Peer) -> QueryClient:
+        if peer.client is None:
+            b, info = self.backend, peer.info
+            peer.client = QueryClient(self.engine, service_address(self.runtime_dir, info.engine, info.incarnation),
+                                      self.max_rows, b.num_heads, b.head_dim, b.dtype, timeout_ms=QUERY_TIMEOUT_MS,
+                                      alive=lambda pid=info.pid: pid_alive(pid), holder=f"engine {info.engine}")
+        return peer.client
+
+    def _cache(self, peer: Peer) -> SharedKV:
+        if peer.cache is None:
+            shape = list(self.layer_shape)
+            axis = self.backend.page_axis
+            shape[axis] = peer.info.num_pages + 1  # its cache, scratch page included (runner.py)
+            peer.cache = SharedKV.attach(cache_name(self.runtime_dir, peer.info.engine, peer.info.incarnation),
+                                         len(self.kv_layers), tuple(shape), self.backend.dtype)
+        return peer.cache
+
+    # -- a request --------------------------------------------------------------------------
+    def pin(self, request_id: str, runs: list[p.PrefixRun]) -> int:
+        """Pin the runs where they are, in order, up to the first page that cannot be had (a run its
+        holder no longer holds whole, a peer gone). -> leading pages pinned (the engine's loop
+        calls it without its lock)."""
+        prefix = ForeignPrefix()
+        for run in runs:
+            pages = self._pin_run(request_id, run)
+            if pages:
+                prefix.holdings.append(Holding(run.engine, pages))
+            if len(pages) < len(run.keys):
+                break
+        if prefix.holdings:
+            self.foreign[request_id] = prefix
+            self.stats["peer_tokens"] += sum(len(h.pages) for h in prefix.holdings if h.engine != self.engine) \
+                * self.backend.page_size
+        return prefix.num_pages
+
+    def _pin_run(self, request_id: str, run: p.PrefixRun) -> list[int]:
+        if run.engine == self.engine:
+            return [page for seg in self._resolve(run.keys) for page in seg]
+        peer = self.peers.get(run.engine)
+        if peer is None:
+            return []
+        try:
+            pinned = self._client(peer).pin(request_id, run.keys)
+        except (PeerGone, RuntimeError) as e:
+            log.warning("pool: pin on engine %d failed (%s); the request computes those tokens", run.engine, e)
+            return []
+        if self.mode == "read":
+            try:
+                self._cache(peer)
+            except (OSError, ValueError) as e:
+                log.warning("pool: engine %d's cache cannot be mapped (%s)", run.engine, e)
+                self._unpin(request_id, run.engine)
+                return []
+        return pinned.pages
+
+    def release(self, request_id: str) -> None:
+        """The request is gone or no longer reads its foreign prefix: drop its pins everywhere."""
+        prefix = self.foreign.pop(request_id, None)
+        if prefix is None:
+            return
+        for engine in dict.fromkeys(h.engine for h in prefix.holdings):
+            if engine == self.engine:
+                self._release([h.pages for h in prefix.holdings if h.engine == engine])
+            else:
+                self._unpin(request_id, engine)
+
+    def _unpin(self, request_id: str, engine: int) -> None:
+        peer = self.peers.get(engine)
+        if peer is None or peer.client is None or peer.client.dead:
+            return  # gone: nothing of it is pinned any more
+        try:
+            peer.client.unpin(request_id)
+        except (PeerGone, RuntimeError) as e:
+            log.warning("pool: unpin on engine %d failed: %s", engine, e)
+
+    def sweep(self, reading: set[str]) -> None:
+        """Release every request not in `reading` (those that still read a foreign prefix)."""
+        for rid in [rid for rid in self.foreign if rid not in reading]:
+            self.release(rid)
+
+    # -- a step -------------------------------------------------------------------------------
+    def holders(self, batch: ScheduledBatch, query_start: list[int]) -> list:
+        """This step's sources of foreign attention, one per engine holding pages of its requests
+        (attention.py), or raises ForeignPrefixLost for requests whose holder is gone."""
+        rows: dict[int, HolderRows] = {}
+        lost: list[str] = []
+        for i, rid in enumerate(batch.request_ids):
+            prefix = self.foreign.get(rid)
+            if prefix is None:
+                continue
+            for engine in dict.fromkeys(h.engine for h in prefix.holdings):
+                if engine != self.engine and engine not in self.peers:
+                    lost.append(rid)
+                    break
+                pages = [pg for h in prefix.holdings if h.engine == engine for pg in h.pages]
+                rows.setdefault(engine, HolderRows(engine)).add(rid, query_start[i], query_start[i + 1], pages)
+        if lost:
+            raise ForeignPrefixLost(lost, "a pool peer holding their prefix is gone")
+        sources = []
+        for engine, r in rows.items():
+            if engine == self.engine:
+                sources.append(PeerCache(r, self.backend, self.kv_layers))
+            elif self.mode == "read":
+                sources.append(PeerCache(r, self.backend, self._cache(self.peers[engine]).layers))
+            else:
+                sources.append(QueriedHolder(r, self._client(self.peers[engine]), self.stats))
+        return sources

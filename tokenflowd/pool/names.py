@@ -1,0 +1,39 @@
+"""Where an engine's pool endpoints live, by engine and incarnation: its query service's socket and
+its shared KV cache. Torch-free: the supervisor cleans up after a killed engine with it."""
+from __future__ import annotations
+
+import os
+from multiprocessing import shared_memory
+
+
+def service_address(runtime_dir: str, engine: int, incarnation: int) -> str:
+    return f"ipc://{runtime_dir}/pool-{engine}-{incarnation}"
+
+
+def cache_name(runtime_dir: str, engine: int, incarnation: int) -> str:
+    """The shared memory block of an engine's KV cache (read mode): one per incarnation, so a
+    peer never reads a successor's pages through a dead engine's mapping."""
+    return f"{os.path.basename(runtime_dir.rstrip('/'))}-kv-{engine}-{incarnation}"
+
+
+def attach_untracked(name: str) -> shared_memory.SharedMemory:
+    """Map a block another process made and will unlink. Before Python 3.13 every attach is
+    tracked, and the tracker would unlink the block when this process exits."""
+    try:
+        return shared_memory.SharedMemory(name=name, track=False)
+    except TypeError:
+        from multiprocessing import resource_tracker
+
+        shm = shared_memory.SharedMemory(name=name)
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        return shm
+
+
+def unlink(name: str) -> None:
+    """Remove a block whose owner was killed (a dead engine's cache), if it is there."""
+    try:
+        shm = attach_untracked(name)
+    except FileNotFoundError:
+        return
+    shm.close()
+    shm.unlink()
