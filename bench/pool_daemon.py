@@ -2,13 +2,14 @@
 routing (`--pool-mode off`) against `--pool-mode query` and `--pool-mode read`, on the Mooncake
 conversation trace replayed by the load generator.
 
-    .venv/bin/python bench/pool_daemon.py [--engines 2] [--num-prompts 60] [--rounds 1]
+    .venv/bin/python bench/pool_daemon.py [--engines 2] [--num-prompts 300] [--rounds 1]
         [--out bench/results/pool_daemon.json]
 
 Each daemon: `tokenflowd serve --engines N --dtype float32 --quantization none --kv-cache-memory M`
 with a small KV budget (M, default 64MiB: 91 pages of 16 tokens per engine, 1,456 tokens), started fresh for
-each run and stopped with SIGTERM. The workload is the trace's first `--num-prompts` records,
-prompts cut to `--max-prompt-len` tokens (their shared 512-token blocks kept token for token),
+each run and stopped with SIGTERM. The workload is the trace's first `--num-prompts` records with
+each 512-token block of the trace cut to `--block-tokens` tokens (prompts scaled down by that
+share; which prefixes requests share is kept, token for token), prompts cut to `--max-prompt-len`,
 outputs × `--output-scale`, arrivals × a time scale set so that the offered prompt tokens per second
 are `--load` times what the engines prefill (measured first, on the `off` daemon, with a burst).
 
@@ -130,7 +131,9 @@ def run_mode(mode: str, a, workload: LoadWorkload, log_dir: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=60)
+    p.add_argument("--num-prompts", type=int, default=300)
+    p.add_argument("--block-tokens", type=int, default=64,
+                   help="tokens per trace block (512 in the trace): prompts scaled down, their sharing kept")
     p.add_argument("--max-prompt-len", type=int, default=1024)
     p.add_argument("--output-scale", type=float, default=0.1)
     p.add_argument("--kv-cache-memory", default="64MiB")
@@ -144,7 +147,8 @@ def main() -> None:
     log_dir.mkdir(exist_ok=True)
     modes = a.modes.split(",")
     base = LoadWorkload(dataset="mooncake", num_prompts=a.num_prompts, max_prompt_len=a.max_prompt_len,
-                        output_scale=a.output_scale, seed=0, reading_rates=((20.0, 1.0),))
+                        output_scale=a.output_scale, block_tokens=a.block_tokens, seed=0,
+                        reading_rates=((20.0, 1.0),))
     reqs = build_requests(base)
     span = reqs[-1].arrival_time - reqs[0].arrival_time
     tokens = sum(r.prompt_len for r in reqs)

@@ -70,6 +70,9 @@ def _common_args() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0, help="workload seed: prompts, lengths, arrivals, rates (default 0)")
     w.add_argument("--time-scale", type=float, default=1.0, help="trace arrivals × this (below 1 replays faster)")
     w.add_argument("--max-prompt-len", type=int, help="trace datasets: truncate longer prompts to this many tokens")
+    w.add_argument("--block-tokens", type=int, default=512,
+                   help="mooncake: tokens per prefix block (default 512, the trace's); fewer scale every prompt "
+                        "down by that share and keep which prefixes requests share")
     w.add_argument("--output-scale", type=float, default=1.0,
                    help="trace datasets: output lengths times this (default 1; a small CPU box: e.g. 0.1)")
     c = p.add_argument_group("clients")
@@ -115,7 +118,7 @@ def workload_from_args(a: argparse.Namespace) -> LoadWorkload:
                         burstiness=a.burstiness, burst_size=a.burst_size, burst_period=a.burst_period,
                         lengths=parse_lengths(a.lengths), reading_rates=parse_reading_rates(a.reading_rate),
                         seed=a.seed, dataset_path=a.dataset_path, time_scale=a.time_scale,
-                        max_prompt_len=a.max_prompt_len, output_scale=a.output_scale,
+                        max_prompt_len=a.max_prompt_len, output_scale=a.output_scale, block_tokens=a.block_tokens,
                         abandon_fraction=a.abandon_fraction)
 
 

@@ -55,6 +55,7 @@ class LoadWorkload:
     time_scale: float = 1.0  # trace datasets: arrival = timestamp · time_scale
     max_prompt_len: int | None = None  # trace datasets: truncate longer prompts
     output_scale: float = 1.0  # trace datasets: output lengths × this (a small model on a CPU: below 1)
+    block_tokens: int = 512  # mooncake: tokens per prefix block; fewer scale prompts down, sharing kept
     abandon_fraction: float = 0.0  # share of clients that close their stream partway
 
     def __post_init__(self) -> None:
@@ -117,7 +118,7 @@ def build_requests(w: LoadWorkload) -> list[WorkloadRequest]:
     elif w.dataset == "mooncake":
         reqs = build_workload(WorkloadSpec("trace", w.num_prompts, trace=w.dataset_path or str(DEFAULT_TRACE),
                                            time_scale=w.time_scale, max_prompt_len=w.max_prompt_len,
-                                           output_scale=w.output_scale, **common))
+                                           output_scale=w.output_scale, block_tokens=w.block_tokens, **common))
     else:
         reqs = burstgpt_requests(Path(w.dataset_path), w)
     if w.burst_size is not None:
@@ -231,7 +232,7 @@ def describe(w: LoadWorkload) -> dict:
     """The workload as JSON-able config (for the result file)."""
     d = {k: getattr(w, k) for k in ("dataset", "num_prompts", "request_rate", "burstiness", "burst_size",
                                      "burst_period", "seed", "dataset_path", "time_scale", "max_prompt_len",
-                                     "output_scale", "abandon_fraction")}
+                                     "output_scale", "block_tokens", "abandon_fraction")}
     d["lengths"] = {k: getattr(w.lengths, k) for k in ("kind", "input_center", "input_spread", "output_center",
                                                         "output_spread")}
     d["reading_rates"] = [list(p) for p in w.reading_rates]

@@ -32,7 +32,7 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, PolicyConfig, ServerConfig
 from tokenflowd.engine_handle import EngineHandle, Stream
 from tokenflowd.launcher import LocalLauncher, engine_configs
-from tokenflowd.pool.names import cache_name, unlink
+from tokenflowd.pool.names import cache_name, sweep_stale, unlink
 from tokenflowd.prefix_index import PrefixIndex
 
 log = logging.getLogger("tokenflowd.supervisor")
@@ -77,6 +77,10 @@ class Supervisor:
         if base:
             Path(base).mkdir(parents=True, exist_ok=True)
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="tokenflowd-", dir=base))  # mode 0700
+        if self.engine_config.pool_mode == "read":
+            stale = sweep_stale(str(self.runtime_dir.parent))
+            if stale:
+                log.warning("removed %d shared KV caches left by daemons that are gone: %s", len(stale), stale[:3])
         self.front_addresses = [f"ipc://{self.runtime_dir}/out-f{k}" for k in range(1, self.num_fronts + 1)]
         self._outbox = self._ctx.socket(zmq.PULL)
         self._outbox.bind(f"ipc://{self.runtime_dir}/out")

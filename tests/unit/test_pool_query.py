@@ -91,7 +91,7 @@ def test_shipped_queries_merged_with_local_attention_equal_attention_over_all_pa
             assert (o - want).abs().max() <= 1e-5
         client.unpin("a")
         assert refs() == (2, 1)
-        client.release_peer(1)  # the supervisor's word that requester 1 died
+        client.release_peer(1, 0)  # the supervisor's word that requester 1 died
         assert refs() == (0, 0)
     finally:
         client.close()
@@ -105,7 +105,9 @@ def test_a_bad_query_is_an_error_for_the_requester_and_the_holder_keeps_serving(
             client.query(0, torch.zeros(5, H.HEADS, H.HEAD_DIM), [0, 5], ["x"])
         with pytest.raises(RuntimeError, match="pool peer"):
             client.query(H.LAYERS, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["x"])  # no such layer
-        o, lse = client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["nothing pinned"])
+        with pytest.raises(RuntimeError, match="no pins"):  # lost pins are an error, never an empty state
+            client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["nothing pinned"])
+        o, lse = client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], [""])  # no segments, on purpose
         assert torch.isneginf(lse).all() and not o.any()
         assert refs() == (0, 0)
     finally:
@@ -137,49 +139,67 @@ def test_read_mode_attends_in_place_to_the_peers_mapped_cache_and_equals_query_m
         peer.close()
 
 
-def test_a_dead_holder_is_an_error_within_the_timeout_not_a_hang(tmp_path):
+@pytest.mark.parametrize("how", ["timeout", "liveness"])
+def test_a_dead_holder_is_an_error_not_a_hang(tmp_path, how):
+    """Without a liveness check the timeout ends the wait; with one (the engine's: the holder's pid)
+    the wait ends as soon as the holder's process is gone, however long the timeout."""
     address = f"ipc://{tmp_path}/pool-query.sock"
-    shm_name = f"tokenflowd-test-{os.getpid()}-dead"
+    shm_name = f"tokenflowd-test-{os.getpid()}-{how}"
     proc = subprocess.Popen([sys.executable, str(Path(H.__file__)), address, str(SEED), shm_name],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert read_line(proc).strip() == "ready"
-        client = QueryClient(4, address, 2, H.HEADS, H.HEAD_DIM, torch.float32)  # a busy box may be slow here
+        client = QueryClient(4, address, 2, H.HEADS, H.HEAD_DIM, torch.float32,  # a busy box may be slow here
+                             alive=(lambda: proc.poll() is None) if how == "liveness" else None)
         try:
             assert client.pin("r", [bytes([0])]).held == 1
             proc.kill()
             proc.wait(timeout=30)
-            client.timeout_ms = 1000  # the holder is dead: no answer is coming however long we wait
-            with pytest.raises(PeerGone):
-                client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["r"])
-            with pytest.raises(PeerGone, match="earlier"):  # at once: the channel is known dead
-                client.unpin("r")
-        finally:
-            client.close()
-    finally:
-        proc.kill()
-        Path(f"/dev/shm/{shm_name}").unlink(missing_ok=True)  # a killed owner cannot unlink its cache
-
-
-def test_a_holder_whose_process_is_gone_is_known_at_once_with_a_liveness_check(tmp_path):
-    address = f"ipc://{tmp_path}/pool-query.sock"
-    shm_name = f"tokenflowd-test-{os.getpid()}-gone"
-    proc = subprocess.Popen([sys.executable, str(Path(H.__file__)), address, str(SEED), shm_name],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert read_line(proc).strip() == "ready"
-        client = QueryClient(5, address, 2, H.HEADS, H.HEAD_DIM, torch.float32, timeout_ms=600_000,
-                             alive=lambda: proc.poll() is None)
-        try:
-            assert client.pin("r", [bytes([0])]).held == 1
-            proc.kill()
-            proc.wait(timeout=30)
+            # the holder is dead: no answer is coming however long we wait
+            client.timeout_ms = 1000 if how == "timeout" else 600_000
             t0 = time.monotonic()
             with pytest.raises(PeerGone):
                 client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["r"])
-            assert time.monotonic() - t0 < 60, "the liveness check, not the 10-minute timeout, ended the wait"
+            assert time.monotonic() - t0 < 60
+            t0 = time.monotonic()
+            with pytest.raises(PeerGone, match="earlier" if how == "liveness" else "did not answer"):
+                client.unpin("r")  # liveness: at once, the channel is known dead; timeout: it waits again
+            assert time.monotonic() - t0 < 60
         finally:
             client.close()
     finally:
         proc.kill()
         Path(f"/dev/shm/{shm_name}").unlink(missing_ok=True)  # a killed owner cannot unlink its cache
+
+
+def test_a_late_answer_is_dropped_by_its_sequence_number_and_the_channel_goes_on(holder):
+    address, refs, _ = holder
+    client = QueryClient(6, address, 4, H.HEADS, H.HEAD_DIM, torch.float32)
+    try:
+        assert client.pin("late", [bytes([4])]).held == 1
+        q = torch.randn(2, H.HEADS, H.HEAD_DIM, generator=torch.Generator().manual_seed(2))
+        client.submit(0, q, [0, 2], ["late"])  # given up on: never collected (a step that failed)
+        time.sleep(0.2)  # its answer is waiting in the socket
+        o, s = client.query(1, q, [0, 2], ["late"])  # the next call gets its own answer, not that one
+        want, s_want = H.backend_().attend_pages(q, H.caches(SEED)[1], PageQuery([0, 2], [H.SEGMENTS[bytes([4])]]))
+        assert (o - want).abs().max() <= 1e-6 and (s - s_want).abs().max() <= 1e-6
+        client.unpin("late")
+        assert refs() == (0, 0)
+    finally:
+        client.close()
+
+
+def test_release_of_a_dead_incarnation_leaves_its_successors_pins(holder):
+    address, refs, _ = holder
+    old = QueryClient(7, address, 2, H.HEADS, H.HEAD_DIM, torch.float32, incarnation=1)
+    new = QueryClient(7, address, 2, H.HEADS, H.HEAD_DIM, torch.float32, incarnation=2)
+    try:
+        assert old.pin("r", [bytes([6])]).held == 1 and new.pin("r", [bytes([7])]).held == 1
+        assert refs() == (4, 2)
+        new.release_peer(7, 1)  # incarnation 1 of engine 7 died (the supervisor said so, late)
+        assert refs() == (2, 1)
+        new.unpin("r")
+        assert refs() == (0, 0)
+    finally:
+        old.close()
+        new.close()

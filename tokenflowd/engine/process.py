@@ -51,12 +51,15 @@ class EngineProcess(EngineEndpoint):
         self.config = msgspec.convert(spec.config, EngineConfig)
         self.shared_cache: SharedKV | None = None
         pooled = self.config.pool_mode != "off"
-        self.core = EngineCore.from_config(self.config, kv_memory=self._shared_cache if pooled else None)
+        # read mode: peers map this engine's cache, so it lives in shared memory
+        read = self.config.pool_mode == "read"
+        self.core = EngineCore.from_config(self.config, kv_memory=self._shared_cache if read else None)
         self.config = self.core.config  # as it runs: a fast path that failed its check is replaced
         self.core.warm_up()  # before READY: the first user request is as fast as the tenth
         self.core.pool.drain_key_events()  # start recording: the router learns every key from here on
         self.member: PoolMember | None = None
-        self.prompt_tokens = 0  # of the requests taken (EngineStats)
+        self.prompt_tokens = 0  # of the requests taken (EngineStats), and of them those read where
+        self.peer_tokens = self.own_pool_tokens = 0  # peers hold them, or from its own cache through the pool
         if pooled:
             self.core.lock = threading.Lock()
             runner = self.core.runner
@@ -175,37 +178,46 @@ class EngineProcess(EngineEndpoint):
                                     s.stop_token_ids, s.ignore_eos, s.min_tokens)
             req = Request(msg.request_id, msg.prompt_token_ids, params, arrival_time=msg.arrival_time,
                           reading_rate=msg.reading_rate, priority=msg.priority)
-            self._take_prefix(req, msg.prefix)
-            self.core.add_request(req)
-            self.prompt_tokens += len(msg.prompt_token_ids)
-        except QueueDelayExceeded as e:
-            self._release_pins(msg.request_id)
-            self.shed(msg.request_id, str(e), e.retry_after)
         except (InvalidRequestError, ValueError) as e:
-            self._release_pins(msg.request_id)
             return str(e)
+        if msg.request_id in self.core.scheduler.requests:
+            return f"request id {msg.request_id!r} is already in use"
+        pinned = self._take_prefix(req, msg.prefix)
+        try:
+            self.core.add_request(req)
+        except QueueDelayExceeded as e:
+            self._release_pins(msg.request_id, pinned)
+            self.shed(msg.request_id, str(e), e.retry_after)
+            return None
+        except (InvalidRequestError, ValueError) as e:
+            self._release_pins(msg.request_id, pinned)
+            return str(e)
+        self.prompt_tokens += len(msg.prompt_token_ids)
+        if pinned:
+            peer, own = self.member.count(msg.request_id)
+            self.peer_tokens += peer * self.config.page_size
+            self.own_pool_tokens += own * self.config.page_size
         return None
 
-    def _take_prefix(self, req: Request, runs: list[p.PrefixRun]) -> None:
-        """Pin the prompt's leading pages where the pool holds them; the request keeps the rest."""
-        if self.member is None or not runs or req.request_id in self.core.scheduler.requests:
-            return
+    def _take_prefix(self, req: Request, runs: list[p.PrefixRun]) -> bool:
+        """Pin the prompt's leading pages where the pool holds them; the request keeps the rest.
+        -> whether it pinned any (for this request: what a failed add releases)."""
+        if self.member is None or not runs:
+            return False
         ps = self.config.page_size
         with self.core.unlocked():
             pages = self.member.pin(req.request_id, runs)
+        if not pages:
+            return False
         if pages * ps > req.num_prompt_tokens - 1:  # the last prompt token is always computed here
-            self._release_pins(req.request_id)
-            return
-        if pages:
-            keys = [k for run in runs for k in run.keys]
-            f = pages * ps
-            req.foreign_token_ids, req.key_seed = req.prompt_token_ids[:f], keys[pages - 1]
-            req.prompt_token_ids = req.prompt_token_ids[f:]
-            req.token_ids = list(req.prompt_token_ids)
-            req.num_prompt_tokens -= f
+            self._release_pins(req.request_id, True)
+            return False
+        keys = [k for run in runs for k in run.keys]
+        req.set_foreign_prefix(pages * ps, keys[pages - 1])
+        return True
 
-    def _release_pins(self, request_id: str) -> None:
-        if self.member is not None and request_id in self.member.foreign:
+    def _release_pins(self, request_id: str, pinned: bool) -> None:
+        if pinned:
             with self.core.unlocked():
                 self.member.release(request_id)
 
@@ -235,13 +247,14 @@ class EngineProcess(EngineEndpoint):
             host_kv_pages_total=kv.host.num_pages,
             kv_pages_written=kv.stats.pages_written, kv_pages_loaded=kv.stats.pages_loaded,
             num_shed=self.core.admission.num_shed if self.core.admission else 0,
-            prompt_tokens=self.prompt_tokens, hit_tokens=kv.stats.hit_tokens,
+            prompt_tokens=self.prompt_tokens, hit_tokens=kv.stats.hit_tokens + self.own_pool_tokens,
+            peer_tokens=self.peer_tokens,
             **(self._pool_stats() if self.member is not None else {}),
         )
 
     def _pool_stats(self) -> dict:
         m = self.member.stats
-        return dict(peer_tokens=m["peer_tokens"], pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
+        return dict(pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
                     pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages)
 
 

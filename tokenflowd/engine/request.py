@@ -132,6 +132,17 @@ class Request:
         """Tokens before token_ids[0] that peers hold (position of token_ids[0] in the sequence)."""
         return len(self.foreign_token_ids)
 
+    def set_foreign_prefix(self, num_tokens: int, key_seed: bytes) -> None:
+        """Its first `num_tokens` prompt tokens (whole pages) are read where peers of the pool hold
+        them; `key_seed` is the key of the last of those pages. Only before it is queued."""
+        assert self.num_computed_tokens == 0 and self.num_output_tokens == 0 and not self.foreign_token_ids
+        assert 0 < num_tokens < self.num_prompt_tokens, "the last prompt token is always computed here"
+        self.foreign_token_ids = self.prompt_token_ids[:num_tokens]
+        self.prompt_token_ids = self.prompt_token_ids[num_tokens:]
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens -= num_tokens
+        self.key_seed = key_seed
+
     def take_foreign_prefix(self) -> None:
         """The peers' prefix is lost: it becomes this request's own tokens, to be computed here.
         Only while it holds no KV (the scheduler frees it first)."""

@@ -337,12 +337,7 @@ class Scheduler:
         """End a request wherever it is, and free its pages at once."""
         if req.is_finished:
             return
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req.status is RequestStatus.LOADING:
-            self.loading.remove(req)
-        else:
-            self._leave_queue(req)
+        self._remove(req)
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.output_lengths.observe(req.num_output_tokens)
         self.kv.free(req)
@@ -351,21 +346,26 @@ class Scheduler:
         req.error = error
         del self.requests[req.request_id]
 
-    def take_foreign_prefix(self, req: Request) -> None:
-        """The peers holding `req`'s leading KV are gone (pool/member.py): it lets go of its KV
-        and waits again with the whole prompt as its own, to recompute it here; the tokens it
-        produced stay, so its stream goes on where it was."""
-        if req.is_finished or not req.foreign_token_ids:
-            return
+    def _remove(self, req: Request) -> None:
+        """Out of whichever of the three queues holds it."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.LOADING:
             self.loading.remove(req)
         else:
             self._leave_queue(req)
-        self.kv.free(req)
+
+    def take_foreign_prefix(self, req: Request) -> None:
+        """The peers holding `req`'s leading KV are gone (pool/member.py): it lets go of its KV
+        and waits again with the whole prompt as its own, to recompute it here; the tokens it
+        produced stay, so its stream goes on where it was."""
+        if req.is_finished or not req.foreign_token_ids:
+            return
+        self._remove(req)
+        self.kv.drop(req)
         req.take_foreign_prefix()
         req.num_cached_tokens = 0
+        req.num_preemptions += 1  # its KV was dropped: what it admits again is no saving
         self.kv.track(req)
         self._requeue(req)
 

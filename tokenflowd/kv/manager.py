@@ -365,6 +365,14 @@ class KVCacheManager:
         self._release_device(req, st)
         self._drop_host_copy(st, 0)
 
+    def drop(self, req: Request) -> None:
+        """`free` for a request that lives on and starts its KV afresh (its tokens changed): copies
+        of its old KV still in flight end as a failed request's would, with nothing done for it."""
+        st = self._kv.get(req.request_id)
+        if st is not None:
+            st.epoch += 1
+        self.free(req)
+
     def _release_device(self, req: Request, st: RequestKV) -> None:
         """Release the request's device pages, tail first, so that LRU eviction takes the tails of
         prefixes before their heads; a page a copy still reads stays pinned until it ends."""

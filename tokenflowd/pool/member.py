@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import zmq
 
 from tokenflowd import protocol as p
 from tokenflowd.engine.core import ForeignPrefixLost
@@ -92,7 +93,7 @@ class PoolMember:
         self.layer_shape = layer_shape  # of this engine's cache; a peer's differs only in pages
         self.peers: dict[int, Peer] = {}
         self.foreign: dict[str, ForeignPrefix] = {}  # request id -> what it reads on engines of the pool
-        self.stats = {"peer_tokens": 0, "query_calls": 0, "query_bytes": 0, "query_seconds": 0.0, "peers_lost": 0}
+        self.stats = {"query_calls": 0, "query_bytes": 0, "query_seconds": 0.0, "peers_lost": 0}
         self.service = QueryService(service_address(runtime_dir, engine, incarnation), backend, self.kv_layers,
                                     self._resolve, self._release).start()
         self.segment_pages = 0  # set by size_segments
@@ -115,11 +116,11 @@ class PoolMember:
             probe = QueryClient(-1, service_address(self.runtime_dir, self.engine, self.incarnation), 256,
                                 b.num_heads, b.head_dim, b.dtype)
             q = torch.zeros(256, b.num_heads, b.head_dim, dtype=b.dtype)
-            try:
-                alpha, bandwidth = measure_link(lambda n: probe.query(0, q[:n], [0, n], ["probe"]), payload)
+            try:  # request "": no segments, so only the path is timed
+                alpha, bandwidth = measure_link(lambda n: probe.query(0, q[:n], [0, n], [""]), payload)
             finally:
                 probe.close()
-                self.service.release_peer(-1)
+                self.service.release_peer(-1, 0)
         costs = SegmentCosts(alpha, bandwidth, k_comp, payload)
         self.segment_pages = pages_per_segment(costs, ps, max_pages)
         log.info("pool: segments of %d pages (%d tokens): threshold %.0f tokens from alpha %.1f us, B %.2f GB/s, "
@@ -153,8 +154,9 @@ class PoolMember:
         now = {peer.engine: peer for peer in peers if peer.engine != self.engine}
         lost = [e for e, known in self.peers.items() if now.get(e) != known.info]
         for e in lost:
-            self._close_peer(self.peers.pop(e))
-            self.service.release_peer(e)  # its requests' pins here
+            peer = self.peers.pop(e)
+            self._close_peer(peer)
+            self.service.release_peer(e, peer.info.incarnation)  # its requests' pins here
             self.stats["peers_lost"] += 1
         for e, info in now.items():
             if e not in self.peers:
@@ -176,7 +178,8 @@ class PoolMember:
             b, info = self.backend, peer.info
             peer.client = QueryClient(self.engine, service_address(self.runtime_dir, info.engine, info.incarnation),
                                       self.max_rows, b.num_heads, b.head_dim, b.dtype, timeout_ms=QUERY_TIMEOUT_MS,
-                                      alive=lambda pid=info.pid: pid_alive(pid), holder=f"engine {info.engine}")
+                                      alive=lambda pid=info.pid: pid_alive(pid), holder=f"engine {info.engine}",
+                                      incarnation=self.incarnation)
         return peer.client
 
     def _cache(self, peer: Peer) -> SharedKV:
@@ -191,20 +194,32 @@ class PoolMember:
     # -- a request --------------------------------------------------------------------------
     def pin(self, request_id: str, runs: list[p.PrefixRun]) -> int:
         """Pin the runs where they are, in order, up to the first page that cannot be had (a run its
-        holder no longer holds whole, a peer gone). -> leading pages pinned (the engine's loop
-        calls it without its lock)."""
-        prefix = ForeignPrefix()
-        for run in runs:
-            pages = self._pin_run(request_id, run)
-            if pages:
-                prefix.holdings.append(Holding(run.engine, pages))
-            if len(pages) < len(run.keys):
-                break
-        if prefix.holdings:
-            self.foreign[request_id] = prefix
-            self.stats["peer_tokens"] += sum(len(h.pages) for h in prefix.holdings if h.engine != self.engine) \
-                * self.backend.page_size
+        holder no longer holds whole, a peer gone). -> leading pages pinned; 0 for a request that
+        holds pins already (the engine's loop calls it without its lock)."""
+        if request_id in self.foreign:
+            return 0
+        prefix = self.foreign[request_id] = ForeignPrefix()  # from the first pin: `release` finds them all
+        try:
+            for run in runs:
+                pages = self._pin_run(request_id, run)
+                if pages:
+                    prefix.holdings.append(Holding(run.engine, pages))
+                if len(pages) < len(run.keys):
+                    break
+        except Exception:
+            self.release(request_id)
+            raise
+        if not prefix.holdings:
+            del self.foreign[request_id]
         return prefix.num_pages
+
+    def count(self, request_id: str) -> tuple[int, int]:
+        """(pages read on peers, pages read from this engine's own cache) of an admitted request."""
+        prefix = self.foreign.get(request_id)
+        if prefix is None:
+            return 0, 0
+        own = sum(len(h.pages) for h in prefix.holdings if h.engine == self.engine)
+        return prefix.num_pages - own, own
 
     def _pin_run(self, request_id: str, run: p.PrefixRun) -> list[int]:
         if run.engine == self.engine:
@@ -214,7 +229,7 @@ class PoolMember:
             return []
         try:
             pinned = self._client(peer).pin(request_id, run.keys)
-        except (PeerGone, RuntimeError) as e:
+        except (PeerGone, RuntimeError, zmq.ZMQError) as e:
             log.warning("pool: pin on engine %d failed (%s); the request computes those tokens", run.engine, e)
             return []
         if self.mode == "read":
@@ -243,7 +258,7 @@ class PoolMember:
             return  # gone: nothing of it is pinned any more
         try:
             peer.client.unpin(request_id)
-        except (PeerGone, RuntimeError) as e:
+        except (PeerGone, RuntimeError, zmq.ZMQError) as e:
             log.warning("pool: unpin on engine %d failed: %s", engine, e)
 
     def sweep(self, reading: set[str]) -> None:
@@ -259,7 +274,7 @@ class PoolMember:
         lost: list[str] = []
         for i, rid in enumerate(batch.request_ids):
             prefix = self.foreign.get(rid)
-            if prefix is None:
+            if prefix is None or not batch.offsets[i]:  # (its prefix recomputed here: unpinned soon)
                 continue
             for engine in dict.fromkeys(h.engine for h in prefix.holdings):
                 if engine != self.engine and engine not in self.peers:

@@ -37,3 +37,22 @@ def unlink(name: str) -> None:
         return
     shm.close()
     shm.unlink()
+
+
+def sweep_stale(runtime_base: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the KV caches of daemons whose runtime directory is gone (a whole process group
+    killed at once leaves them). -> the names removed."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    gone = []
+    for name in names:
+        prefix, sep, _ = name.partition("-kv-")
+        if sep and prefix.startswith("tokenflowd-") and not os.path.isdir(os.path.join(runtime_base, prefix)):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                gone.append(name)
+            except OSError:
+                pass
+    return gone

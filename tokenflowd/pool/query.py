@@ -17,9 +17,10 @@ resolves their keys to its pages and holds a reference for that request, so no e
 them while queries run; `unpin` (the request ended) or `release_peer` (the requester died: the
 supervisor says so) drops them, and the requester's mapped blocks with them. Keys the holder no
 longer has are reported, and the requester computes those tokens itself. A holder that does not
-answer within the timeout is a TimeoutError, and the channel is closed for good: a late answer
-would be taken for the next call's. Its pins for that requester stay until `release_peer`. A
-holder whose process is gone (`alive` says so; checked every 20 ms of a wait) is PeerGone at once.
+answer within the timeout is PeerGone for that call; the channel stays usable, and the late answer
+is dropped by its sequence number. A holder whose process is gone (`alive` says so; checked every
+20 ms of a wait) is PeerGone at once, and the channel is dead. Pins are keyed by the
+requester's engine and incarnation: `release_peer` of an incarnation leaves its successor's alone.
 """
 from __future__ import annotations
 
@@ -41,19 +42,29 @@ log = logging.getLogger("tokenflowd.pool")
 
 
 # -- messages ---------------------------------------------------------------------------------
+# Every message to a holder names its requester (`peer`, and its incarnation: a restarted requester's
+# pins are not its predecessor's) and carries a sequence number that the reply echoes: a reply to
+# an earlier message (one the requester stopped waiting for) is told apart and dropped.
 class Pin(msgspec.Struct, tag=True):
     peer: int
     request_id: str
     keys: list[bytes]
+    incarnation: int = 0
+    seq: int = 0
 
 
 class Unpin(msgspec.Struct, tag=True):
     peer: int
     request_id: str
+    incarnation: int = 0
+    seq: int = 0
 
 
 class ReleasePeer(msgspec.Struct, tag=True):
     peer: int
+    upto: int = 0  # the gone requester's incarnation: its pins and its earlier ones' go
+    incarnation: int = 0
+    seq: int = 0
 
 
 class Query(msgspec.Struct, tag=True):
@@ -63,16 +74,22 @@ class Query(msgspec.Struct, tag=True):
     layer: int
     rows: int
     query_start: list[int]
-    request_ids: list[str]  # per request of query_start: its pinned segments are what it reads
+    # per request of query_start: its pinned segments are what it reads; a request with no pins is
+    # an error (they were lost), except the empty id: no segments (the empty state), on purpose
+    request_ids: list[str]
+    incarnation: int = 0
+    seq: int = 0
 
 
 class Pinned(msgspec.Struct, tag=True):
     held: int  # leading keys the holder has and pinned for the request
     pages: list[int] = []  # the holder's pages of them (read mode attends to them in place)
+    seq: int = 0
 
 
 class Done(msgspec.Struct, tag=True):
     error: str = ""
+    seq: int = 0
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -142,9 +159,9 @@ class QueryService:
         self.backend = backend
         self.kv_layers = list(kv_layers)
         self.resolve, self.release = resolve, release
-        self.pins: dict[tuple[int, str], list[list[int]]] = {}  # (peer, request) -> pages per segment
+        self.pins: dict[tuple[int, int, str], list[list[int]]] = {}  # (peer, incarnation, request) -> pages per segment
         self._lock = threading.Lock()  # the pins and buffers: the service's thread and release_peer
-        self._buffers: dict[str, tuple[int, QueryBuffers]] = {}  # block name -> (its peer, the mapping)
+        self._buffers: dict[str, tuple[int, int, QueryBuffers]] = {}  # block -> (its peer, incarnation, mapping)
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
@@ -162,7 +179,7 @@ class QueryService:
         for pages in self.pins.values():
             self.release(pages)
         self.pins.clear()
-        for _, buf in self._buffers.values():
+        for _, _, buf in self._buffers.values():
             buf.close()
         self._sock.close(0)
 
@@ -185,12 +202,16 @@ class QueryService:
                 log.warning("pool query service: a message of %d frames dropped", len(frames))
                 continue
             ident, raw = frames
+            seq = 0
             try:
+                msg = _TO_HOLDER.decode(raw)
+                seq = msg.seq
                 with self._lock:
-                    reply = self._handle(_TO_HOLDER.decode(raw))
+                    reply = self._handle(msg)
             except Exception as e:  # a bad query must not take the engine's service down
                 log.warning("pool query failed: %s: %s", type(e).__name__, e)
                 reply = Done(error=f"{type(e).__name__}: {e}")
+            reply.seq = seq
             self._sock.send_multipart([ident, _ENCODER.encode(reply)])
 
     def _handle(self, msg) -> Pinned | Done:
@@ -198,36 +219,43 @@ class QueryService:
             return self._query(msg)
         if isinstance(msg, Pin):
             pages = self.resolve(msg.keys)
-            self.pins.setdefault((msg.peer, msg.request_id), []).extend(pages)
+            if pages:
+                self.pins.setdefault((msg.peer, msg.incarnation, msg.request_id), []).extend(pages)
             return Pinned(held=len(pages), pages=[p for seg in pages for p in seg])
         if isinstance(msg, Unpin):
-            pages = self.pins.pop((msg.peer, msg.request_id), None)
+            pages = self.pins.pop((msg.peer, msg.incarnation, msg.request_id), None)
             if pages is not None:
                 self.release(pages)
             return Done()
         if isinstance(msg, ReleasePeer):
-            self._release_peer(msg.peer)
+            self._release_peer(msg.peer, msg.upto)
             return Done()
         return Done(error=f"unknown message {type(msg).__name__}")
 
-    def release_peer(self, peer: int) -> None:
-        """The requester `peer` is gone: drop its pins and its buffers (any thread)."""
+    def release_peer(self, peer: int, incarnation: int) -> None:
+        """The requester `peer`'s incarnation is gone: drop its pins and buffers, and those of its
+        earlier incarnations (any thread)."""
         with self._lock:
-            self._release_peer(peer)
+            self._release_peer(peer, incarnation)
 
-    def _release_peer(self, peer: int) -> None:
-        for key in [k for k in self.pins if k[0] == peer]:
+    def _release_peer(self, peer: int, incarnation: int) -> None:
+        for key in [k for k in self.pins if k[0] == peer and k[1] <= incarnation]:
             self.release(self.pins.pop(key))
-        for name in [n for n, (p, _) in self._buffers.items() if p == peer]:
-            self._buffers.pop(name)[1].close()
+        for name in [n for n, (p, i, _) in self._buffers.items() if p == peer and i <= incarnation]:
+            self._buffers.pop(name)[2].close()
 
     def _query(self, msg: Query) -> Done:
         if msg.buffer not in self._buffers:
             b = self.backend
-            self._buffers[msg.buffer] = (msg.peer, QueryBuffers.attach(msg.buffer, msg.buffer_rows, b.num_heads,
-                                                                       b.head_dim, b.dtype))
-        buf = self._buffers[msg.buffer][1]
-        pages = [[p for seg in self.pins.get((msg.peer, rid), []) for p in seg] for rid in msg.request_ids]
+            self._buffers[msg.buffer] = (msg.peer, msg.incarnation,
+                                         QueryBuffers.attach(msg.buffer, msg.buffer_rows, b.num_heads, b.head_dim,
+                                                             b.dtype))
+        buf = self._buffers[msg.buffer][2]
+        lost = [rid for rid in msg.request_ids if rid and (msg.peer, msg.incarnation, rid) not in self.pins]
+        if lost:
+            return Done(error=f"no pins for {len(lost)} requests (first {lost[0]!r}): they were released")
+        pages = [[p for seg in self.pins.get((msg.peer, msg.incarnation, rid), []) for p in seg]
+                 for rid in msg.request_ids]
         q = buf.q[: msg.rows].to(self.backend.device)  # a GPU holder stages through the host
         o, lse = self.backend.attend_pages(q, self.kv_layers[msg.layer], PageQuery(msg.query_start, pages))
         buf.o[: msg.rows].copy_(o)
@@ -242,13 +270,16 @@ class PeerGone(ConnectionError):
 
 class QueryClient:
     """One requester's channel to one holder. Not thread-safe: the engine's step loop owns it.
-    `peer`: the requester's own id (the holder keys its pins by it); `alive()`: whether the holder's
-    process still exists (None: only the timeout tells); `holder`: its name in errors."""
+    `peer`, `incarnation`: the requester's own (the holder keys its pins by them); `alive()`:
+    whether the holder's process still exists (None: only the timeout tells; checked every 20 ms of
+    a wait); `holder`: its name in errors. A wait that times out is PeerGone, but the channel stays
+    usable (the late answer is dropped by its sequence number); once `alive()` says no, it is dead."""
 
     def __init__(self, peer: int, address: str, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype,
                  ctx: zmq.Context | None = None, timeout_ms: int = 10_000,
-                 alive: Callable[[], bool] | None = None, holder: str = "") -> None:
+                 alive: Callable[[], bool] | None = None, holder: str = "", incarnation: int = 0) -> None:
         self.peer = peer
+        self.incarnation = incarnation
         self.holder = holder or address  # for messages
         self.max_rows = max_rows
         self.buffers = QueryBuffers.create(max_rows, heads, head_dim, dtype)
@@ -259,6 +290,7 @@ class QueryClient:
         self.timeout_ms = timeout_ms
         self.alive = alive
         self.dead = False
+        self._seq = 0
         self._rows = 0  # of the query in flight (submit → collect)
 
     def close(self) -> None:
@@ -267,17 +299,23 @@ class QueryClient:
 
     def _send(self, msg) -> None:
         if self.dead:
-            raise PeerGone(f"pool holder {self.holder} stopped answering earlier")
+            raise PeerGone(f"pool holder {self.holder} is gone (found earlier)")
+        self._seq += 1
+        msg.incarnation, msg.seq = self.incarnation, self._seq
         self._sock.send(_ENCODER.encode(msg))
 
     def _recv(self, what: str) -> Pinned | Done:
         deadline = time.monotonic() + self.timeout_ms / 1000
-        while not self._sock.poll(20):
-            if (self.alive is not None and not self.alive()) or time.monotonic() > deadline:
-                # A late answer would be taken for the next call's: this channel is done for.
-                self.dead = True
-                raise PeerGone(f"pool holder {self.holder} did not answer {what}")
-        reply = _TO_PEER.decode(self._sock.recv())
+        while True:
+            while not self._sock.poll(20):
+                if self.alive is not None and not self.alive():
+                    self.dead = True
+                    raise PeerGone(f"pool holder {self.holder} is gone (its process exited) before answering {what}")
+                if time.monotonic() > deadline:
+                    raise PeerGone(f"pool holder {self.holder} did not answer {what} within {self.timeout_ms} ms")
+            reply = _TO_PEER.decode(self._sock.recv())
+            if reply.seq == self._seq:
+                break  # else the answer to a message given up on earlier: dropped
         if isinstance(reply, Done) and reply.error:
             raise RuntimeError(f"pool peer: {reply.error}")
         return reply
@@ -293,8 +331,8 @@ class QueryClient:
     def unpin(self, request_id: str) -> None:
         self._call(Unpin(self.peer, request_id))
 
-    def release_peer(self, peer: int) -> None:
-        self._call(ReleasePeer(peer))
+    def release_peer(self, peer: int, incarnation: int = 0) -> None:
+        self._call(ReleasePeer(peer, incarnation))
 
     def submit(self, layer: int, q: torch.Tensor, query_start: list[int], request_ids: list[str]) -> None:
         """Send a query: partial attention of q's rows over the holder's pinned segments of each

@@ -18,6 +18,7 @@ from tokenflowd.config import PolicyConfig, parse_size
 
 def add_commands(sub, common: argparse.ArgumentParser) -> None:
     from tokenflowd.flags import engine_args, policy_args
+    from tokenflowd.sim import node as node_sim
     from tokenflowd.sim import pool as pool_sim
     from tokenflowd.sim.cost import PRESETS
     from tokenflowd.sim.scenarios import SCENARIOS
@@ -75,6 +76,23 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     sp.add_argument("--out", help="write the results as JSON here")
     sp.set_defaults(func=cmd_sim_pool)
 
+    sn = sub.add_parser("sim-node", parents=[common],
+                        help="N engines on one virtual clock, the trace replayed: throughput and TTFT of the node "
+                             "pool against cache-aware routing",
+                        description=node_sim.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sn.add_argument("--engines", type=int, default=8)
+    sn.add_argument("--preset", default="a100-llama2-7b",
+                    help=f"cost model: {', '.join(PRESETS)} or calibrated:FILE.json")
+    sn.add_argument("--trace", help="Mooncake conversation_trace.jsonl (default: the shared copy)")
+    sn.add_argument("--num-prompts", type=int, default=2000, help="the trace's first N requests")
+    sn.add_argument("--time-scale", type=float, default=1.0, help="trace arrivals × this (below 1: faster)")
+    sn.add_argument("--max-prompt-len", type=int, help="truncate longer prompts to this many tokens")
+    sn.add_argument("--policy", default="fcfs", help="each engine's scheduling policy (default fcfs)")
+    sn.add_argument("--segment-tokens", type=int, default=512, help="the pool's segment (default 512)")
+    sn.add_argument("--seed", type=int, default=0)
+    sn.add_argument("--out", help="write the summaries as JSON here")
+    sn.set_defaults(func=cmd_sim_node)
+
     c = sub.add_parser("calibrate", parents=[common], help="time our engine's steps and fit a cost model for `sim`")
     c.add_argument("--out", required=True, help="the cost model file to write (load with --preset calibrated:FILE)")
     c.add_argument("--batch-sizes", default="1,4,8", help="requests per run (default 1,4,8)")
@@ -111,6 +129,40 @@ def cmd_sim_pool(a: argparse.Namespace) -> int:
                "requests": len(requests), "results": rows}
         with open(a.out, "w") as f:
             json.dump(doc, f, indent=1)
+        print("wrote", a.out)
+    return 0
+
+
+def cmd_sim_node(a: argparse.Namespace) -> int:
+    import json
+
+    from tokenflowd.sim.cost import cost_model
+    from tokenflowd.sim.node import MODES, NodeConfig, simulate_node
+    from tokenflowd.sim.result import json_safe
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload
+
+    if a.engines < 1:
+        raise ValueError("--engines must be at least 1")
+    cost = cost_model(a.preset)
+    if a.segment_tokens < cost.page_size or a.segment_tokens % cost.page_size:
+        raise ValueError(f"--segment-tokens must be a multiple of the page size {cost.page_size}")
+    requests = build_workload(WorkloadSpec.parse("trace", trace=a.trace, num_requests=a.num_prompts, seed=a.seed,
+                                                 time_scale=a.time_scale, max_prompt_len=a.max_prompt_len))
+    config = NodeConfig(engines=a.engines, policy=a.policy, segment_pages=a.segment_tokens // cost.page_size,
+                        seed=a.seed)
+    print(f"{len(requests)} trace requests, {a.engines} engines, cost model {cost.name}, policy {a.policy}")
+    keys = ("throughput", "effective_throughput", "ttft_mean", "ttft_p99", "hit_rate", "busy_cv", "computed_tokens")
+    print(f"{'mode':>8} " + " ".join(f"{k:>20}" for k in keys))
+    summaries = {}
+    for mode, result in simulate_node(cost, requests, MODES, config).items():
+        s = summaries[mode] = result.summary()
+        print(f"{mode:>8} " + " ".join(f"{s[k]:>20.4g}" for k in keys))
+    if a.out:
+        doc = {"engines": a.engines, "cost_model": cost.name, "cost_source": cost.source, "policy": a.policy,
+               "requests": len(requests), "time_scale": a.time_scale, "max_prompt_len": a.max_prompt_len,
+               "segment_tokens": a.segment_tokens, "summaries": summaries}
+        with open(a.out, "w") as f:
+            json.dump(json_safe(doc), f, indent=1)
         print("wrote", a.out)
     return 0
 

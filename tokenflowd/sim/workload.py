@@ -40,11 +40,12 @@ class WorkloadRequest:
     prompt_len: int  # tokens
     output_len: int  # tokens the response has (the simulator ends the request there)
     reading_rate: float  # tokens/s its client reads
-    hash_ids: tuple[int, ...]  # the prompt's blocks, ceil(prompt_len / BLOCK_TOKENS) of them
+    hash_ids: tuple[int, ...]  # the prompt's blocks, ceil(prompt_len / block_tokens) of them
     # the max_tokens its client sets (None: none, as most chat clients): a loose bound, never the
     # answer's length; the engine learns lengths from finished requests, as a real one must
     max_tokens: int | None = None
     priority: int = 0  # higher is sooner (an operator-allowed client's request priority)
+    block_tokens: int = BLOCK_TOKENS  # tokens per block of hash_ids (a trace scaled down: fewer)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,9 @@ class WorkloadSpec:
     trace: str | None = None  # Mooncake trace file (arrival "trace"); None: DEFAULT_TRACE if it exists
     time_scale: float = 1.0  # trace: arrival = timestamp · time_scale (below 1 replays faster)
     max_prompt_len: int | None = None  # trace: truncate longer prompts (their block ids with them)
+    # trace: tokens per block of the trace's prefix hashes (512); fewer scale every prompt down by
+    # block_tokens / 512 and keep which blocks requests share (a small model on a CPU)
+    block_tokens: int = BLOCK_TOKENS
     burst_spread: float = 0.0  # burst: arrivals uniform over [0, burst_spread] s (0: all at t = 0)
     # the share of requests whose client sets max_tokens = max_tokens_bound (where the answer fits
     # in it); the others set none
@@ -167,6 +171,8 @@ class WorkloadSpec:
             raise ValueError("output_scale and time_scale must be above 0")
         if self.max_prompt_len is not None and self.max_prompt_len < 1:
             raise ValueError("max_prompt_len must be >= 1")
+        if not 1 <= self.block_tokens <= BLOCK_TOKENS:
+            raise ValueError(f"block_tokens must be in [1, {BLOCK_TOKENS}], got {self.block_tokens}")
         if not self.reading_rates or abs(sum(f for _, f in self.reading_rates) - 1.0) > 1e-6:
             raise ValueError("reading rate fractions must add up to 1")
         if not self.burst_spread >= 0:
@@ -266,10 +272,12 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
             raise ValueError("the trace has no records")
         t0 = rows[0]["timestamp"]
         arrivals = [(r["timestamp"] - t0) / 1000.0 * spec.time_scale for r in rows]
-        prompts = [min(r["input_length"], spec.max_prompt_len or r["input_length"]) for r in rows]
+        bt = spec.block_tokens
+        scaled = [max(1, math.ceil(r["input_length"] * bt / BLOCK_TOKENS)) for r in rows]
+        prompts = [min(n, spec.max_prompt_len or n) for n in scaled]
         outputs = [max(1, round(r["output_length"] * spec.output_scale)) for r in rows]
-        blocks = [r["hash_ids"][: math.ceil(p / BLOCK_TOKENS)] for r, p in zip(rows, prompts)]
-        if any(len(b) * BLOCK_TOKENS < p for b, p in zip(blocks, prompts)):
+        blocks = [r["hash_ids"][: math.ceil(p / bt)] for r, p in zip(rows, prompts)]
+        if any(len(b) * bt < p for b, p in zip(blocks, prompts)):
             raise ValueError("a trace record has fewer hash_ids than its input_length needs")
     else:
         n = spec.num_requests
@@ -287,15 +295,17 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
     bounded = bounds_rng.random(n) < spec.max_tokens_share
     bounds = [spec.max_tokens_bound if b and out <= spec.max_tokens_bound else None for b, out in zip(bounded, outputs)]
     width = len(str(n - 1))
-    return [WorkloadRequest(f"r{i:0{width}d}", arrivals[i], prompts[i], outputs[i], rates[i], blocks[i], bounds[i])
-            for i in range(n)]
+    bt = spec.block_tokens if spec.arrival == "trace" else BLOCK_TOKENS
+    return [WorkloadRequest(f"r{i:0{width}d}", arrivals[i], prompts[i], outputs[i], rates[i], blocks[i], bounds[i],
+                            block_tokens=bt) for i in range(n)]
 
 
 def prompt_token_ids(req: WorkloadRequest, vocab_size: int) -> list[int]:
     """The prompt's token ids in [0, vocab_size): block j is the first tokens of the sequence its
     id seeds, so equal ids at equal positions give equal tokens."""
     out: list[int] = []
+    bt = req.block_tokens
     for j, block in enumerate(req.hash_ids):
-        n = min(BLOCK_TOKENS, req.prompt_len - j * BLOCK_TOKENS)
-        out.extend(np.random.default_rng(block).integers(0, vocab_size, BLOCK_TOKENS)[:n].tolist())
+        n = min(bt, req.prompt_len - j * bt)
+        out.extend(np.random.default_rng(block).integers(0, vocab_size, bt)[:n].tolist())
     return out

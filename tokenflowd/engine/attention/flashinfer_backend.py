@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,7 @@ class FlashInferBackend(AttentionBackend):
         # workspace, so the step's planned wrapper stays as planned.
         self.pages_workspace = torch.empty(WORKSPACE_BYTES // 4, dtype=torch.uint8, device=self.device)
         self.pages_prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.pages_workspace, "HND")
+        self._pages_lock = threading.Lock()  # plan + run of pages_prefill: one thread at a time
         group = self.num_heads // self.num_kv_heads
         # Tensor cores pay off for decode once several query heads share a KV head.
         self.decode_tensor_cores = group >= 4
@@ -128,15 +130,16 @@ class FlashInferBackend(AttentionBackend):
         qo_indptr = [0, *itertools.accumulate(query.query_start[i + 1] - query.query_start[i] for i in held)]
         indptr = [0, *itertools.accumulate(len(query.pages[i]) for i in held)]
         indices = torch.tensor([p for i in held for p in query.pages[i]], **i32)
-        self.pages_prefill.plan(
-            torch.tensor(qo_indptr, **i32), torch.tensor(indptr, **i32), indices.to(self.device, non_blocking=True),
-            torch.full((len(held),), ps, **i32), self.num_heads, self.num_kv_heads, self.head_dim, ps,
-            causal=False, pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-        )
         index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        sub_out, sub_lse2 = self.pages_prefill.run(q.index_select(0, index), (kv_cache[0], kv_cache[1]),
-                                                   return_lse=True)
+        with self._pages_lock:  # the pool's query service and the engine's own step share the wrapper
+            self.pages_prefill.plan(
+                torch.tensor(qo_indptr, **i32), torch.tensor(indptr, **i32), indices.to(self.device, non_blocking=True),
+                torch.full((len(held),), ps, **i32), self.num_heads, self.num_kv_heads, self.head_dim, ps,
+                causal=False, pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
+            sub_out, sub_lse2 = self.pages_prefill.run(q.index_select(0, index), (kv_cache[0], kv_cache[1]),
+                                                       return_lse=True)
         out.index_copy_(0, index, sub_out)
         lse.index_copy_(0, index, sub_lse2.float() * LN2)
         return out, lse

@@ -1,0 +1,244 @@
+"""N engines of one node on one virtual timeline: today's cache-aware routing against the node's
+prefix-cache pool (`--pool-mode query`). Each engine is the engine's own EngineCore (scheduler, KV
+manager, page pool, policy) over the cost model's executor, as in simulator.py; what differs is
+where a request runs and what it computes.
+
+    an arrival is routed when it arrives (router.py, the daemon's own code):
+      routing   Router.pick: the engine with the longest cached prefix unless it is clearly busier
+      pool      Router.pick_pooled: the least loaded engine; the prompt's prefix pages that engines
+                hold are pinned where they are and read there, so the request computes only the rest
+    then the engine whose clock is earliest takes a step, until every request has finished.
+
+The pool's costs (query mode, TokenLake §3.3). Per layer of a step, each holder that the step's
+rows read costs one round trip and the rows' payload on the link, 2α + rows·payload/B, added to
+the requester's step (not overlapped with its own attention: conservative). The holder's attention
+over its pages for those rows, 4·heads·head_dim FLOPs per row, prefix token and layer, is added to
+the holder's next step. Pins hold the pages until the request ends. Each engine's prefix-cache key
+events are applied to the router's index after each of its steps, so the index is exact.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tokenflowd.buffer import make_policy
+from tokenflowd.buffer.qos import Timeline, summarize
+from tokenflowd.config import PolicyConfig
+from tokenflowd.engine.core import EngineCore
+from tokenflowd.engine.request import Request, SamplingParams
+from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
+from tokenflowd.kv.manager import KVCacheManager
+from tokenflowd.kv.pages import PagePool
+from tokenflowd.prefix_index import PrefixIndex
+from tokenflowd.router import Router
+from tokenflowd.sim.clock import VirtualClock
+from tokenflowd.sim.cost import CostModel
+from tokenflowd.sim.executor import CostModelExecutor
+from tokenflowd.sim.simulator import SIM_EOS, SIM_VOCAB_SIZE, RequestRecord, SimulationError
+from tokenflowd.sim.workload import WorkloadRequest, prompt_token_ids
+
+MODES = ("routing", "pool")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    engines: int = 8
+    policy: str = "fcfs"
+    # the query path between two GPUs of the node: NVLink (A100 SXM: 300 GB/s each way of 600;
+    # a round trip of a small message through the query service: tens of µs, TokenLake §7)
+    link_alpha: float = 20e-6  # s, one way
+    link_bandwidth: float = 150e9  # bytes/s, effective
+    segment_pages: int = 32  # the pool's segment: 512 tokens, near the paper's threshold of 568
+    seed: int = 0
+
+
+@dataclass
+class NodeResult:
+    mode: str
+    records: list[RequestRecord]
+    prompt_tokens: int
+    local_tokens: int  # prompt tokens the running engine's own prefix cache held
+    peer_tokens: int  # prompt tokens read where other engines hold them (pool)
+    computed_tokens: int  # over all steps, recomputation included
+    busy_seconds: list[float] = field(default_factory=list)  # per engine
+
+    def summary(self) -> dict:
+        out = summarize([Timeline(r.arrival, r.reading_rate, r.token_times) for r in self.records])
+        busy = self.busy_seconds
+        out.update(hit_rate=(self.local_tokens + self.peer_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0,
+                   local_tokens=self.local_tokens, peer_tokens=self.peer_tokens, computed_tokens=self.computed_tokens,
+                   busy_cv=statistics.pstdev(busy) / statistics.fmean(busy) if busy and statistics.fmean(busy) else 0.0)
+        return out
+
+
+class _Executor(CostModelExecutor):
+    """The cost model's step, plus the pool's: the link to each holder the step reads, and the
+    peers' queries this engine answered since its last step."""
+
+    def __init__(self, engine: "_Engine", *args) -> None:
+        super().__init__(*args)
+        self.engine = engine
+
+    def step_time(self, batch: ScheduledBatch) -> float:
+        t = super().step_time(batch) + self.engine.debt
+        self.engine.debt = 0.0
+        cost, node = self.cost, self.engine.node
+        rows: dict[int, int] = {}
+        for rid, n in zip(batch.request_ids, batch.num_tokens):
+            for holder, pages in self.engine.pins.get(rid, ()):
+                if holder is not self.engine:
+                    rows[holder.engine_id] = rows.get(holder.engine_id, 0) + n
+                    flops = 4.0 * cost.num_layers * cost.num_heads * cost.head_dim * n * pages * cost.page_size
+                    holder.debt += flops / (cost.peak_flops * cost.compute_efficiency)
+        payload = 2 * cost.num_heads * cost.head_dim * cost.kv_dtype_bytes + 4 * cost.num_heads
+        for r in rows.values():
+            t += cost.num_layers * (2 * node.link_alpha + r * payload / node.link_bandwidth)
+        return t
+
+
+class _Engine:
+    def __init__(self, engine_id: int, cost: CostModel, config: NodeConfig, output_lens: dict[str, int]) -> None:
+        self.engine_id = engine_id
+        self.node = config
+        self.clock = VirtualClock()
+        self.pool = PagePool(cost.num_pages, True)
+        self.pool.drain_key_events()  # record from here on: the router's index follows them
+        self.kv = KVCacheManager(self.pool, cost.page_size)
+        policy = make_policy(config.policy, PolicyConfig())
+        self.scheduler = Scheduler(self.kv, policy, cost.max_num_batched_tokens, cost.max_num_seqs, clock=self.clock)
+        self.executor = _Executor(self, cost, output_lens, self.clock, 0, SIM_EOS)
+        self.core = EngineCore(self.executor, self.scheduler, max_model_len=cost.max_model_len,
+                               vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(SIM_EOS,))
+        self.debt = 0.0  # s of peers' queries answered, charged to the next step
+        self.busy = 0.0
+        self.pins: dict[str, list[tuple[_Engine, int]]] = {}  # request -> (holder, pages) it reads there
+        self._pinned: dict[str, list[tuple[_Engine, list[int]]]] = {}
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.requests)
+
+    def release(self, request_id: str) -> None:
+        self.pins.pop(request_id, None)
+        for holder, pages in self._pinned.pop(request_id, ()):
+            for page in reversed(pages):
+                holder.pool.decref(page)
+
+
+class NodeSimulator:
+    def __init__(self, cost: CostModel, workload: Sequence[WorkloadRequest], mode: str, config: NodeConfig) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        room = cost.max_tokens_in_pool
+        for r in workload:
+            if r.prompt_len + r.output_len > room:
+                raise ValueError(f"request {r.request_id} needs {r.prompt_len + r.output_len} tokens of KV; the "
+                                 f"{cost.name} pool holds {room}: cap prompts (--max-prompt-len)")
+        self.cost, self.mode, self.config = cost, mode, config
+        self.workload = sorted(workload, key=lambda r: r.arrival_time)  # stable: ties keep workload order
+        output_lens = {r.request_id: r.output_len for r in workload}
+        self.engines = [_Engine(i, cost, config, output_lens) for i in range(config.engines)]
+        self.index = PrefixIndex()
+        self.router = Router(cost.page_size, self.index, clock=lambda: self._now)
+        self.rng = random.Random(config.seed)
+        self._now = 0.0
+        self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time, r.reading_rate, r.prompt_len,
+                                                    r.output_len) for r in workload}
+        self.prompt_tokens = sum(r.prompt_len for r in workload)
+        self.peer_tokens = 0
+
+    def _route(self, w: WorkloadRequest) -> None:
+        self._now = w.arrival_time
+        ids = prompt_token_ids(w, SIM_VOCAB_SIZE)
+        req = Request(w.request_id, ids, SamplingParams(max_tokens=w.max_tokens), eos_token_ids=(SIM_EOS,),
+                      arrival_time=w.arrival_time, reading_rate=w.reading_rate, priority=w.priority)
+        max_len = max(self.cost.max_model_len, w.prompt_len + w.output_len)
+        if self.mode == "routing":
+            target = self.engines[self.router.pick(self.engines, ids).engine_id]
+        else:
+            choice = self.router.pick_pooled(self.engines, ids, self.config.segment_pages, self.rng)
+            target = self.engines[choice.engine_id]
+            self._pin(target, req, choice.runs)
+        req.max_model_len = max_len - req.prefix_offset
+        if not target.scheduler.has_unfinished():
+            target.clock.now = max(target.clock.now, w.arrival_time)  # it was idle until now
+        target.scheduler.add(req)
+
+    def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]]) -> None:
+        """The runs' pages, where they are, up to the first that is gone (as the engine's PoolMember)."""
+        pinned, keys_done = [], []
+        for engine_id, keys in runs:
+            holder = self.engines[engine_id]
+            pages = holder.pool.lookup(keys)
+            for page in pages:
+                holder.pool.incref(page)
+            if pages:
+                pinned.append((holder, pages))
+            keys_done += keys[: len(pages)]
+            if len(pages) < len(keys):
+                break
+        n = len(keys_done) * self.cost.page_size
+        if not pinned or n >= req.num_prompt_tokens:
+            for holder, pages in pinned:
+                for page in pages:
+                    holder.pool.decref(page)
+            return
+        req.set_foreign_prefix(n, keys_done[-1])
+        target._pinned[req.request_id] = pinned
+        target.pins[req.request_id] = [(h, len(p)) for h, p in pinned]
+        self.peer_tokens += sum(len(p) for h, p in pinned if h is not target) * self.cost.page_size
+
+    def run(self) -> NodeResult:
+        pending = deque(self.workload)
+        records, computed, local = self.records, 0, 0
+        while True:
+            busy = [e for e in self.engines if e.scheduler.has_unfinished()]
+            t = min((e.clock.now for e in busy), default=float("inf"))
+            if pending and pending[0].arrival_time <= t:
+                self._route(pending.popleft())
+                continue
+            if not busy:
+                break
+            e = min(busy, key=lambda x: (x.clock.now, x.engine_id))
+            start = e.clock.now
+            outs = e.core.step()
+            batch = e.core.last_batch
+            if not len(batch):
+                if e.clock.now == start:  # the policy ran nothing: let time pass to the next event
+                    e.clock.now = start + max(self.cost.step_overhead, 1e-3)
+                continue
+            e.busy += e.clock.now - start
+            computed += batch.total_tokens
+            for rid in batch.request_ids:
+                rec = records[rid]
+                if rec.admit_time is None:
+                    rec.admit_time = start
+                    req = e.scheduler.requests.get(rid)
+                    cached = req.prefix_offset + req.num_cached_tokens if req is not None else \
+                        next(o.num_cached_tokens for o in outs if o.request_id == rid)
+                    rec.num_cached_tokens = cached
+            added, removed = e.pool.drain_key_events()
+            self.index.update(e.engine_id, added, removed)
+            for out in outs:
+                rec = records[out.request_id]
+                if out.new_token_ids:
+                    rec.token_times.append(e.clock.now)
+                if out.finished:
+                    rec.finish_time = e.clock.now
+                    e.release(out.request_id)
+        for e in self.engines:
+            if e.pool.num_used:
+                raise SimulationError(f"engine {e.engine_id}: {e.pool.num_used} KV pages held after every request ended")
+        ordered = [records[w.request_id] for w in self.workload]
+        # num_cached_tokens of a pool request counts its peers' prefix too (EngineCoreOutput)
+        local = sum(r.num_cached_tokens for r in ordered) - self.peer_tokens
+        return NodeResult(self.mode, ordered, self.prompt_tokens, local, self.peer_tokens, computed,
+                          [e.busy for e in self.engines])
+
+
+def simulate_node(cost: CostModel, workload: Sequence[WorkloadRequest], modes: Sequence[str] = MODES,
+                  config: NodeConfig = NodeConfig()) -> dict[str, NodeResult]:
+    return {mode: NodeSimulator(cost, workload, mode, config).run() for mode in modes}
