@@ -91,7 +91,8 @@ class Router:
         holds whole, the longest leading part one engine holds, and nothing after it."""
         keys = chain_page_keys(prompt_token_ids, self.page_size, [], max(0, len(prompt_token_ids) - 1))
         load = {e.engine_id: e.load for e in engines}
-        target = min(engines, key=lambda e: (e.load, -self.index.cached_pages(e.engine_id, keys), e.engine_id)).engine_id
+        target = min(engines, key=lambda e: (e.load, -self.index.cached_pages(e.engine_id, keys),
+                                             e.engine_id)).engine_id
         rng = rng or random
         now = self.clock()
         runs: list[tuple[int, list[bytes]]] = []

@@ -554,3 +554,32 @@ def test_weighing_a_request_keeps_nothing_of_it_and_an_id_reused_starts_afresh(t
     assert kv.state(b).page_hashes == []  # keyed afresh from its own tokens
     core.abort("a")
     core.close()
+
+
+def test_a_loading_request_that_takes_back_its_peers_prefix_ignores_its_loads_in_flight(tiny):
+    """The pool: a request whose prefix a peer held loses that peer while its own KV is loading
+    from the host. It recomputes from its whole prompt; the load that ends later is not taken for
+    its (a crash once: the loaded request was looked for among the loading ones)."""
+    victim: list[str] = []
+    core = make(tiny, ScriptedPolicy(lambda step, view: tuple(victim)), enable_prefix_caching=False)
+    req = Request("a", FAMILIES[1][:30], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    req.set_foreign_prefix(8, b"peer-key")  # (no peer here: its rows attend to its own tokens only)
+    core.add_request(req)
+    step_until(core, lambda: req.num_output_tokens >= 3)
+    victim.append("a")
+    core.step()  # preempted: written to the host
+    victim.clear()
+    core.wait_copies()
+    release = gate(core)
+    core.step()  # admitted again: LOADING, its load held in flight
+    assert req.status is RequestStatus.LOADING
+    produced = list(req.output_token_ids)
+    core.scheduler.take_foreign_prefix(req)
+    assert req.status is RequestStatus.PREEMPTED and req.prefix_offset == 0 and req.num_prompt_tokens == 30
+    release.set()
+    step_until(core, lambda: not core.has_unfinished())
+    core.wait_copies()
+    check_tiers(core)
+    assert req.output_token_ids[:3] == produced[:3] and req.num_output_tokens == 12
+    assert core.pool.num_used == 0 and core.kv.host.pool.num_used == 0
+    core.close()

@@ -231,7 +231,8 @@ class NodeSimulator:
                     e.release(out.request_id)
         for e in self.engines:
             if e.pool.num_used:
-                raise SimulationError(f"engine {e.engine_id}: {e.pool.num_used} KV pages held after every request ended")
+                raise SimulationError(f"engine {e.engine_id}: {e.pool.num_used} KV pages held after every "
+                                      "request ended")
         ordered = [records[w.request_id] for w in self.workload]
         # num_cached_tokens of a pool request counts its peers' prefix too (EngineCoreOutput)
         local = sum(r.num_cached_tokens for r in ordered) - self.peer_tokens
