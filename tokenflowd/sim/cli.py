@@ -18,7 +18,6 @@ from tokenflowd.config import PolicyConfig, parse_size
 
 def add_commands(sub, common: argparse.ArgumentParser) -> None:
     from tokenflowd.flags import engine_args, policy_args
-    from tokenflowd.sim import node as node_sim
     from tokenflowd.sim import pool as pool_sim
     from tokenflowd.sim.cost import PRESETS
     from tokenflowd.sim.scenarios import SCENARIOS
@@ -79,7 +78,10 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     sn = sub.add_parser("sim-node", parents=[common],
                         help="N engines on one virtual clock, the trace replayed: throughput and TTFT of the node "
                              "pool against cache-aware routing",
-                        description=node_sim.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                        description="N engines of one node on one virtual timeline, each the engine's own EngineCore "
+                                    "over the cost model, arrivals routed by the daemon's router: cache-aware routing "
+                                    "against the pool (requests read prefix pages where other engines hold them; "
+                                    "query shipping costed on the link). See tokenflowd/sim/node.py.")
     sn.add_argument("--engines", type=int, default=8)
     sn.add_argument("--preset", default="a100-llama2-7b",
                     help=f"cost model: {', '.join(PRESETS)} or calibrated:FILE.json")
