@@ -145,6 +145,7 @@ def test_sigkill_of_the_holder_mid_stream_recomputes_the_prefix_and_keeps_the_gr
             peer = await asyncio.to_thread(source_tokens, d, "peer")
             assert peer >= SYSTEM_TOKENS, "the second stream does not read the holder's pages"
             engines = (await asyncio.to_thread(d.health))["engines"]
+            assert not b.done(), "the reader must still depend on the holder when it dies"
             os.kill(engines[0]["pid"], signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(a, b), 120)  # neither hangs
 

@@ -11,6 +11,7 @@ them over every front, live or gone.
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -129,8 +130,8 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("tokenflowd_pool_replicated_pages", "Prefix-cache pages held by more than one engine "
                                 "(each counted once)", value=index.num_replicated())
         loads = [slot.load for slot in slots if slot.ready]
-        mean = sum(loads) / len(loads) if loads else 0.0
-        cv = (sum((x - mean) ** 2 for x in loads) / len(loads)) ** 0.5 / mean if mean else 0.0
+        mean = statistics.fmean(loads) if loads else 0.0
+        cv = statistics.pstdev(loads) / mean if mean else 0.0
         yield GaugeMetricFamily("tokenflowd_pool_load_cv", "Coefficient of variation of the requests in flight "
                                 "across serving engines", value=cv)
         figures = {

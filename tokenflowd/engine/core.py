@@ -307,6 +307,6 @@ class EngineCore:
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 self.scheduler.finish(req, FinishReason.ERROR, error)
-                outs.append(EngineCoreOutput(rid, [], FinishReason.ERROR, error, req.prefix_offset + req.num_cached_tokens,
-                                             req.num_preemptions))
+                outs.append(EngineCoreOutput(rid, [], FinishReason.ERROR, error,
+                                             req.prefix_offset + req.num_cached_tokens, req.num_preemptions))
         return outs

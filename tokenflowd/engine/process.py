@@ -65,8 +65,7 @@ class EngineProcess(EngineEndpoint):
             runner = self.core.runner
             self.member = runner.pool = PoolMember(
                 spec.engine_id, spec.incarnation, self.config.pool_mode, spec.runtime_dir, runner.attn,
-                runner.kv_layers, self.core.pool, self.core.lock, self.config.max_num_batched_tokens,
-                runner.attn.kv_cache_shape(runner.num_pages + 1))
+                runner.kv_layers, self.core.pool, self.core.lock, self.config.max_num_batched_tokens)
             log.info("pool: %s mode, serving %d pages to peers", self.config.pool_mode, runner.num_pages)
             self.member.size_segments(self.config.pool_segment_tokens)
 

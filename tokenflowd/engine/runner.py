@@ -156,7 +156,8 @@ class ModelRunner(Executor):
         indices in the batch (a request samples when its chunk reaches its last known token)."""
         input_ids, positions, attn_inputs, sample_rows, sampling = self._prepare(batch)
         T = input_ids.shape[0]
-        holders = self.pool.holders(batch, attn_inputs.query_start) if self.pool is not None and any(batch.offsets) else []
+        pooled = self.pool is not None and any(batch.offsets)
+        holders = self.pool.holders(batch, attn_inputs.query_start) if pooled else []
         if holders:  # some requests read prefix pages held elsewhere in the pool
             from tokenflowd.pool.attention import PooledAttention
 

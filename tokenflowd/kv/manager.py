@@ -77,7 +77,6 @@ class RequestKV:
 
     block_table: list[int] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # chained keys of full pages, lazily extended
-    key_seed: bytes = b""  # the key chained before page 0 (the request's tokens follow a peer-held prefix)
     num_published_pages: int = 0  # leading pages of block_table offered to the device prefix cache
     host_pages: list[int] = field(default_factory=list)
     num_offloaded_tokens: int = 0  # the write frontier: leading tokens whose KV the host holds
@@ -175,12 +174,12 @@ class KVCacheManager:
     def track(self, req: Request) -> None:
         """Keep KV state for `req` from now until `free` (its page keys are computed once). A fresh
         state: nothing of an earlier request under the same id carries over."""
-        self._kv[req.request_id] = RequestKV(key_seed=getattr(req, "key_seed", b""))
+        self._kv[req.request_id] = RequestKV()
 
     def state(self, req: Request) -> RequestKV:
         st = self._kv.get(req.request_id)
         if st is None:
-            st = self._kv[req.request_id] = RequestKV(key_seed=getattr(req, "key_seed", b""))
+            st = self._kv[req.request_id] = RequestKV()
         return st
 
     def num_host_tokens(self, req: Request) -> int:
@@ -202,9 +201,9 @@ class KVCacheManager:
         what loading would restore beyond it: its own host copy if it was preempted, else the host
         (and disk) prefix cache. Changes nothing (a request not tracked, such as one load
         shedding weighs before it is queued, is matched without keeping its keys)."""
-        st = self._kv.get(req.request_id) or RequestKV(key_seed=getattr(req, "key_seed", b""))
+        st = self._kv.get(req.request_id) or RequestKV()
         ps = self.page_size
-        chain_page_keys(req.token_ids, ps, st.page_hashes, None, st.key_seed)
+        chain_page_keys(req.token_ids, ps, st.page_hashes, None, req.key_seed)
         max_pages = (req.num_tokens - 1) // ps
         pages = self.pool.lookup(st.page_hashes[:max_pages])
         hit = len(pages)
@@ -286,7 +285,7 @@ class KVCacheManager:
             return
         st = self.state(req)
         num_full = req.num_computed_tokens // self.page_size
-        chain_page_keys(req.token_ids, self.page_size, st.page_hashes, req.num_computed_tokens, st.key_seed)
+        chain_page_keys(req.token_ids, self.page_size, st.page_hashes, req.num_computed_tokens, req.key_seed)
         for i in range(st.num_published_pages, num_full):
             self.pool.register(st.block_table[i], st.page_hashes[i])
         st.num_published_pages = max(st.num_published_pages, num_full)
@@ -423,7 +422,7 @@ class KVCacheManager:
             self.host.pool.incref(h)
         keys: tuple[bytes, ...] = ()
         if lane == WRITE:  # the full pages it writes, by key: another request waits for them (_share_written)
-            chain_page_keys(req.token_ids, self.page_size, st.page_hashes, end, st.key_seed)
+            chain_page_keys(req.token_ids, self.page_size, st.page_hashes, end, req.key_seed)
             keys = tuple(st.page_hashes[i] for i, _, _ in pairs if (i + 1) * self.page_size <= end)
             self._keys_in_flight.update(keys)
         tag = _Tag(req, st, [i for i, _, _ in pairs], end, evict, st.epoch, keys)
@@ -484,7 +483,7 @@ class KVCacheManager:
         """Offer the written full pages to the host prefix cache under their chained keys."""
         if not self.host.pool.enable_prefix_caching:
             return
-        chain_page_keys(req.token_ids, self.page_size, st.page_hashes, end, st.key_seed)
+        chain_page_keys(req.token_ids, self.page_size, st.page_hashes, end, req.key_seed)
         for i, h in zip(page_index, host_pages):
             if (i + 1) * self.page_size <= end:
                 self.host.pool.register(h, st.page_hashes[i])
@@ -557,7 +556,7 @@ class KVCacheManager:
         i = st.num_offloaded_tokens // ps
         if st.num_offload_issued != st.num_offloaded_tokens or st.num_offloaded_tokens % ps or i >= end_tokens // ps:
             return True
-        chain_page_keys(req.token_ids, ps, st.page_hashes, end_tokens, st.key_seed)
+        chain_page_keys(req.token_ids, ps, st.page_hashes, end_tokens, req.key_seed)
         start = i
         while i < end_tokens // ps:
             found = self.host.pool.lookup(st.page_hashes[i : i + 1])

@@ -27,7 +27,6 @@ from tokenflowd.pool.query import PeerGone
 class HolderRows:
     """The rows of a step's requests that read pages of one holder."""
 
-    engine: int
     request_ids: list[str] = field(default_factory=list)
     query_start: list[int] = field(default_factory=lambda: [0])  # over the gathered rows
     pages: list[list[int]] = field(default_factory=list)
@@ -49,7 +48,7 @@ class QueriedHolder:
 
     def submit(self, layer: int, q: torch.Tensor) -> None:
         try:
-            self.client.submit(layer, q.cpu(), self.rows.query_start, self.rows.request_ids)
+            self.client.submit(layer, q, self.rows.query_start, self.rows.request_ids)  # copied to shared memory
         except PeerGone as e:
             raise ForeignPrefixLost(self.rows.request_ids, str(e)) from e
         self.stats["query_calls"] += 1

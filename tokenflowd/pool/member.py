@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import psutil
 import torch
 import zmq
 
@@ -45,24 +45,6 @@ MAX_SEGMENT_PAGES = 64  # a segment longer than this would leave most prefixes u
 PROBE_PAGES = 256  # k_comp's probe: one query row over this many pages
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@dataclass
-class Holding:
-    """Pages of one request's prefix that one engine holds and pinned for it."""
-
-    engine: int
-    pages: list[int]  # the holder's page ids (read mode, and this engine's own)
-
-
 @dataclass
 class Peer:
     info: p.PoolPeer
@@ -72,17 +54,19 @@ class Peer:
 
 @dataclass
 class ForeignPrefix:
-    holdings: list[Holding] = field(default_factory=list)
+    """What one request reads where it is: per holding engine, the holder's pages pinned for it
+    (their order does not matter to attention; read mode and this engine's own runs use them)."""
+
+    pages: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_pages(self) -> int:
-        return sum(len(h.pages) for h in self.holdings)
+        return sum(len(p) for p in self.pages.values())
 
 
 class PoolMember:
     def __init__(self, engine: int, incarnation: int, mode: str, runtime_dir: str, backend,
-                 kv_layers: Sequence[torch.Tensor], pool: PagePool, lock: threading.Lock, max_rows: int,
-                 layer_shape: tuple[int, ...]) -> None:
+                 kv_layers: Sequence[torch.Tensor], pool: PagePool, lock: threading.Lock, max_rows: int) -> None:
         assert mode in ("query", "read")
         self.engine, self.incarnation, self.mode, self.runtime_dir = engine, incarnation, mode, runtime_dir
         self.backend = backend
@@ -90,10 +74,9 @@ class PoolMember:
         self.pool = pool
         self.lock = lock
         self.max_rows = max_rows
-        self.layer_shape = layer_shape  # of this engine's cache; a peer's differs only in pages
         self.peers: dict[int, Peer] = {}
         self.foreign: dict[str, ForeignPrefix] = {}  # request id -> what it reads on engines of the pool
-        self.stats = {"query_calls": 0, "query_bytes": 0, "query_seconds": 0.0, "peers_lost": 0}
+        self.stats = {"query_calls": 0, "query_bytes": 0, "query_seconds": 0.0}
         self.service = QueryService(service_address(runtime_dir, engine, incarnation), backend, self.kv_layers,
                                     self._resolve, self._release).start()
         self.segment_pages = 0  # set by size_segments
@@ -157,7 +140,6 @@ class PoolMember:
             peer = self.peers.pop(e)
             self._close_peer(peer)
             self.service.release_peer(e, peer.info.incarnation)  # its requests' pins here
-            self.stats["peers_lost"] += 1
         for e, info in now.items():
             if e not in self.peers:
                 self.peers[e] = Peer(info)
@@ -171,24 +153,22 @@ class PoolMember:
 
     def dependents(self, engines: Sequence[int]) -> list[str]:
         gone = set(engines)
-        return [rid for rid, f in self.foreign.items() if any(h.engine in gone for h in f.holdings)]
+        return [rid for rid, f in self.foreign.items() if gone & f.pages.keys()]
 
     def _client(self, peer: Peer) -> QueryClient:
         if peer.client is None:
             b, info = self.backend, peer.info
             peer.client = QueryClient(self.engine, service_address(self.runtime_dir, info.engine, info.incarnation),
                                       self.max_rows, b.num_heads, b.head_dim, b.dtype, timeout_ms=QUERY_TIMEOUT_MS,
-                                      alive=lambda pid=info.pid: pid_alive(pid), holder=f"engine {info.engine}",
+                                      alive=lambda pid=info.pid: psutil.pid_exists(pid), holder=f"engine {info.engine}",
                                       incarnation=self.incarnation)
         return peer.client
 
     def _cache(self, peer: Peer) -> SharedKV:
         if peer.cache is None:
-            shape = list(self.layer_shape)
-            axis = self.backend.page_axis
-            shape[axis] = peer.info.num_pages + 1  # its cache, scratch page included (runner.py)
+            shape = self.backend.kv_cache_shape(peer.info.num_pages + 1)  # its scratch page too (runner.py)
             peer.cache = SharedKV.attach(cache_name(self.runtime_dir, peer.info.engine, peer.info.incarnation),
-                                         len(self.kv_layers), tuple(shape), self.backend.dtype)
+                                         len(self.kv_layers), shape, self.backend.dtype)
         return peer.cache
 
     # -- a request --------------------------------------------------------------------------
@@ -203,13 +183,13 @@ class PoolMember:
             for run in runs:
                 pages = self._pin_run(request_id, run)
                 if pages:
-                    prefix.holdings.append(Holding(run.engine, pages))
+                    prefix.pages.setdefault(run.engine, []).extend(pages)
                 if len(pages) < len(run.keys):
                     break
         except Exception:
             self.release(request_id)
             raise
-        if not prefix.holdings:
+        if not prefix.pages:
             del self.foreign[request_id]
         return prefix.num_pages
 
@@ -218,7 +198,7 @@ class PoolMember:
         prefix = self.foreign.get(request_id)
         if prefix is None:
             return 0, 0
-        own = sum(len(h.pages) for h in prefix.holdings if h.engine == self.engine)
+        own = len(prefix.pages.get(self.engine, ()))
         return prefix.num_pages - own, own
 
     def _pin_run(self, request_id: str, run: p.PrefixRun) -> list[int]:
@@ -246,9 +226,9 @@ class PoolMember:
         prefix = self.foreign.pop(request_id, None)
         if prefix is None:
             return
-        for engine in dict.fromkeys(h.engine for h in prefix.holdings):
+        for engine, pages in prefix.pages.items():
             if engine == self.engine:
-                self._release([h.pages for h in prefix.holdings if h.engine == engine])
+                self._release([pages])
             else:
                 self._unpin(request_id, engine)
 
@@ -276,12 +256,11 @@ class PoolMember:
             prefix = self.foreign.get(rid)
             if prefix is None or not batch.offsets[i]:  # (its prefix recomputed here: unpinned soon)
                 continue
-            for engine in dict.fromkeys(h.engine for h in prefix.holdings):
+            for engine, pages in prefix.pages.items():
                 if engine != self.engine and engine not in self.peers:
                     lost.append(rid)
                     break
-                pages = [pg for h in prefix.holdings if h.engine == engine for pg in h.pages]
-                rows.setdefault(engine, HolderRows(engine)).add(rid, query_start[i], query_start[i + 1], pages)
+                rows.setdefault(engine, HolderRows()).add(rid, query_start[i], query_start[i + 1], pages)
         if lost:
             raise ForeignPrefixLost(lost, "a pool peer holding their prefix is gone")
         sources = []

@@ -88,7 +88,8 @@ class _Executor(CostModelExecutor):
         cost, node = self.cost, self.engine.node
         rows: dict[int, int] = {}
         for rid, n in zip(batch.request_ids, batch.num_tokens):
-            for holder, pages in self.engine.pins.get(rid, ()):
+            for holder, held in self.engine.pins.get(rid, ()):
+                pages = len(held)
                 if holder is not self.engine:
                     rows[holder.engine_id] = rows.get(holder.engine_id, 0) + n
                     flops = 4.0 * cost.num_layers * cost.num_heads * cost.head_dim * n * pages * cost.page_size
@@ -114,16 +115,14 @@ class _Engine:
                                vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(SIM_EOS,))
         self.debt = 0.0  # s of peers' queries answered, charged to the next step
         self.busy = 0.0
-        self.pins: dict[str, list[tuple[_Engine, int]]] = {}  # request -> (holder, pages) it reads there
-        self._pinned: dict[str, list[tuple[_Engine, list[int]]]] = {}
+        self.pins: dict[str, list[tuple[_Engine, list[int]]]] = {}  # request -> (holder, its pages) it reads
 
     @property
     def load(self) -> int:
         return len(self.scheduler.requests)
 
     def release(self, request_id: str) -> None:
-        self.pins.pop(request_id, None)
-        for holder, pages in self._pinned.pop(request_id, ()):
+        for holder, pages in self.pins.pop(request_id, ()):
             for page in reversed(pages):
                 holder.pool.decref(page)
 
@@ -187,8 +186,7 @@ class NodeSimulator:
                     holder.pool.decref(page)
             return
         req.set_foreign_prefix(n, keys_done[-1])
-        target._pinned[req.request_id] = pinned
-        target.pins[req.request_id] = [(h, len(p)) for h, p in pinned]
+        target.pins[req.request_id] = pinned
         self.peer_tokens += sum(len(p) for h, p in pinned if h is not target) * self.cost.page_size
 
     def run(self) -> NodeResult:
