@@ -132,6 +132,9 @@ class EngineConfig:
     # tokens of a pool segment, the unit a request reads from one holder; 0: the threshold of
     # pool/segments.py with α, B and k_comp measured at start-up (logged)
     pool_segment_tokens: int = 0
+    # where the pool keeps a new segment: home (the engine its key hashes to, pool/placement.py;
+    # the engine that computed it puts it there) or local (where it was computed)
+    pool_placement: str = "home"
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -187,6 +190,8 @@ class EngineConfig:
         if self.pool_segment_tokens < 0 or self.pool_segment_tokens % self.page_size:
             raise ValueError(f"pool_segment_tokens must be a multiple of page_size ({self.page_size}) or 0 (measured), "
                              f"got {self.pool_segment_tokens}")
+        if self.pool_placement not in ("home", "local"):
+            raise ValueError(f"pool_placement must be home or local, got {self.pool_placement!r}")
         if self.pool_mode != "off" and not self.enable_prefix_caching:
             raise ValueError("the pool shares prefix-cache pages: it needs prefix caching on")
         if self.pool_mode == "read" and self.device != "cpu":

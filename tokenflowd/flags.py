@@ -50,6 +50,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pool-segment-tokens", type=int,
                    help="tokens of a pool segment, a multiple of the page size (default: the break-even length "
                         "measured at start-up, logged)")
+    g.add_argument("--pool-placement", choices=["home", "local"],
+                   help="where the pool keeps a new segment: home (the default: the engine its key hashes to; "
+                        "the engine that computed it puts it there) or local (where it was computed)")
     g.add_argument("--no-load-evict-overlap", action="store_true",
                    help="loads wait for evictions in flight (a benchmark baseline)")
     policy_args(p)
@@ -88,7 +91,7 @@ ENGINE_FLAGS = {
     "max_model_len": "max_model_len", "attention_backend": "attention_backend", "threads": "num_threads",
     "policy": "policy", "offload": "offload", "host_kv_memory": "host_kv_memory",
     "disk_kv_memory": "disk_kv_memory", "disk_kv_dir": "disk_kv_dir", "max_queue_delay": "max_queue_delay",
-    "pool_mode": "pool_mode", "pool_segment_tokens": "pool_segment_tokens",
+    "pool_mode": "pool_mode", "pool_segment_tokens": "pool_segment_tokens", "pool_placement": "pool_placement",
 }
 
 

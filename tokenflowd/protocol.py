@@ -54,6 +54,9 @@ class AddRequest(msgspec.Struct, tag=True):
     # The pool: runs covering the prompt's leading pages, held by engines of this node (the
     # receiving one too); the engine attends to them where they are instead of computing them.
     prefix: list[PrefixRun] = []
+    # The pool: runs of whole segments of the prompt that this engine computes and whose homes are
+    # other engines: once computed, their KV is put at the home and not kept here (pool/member.py).
+    place: list[PrefixRun] = []
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -153,6 +156,8 @@ class EngineStats(msgspec.Struct):
     pool_query_bytes: int = 0  # their query rows and answers
     pool_query_seconds: float = 0.0  # waiting for the answers, after the own attention
     pool_pins: int = 0  # pages pinned here for peers' requests now
+    pool_put_pages: int = 0  # pages of new segments put at their homes on peers (placement)
+    pool_stored_pages: int = 0  # pages peers put here, this engine being their segments' home
 
 
 class Ready(msgspec.Struct, tag=True):

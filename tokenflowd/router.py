@@ -20,6 +20,12 @@ holders (power of two choices). A hot segment (a heavy hitter, pool/heat.py) who
 busier than the chosen engine by more than a slack is not read there: the chosen engine computes
 it and what follows, and so holds a replica of it. Heavy hitters are replicated to the least
 loaded engines that lack them, by use (Mooncake's hot prefixes replicate the same way).
+
+Placement (`--pool-placement home`, the default): each whole segment of the prompt that no engine
+holds any page of has a home, the serving engine its last key hashes to (rendezvous hashing,
+pool/placement.py): the chosen engine computes it and, where the home is another engine, puts it
+there (`Choice.places`, AddRequest.place) and stops caching it. Segments are spread over the node
+by hash, never by where a request happened to run; a replica made by use stays where it is made.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from typing import Callable, Protocol, Sequence
 
 from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.pool.heat import SegmentHeat
+from tokenflowd.pool.placement import rendezvous_home
 from tokenflowd.prefix_index import PrefixIndex
 
 REPLICATE_SLACK = 0.5  # a holder busier than 1.5x the chosen engine's load, plus one request, is overloaded
@@ -48,6 +55,8 @@ class Choice:
     cached_pages: int
     # pool: (engine, keys) runs of the prompt's leading pages to read where they are ([]: none)
     runs: list[tuple[int, list[bytes]]] = field(default_factory=list)
+    # pool: (engine, keys) runs of the segments it computes that belong elsewhere (their homes)
+    places: list[tuple[int, list[bytes]]] = field(default_factory=list)
 
 
 class Router:
@@ -85,10 +94,11 @@ class Router:
         return best[2]
 
     def pick_pooled(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int = 1,
-                    rng: random.Random | None = None) -> Choice:
+                    rng: random.Random | None = None, place: bool = True) -> Choice:
         """The pool's pick (see the module docstring); `engines` non-empty. A request reads each
         segment (`segment_pages` pages) from one engine that holds all of it; of a segment no engine
-        holds whole, the longest leading part one engine holds, and nothing after it."""
+        holds whole, the longest leading part one engine holds, and nothing after it. `place`: name
+        the homes of the new segments it computes (else they stay where it runs)."""
         keys = chain_page_keys(prompt_token_ids, self.page_size, [], max(0, len(prompt_token_ids) - 1))
         load = {e.engine_id: e.load for e in engines}
         target = min(engines, key=lambda e: (e.load, -self.index.cached_pages(e.engine_id, keys),
@@ -121,9 +131,25 @@ class Router:
                 holder = min(two, key=lambda e: (load[e], e))
             self._extend(runs, holder, chunk)
         own = sum(len(k) for e, k in runs if e == target)
+        places = self._places(keys, sum(len(k) for _, k in runs), seg, target, list(load)) if place else []
         if all(e == target for e, _ in runs):
-            return Choice(target, own)  # all of it here: the engine's own prefix cache serves it
-        return Choice(target, own, runs)
+            return Choice(target, own, [], places)  # all of it here: the engine's own prefix cache serves it
+        return Choice(target, own, runs, places)
+
+    def _places(self, keys: Sequence[bytes], read: int, seg: int, target: int,
+                engines: list[int]) -> list[tuple[int, list[bytes]]]:
+        """The homes of the whole segments past the `read` pages that no engine holds any page of:
+        the target computes them and puts each at its home (rendezvous hashing over the serving
+        engines; its own are kept)."""
+        places: list[tuple[int, list[bytes]]] = []
+        for start in range(-(-read // seg) * seg, len(keys) - seg + 1, seg):
+            chunk = keys[start : start + seg]
+            if self.index.holders(chunk[0]) or self.index.holders(chunk[-1]):
+                continue
+            home = rendezvous_home(chunk[-1], engines)
+            if home != target:
+                self._extend(places, home, chunk)
+        return places
 
     @staticmethod
     def _extend(runs: list[tuple[int, list[bytes]]], engine: int, keys: list[bytes]) -> None:

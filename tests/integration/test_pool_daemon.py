@@ -1,7 +1,8 @@
 """The node's prefix-cache pool in a real daemon (`--engines 2 --pool-mode query|read`): requests on
 one engine read a prompt prefix that the other engine holds, where it is, and their greedy tokens
-equal a single engine's; a shared 1,024-token system prompt is held once; SIGKILL of the holder
-neither hangs nor corrupts a stream that reads its pages, and leaks no page on the survivor."""
+equal a single engine's; a shared 1,024-token system prompt is held once, each segment at the
+engine its key hashes to (placement puts it there); SIGKILL of a holder neither hangs nor corrupts
+a stream that reads its pages, and leaks no page on the survivor."""
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +18,13 @@ from daemon import Daemon
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.engine import Engine
 from tokenflowd.engine.request import SamplingParams
+from tokenflowd.kv.pages import chain_page_keys
+from tokenflowd.pool.placement import rendezvous_home
 
 MODEL = "smollm2-135m"
-FLAGS = ("--engines", "2", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "128MiB")
+SEGMENT_PAGES = 16
+FLAGS = ("--engines", "2", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "128MiB",
+         "--pool-segment-tokens", str(16 * SEGMENT_PAGES))
 SYSTEM_TOKENS = 1024
 MAX_TOKENS = 12
 
@@ -37,7 +42,7 @@ def prompts(reference):
     text = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(200))
     system = tok.encode(text, add_special_tokens=True)[:SYSTEM_TOKENS]
     assert len(system) == SYSTEM_TOKENS
-    topics = ["a color", "a fruit", "a city", "a river", "a tree", "a bird", "a metal", "a planet", "a flower",
+    topics = ["a lake", "a color", "a fruit", "a city", "a river", "a tree", "a bird", "a metal", "a planet", "a flower",
               "a sport", "a fish", "a tool", "a song", "a game", "a dance", "a cheese", "a bread", "a stone",
               "a cloud", "a boat"]
     return system, [system + tok.encode(f"\nQuestion: name {t}.\nAnswer:", add_special_tokens=False) for t in topics]
@@ -62,6 +67,20 @@ def source_tokens(d: Daemon, source: str) -> float:
     return sum(d.metric("tokenflowd_prompt_token_sources_total", engine=str(e), source=source) for e in (0, 1))
 
 
+def homes(system: list[int]) -> dict[int, int]:
+    """Pages of the system prompt whose segments' home is each engine."""
+    keys = chain_page_keys(system, 16, [], len(system))
+    out = {0: 0, 1: 0}
+    for start in range(0, len(keys), SEGMENT_PAGES):
+        out[rendezvous_home(keys[start + SEGMENT_PAGES - 1], [0, 1])] += SEGMENT_PAGES
+    assert out[0] and out[1], "the test needs a system prompt with segments homed on both engines"
+    return out
+
+
+def pool_pages(d: Daemon) -> dict[int, float]:
+    return {e: d.metric("tokenflowd_pool_pages", engine=str(e)) for e in (0, 1)}
+
+
 def wait_for(condition, within: float, what: str) -> None:
     deadline = time.monotonic() + within
     while not condition():
@@ -72,19 +91,26 @@ def wait_for(condition, within: float, what: str) -> None:
 @pytest.mark.parametrize("mode", ["query", "read"])
 def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_tokens_held_once(
         mode, reference, prompts):
-    system, asked = prompts
-    want = greedy(reference, asked, MAX_TOKENS)
+    system, prompts = prompts
+    want = greedy(reference, prompts, MAX_TOKENS)
+    # The first request is not one of the burst's: a prompt computed twice would hold its last page,
+    # prompt and output, twice, and that page is no segment of the shared prefix.
+    asked, want_first, want = prompts[1:], want[0], want[1:]
     d = Daemon(*FLAGS, "--pool-mode", mode)
     try:
         d.wait_all_engines()
         replicated_before = d.metric("tokenflowd_pool_replicated_pages")  # the warm-up's chat-template head
-        # The first request computes the system prompt on one engine (both idle: engine 0).
-        first = d.http.post("/v1/completions", json=body(asked[0]))
+        base, home = pool_pages(d), homes(system)
+        # The first request computes the system prompt on one engine (both idle: engine 0), which
+        # puts the segments whose home is engine 1 there and keeps only its own.
+        first = d.http.post("/v1/completions", json=body(prompts[0]))
         assert first.status_code == 200, first.text
-        assert first.json()["choices"][0]["text"] == want[0]
-        wait_for(lambda: d.metric("tokenflowd_pool_pages", engine="0") >= SYSTEM_TOKENS // 16, 10,
-                 "the front never learned engine 0's pages")
-        # A burst of 20: both engines take requests; engine 1's read the prompt's pages on engine 0.
+        assert first.json()["choices"][0]["text"] == want_first
+        wait_for(lambda: all(pool_pages(d)[e] >= base[e] + home[e] for e in (0, 1)), 10,
+                 f"the system prompt's segments never reached their homes: {pool_pages(d)}, want {base} + {home}")
+        assert d.metric("tokenflowd_pool_put_pages_total", engine="0") == home[1]
+        assert d.metric("tokenflowd_pool_stored_pages_total", engine="1") == home[1]
+        # A burst of 20: both engines take requests; each reads the segments the other holds.
         responses = asyncio.run(post_all(d.base_url, [body(p) for p in asked]))
         assert [r.status_code for r in responses] == [200] * len(asked), [r.text for r in responses]
         got = [r.json()["choices"][0]["text"] for r in responses]
@@ -93,9 +119,12 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
             usage = r.json()["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= SYSTEM_TOKENS, usage
         assert source_tokens(d, "peer") >= SYSTEM_TOKENS, "no request read its prefix on the other engine"
-        # Deduplication: the system prompt's 64 pages are held by one engine, not both.
-        assert d.metric("tokenflowd_pool_replicated_pages") == replicated_before
-        assert d.metric("tokenflowd_pool_pages", engine="1") < SYSTEM_TOKENS // 16
+        # Deduplication: the system prompt's 64 pages are held once, each at its home (each request
+        # adds its own last page, prompt and output, to where it ran).
+        after = pool_pages(d)
+        assert d.metric("tokenflowd_pool_replicated_pages") == replicated_before, (after, base, home)
+        assert all(after[e] <= base[e] + home[e] + len(prompts) for e in (0, 1)), (after, base, home)
+        assert d.metric("tokenflowd_pool_put_pages_total", engine="1") == 0, "nothing new to place"
         wait_for(lambda: d.metric("tokenflowd_pool_pinned_pages", engine="0") == 0, 10,
                  "pins outlived their requests")
         for e in ("0", "1"):
@@ -108,15 +137,18 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
 
 def test_sigkill_of_the_holder_mid_stream_recomputes_the_prefix_and_keeps_the_greedy_tokens(reference, prompts):
     system, asked = prompts
-    victim_prompt, reader_prompt = asked[0], asked[1]
+    victim_prompt, reader_prompt = asked[1], asked[2]
     n = 160
     want = greedy(reference, [reader_prompt], n)[0]
     d = Daemon(*FLAGS, "--pool-mode", "query")
     try:
         d.wait_all_engines()
-        assert d.http.post("/v1/completions", json=body(victim_prompt, 2)).status_code == 200  # engine 0 caches it
-        wait_for(lambda: d.metric("tokenflowd_pool_pages", engine="0") >= SYSTEM_TOKENS // 16, 10,
-                 "the front never learned engine 0's pages")
+        base, home = pool_pages(d), homes(system)
+        victim = rendezvous_home(chain_page_keys(system, 16, [], SEGMENT_PAGES * 16)[-1], [0, 1])
+        # Engine 0 computes the system prompt; the segments whose home is engine 1 go there.
+        assert d.http.post("/v1/completions", json=body(victim_prompt, 2)).status_code == 200
+        wait_for(lambda: all(pool_pages(d)[e] >= base[e] + home[e] for e in (0, 1)), 10,
+                 "the system prompt's segments never reached their homes")
 
         async def stream(prompt: list[int], max_tokens: int, started: asyncio.Event) -> tuple[str, str | None]:
             text, error = "", None
@@ -138,22 +170,25 @@ def test_sigkill_of_the_holder_mid_stream_recomputes_the_prefix_and_keeps_the_gr
 
         async def run():
             a_started, b_started = asyncio.Event(), asyncio.Event()
-            a = asyncio.create_task(stream(victim_prompt, 1800, a_started))  # engine 0, holder of the prefix
+            # The victim's engine is the one holding the prompt's first segment (the longer match
+            # of two idle engines); the reader runs on the other and reads the victim's segments.
+            a = asyncio.create_task(stream(victim_prompt, 1800, a_started))
             await asyncio.wait_for(a_started.wait(), 60)
-            b = asyncio.create_task(stream(reader_prompt, n, b_started))  # engine 1, reads engine 0's pages
+            b = asyncio.create_task(stream(reader_prompt, n, b_started))
             await asyncio.wait_for(b_started.wait(), 60)
             peer = await asyncio.to_thread(source_tokens, d, "peer")
             assert peer >= SYSTEM_TOKENS, "the second stream does not read the holder's pages"
             engines = (await asyncio.to_thread(d.health))["engines"]
             assert not b.done(), "the reader must still depend on the holder when it dies"
-            os.kill(engines[0]["pid"], signal.SIGKILL)
+            os.kill(engines[victim]["pid"], signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(a, b), 120)  # neither hangs
 
         (a_text, a_error), (b_text, b_error) = asyncio.run(run())
         assert a_error is not None, "the killed engine's own stream ends with an error event"
         assert b_error is None and b_text == want, (b_error, b_text, want)
-        wait_for(lambda: d.metric("tokenflowd_kv_pages_used", engine="1") == 0, 10, "the survivor leaked pages")
-        assert d.metric("tokenflowd_pool_pinned_pages", engine="1") == 0
+        survivor = str(1 - victim)
+        wait_for(lambda: d.metric("tokenflowd_kv_pages_used", engine=survivor) == 0, 10, "the survivor leaked pages")
+        assert d.metric("tokenflowd_pool_pinned_pages", engine=survivor) == 0
         d.wait_all_engines()  # the holder comes back
     finally:
         assert d.stop() == 0

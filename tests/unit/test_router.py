@@ -133,3 +133,46 @@ def test_a_hot_segment_on_busy_holders_only_is_computed_by_the_chosen_engine_a_c
     now[0] += 3600  # an hour later the segment is cold again (and forgotten)
     r.heat.hit(b"other", now[0])
     assert r.pick_pooled(busy, tokens, segment_pages=4).runs == [(0, k[:8])]
+
+
+def test_pooled_pick_places_each_new_segment_at_its_home_by_hash():
+    from tokenflowd.pool.placement import rendezvous_home
+
+    tokens = list(range(33))  # 8 full pages before the last token: 4 segments of 2
+    k = keys_of(tokens)
+    r = router_with({0: k[:2]})
+    engines = [FakeEngine(0, load=3), FakeEngine(1), FakeEngine(2, load=1)]
+    c = r.pick_pooled(engines, tokens, segment_pages=2)
+    assert c.engine_id == 1 and c.runs == [(0, k[:2])]
+    # The three segments nobody holds go to their homes; the one engine 1 computes for itself
+    # (its home is engine 1) stays there; the segment read on engine 0 is not placed anywhere.
+    want: list[tuple[int, list[bytes]]] = []
+    for s in (2, 4, 6):
+        home = rendezvous_home(k[s + 1], [0, 1, 2])
+        if home != 1:
+            if want and want[-1][0] == home:
+                want[-1][1].extend(k[s : s + 2])
+            else:
+                want.append((home, k[s : s + 2]))
+    assert c.places == want
+    homes = {rendezvous_home(key, [0, 1, 2]) for key in keys_of(list(range(200)))}
+    assert homes == {0, 1, 2}, "the hash spreads segments over every engine"
+
+
+def test_pooled_pick_places_nothing_held_anywhere_and_nothing_of_a_hot_replica():
+    tokens = list(range(33))
+    k = keys_of(tokens)
+    now = [0.0]
+    r = router_with({0: k[:8]})
+    r.clock = lambda: now[0]
+    for _ in range(20):  # the prefix becomes a heavy hitter
+        r.pick_pooled([FakeEngine(0, load=1), FakeEngine(1, load=1)], tokens, segment_pages=4)
+    c = r.pick_pooled([FakeEngine(0, load=6), FakeEngine(1, load=1)], tokens, segment_pages=4)
+    assert (c.engine_id, c.runs, c.places) == (1, [], []), "a replica stays where it is computed"
+    assert r.pick_pooled([FakeEngine(0)], tokens, segment_pages=4).places == []
+    # a trailing part of a segment (pages 4-6 of a 4-page segment) is no segment: kept where computed
+    from tokenflowd.pool.placement import rendezvous_home
+
+    home = rendezvous_home(k[3], [0, 1])
+    c = router_with({}).pick_pooled([FakeEngine(0), FakeEngine(1)], tokens[:28], segment_pages=4)
+    assert c.engine_id == 0 and c.places == ([] if home == 0 else [(1, k[:4])])

@@ -287,14 +287,16 @@ class Front:
         pooled = self.supervisor.engine_config.pool_mode != "off"
         if pooled:
             segment = min(slot.info.pool_segment_pages for slot in slots if slot.info is not None) or 1
-            choice = self.router.pick_pooled(slots, prep.prompt_ids, segment)
+            choice = self.router.pick_pooled(slots, prep.prompt_ids, segment,
+                                             place=self.supervisor.engine_config.pool_placement == "home")
         else:
             choice = self.router.pick(slots, prep.prompt_ids)
         slot = self.supervisor.slots[choice.engine_id]
         coalesce = self.coalescing if prep.stream and prep.coalesce else None
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,
                          front=self.supervisor.front, front_epoch=self.supervisor.front_epoch, coalesce=coalesce,
-                         prefix=[PrefixRun(e, keys) for e, keys in choice.runs])
+                         prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
+                         place=[PrefixRun(e, keys) for e, keys in choice.places])
         try:
             return Generation(self.supervisor, slot, add, self.tokenizer, prep.stop,
                               self.metrics.engine(slot.engine_id), arrival,

@@ -139,6 +139,10 @@ class EngineCollector(Collector):
             "tokenflowd_pool_query_bytes": ("Bytes of shipped query rows and answers", lambda s: s.pool_query_bytes),
             "tokenflowd_pool_query_seconds": ("Time steps waited for peers' answers (divide by queries for the "
                                               "mean latency)", lambda s: s.pool_query_seconds),
+            "tokenflowd_pool_put_pages": ("Pages of new segments an engine computed and put at their homes on peers",
+                                          lambda s: s.pool_put_pages),
+            "tokenflowd_pool_stored_pages": ("Pages peers put on an engine, their segments' home",
+                                             lambda s: s.pool_stored_pages),
         }
         for name, (doc, value) in figures.items():
             c = CounterMetricFamily(name, doc, labels=["engine"])

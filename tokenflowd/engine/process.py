@@ -58,6 +58,7 @@ class EngineProcess(EngineEndpoint):
         self.core.warm_up()  # before READY: the first user request is as fast as the tenth
         self.core.pool.drain_key_events()  # start recording: the router learns every key from here on
         self.member: PoolMember | None = None
+        self.places: dict[str, list[p.PrefixRun]] = {}  # request -> its new segments that belong on peers
         self.prompt_tokens = 0  # of the requests taken (EngineStats), and of them those read where
         self.peer_tokens = self.own_pool_tokens = 0  # peers hold them, or from its own cache through the pool
         if pooled:
@@ -127,6 +128,8 @@ class EngineProcess(EngineEndpoint):
                 last_sent = now
             if self.member is not None:
                 self._sweep_pins()
+                if self.places:
+                    self._place()
             if self.orphaned(log):
                 break
 
@@ -137,6 +140,24 @@ class EngineProcess(EngineEndpoint):
             reading = {rid for rid, r in reqs.items() if r.foreign_token_ids}
             with self.core.unlocked():
                 member.sweep(reading)
+
+    def _place(self) -> None:
+        """Put the new segments of requests whose prompts are computed at their homes, and stop
+        caching here what a home took (the rest stays: a home gone or full)."""
+        reqs, pool = self.core.scheduler.requests, self.core.pool
+        for rid in list(self.places):
+            req = reqs.get(rid)
+            if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                continue  # (a request gone has published what it computed)
+            for run in self.places.pop(rid):
+                pages = pool.lookup(run.keys)
+                if not pages:
+                    continue
+                keys = run.keys[: len(pages)]
+                kv = self.member.stage(pages)
+                with self.core.unlocked():
+                    held = self.member.put(run.engine, keys, kv)
+                pool.unpublish(keys[:held])
 
     def pool_peers(self, msg: p.PoolPeers) -> None:
         if self.member is None:
@@ -192,6 +213,8 @@ class EngineProcess(EngineEndpoint):
             self._release_pins(msg.request_id, pinned)
             return str(e)
         self.prompt_tokens += len(msg.prompt_token_ids)
+        if msg.place and self.member is not None:
+            self.places[msg.request_id] = msg.place
         if pinned:
             peer, own = self.member.count(msg.request_id)
             self.peer_tokens += peer * self.config.page_size
@@ -255,7 +278,8 @@ class EngineProcess(EngineEndpoint):
     def _pool_stats(self) -> dict:
         m = self.member.stats
         return dict(pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
-                    pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages)
+                    pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages,
+                    pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"])
 
 
 def _malloc_trim() -> Callable[[int], int] | None:

@@ -146,6 +146,24 @@ class PagePool:
         if self.track_key_events:
             self._keys_added.append(key)
 
+    def unpublish(self, keys: Sequence[bytes]) -> int:
+        """Stop caching the pages of `keys` here (the pool keeps them on another engine): a page in
+        use stays with its requests, private, and is freed with them; an unreferenced one is freed
+        now. -> pages unpublished."""
+        n = 0
+        for key in keys:
+            page = self._by_key.pop(key, None)
+            if page is None:
+                continue
+            n += 1
+            self._key[page] = None
+            if self.track_key_events:
+                self._keys_removed.append(key)
+            if self._ref[page] == 0:
+                del self._lru[page]
+                self._free.append(page)
+        return n
+
     def cached_keys(self) -> list[bytes]:
         """Every published key, for the router's prefix index."""
         return list(self._by_key)

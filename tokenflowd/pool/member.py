@@ -4,6 +4,9 @@ attends to theirs.
     the front: AddRequest.prefix = runs of the prompt's leading pages and the engines holding them
     admit   pin each run on its holder (query.py Pin; this engine's own runs resolved here) → the
             request keeps only the tokens past them (request.py foreign_token_ids, key_seed)
+    place   the front names the prompt's new segments whose home (rendezvous hash) is a peer
+            (AddRequest.place): once computed they are put there (query.py Put; the home keeps
+            them in its prefix cache) and no longer cached here (PagePool.unpublish)
     a step  every layer: own causal attention with LSE, merged with each holder's partial attention
             over its pinned pages (attention.py): query mode ships the rows, read mode maps the
             holder's cache (shared_kv.py) and attends in place
@@ -30,7 +33,7 @@ import zmq
 from tokenflowd import protocol as p
 from tokenflowd.engine.core import ForeignPrefixLost
 from tokenflowd.engine.scheduler import ScheduledBatch
-from tokenflowd.kv.pages import PagePool
+from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.pool.attention import HolderRows, PeerCache, QueriedHolder
 from tokenflowd.pool.names import cache_name, service_address
 from tokenflowd.pool.query import PeerGone, QueryClient, QueryService
@@ -76,9 +79,9 @@ class PoolMember:
         self.max_rows = max_rows
         self.peers: dict[int, Peer] = {}
         self.foreign: dict[str, ForeignPrefix] = {}  # request id -> what it reads on engines of the pool
-        self.stats = {"query_calls": 0, "query_bytes": 0, "query_seconds": 0.0}
+        self.stats = {"query_calls": 0, "query_bytes": 0, "query_seconds": 0.0, "put_pages": 0, "stored_pages": 0}
         self.service = QueryService(service_address(runtime_dir, engine, incarnation), backend, self.kv_layers,
-                                    self._resolve, self._release).start()
+                                    self._resolve, self._release, self._store).start()
         self.segment_pages = 0  # set by size_segments
 
     def size_segments(self, tokens: int = 0, max_pages: int = MAX_SEGMENT_PAGES) -> int:
@@ -130,6 +133,53 @@ class PoolMember:
             for pages in reversed(segments):
                 for page in pages:
                     self.pool.decref(page)
+
+    def _store(self, keys: list[bytes], kv: torch.Tensor) -> int:
+        """A peer puts segments whose home is this engine: the keys not held yet get pages, their KV
+        and their keys, and stay unreferenced in the prefix cache (its LRU decides when they go).
+        Stops at the first page it cannot get. -> leading keys held now."""
+        axis = self.backend.page_axis
+        with self.lock:
+            new: list[tuple[int, int]] = []  # (position in the put, page)
+            held = 0
+            try:
+                for i, key in enumerate(keys):
+                    if not self.pool.lookup([key]):
+                        new.append((i, self.pool.allocate()))
+                    held += 1
+            except OutOfPages:
+                pass
+            if new:
+                src = torch.tensor([i for i, _ in new])
+                dst = torch.tensor([page for _, page in new], device=self.kv_layers[0].device)
+                for layer, part in zip(self.kv_layers, kv):
+                    layer.index_copy_(axis, dst, part.index_select(axis, src).to(layer.device))
+                for i, page in new:
+                    self.pool.register(page, keys[i])
+                    self.pool.decref(page)
+            self.stats["stored_pages"] += len(new)
+        return held
+
+    # -- placement: this engine's side ---------------------------------------------------------
+    def stage(self, pages: Sequence[int]) -> torch.Tensor:
+        """Every layer's KV of `pages` in one host tensor (what `put` sends); the caller holds `lock`."""
+        index = torch.tensor(list(pages), device=self.kv_layers[0].device)
+        axis = self.backend.page_axis
+        return torch.stack([layer.index_select(axis, index) for layer in self.kv_layers]).cpu()
+
+    def put(self, home: int, keys: list[bytes], kv: torch.Tensor) -> int:
+        """Give `home` the segments of `keys` (staged by `stage`). -> leading keys it holds now (0
+        when it is gone or fails: they stay here). Call without `lock`: the home may be pinning here."""
+        peer = self.peers.get(home)
+        if peer is None:
+            return 0
+        try:
+            held = self._client(peer).put(keys, kv)
+        except (PeerGone, RuntimeError, zmq.ZMQError) as e:
+            log.warning("pool: a put to engine %d failed (%s); its segments stay here", home, e)
+            return 0
+        self.stats["put_pages"] += held
+        return held
 
     # -- peers ----------------------------------------------------------------------------------
     def set_peers(self, peers: list[p.PoolPeer]) -> list[str]:

@@ -25,6 +25,7 @@ requester's engine and incarnation: `release_peer` of an incarnation leaves its 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -81,6 +82,21 @@ class Query(msgspec.Struct, tag=True):
     seq: int = 0
 
 
+class Put(msgspec.Struct, tag=True):
+    """Segments whose home is the holder, computed by the requester: their pages' KV of every layer
+    follows as one more frame ([layers, *a cache layer's shape with len(keys) pages])."""
+
+    peer: int
+    keys: list[bytes]
+    incarnation: int = 0
+    seq: int = 0
+
+
+class Stored(msgspec.Struct, tag=True):
+    held: int  # leading keys of a Put the holder holds now (stored, or held already)
+    seq: int = 0
+
+
 class Pinned(msgspec.Struct, tag=True):
     held: int  # leading keys the holder has and pinned for the request
     pages: list[int] = []  # the holder's pages of them (read mode attends to them in place)
@@ -93,8 +109,8 @@ class Done(msgspec.Struct, tag=True):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_TO_HOLDER = msgspec.msgpack.Decoder(Pin | Unpin | ReleasePeer | Query)
-_TO_PEER = msgspec.msgpack.Decoder(Pinned | Done)
+_TO_HOLDER = msgspec.msgpack.Decoder(Pin | Unpin | ReleasePeer | Query | Put)
+_TO_PEER = msgspec.msgpack.Decoder(Pinned | Stored | Done)
 
 
 # -- buffers ----------------------------------------------------------------------------------
@@ -150,15 +166,17 @@ class QueryService:
     """Serves peers' queries over this engine's segments, in a thread of the engine's process.
 
     `resolve(keys)` -> this engine's pages of the longest leading run of `keys` it holds, each
-    with a reference taken; `release(pages)` drops those references. Both run in the service's
-    thread: the engine passes callables that are safe there (its page pool's lock)."""
+    with a reference taken; `release(pages)` drops those references; `store(keys, kv)` keeps a
+    peer's put segments (-> leading keys held). They run in the service's thread: the engine passes
+    callables that are safe there (its page pool's lock)."""
 
     def __init__(self, address: str, backend, kv_layers: Sequence[torch.Tensor],
                  resolve: Callable[[Sequence[bytes]], list[list[int]]],
-                 release: Callable[[list[list[int]]], None], ctx: zmq.Context | None = None) -> None:
+                 release: Callable[[list[list[int]]], None],
+                 store: Callable[[list[bytes], torch.Tensor], int] | None = None, ctx: zmq.Context | None = None) -> None:
         self.backend = backend
         self.kv_layers = list(kv_layers)
-        self.resolve, self.release = resolve, release
+        self.resolve, self.release, self.store = resolve, release, store
         self.pins: dict[tuple[int, int, str], list[list[int]]] = {}  # (peer, incarnation, request) -> pages per segment
         self._lock = threading.Lock()  # the pins and buffers: the service's thread and release_peer
         self._buffers: dict[str, tuple[int, int, QueryBuffers]] = {}  # block -> (its peer, incarnation, mapping)
@@ -198,21 +216,34 @@ class QueryService:
             if not poller.poll(100):
                 continue
             frames = self._sock.recv_multipart()
-            if len(frames) != 2:
+            if len(frames) not in (2, 3):
                 log.warning("pool query service: a message of %d frames dropped", len(frames))
                 continue
-            ident, raw = frames
+            ident, raw, *payload = frames
             seq = 0
             try:
                 msg = _TO_HOLDER.decode(raw)
                 seq = msg.seq
+                if isinstance(msg, Put) != bool(payload):
+                    raise ValueError("a put carries its KV in one frame, and nothing else does")
                 with self._lock:
-                    reply = self._handle(msg)
+                    reply = self._put(msg, payload[0]) if payload else self._handle(msg)
             except Exception as e:  # a bad query must not take the engine's service down
                 log.warning("pool query failed: %s: %s", type(e).__name__, e)
                 reply = Done(error=f"{type(e).__name__}: {e}")
             reply.seq = seq
             self._sock.send_multipart([ident, _ENCODER.encode(reply)])
+
+    def _put(self, msg: Put, payload: bytes) -> Stored:
+        if self.store is None:
+            raise ValueError("this engine takes no puts")
+        layer = self.kv_layers[0]
+        axis = self.backend.page_axis
+        shape = (len(self.kv_layers), *layer.shape[:axis], len(msg.keys), *layer.shape[axis + 1 :])
+        if len(payload) != math.prod(shape) * layer.element_size():
+            raise ValueError(f"a put of {len(msg.keys)} pages carries {len(payload)} bytes")
+        kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(layer.dtype).view(shape)
+        return Stored(held=self.store(msg.keys, kv))
 
     def _handle(self, msg) -> Pinned | Done:
         if isinstance(msg, Query):
@@ -297,14 +328,17 @@ class QueryClient:
         self._sock.close(0)
         self.buffers.close()
 
-    def _send(self, msg) -> None:
+    def _send(self, msg, payload: memoryview | None = None) -> None:
         if self.dead:
             raise PeerGone(f"pool holder {self.holder} is gone (found earlier)")
         self._seq += 1
         msg.incarnation, msg.seq = self.incarnation, self._seq
-        self._sock.send(_ENCODER.encode(msg))
+        if payload is None:
+            self._sock.send(_ENCODER.encode(msg))
+        else:
+            self._sock.send_multipart([_ENCODER.encode(msg), payload], copy=False)
 
-    def _recv(self, what: str) -> Pinned | Done:
+    def _recv(self, what: str) -> Pinned | Stored | Done:
         deadline = time.monotonic() + self.timeout_ms / 1000
         while True:
             while not self._sock.poll(20):
@@ -320,13 +354,19 @@ class QueryClient:
             raise RuntimeError(f"pool peer: {reply.error}")
         return reply
 
-    def _call(self, msg) -> Pinned | Done:
-        self._send(msg)
+    def _call(self, msg, payload: memoryview | None = None) -> Pinned | Stored | Done:
+        self._send(msg, payload)
         return self._recv(type(msg).__name__)
 
     def pin(self, request_id: str, keys: list[bytes]) -> Pinned:
         """Pin a request's segments on the holder: how many leading ones it holds, and their pages."""
         return self._call(Pin(self.peer, request_id, keys))  # type: ignore[return-value]
+
+    def put(self, keys: list[bytes], kv: torch.Tensor) -> int:
+        """Give the holder segments whose home it is: `kv` [layers, *a cache layer's shape with
+        len(keys) pages], on the host. -> leading keys it holds now."""
+        raw = kv.contiguous().view(torch.uint8).numpy()
+        return self._call(Put(self.peer, keys), memoryview(raw)).held  # type: ignore[union-attr]
 
     def unpin(self, request_id: str) -> None:
         self._call(Unpin(self.peer, request_id))

@@ -1,0 +1,79 @@
+"""Placement's put path: an engine gives a segment it computed to the segment's home (query.py Put,
+one frame of KV for all layers); the home stores what it lacks in its prefix cache, unreferenced,
+with the same bytes; the giver stops caching what the home took (PagePool.unpublish)."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from tokenflowd import protocol as p
+from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
+from tokenflowd.kv.pages import PagePool, chain_page_keys
+from tokenflowd.pool.member import PoolMember
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 4, 2, 8, 4, 3
+
+
+def member(engine: int, pages: int, runtime_dir: str) -> PoolMember:
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float32, torch.device("cpu"),
+                                    paged_kernel=False)
+    gen = torch.Generator().manual_seed(engine)
+    layers = [torch.randn(backend.kv_cache_shape(pages), generator=gen) for _ in range(LAYERS)]
+    return PoolMember(engine, 1, "query", runtime_dir, backend, layers, PagePool(pages), threading.Lock(), 8)
+
+
+@pytest.fixture
+def pair(tmp_path):
+    a, b = member(0, 16, str(tmp_path)), member(1, 6, str(tmp_path))
+    a.set_peers([p.PoolPeer(1, 1, os.getpid(), 6)])
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_a_put_segment_lands_in_the_homes_prefix_cache_with_the_same_bytes(pair):
+    a, b = pair
+    keys = chain_page_keys(list(range(4 * PAGE + 1)), PAGE, [])
+    pages = [a.pool.allocate() for _ in keys]
+    for page, key in zip(pages, keys):
+        a.pool.register(page, key)
+    b.pool.register(b.pool.allocate(), keys[1])  # the home holds one of them already
+    assert a.put(1, keys, a.stage(pages)) == 4
+    stored = b.pool.lookup(keys[2:])
+    assert len(stored) == 2 and b.stats["stored_pages"] == 3 and a.stats["put_pages"] == 4
+    for layer_a, layer_b in zip(a.kv_layers, b.kv_layers):
+        for i in (0, 2, 3):
+            (page,) = b.pool.lookup([keys[i]])
+            assert torch.equal(layer_b[:, :, page], layer_a[:, :, pages[i]])
+            assert b.pool.ref_count(page) == 0 and b.pool.is_evictable(page), "kept as cache, not pinned"
+    # The giver stops caching them: pages its request still uses stay with it, the rest are freed.
+    a.pool.decref(pages[3])
+    a.pool.drain_key_events()  # (an engine records them from its start)
+    assert a.pool.unpublish(keys) == 4
+    assert a.pool.lookup(keys) == [] and a.pool.ref_count(pages[0]) == 1 and not a.pool.is_evictable(pages[3])
+    assert a.pool.num_free == 16 - 3
+    assert a.pool.drain_key_events() == ([], keys), "the router learns they left"
+
+
+def test_a_full_home_takes_the_leading_keys_it_can_and_a_gone_one_none(pair):
+    a, b = pair
+    keys = chain_page_keys(list(range(9 * PAGE + 1)), PAGE, [])
+    pages = [a.pool.allocate() for _ in keys]
+    held = [b.pool.allocate() for _ in range(2)]  # in use there: 4 of its 6 pages are left
+    assert a.put(1, keys, a.stage(pages)) == 4
+    assert len(b.pool.lookup(keys)) == 4 and b.pool.num_free == 4
+    del held
+    a.set_peers([])  # the home is gone: nothing is given, the giver keeps its pages
+    assert a.put(1, keys, a.stage(pages)) == 0
+
+
+def test_a_put_whose_bytes_do_not_match_its_pages_is_an_error_and_changes_nothing(pair):
+    a, b = pair
+    keys = chain_page_keys(list(range(2 * PAGE + 1)), PAGE, [])
+    kv = a.stage([a.pool.allocate()])  # one page's KV for two keys
+    assert a.put(1, keys, kv) == 0
+    assert b.pool.lookup(keys) == [] and b.pool.num_free == 6
+    assert a.put(1, keys[:1], kv) == 1, "the home keeps serving"
