@@ -158,6 +158,7 @@ class EngineStats(msgspec.Struct):
     pool_pins: int = 0  # pages pinned here for peers' requests now
     pool_put_pages: int = 0  # pages of new segments put at their homes on peers (placement)
     pool_stored_pages: int = 0  # pages peers put here, this engine being their segments' home
+    pool_share: float = 0.0  # of the engine's time, the share serving its peers took lately (its step model's)
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -173,6 +174,8 @@ class Ready(msgspec.Struct, tag=True):
     policy_params: dict = {}  # the PolicyConfig fields it schedules with
     fallback: str = ""  # a fast path failed its start-up check and was replaced (engine/self_check.py); "": none
     pool_segment_pages: int = 0  # the pool's segment size (pool/segments.py); 0: pool off
+    pool_query_row_bytes: int = 0  # a query row shipped to a holder and answered, all layers (dispatch's costs)
+    pool_kv_token_bytes: int = 0  # a token's KV, all layers (a put's cost)
 
 
 class Delta(msgspec.Struct):

@@ -34,7 +34,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+import numpy as np
+
 from tokenflowd.kv.pages import chain_page_keys
+from tokenflowd.pool.dispatch import assign, balanced_slots
 from tokenflowd.pool.heat import SegmentHeat
 from tokenflowd.pool.placement import rendezvous_home
 from tokenflowd.prefix_index import PrefixIndex
@@ -47,6 +50,20 @@ class EngineLoad(Protocol):
 
     @property
     def load(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    prompt_token_ids: Sequence[int]
+    max_tokens: int  # the output it may produce: rows it queries with, each step
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficCost:
+    """What moving a request's data between engines costs, in bytes (the engines' Ready says)."""
+
+    query_row_bytes: int  # a query row shipped and answered, all layers
+    kv_token_bytes: int  # a token's KV, all layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +94,7 @@ class Router:
         if len(engines) == 1:
             return Choice(engines[0].engine_id, 0)
         # The last prompt token is always computed, so only pages before it can be hits.
-        keys = chain_page_keys(prompt_token_ids, self.page_size, [], max(0, len(prompt_token_ids) - 1))
-        return self.pick_keys(engines, keys)
+        return self.pick_keys(engines, self.prompt_keys(prompt_token_ids))
 
     def pick_keys(self, engines: Sequence[EngineLoad], keys: Sequence[bytes]) -> Choice:
         """`pick` for a request whose chained page keys are known (its cached pages counted even
@@ -94,15 +110,17 @@ class Router:
         return best[2]
 
     def pick_pooled(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int = 1,
-                    rng: random.Random | None = None, place: bool = True) -> Choice:
+                    rng: random.Random | None = None, place: bool = True, target: int | None = None) -> Choice:
         """The pool's pick (see the module docstring); `engines` non-empty. A request reads each
         segment (`segment_pages` pages) from one engine that holds all of it; of a segment no engine
         holds whole, the longest leading part one engine holds, and nothing after it. `place`: name
-        the homes of the new segments it computes (else they stay where it runs)."""
-        keys = chain_page_keys(prompt_token_ids, self.page_size, [], max(0, len(prompt_token_ids) - 1))
+        the homes of the new segments it computes (else they stay where it runs). `target`: the engine
+        it runs on, chosen already (`dispatch`)."""
+        keys = self.prompt_keys(prompt_token_ids)
         load = {e.engine_id: e.load for e in engines}
-        target = min(engines, key=lambda e: (e.load, -self.index.cached_pages(e.engine_id, keys),
-                                             e.engine_id)).engine_id
+        if target is None:
+            target = min(engines, key=lambda e: (e.load, -self.index.cached_pages(e.engine_id, keys),
+                                                 e.engine_id)).engine_id
         rng = rng or random
         now = self.clock()
         runs: list[tuple[int, list[bytes]]] = []
@@ -135,6 +153,53 @@ class Router:
         if all(e == target for e, _ in runs):
             return Choice(target, own, [], places)  # all of it here: the engine's own prefix cache serves it
         return Choice(target, own, runs, places)
+
+    def prompt_keys(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
+        """The chained keys of the prompt's pages that can be hits (all before its last token)."""
+        return chain_page_keys(prompt_token_ids, self.page_size, [], max(0, len(prompt_token_ids) - 1))
+
+    def dispatch(self, engines: Sequence[EngineLoad], arrivals: Sequence[Arrival], segment_pages: int,
+                 cost: TrafficCost, place: bool = True, rng: random.Random | None = None) -> list[Choice]:
+        """The pool's choices for requests that arrive together (TokenLake §5): the engines are
+        topped up to an even load (pool/dispatch.py balanced_slots), and within that each request
+        goes where the bytes it would move are fewest, by minimum-cost bipartite matching (scipy):
+        its query rows to each other engine holding segments it reads, and its new segments to
+        their homes elsewhere. Then each one's reads are named as `pick_pooled` does."""
+        if len(arrivals) == 1 or len(engines) == 1:
+            return [self.pick_pooled(engines, a.prompt_token_ids, segment_pages, rng, place) for a in arrivals]
+        ids = [e.engine_id for e in engines]
+        keys = [self.prompt_keys(a.prompt_token_ids) for a in arrivals]
+        costs = np.array([[self._traffic(k, a, v, ids, max(1, segment_pages), cost, place) for v in ids]
+                          for k, a in zip(keys, arrivals)], dtype=np.float64)
+        targets = assign(costs, ids, balanced_slots({e.engine_id: e.load for e in engines}, len(arrivals)))
+        return [self.pick_pooled(engines, a.prompt_token_ids, segment_pages, rng, place, target=t)
+                for a, t in zip(arrivals, targets)]
+
+    def _traffic(self, keys: Sequence[bytes], arrival: Arrival, engine: int, engines: list[int], seg: int,
+                 cost: TrafficCost, place: bool) -> float:
+        """Bytes a request would move if it ran on `engine`: its query rows (the prompt it computes,
+        and its output) to each other engine it reads segments on, and its new segments' KV to
+        their homes elsewhere."""
+        shipped: set[int] = set()
+        current: int | None = None
+        read = 0
+        for start in range(0, len(keys) - seg + 1, seg):
+            chunk = keys[start : start + seg]
+            whole = [e for e in engines if self.index.cached_pages(e, chunk) == len(chunk)]
+            if not whole:
+                break
+            read = start + seg
+            if engine in whole:
+                current = engine
+                continue
+            current = current if current in whole else min(whole)
+            shipped.add(current)
+        rows = len(arrival.prompt_token_ids) - read * self.page_size + arrival.max_tokens
+        moved = len(shipped) * rows * cost.query_row_bytes
+        if place:
+            for _, chunk in self._places(keys, read, seg, engine, engines):
+                moved += len(chunk) * self.page_size * cost.kv_token_bytes
+        return moved
 
     def _places(self, keys: Sequence[bytes], read: int, seg: int, target: int,
                 engines: list[int]) -> list[tuple[int, list[bytes]]]:

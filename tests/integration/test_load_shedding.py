@@ -146,10 +146,16 @@ def test_engine_sheds_a_late_request_without_queueing_it(tiny):
     with pytest.raises(QueueDelayExceeded) as e:
         core.add_request(req("d"))
     assert e.value.predicted_ttft == pytest.approx(2 * 40 * 0.1)
+    # Pool peers taking half of this engine's time slow every step it plans alike.
+    core.admission.pace, sched.pool_share = 1.0, 0.5
+    with pytest.raises(QueueDelayExceeded) as e:
+        core.add_request(req("d"))
+    assert e.value.predicted_ttft == pytest.approx(2 * 40 * 0.1)
+    sched.pool_share = 0.0
     # The same request is admitted under a bound it fits.
     core.admission.pace, core.admission.bound = 1.0, 4.5
     core.add_request(req("d"))
-    assert "d" in sched.requests and core.admission.num_shed == 2
+    assert "d" in sched.requests and core.admission.num_shed == 3
     for rid in list(sched.requests):
         core.abort(rid)
     # Idle: never shed, whatever the model says.

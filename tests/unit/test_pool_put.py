@@ -77,3 +77,13 @@ def test_a_put_whose_bytes_do_not_match_its_pages_is_an_error_and_changes_nothin
     assert a.put(1, keys, kv) == 0
     assert b.pool.lookup(keys) == [] and b.pool.num_free == 6
     assert a.put(1, keys[:1], kv) == 1, "the home keeps serving"
+
+
+def test_the_share_of_an_engine_its_peers_take_is_the_query_services_busy_time_over_wall_time(pair):
+    a, _ = pair
+    t0 = a._share_at[0]
+    assert a.measure_share(t0 + 0.1) == 0.0, "measured once a period"
+    a.service.busy_seconds += 0.4
+    assert a.measure_share(t0 + 1.0) == pytest.approx(0.5 * 0.4)  # smoothed: half the last period's
+    a.service.busy_seconds += 5.0  # more than the wall time (a clock's jitter): capped
+    assert a.measure_share(t0 + 2.0) == pytest.approx(0.5 * 0.2 + 0.5 * 0.9)

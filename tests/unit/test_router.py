@@ -176,3 +176,57 @@ def test_pooled_pick_places_nothing_held_anywhere_and_nothing_of_a_hot_replica()
     home = rendezvous_home(k[3], [0, 1])
     c = router_with({}).pick_pooled([FakeEngine(0), FakeEngine(1)], tokens[:28], segment_pages=4)
     assert c.engine_id == 0 and c.places == ([] if home == 0 else [(1, k[:4])])
+
+
+def test_dispatch_of_arrivals_balances_load_then_moves_the_fewest_bytes():
+    import itertools
+    import random
+
+    from tokenflowd.pool.dispatch import balanced_slots
+    from tokenflowd.router import Arrival, TrafficCost
+
+    cost = TrafficCost(query_row_bytes=100, kv_token_bytes=30)
+    rng = random.Random(3)
+    for trial in range(30):
+        prompts = [[rng.randrange(3)] * 4 + [rng.randrange(1000) for _ in range(rng.choice([4, 12, 20]))]
+                   for _ in range(4)]
+        held = {e: [] for e in range(3)}
+        for prompt in prompts:
+            k = keys_of(prompt[:-1])
+            held[rng.randrange(3)].extend(k[: rng.choice([0, 2, 4])])
+        r = router_with(held)
+        engines = [FakeEngine(e, load=rng.randrange(3)) for e in range(3)]
+        arrivals = [Arrival(p, max_tokens=rng.randrange(1, 50)) for p in prompts]
+        choices = r.dispatch(engines, arrivals, 2, cost)
+        ids = [e.engine_id for e in engines]
+        load = {e.engine_id: e.load for e in engines}
+
+        def traffic(targets):
+            return sum(r._traffic(r.prompt_keys(a.prompt_token_ids), a, t, ids, 2, cost, True)
+                       for a, t in zip(arrivals, targets))
+
+        def peak(targets):
+            return max(load[e] + list(targets).count(e) for e in ids)
+
+        got = [c.engine_id for c in choices]
+        options = list(itertools.product(ids, repeat=len(arrivals)))
+        best_peak = min(peak(t) for t in options)
+        assert peak(got) == best_peak, (trial, got)  # no engine ends busier than it must
+        slots = balanced_slots(load, len(arrivals))
+        within = [t for t in options if all(t.count(e) <= slots[e] for e in ids)]
+        assert traffic(got) == min(traffic(t) for t in within), (trial, got)
+
+
+def test_dispatch_runs_each_arrival_beside_the_segments_it_reads():
+    from tokenflowd.router import Arrival, TrafficCost
+
+    a, b = list(range(100, 117)), list(range(200, 217))  # 4 full pages each before the last token
+    r = router_with({0: keys_of(a[:-1]), 1: keys_of(b[:-1])})
+    engines = [FakeEngine(0), FakeEngine(1)]
+    choices = r.dispatch(engines, [Arrival(b, 8), Arrival(a, 8)], 2, TrafficCost(100, 30))
+    assert [(c.engine_id, c.cached_pages, c.runs) for c in choices] == [(1, 4, []), (0, 4, [])]
+    # Engine 0 busier by two: the even level takes both arrivals to engine 1, which reads a's
+    # pages where they are.
+    busy = [FakeEngine(0, load=2), FakeEngine(1)]
+    choices = r.dispatch(busy, [Arrival(b, 8), Arrival(a, 8)], 2, TrafficCost(100, 30))
+    assert [c.engine_id for c in choices] == [1, 1] and choices[1].runs == [(0, keys_of(a[:-1]))]

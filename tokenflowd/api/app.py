@@ -22,13 +22,14 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import msgspec
 from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenflowd.api import schema as s
+from tokenflowd.api.arrivals import Arrivals
 from tokenflowd.api.auth import CALLER, Caller, KeyTable, auth_middleware, exposure_warning, load_api_keys, priority_refusal
 from tokenflowd.api.cadence import CadenceEstimator, ConversationKeys, Lookup
 from tokenflowd.api.connections import head_middleware, writable
@@ -40,7 +41,7 @@ from tokenflowd.api.rates import RateChoice, RateMonitor, choose_rate
 from tokenflowd.config import ServerConfig
 from tokenflowd.procstats import process_figures
 from tokenflowd.protocol import AddRequest, Coalesce, PrefixRun, RequestInfo, Sampling
-from tokenflowd.router import Router
+from tokenflowd.router import Arrival, Choice, Router, TrafficCost
 from tokenflowd.supervisor import NoEngineReady, Supervisor
 from tokenflowd.text.tokenizer import Tokenizer
 
@@ -59,6 +60,10 @@ _UNSUPPORTED = {
     "tool_choice": "tool_choice must be 'none' or 'auto' (tools are not supported)",
     "response_format": "response_format must be {\"type\": \"text\"}: structured output is not supported",
 }
+
+# dispatch's guess of a request's output tokens (max_tokens caps it): a chat reply's length
+DEFAULT_EXPECTED_OUTPUT = 256
+
 log = logging.getLogger("tokenflowd.api")
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -108,6 +113,7 @@ class Front:
         self.model_name = model_name
         self.metrics = Metrics(supervisor)
         self.router = Router(supervisor.engine_config.page_size, supervisor.index)
+        self.arrivals: Arrivals[Arrival, Choice] = Arrivals(self._place)  # the pool's dispatch groups
         self.draining = False
         self.created = int(time.time())
         self._chat_decoder = msgspec.json.Decoder(s.ChatCompletionRequest)
@@ -273,7 +279,31 @@ class Front:
         why = "draining for shutdown" if self.draining else "starting or restarting its engines"
         return APIError(503, f"the server is {why}: retry shortly", code="unavailable", headers={"Retry-After": "1"})
 
-    def _start(self, prep: _Prepared, request_id: str, arrival: float) -> Generation:
+    async def _pick(self, prep: _Prepared) -> Choice:
+        """The engine (and, with the pool on, where its prefix is read and its new segments go):
+        refusals first (draining, the waiting bound, no engine ready)."""
+        self._admissible()
+        if self.supervisor.engine_config.pool_mode == "off":
+            return self.router.pick(self._ready_slots(), prep.prompt_ids)
+        output = prep.sampling.max_tokens or DEFAULT_EXPECTED_OUTPUT
+        return await self.arrivals.add(Arrival(prep.prompt_ids, min(output, DEFAULT_EXPECTED_OUTPUT)))
+
+    def _place(self, arrivals: Sequence[Arrival]) -> list[Choice]:
+        """A group of arrivals with the pool on (api/arrivals.py)."""
+        slots = self._ready_slots()
+        infos = [slot.info for slot in slots if slot.info is not None]
+        segment = min(i.pool_segment_pages for i in infos) or 1
+        cost = TrafficCost(max(i.pool_query_row_bytes for i in infos), max(i.pool_kv_token_bytes for i in infos))
+        place = self.supervisor.engine_config.pool_placement == "home"
+        return self.router.dispatch(slots, arrivals, segment, cost, place=place)
+
+    def _ready_slots(self) -> list:
+        slots = [slot for slot in self.supervisor.slots if slot.ready]
+        if not slots:
+            raise self._unavailable()
+        return slots
+
+    def _admissible(self) -> None:
         if self.draining:
             raise self._unavailable()
         if self.supervisor.num_waiting >= self.config.max_waiting_requests:
@@ -281,16 +311,10 @@ class Front:
             raise APIError(429, f"{self.supervisor.num_waiting} requests are already waiting for an engine "
                                 f"(the bound is {self.config.max_waiting_requests}): retry after a second",
                            code="queue_full", headers={"Retry-After": "1"})
-        slots = [slot for slot in self.supervisor.slots if slot.ready]
-        if not slots:
+
+    def _start(self, prep: _Prepared, request_id: str, arrival: float, choice: Choice) -> Generation:
+        if self.draining:
             raise self._unavailable()
-        pooled = self.supervisor.engine_config.pool_mode != "off"
-        if pooled:
-            segment = min(slot.info.pool_segment_pages for slot in slots if slot.info is not None) or 1
-            choice = self.router.pick_pooled(slots, prep.prompt_ids, segment,
-                                             place=self.supervisor.engine_config.pool_placement == "home")
-        else:
-            choice = self.router.pick(slots, prep.prompt_ids)
         slot = self.supervisor.slots[choice.engine_id]
         coalesce = self.coalescing if prep.stream and prep.coalesce else None
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,
@@ -352,7 +376,7 @@ class Front:
         caller = request[CALLER]
         self._open(caller)
         try:
-            gen = self._start(prep, chunks.rid, arrival)
+            gen = self._start(prep, chunks.rid, arrival, await self._pick(prep))
         except BaseException:
             self.open_counts.close(caller.identity)
             raise

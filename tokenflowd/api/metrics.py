@@ -150,12 +150,17 @@ class EngineCollector(Collector):
                 if slot.stats is not None:
                     c.add_metric([str(slot.engine_id)], value(slot.stats))
             yield c
-        pins = GaugeMetricFamily("tokenflowd_pool_pinned_pages", "Pages an engine keeps pinned for peers' requests",
-                                 labels=["engine"])
-        for slot in slots:
-            if slot.stats is not None:
-                pins.add_metric([str(slot.engine_id)], slot.stats.pool_pins)
-        yield pins
+        gauges = {
+            "tokenflowd_pool_pinned_pages": ("Pages an engine keeps pinned for peers' requests", lambda s: s.pool_pins),
+            "tokenflowd_pool_share": ("Share of an engine's time that serving its pool peers took lately (its "
+                                      "step-time model is slowed by it)", lambda s: s.pool_share),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(name, doc, labels=["engine"])
+            for slot in slots:
+                if slot.stats is not None:
+                    g.add_metric([str(slot.engine_id)], value(slot.stats))
+            yield g
 
     def _processes(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """Each live engine process as the OS sees it (psutil): a leaking or spinning engine shows."""

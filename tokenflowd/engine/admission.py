@@ -201,7 +201,7 @@ def engine_ttft(scheduler: Scheduler, req: Request, pace: float = 1.0) -> float:
         queued.append(QueuedWork(max(1, r.num_tokens - computed), max(0.0, e - r.num_output_tokens - 1),
                                  peak_pages(r, e)))
     contexts = [r.num_tokens for r in seated] or [r.num_tokens for r in (*ahead, req)]
-    c = scheduler.step_model.cost
+    c = scheduler.cost
     cost = StepCost(c.base * pace, c.per_token * pace, c.per_context * pace)
     return predict_ttft(queued[-1], running, queued[:-1], cost,
                         max_num_seqs=scheduler.max_num_seqs, free_pages=kv.pool.num_free,

@@ -275,7 +275,7 @@ class EngineCore:
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.total_tokens
         # the step as the model priced it before seeing it (only load shedding's pace reads it)
-        priced = (self.scheduler.step_model.cost.step_time(batch.total_tokens, batch.num_context_tokens)
+        priced = (self.scheduler.cost.step_time(batch.total_tokens, batch.num_context_tokens)
                   if self.admission is not None else 0.0)
         # NOTE: a fresh engine's first step carries one-time costs (kernel and allocator set-up): 8 s
         # for a 0.2 s step on a 2-core CPU. Fitted, it inflated per_token eightfold for the model's window.

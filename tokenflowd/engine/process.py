@@ -83,7 +83,7 @@ class EngineProcess(EngineEndpoint):
         self.send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.config.model,
                           core.max_model_len, self.config.page_size, self.config.device, self._stats(),
                           self.config.policy, msgspec.to_builtins(self.config.policy_params), core.fallback,
-                          self.member.segment_pages if self.member is not None else 0))
+                          *self._pool_ready()))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
         trimmed = True  # nothing freed since the heap was last handed back
@@ -95,6 +95,12 @@ class EngineProcess(EngineEndpoint):
         if self.shared_cache is not None:
             self.shared_cache.close()
         self.close()
+
+    def _pool_ready(self) -> tuple[int, int, int]:
+        """Ready's pool fields: the segment size and what dispatch weighs (0s: the pool is off)."""
+        if self.member is None:
+            return 0, 0, 0
+        return self.member.segment_pages, *self.member.traffic_bytes()
 
     def _loop(self, heartbeat_ms: int, last_sent: float, trimmed: bool) -> None:
         core = self.core
@@ -115,6 +121,8 @@ class EngineProcess(EngineEndpoint):
             if polled:
                 self.drain_inbox()
             deltas = self.take_rejected()
+            if self.member is not None:
+                core.scheduler.pool_share = self.member.measure_share(time.monotonic())
             if core.has_unfinished():
                 deltas += [_delta(out) for out in core.step()]
             elif copying:
@@ -279,7 +287,8 @@ class EngineProcess(EngineEndpoint):
         m = self.member.stats
         return dict(pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
                     pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages,
-                    pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"])
+                    pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
+                    pool_share=self.member.share)
 
 
 def _malloc_trim() -> Callable[[int], int] | None:

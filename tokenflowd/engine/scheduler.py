@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from tokenflowd.buffer.estimates import OutputLengthModel, StepTimeModel
+from tokenflowd.buffer.estimates import OutputLengthModel, StepCost, StepTimeModel
 from tokenflowd.buffer.policy import RequestView, SchedulerView, SchedulingPolicy
 from tokenflowd.engine.request import FinishReason, Request, RequestStatus, SamplingRow
 from tokenflowd.kv.manager import KVCacheManager, PrefixMatch
@@ -100,6 +100,9 @@ class Scheduler:
         self._matches: dict[str, PrefixMatch] = {}  # this step's prefix matches of the waiting requests in view
         self._deferred: tuple[str, ...] = ()  # of the last plan, what was scheduled and not run
         self.step_model = StepTimeModel()  # fed by observe_step; read by policies through the view
+        # of this engine's time, the share its pool peers take (their queries and puts, pool/member.py):
+        # the model fits the engine's own work, and `cost` slows it by this share
+        self.pool_share = 0.0
         # fed by the requests that finish; the view's expected output lengths (the prior until then)
         self.output_lengths = OutputLengthModel(expected_output_len)
 
@@ -161,7 +164,7 @@ class Scheduler:
             page_size=kv.page_size,
             token_budget=self.token_budget,
             max_num_seqs=max(1, self.max_num_seqs - len(self.loading)),
-            cost=self.step_model.cost,
+            cost=self.cost,
             host_pages=kv.host.num_pages,
             loading=loading_views,
             deferred=self._deferred,
@@ -196,7 +199,7 @@ class Scheduler:
         than recomputing. None: not a load (admit as usual); else whether it was admitted."""
         if m.io_time is None:
             return None
-        recompute = self.step_model.cost.recompute_time(m.num_load_tokens - m.num_device_pages * self.kv.page_size)
+        recompute = self.cost.recompute_time(m.num_load_tokens - m.num_device_pages * self.kv.page_size)
         if not planned and m.io_time >= recompute:
             return None
         if not self.kv.start_load(req, m):
@@ -220,7 +223,7 @@ class Scheduler:
     def issue_copies(self, batch: ScheduledBatch) -> None:
         """Before the step runs: write-through and load chunks sized to end within it (§5.2)."""
         # An empty step hides nothing: then every queued load and write goes at once.
-        seconds = self.step_model.cost.step_time(batch.total_tokens, batch.num_context_tokens) if len(batch) \
+        seconds = self.cost.step_time(batch.total_tokens, batch.num_context_tokens) if len(batch) \
             else math.inf
         now = self.clock()
         self.kv.issue(seconds, self.running, self.loading, lambda r: r.buffer.buffer(now))
@@ -301,7 +304,18 @@ class Scheduler:
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         """How long `batch` took to compute (wall time on the engine, virtual in the simulator)."""
-        self.step_model.observe(batch.total_tokens, batch.num_context_tokens, seconds)
+        self.step_model.observe(batch.total_tokens, batch.num_context_tokens, seconds * (1.0 - self.pool_share))
+
+    @property
+    def cost(self) -> StepCost:
+        """What steps cost from here on: the model of the engine's own work, slowed by the share of
+        the engine its pool peers take (TokenLake's get_cache_load, measured here rather than bounded:
+        the holder's query service times its work)."""
+        c = self.step_model.cost
+        if not self.pool_share:
+            return c
+        k = 1.0 / (1.0 - self.pool_share)
+        return StepCost(c.base * k, c.per_token * k, c.per_context * k)
 
     # -- update -------------------------------------------------------------------------------
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:

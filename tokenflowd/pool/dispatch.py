@@ -38,6 +38,30 @@ def cost_matrix(batches: Sequence[BatchTraffic], engines: Sequence[int]) -> np.n
                                                                                                  len(engines))
 
 
+def balanced_slots(loads: Mapping[int, int], n: int) -> dict[int, int]:
+    """How many of `n` new batches each engine takes so that the busiest ends as little loaded as it
+    can (water-filling: the least loaded are topped up to a common level first)."""
+    if not loads:
+        raise ValueError("no engine to dispatch to")
+    level = min(loads.values())
+    while sum(max(0, level - load) for load in loads.values()) < n:
+        level += 1
+    return {e: max(0, level - load) for e, load in loads.items()}
+
+
+def assign(costs: np.ndarray, engines: Sequence[int], slots: Mapping[int, int]) -> list[int]:
+    """The engine for each row of `costs` (rows: batches, columns: `engines`), of least total cost,
+    engine e taking at most slots[e] rows (their sum must cover the rows)."""
+    if sum(slots.get(e, 0) for e in engines) < costs.shape[0]:
+        raise ValueError("fewer slots than batches")
+    columns = [i for i, e in enumerate(engines) for _ in range(slots.get(e, 0))]
+    rows, cols = linear_sum_assignment(costs[:, columns])
+    out = [0] * costs.shape[0]
+    for r, c in zip(rows, cols):
+        out[r] = engines[columns[c]]
+    return out
+
+
 def dispatch(batches: Sequence[BatchTraffic], engines: Sequence[int]) -> list[int]:
     """The engine for each batch, minimising the bytes moved; no engine takes more than ⌈B/N⌉."""
     if not batches:
@@ -45,10 +69,4 @@ def dispatch(batches: Sequence[BatchTraffic], engines: Sequence[int]) -> list[in
     if not engines:
         raise ValueError("no engine to dispatch to")
     copies = math.ceil(len(batches) / len(engines))
-    columns = [e for e in engines for _ in range(copies)]
-    costs = cost_matrix(batches, columns)
-    rows, cols = linear_sum_assignment(costs)
-    out = [0] * len(batches)
-    for r, c in zip(rows, cols):
-        out[r] = columns[c]
-    return out
+    return assign(cost_matrix(batches, engines), engines, {e: copies for e in engines})

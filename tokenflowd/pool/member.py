@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -46,6 +47,8 @@ log = logging.getLogger("tokenflowd.pool")
 QUERY_TIMEOUT_MS = 30_000  # a peer alive but silent this long is taken for gone
 MAX_SEGMENT_PAGES = 64  # a segment longer than this would leave most prefixes unpooled
 PROBE_PAGES = 256  # k_comp's probe: one query row over this many pages
+SHARE_PERIOD = 0.5  # s: the pool's share of the engine is measured over periods this long
+MAX_SHARE = 0.9  # the step-time model is slowed by at most 10x
 
 
 @dataclass
@@ -83,6 +86,8 @@ class PoolMember:
         self.service = QueryService(service_address(runtime_dir, engine, incarnation), backend, self.kv_layers,
                                     self._resolve, self._release, self._store).start()
         self.segment_pages = 0  # set by size_segments
+        self.share = 0.0  # of this engine's time, what serving peers took lately (`measure_share`)
+        self._share_at = (time.monotonic(), 0.0)  # (when, the service's busy seconds then)
 
     def size_segments(self, tokens: int = 0, max_pages: int = MAX_SEGMENT_PAGES) -> int:
         """The segment size in pages: `tokens` if given, else the threshold of segments.py with
@@ -113,6 +118,25 @@ class PoolMember:
                  "k_comp %.1f ns/token", self.segment_pages, self.segment_pages * ps, costs.threshold_tokens(),
                  alpha * 1e6, bandwidth / 1e9, k_comp * 1e9)
         return self.segment_pages
+
+    def measure_share(self, now: float) -> float:
+        """The share of this engine's time its query service took serving peers: busy seconds over
+        wall time, per period of SHARE_PERIOD, smoothed over the last few (exponentially, by half)."""
+        then, busy = self._share_at
+        if now - then >= SHARE_PERIOD:
+            current = self.service.busy_seconds
+            period = min(MAX_SHARE, (current - busy) / (now - then))
+            self.share = 0.5 * self.share + 0.5 * period
+            self._share_at = (now, current)
+        return self.share
+
+    def traffic_bytes(self) -> tuple[int, int]:
+        """(a query row shipped and answered, a token's KV), all layers: what the front's dispatch
+        weighs (router.py TrafficCost)."""
+        b = self.backend
+        item = torch.empty((), dtype=b.dtype).element_size()
+        layers = len(self.kv_layers)
+        return layers * query_payload(b.num_heads, b.head_dim, item), layers * 2 * b.num_kv_heads * b.head_dim * item
 
     def close(self) -> None:
         self.service.close()

@@ -186,6 +186,7 @@ class QueryService:
         self._sock.bind(address)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pool-query", daemon=True)
+        self.busy_seconds = 0.0  # serving peers: what this engine's steps share their device with
 
     def start(self) -> "QueryService":
         self._thread.start()
@@ -220,6 +221,7 @@ class QueryService:
                 log.warning("pool query service: a message of %d frames dropped", len(frames))
                 continue
             ident, raw, *payload = frames
+            t0 = time.perf_counter()
             seq = 0
             try:
                 msg = _TO_HOLDER.decode(raw)
@@ -233,6 +235,7 @@ class QueryService:
                 reply = Done(error=f"{type(e).__name__}: {e}")
             reply.seq = seq
             self._sock.send_multipart([ident, _ENCODER.encode(reply)])
+            self.busy_seconds += time.perf_counter() - t0
 
     def _put(self, msg: Put, payload: bytes) -> Stored:
         if self.store is None:
