@@ -1,6 +1,7 @@
 """The node's prefix-cache pool on the real daemon (CPU, the embedded model): today's cache-aware
-routing (`--pool-mode off`) against `--pool-mode query` and `--pool-mode read`, on the Mooncake
-conversation trace replayed by the load generator.
+routing (`--pool-mode off`) against `--pool-mode query` and `--pool-mode read` (new segments placed
+at their homes; `query-local`, `read-local`: kept where computed), on the Mooncake conversation
+trace replayed by the load generator.
 
     .venv/bin/python bench/pool_daemon.py [--engines 2] [--num-prompts 300] [--rounds 1]
         [--out bench/results/pool_daemon.json]
@@ -46,15 +47,18 @@ SOURCES = ("local", "peer", "miss")
 
 
 def flags(engines: int, kv: str, mode: str) -> list[str]:
+    """`mode`: off, query or read (placement by home, the default), or query-local, read-local (new
+    segments stay where they are computed)."""
+    pool, _, placement = mode.partition("-")
     return ["--engines", str(engines), "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", kv,
-            "--pool-mode", mode]
+            "--pool-mode", pool, *(["--pool-placement", placement] if placement else [])]
 
 
 def counters(d: Daemon) -> dict[str, float]:
     out = {}
     for s in SOURCES:
         out[s] = d.metric("tokenflowd_prompt_token_sources_total", source=s)
-    for name in ("queries", "query_bytes", "query_seconds"):
+    for name in ("queries", "query_bytes", "query_seconds", "put_pages"):
         try:
             out[name] = d.metric(f"tokenflowd_pool_{name}_total")
         except KeyError:  # pool off: no such metric
@@ -122,6 +126,7 @@ def run_mode(mode: str, a, workload: LoadWorkload, log_dir: Path) -> dict:
         "pool_queries": delta["queries"],
         "pool_query_mb": delta["query_bytes"] / 1e6,
         "pool_query_ms_mean": 1000 * delta["query_seconds"] / delta["queries"] if delta["queries"] else None,
+        "pool_put_pages": delta["put_pages"],
     }
     print(f"[bench] {mode}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                           for k, v in out.items() if k not in ("mode", "sources")), flush=True)

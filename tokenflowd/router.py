@@ -21,6 +21,11 @@ busier than the chosen engine by more than a slack is not read there: the chosen
 it and what follows, and so holds a replica of it. Heavy hitters are replicated to the least
 loaded engines that lack them, by use (Mooncake's hot prefixes replicate the same way).
 
+Requests that reach the front together are placed together (`dispatch`, TokenLake §5): the engines
+are topped up to an even load, and within that each request goes where it moves the fewest bytes
+(its query rows to the other engines holding what it reads, its new segments to their homes), by
+minimum-cost bipartite matching; then its reads are named as `pick_pooled` names them.
+
 Placement (`--pool-placement home`, the default): each whole segment of the prompt that no engine
 holds any page of has a home, the serving engine its last key hashes to (rendezvous hashing,
 pool/placement.py): the chosen engine computes it and, where the home is another engine, puts it
@@ -169,47 +174,51 @@ class Router:
             return [self.pick_pooled(engines, a.prompt_token_ids, segment_pages, rng, place) for a in arrivals]
         ids = [e.engine_id for e in engines]
         keys = [self.prompt_keys(a.prompt_token_ids) for a in arrivals]
-        costs = np.array([[self._traffic(k, a, v, ids, max(1, segment_pages), cost, place) for v in ids]
+        costs = np.array([self._traffic(k, a, ids, max(1, segment_pages), cost, place)
                           for k, a in zip(keys, arrivals)], dtype=np.float64)
         targets = assign(costs, ids, balanced_slots({e.engine_id: e.load for e in engines}, len(arrivals)))
         return [self.pick_pooled(engines, a.prompt_token_ids, segment_pages, rng, place, target=t)
                 for a, t in zip(arrivals, targets)]
 
-    def _traffic(self, keys: Sequence[bytes], arrival: Arrival, engine: int, engines: list[int], seg: int,
-                 cost: TrafficCost, place: bool) -> float:
-        """Bytes a request would move if it ran on `engine`: its query rows (the prompt it computes,
+    def _traffic(self, keys: Sequence[bytes], arrival: Arrival, engines: list[int], seg: int, cost: TrafficCost,
+                 place: bool) -> list[float]:
+        """Bytes a request would move on each of `engines`: its query rows (the prompt it computes,
         and its output) to each other engine it reads segments on, and its new segments' KV to
         their homes elsewhere."""
-        shipped: set[int] = set()
-        current: int | None = None
-        read = 0
+        reads: list[set[int]] = []  # per segment read: the engines holding all of it
         for start in range(0, len(keys) - seg + 1, seg):
-            chunk = keys[start : start + seg]
-            whole = [e for e in engines if self.index.cached_pages(e, chunk) == len(chunk)]
+            whole = set(engines)
+            for key in keys[start : start + seg]:
+                whole.intersection_update(self.index.holders(key))
             if not whole:
                 break
-            read = start + seg
-            if engine in whole:
-                current = engine
-                continue
-            current = current if current in whole else min(whole)
-            shipped.add(current)
+            reads.append(whole)
+        read = len(reads) * seg
         rows = len(arrival.prompt_token_ids) - read * self.page_size + arrival.max_tokens
-        moved = len(shipped) * rows * cost.query_row_bytes
-        if place:
-            for _, chunk in self._places(keys, read, seg, engine, engines):
-                moved += len(chunk) * self.page_size * cost.kv_token_bytes
-        return moved
+        homes = self._places(keys, read, seg, None, engines) if place else []
+        out = []
+        for engine in engines:
+            shipped: set[int] = set()
+            current: int | None = None
+            for whole in reads:  # as pick_pooled names them: its own, else the previous holder
+                if engine in whole:
+                    current = engine
+                    continue
+                current = current if current in whole else min(whole)
+                shipped.add(current)
+            put = sum(len(chunk) for home, chunk in homes if home != engine) * self.page_size
+            out.append(len(shipped) * rows * cost.query_row_bytes + put * cost.kv_token_bytes)
+        return out
 
-    def _places(self, keys: Sequence[bytes], read: int, seg: int, target: int,
+    def _places(self, keys: Sequence[bytes], read: int, seg: int, target: int | None,
                 engines: list[int]) -> list[tuple[int, list[bytes]]]:
         """The homes of the whole segments past the `read` pages that no engine holds any page of:
         the target computes them and puts each at its home (rendezvous hashing over the serving
-        engines; its own are kept)."""
+        engines; its own are kept; target None: all of them)."""
         places: list[tuple[int, list[bytes]]] = []
         for start in range(-(-read // seg) * seg, len(keys) - seg + 1, seg):
             chunk = keys[start : start + seg]
-            if self.index.holders(chunk[0]) or self.index.holders(chunk[-1]):
+            if any(self.index.holders(key) for key in chunk):
                 continue
             home = rendezvous_home(chunk[-1], engines)
             if home != target:

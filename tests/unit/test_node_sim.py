@@ -19,16 +19,19 @@ def workload() -> list[WorkloadRequest]:
 def test_the_pool_computes_a_shared_prefix_once_where_routing_computes_it_on_each_engine_it_uses():
     cost = cost_model("a100-llama2-7b")
     results = simulate_node(cost, workload(), config=NodeConfig(engines=4, segment_pages=8))
-    routing, pool = results["routing"].summary(), results["pool"].summary()
-    for s in (routing, pool):
-        assert s["requests_served"] == 65
-    assert routing["peer_tokens"] == 0
-    assert pool["peer_tokens"] >= 512, "requests on other engines read the prefix where it is"
-    # The prefix is computed once with the pool; routing spreads the burst by load and computes it
-    # again on every other engine it sends readers to.
-    assert pool["computed_tokens"] < routing["computed_tokens"]
-    assert pool["hit_rate"] >= routing["hit_rate"]
-    assert results["pool"].busy_seconds.count(0.0) <= results["routing"].busy_seconds.count(0.0)
+    routing = results["routing"].summary()
+    assert routing["requests_served"] == 65 and routing["peer_tokens"] == 0
+    for mode in ("pool", "pool-local"):
+        pool = results[mode].summary()
+        assert pool["requests_served"] == 65
+        assert pool["peer_tokens"] >= 512, "requests on other engines read the prefix where it is"
+        # The prefix is computed once with the pool; routing spreads the burst by load and computes
+        # it again on every other engine it sends readers to.
+        assert pool["computed_tokens"] < routing["computed_tokens"]
+        assert pool["hit_rate"] >= routing["hit_rate"]
+        assert results[mode].busy_seconds.count(0.0) <= results["routing"].busy_seconds.count(0.0)
+    # Placement: the shared prefix's segments (and each reader's own) went to their homes.
+    assert results["pool"].put_pages > 0 and results["pool-local"].put_pages == 0
 
 
 def test_sim_node_command_prints_both_modes(tmp_path, capsys):

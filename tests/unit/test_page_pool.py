@@ -86,3 +86,20 @@ def test_key_events_report_publication_and_eviction_once_drained():
     pool.allocate()  # evicts the oldest cached page: page 0, key b"before"
     assert pool.drain_key_events() == ([b"k1"], [b"before"])
     assert pool.drain_key_events() == ([], [])
+
+
+def test_a_key_published_and_removed_between_drains_reads_as_removed():
+    from tokenflowd.prefix_index import PrefixIndex
+
+    pool, index = PagePool(3), PrefixIndex()
+    pool.drain_key_events()
+    a = pool.allocate()
+    pool.register(a, b"k")
+    pool.unpublish([b"k"])  # published, then given away, in one step window
+    index.update(0, *pool.drain_key_events())
+    assert index.holders(b"k") == []
+    pool.register(a, b"k")  # and back: removed, then published again
+    pool.unpublish([b"k"])
+    pool.register(a, b"k")
+    index.update(0, *pool.drain_key_events())
+    assert index.holders(b"k") == [0]

@@ -17,9 +17,15 @@ from tokenflowd.pool.member import PoolMember
 HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 4, 2, 8, 4, 3
 
 
-def member(engine: int, pages: int, runtime_dir: str) -> PoolMember:
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float32, torch.device("cpu"),
-                                    paged_kernel=False)
+class PageSecondLayout(TorchAttentionBackend):
+    """flashinfer's cache layout, [2, pages, kv_heads, page_size, d] (the page axis is 1, not 2)."""
+
+    def kv_cache_shape(self, num_pages: int) -> tuple[int, ...]:
+        return (2, num_pages, self.num_kv_heads, self.page_size, self.head_dim)
+
+
+def member(engine: int, pages: int, runtime_dir: str, backend_class=TorchAttentionBackend) -> PoolMember:
+    backend = backend_class(HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float32, torch.device("cpu"), paged_kernel=False)
     gen = torch.Generator().manual_seed(engine)
     layers = [torch.randn(backend.kv_cache_shape(pages), generator=gen) for _ in range(LAYERS)]
     return PoolMember(engine, 1, "query", runtime_dir, backend, layers, PagePool(pages), threading.Lock(), 8)
@@ -87,3 +93,47 @@ def test_the_share_of_an_engine_its_peers_take_is_the_query_services_busy_time_o
     assert a.measure_share(t0 + 1.0) == pytest.approx(0.5 * 0.4)  # smoothed: half the last period's
     a.service.busy_seconds += 5.0  # more than the wall time (a clock's jitter): capped
     assert a.measure_share(t0 + 2.0) == pytest.approx(0.5 * 0.2 + 0.5 * 0.9)
+
+
+def test_a_put_between_engines_of_different_cache_layouts_keeps_every_value_in_its_place(tmp_path):
+    a, b = member(0, 16, str(tmp_path)), member(1, 6, str(tmp_path), PageSecondLayout)
+    try:
+        a.set_peers([p.PoolPeer(1, 1, os.getpid(), 6)])
+        keys = chain_page_keys(list(range(3 * PAGE + 1)), PAGE, [])
+        pages = [a.pool.allocate() for _ in keys]
+        assert a.put(1, keys, a.stage(pages)) == 3
+        for layer_a, layer_b in zip(a.kv_layers, b.kv_layers):
+            for key, page in zip(keys, pages):
+                (there,) = b.pool.lookup([key])
+                assert torch.equal(layer_b[:, there], layer_a[:, :, page])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_store_never_evicts_a_page_it_counts_as_held(pair):
+    _, b = pair
+    keys = chain_page_keys(list(range(7 * PAGE + 1)), PAGE, [])
+    # The home holds keys[0] cached (unreferenced, the oldest in its LRU) and has 5 other pages.
+    page = b.pool.allocate()
+    b.pool.register(page, keys[0])
+    b.pool.decref(page)
+    kv = torch.zeros(LAYERS, 7, 2, KV_HEADS, PAGE, HEAD_DIM)
+    held = b._store(keys, kv)
+    assert held == 6, "keys[0] held, then the 5 free pages; the 7th page would evict keys[0]"
+    assert len(b.pool.lookup(keys)) == held and b.pool.num_used == 0
+
+
+def test_a_store_whose_copy_fails_frees_the_pages_it_took(pair, monkeypatch):
+    _, b = pair
+    keys = chain_page_keys(list(range(3 * PAGE + 1)), PAGE, [])
+    page = b.pool.allocate()
+    b.pool.register(page, keys[0])
+    b.pool.decref(page)
+
+    def broken(kv, new):
+        raise RuntimeError("out of device memory")
+
+    monkeypatch.setattr(b, "_write", broken)
+    assert b._store(keys, torch.zeros(LAYERS, 3, 2, KV_HEADS, PAGE, HEAD_DIM)) == 1, "only what it held before"
+    assert b.pool.lookup(keys) == [page] and b.pool.num_used == 0 and b.pool.num_free == 6

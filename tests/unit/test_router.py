@@ -202,7 +202,7 @@ def test_dispatch_of_arrivals_balances_load_then_moves_the_fewest_bytes():
         load = {e.engine_id: e.load for e in engines}
 
         def traffic(targets):
-            return sum(r._traffic(r.prompt_keys(a.prompt_token_ids), a, t, ids, 2, cost, True)
+            return sum(r._traffic(r.prompt_keys(a.prompt_token_ids), a, ids, 2, cost, True)[t]
                        for a, t in zip(arrivals, targets))
 
         def peak(targets):
@@ -230,3 +230,51 @@ def test_dispatch_runs_each_arrival_beside_the_segments_it_reads():
     busy = [FakeEngine(0, load=2), FakeEngine(1)]
     choices = r.dispatch(busy, [Arrival(b, 8), Arrival(a, 8)], 2, TrafficCost(100, 30))
     assert [c.engine_id for c in choices] == [1, 1] and choices[1].runs == [(0, keys_of(a[:-1]))]
+
+
+def test_the_node_wide_index_agrees_with_per_engine_key_sets_under_random_events():
+    import random
+
+    rng = random.Random(7)
+    keys = [bytes([i]) for i in range(12)]
+    index, sets = PrefixIndex(), {e: set() for e in range(3)}
+    for _ in range(400):
+        e = rng.randrange(3)
+        op = rng.random()
+        if op < 0.05:
+            index.forget(e)
+            sets[e] = set()
+        elif op < 0.1:
+            snap = set(rng.sample(keys, rng.randrange(6)))
+            index.replace(e, snap)
+            sets[e] = snap
+        else:
+            removed, added = rng.sample(keys, rng.randrange(3)), rng.sample(keys, rng.randrange(3))
+            index.update(e, added, removed)
+            sets[e] = (sets[e] - set(removed)) | set(added)
+        for key in keys:
+            assert index.holders(key) == sorted(x for x in sets if key in sets[x])
+        assert [index.num_keys(x) for x in sets] == [len(sets[x]) for x in sets]
+        assert index.num_replicated() == sum(sum(key in s for s in sets.values()) > 1 for key in keys)
+        for x in sets:
+            lead = next((i for i, key in enumerate(keys) if key not in sets[x]), len(keys))
+            assert index.cached_pages(x, keys) == lead
+
+
+def test_the_traffic_dispatch_weighs_is_query_rows_to_other_holders_and_new_segments_to_other_homes():
+    from tokenflowd.pool.placement import rendezvous_home
+    from tokenflowd.router import Arrival, TrafficCost
+
+    cost = TrafficCost(query_row_bytes=100, kv_token_bytes=30)
+    a = list(range(100, 117))  # 4 full pages before the last token: 2 segments of 2 pages
+    k = keys_of(a[:-1])
+    r = router_with({0: k, 2: k[:2]})
+    # Read where held: on 0 nothing moves; elsewhere its 1 prompt token left + 8 output tokens are
+    # query rows, shipped to one holder (engine 2 holds segment 0 itself, then reads segment 1 on 0).
+    assert r._traffic(k, Arrival(a, 8), [0, 1, 2], 2, cost, True) == [0, 9 * 100, 9 * 100]
+    # Held nowhere: computed wherever it runs; each segment's 8 tokens of KV go to its home elsewhere.
+    fresh = router_with({})
+    homes = [rendezvous_home(k[1], [0, 1, 2]), rendezvous_home(k[3], [0, 1, 2])]
+    want = [sum(8 * 30 for h in homes if h != e) for e in (0, 1, 2)]
+    assert fresh._traffic(k, Arrival(a, 8), [0, 1, 2], 2, cost, True) == want
+    assert fresh._traffic(k, Arrival(a, 8), [0, 1, 2], 2, cost, False) == [0, 0, 0]

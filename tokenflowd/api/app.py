@@ -313,8 +313,7 @@ class Front:
                            code="queue_full", headers={"Retry-After": "1"})
 
     def _start(self, prep: _Prepared, request_id: str, arrival: float, choice: Choice) -> Generation:
-        if self.draining:
-            raise self._unavailable()
+        self._admissible()  # again: the requests placed with this one may have filled the queue
         slot = self.supervisor.slots[choice.engine_id]
         coalesce = self.coalescing if prep.stream and prep.coalesce else None
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,

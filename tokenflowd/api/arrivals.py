@@ -8,6 +8,7 @@ already runs this turn has added its request by then), so no request waits on a 
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import Callable, Generic, Sequence, TypeVar
 
 A = TypeVar("A")
@@ -40,7 +41,7 @@ class Arrivals(Generic[A, C]):
             choices = self.place([a for a, _ in live])
         except Exception as e:  # every request of the group gets the error (an APIError: its status)
             for _, f in live:
-                f.set_exception(e)
+                f.set_exception(copy.copy(e))  # one each: a shared one would gather every traceback
             return
         for (_, f), choice in zip(live, choices):
             f.set_result(choice)

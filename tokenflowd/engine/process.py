@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from typing import Callable
 
@@ -59,6 +60,8 @@ class EngineProcess(EngineEndpoint):
         self.core.pool.drain_key_events()  # start recording: the router learns every key from here on
         self.member: PoolMember | None = None
         self.places: dict[str, list[p.PrefixRun]] = {}  # request -> its new segments that belong on peers
+        # (when, keys): segments their homes took, cached here until the homes have told the front
+        self.placed: deque[tuple[float, list[bytes]]] = deque()
         self.prompt_tokens = 0  # of the requests taken (EngineStats), and of them those read where
         self.peer_tokens = self.own_pool_tokens = 0  # peers hold them, or from its own cache through the pool
         if pooled:
@@ -138,6 +141,7 @@ class EngineProcess(EngineEndpoint):
                 self._sweep_pins()
                 if self.places:
                     self._place()
+                self._unpublish_placed(now)
             if self.orphaned(log):
                 break
 
@@ -150,22 +154,34 @@ class EngineProcess(EngineEndpoint):
                 member.sweep(reading)
 
     def _place(self) -> None:
-        """Put the new segments of requests whose prompts are computed at their homes, and stop
-        caching here what a home took (the rest stays: a home gone or full)."""
-        reqs, pool = self.core.scheduler.requests, self.core.pool
+        """Put the new segments of requests whose prompts are computed at their homes; what a home
+        took stops being cached here once the home's report has reached the front (two heartbeats:
+        until then the front would find it nowhere). The rest stays: a home gone or full."""
+        reqs = self.core.scheduler.requests
         for rid in list(self.places):
             req = reqs.get(rid)
             if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
                 continue  # (a request gone has published what it computed)
             for run in self.places.pop(rid):
-                pages = pool.lookup(run.keys)
-                if not pages:
-                    continue
-                keys = run.keys[: len(pages)]
-                kv = self.member.stage(pages)
-                with self.core.unlocked():
-                    held = self.member.put(run.engine, keys, kv)
-                pool.unpublish(keys[:held])
+                try:
+                    self._put(run)
+                except Exception:  # a placement that fails costs a copy, never the engine
+                    log.exception("pool: placing a segment on engine %d failed; it stays here", run.engine)
+
+    def _put(self, run: p.PrefixRun) -> None:
+        pages = self.core.pool.lookup(run.keys)
+        if not pages:
+            return
+        keys = run.keys[: len(pages)]
+        kv = self.member.stage(pages)
+        with self.core.unlocked():
+            held = self.member.put(run.engine, keys, kv)
+        if held:
+            self.placed.append((time.monotonic() + 2 * self.spec.heartbeat_interval, keys[:held]))
+
+    def _unpublish_placed(self, now: float) -> None:
+        while self.placed and self.placed[0][0] <= now:
+            self.core.pool.unpublish(self.placed.popleft()[1])
 
     def pool_peers(self, msg: p.PoolPeers) -> None:
         if self.member is None:

@@ -72,7 +72,7 @@ class PagePool:
         # Published and evicted keys since the last drain_key_events(), for the router's index;
         # recorded only once someone drains them (an engine process does, the in-process API not).
         self.track_key_events = False
-        self._keys_added: list[bytes] = []
+        self._keys_added: dict[bytes, None] = {}  # (ordered; a key removed after it is dropped from it)
         self._keys_removed: list[bytes] = []
 
     # -- counts -------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ class PagePool:
                 self.on_evict(page, key)  # type: ignore[arg-type]
             del self._by_key[key]  # type: ignore[arg-type]
             if self.track_key_events:
-                self._keys_removed.append(key)  # type: ignore[arg-type]
+                self._key_removed(key)  # type: ignore[arg-type]
             self._key[page] = None
         else:
             raise OutOfPages("no free or evictable KV page")
@@ -144,7 +144,7 @@ class PagePool:
         self._key[page] = key
         self._by_key[key] = page
         if self.track_key_events:
-            self._keys_added.append(key)
+            self._keys_added[key] = None
 
     def unpublish(self, keys: Sequence[bytes]) -> int:
         """Stop caching the pages of `keys` here (the pool keeps them on another engine): a page in
@@ -158,19 +158,26 @@ class PagePool:
             n += 1
             self._key[page] = None
             if self.track_key_events:
-                self._keys_removed.append(key)
+                self._key_removed(key)
             if self._ref[page] == 0:
                 del self._lru[page]
                 self._free.append(page)
+                self.num_evictions += 1  # a prefix match taken before may name it: stale
         return n
 
     def cached_keys(self) -> list[bytes]:
         """Every published key, for the router's prefix index."""
         return list(self._by_key)
 
+    def _key_removed(self, key: bytes) -> None:
+        """A key gone: the index applies a drain's removals before its additions, so a key published
+        and then removed since the last drain leaves the additions."""
+        self._keys_added.pop(key, None)
+        self._keys_removed.append(key)
+
     def drain_key_events(self) -> tuple[list[bytes], list[bytes]]:
         """(keys published, keys evicted) since the last call, in order; a key can be in both."""
         self.track_key_events = True
-        added, removed = self._keys_added, self._keys_removed
-        self._keys_added, self._keys_removed = [], []
+        added, removed = list(self._keys_added), self._keys_removed
+        self._keys_added, self._keys_removed = {}, []
         return added, removed

@@ -2,18 +2,21 @@
 
 In the daemon (`--pool-mode query|read`):
 
-    member.py      an engine's side: its query service for peers, pins, the step's foreign sources
+    member.py      an engine's side: its query service for peers, pins, puts, the step's foreign sources
     attention.py   a step's attention merged with the holders' partial attention (LSE)
-    query.py       query mode's path: q rows and (o, lse) in POSIX shared memory, control over zmq
+    query.py       query mode's path: q rows and (o, lse) in POSIX shared memory, control over zmq;
+                   puts of new segments to their homes
     shared_kv.py   read mode's path: an engine's KV cache in shared memory, mapped by its peers
     names.py       where each engine's endpoints live (torch-free)
     heat.py        decayed segment accesses and the heavy hitters (the front's router reads it)
     segments.py    a prefix cache cut into segments of whole pages; the segment size threshold
+    dispatch.py    arrivals (or batches) to engines by minimum-cost bipartite matching (scipy)
+    placement.py   homes by rendezvous hash (the front's router places new segments by it)
 
-Beside it, driving the segment-level simulator (sim/pool.py):
+The front's side is router.py (`pick_pooled`, `dispatch`) and api/arrivals.py. Beside them, the
+segment-level model of the same policies drives the simulator (sim/pool.py):
 
     tree.py        the node-wide prefix tree of segments and where each has replicas
     placement.py   homes by hash, heavy-hitter replication, power of two choices, global LRU
-    dispatch.py    batches to engines by minimum-cost bipartite matching (scipy)
     index.py       the control plane: get_prefix_tree, get_cache_load, gen_plans
 """

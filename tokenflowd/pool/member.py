@@ -15,7 +15,7 @@ attends to theirs.
             read its pages recompute them here (core.py ForeignPrefixLost), its pins here are dropped
 
 Threads: the query service answers peers in its own thread and takes `lock` (the engine's, held by
-its loop whenever the loop touches pages) to resolve and release pins. The loop never holds `lock`
+its loop whenever the loop touches pages) to resolve and release pins and to store puts. The loop never holds `lock`
 while it waits on a peer (core.py `unlocked`): two engines pinning on each other would deadlock.
 """
 from __future__ import annotations
@@ -136,7 +136,8 @@ class PoolMember:
         b = self.backend
         item = torch.empty((), dtype=b.dtype).element_size()
         layers = len(self.kv_layers)
-        return layers * query_payload(b.num_heads, b.head_dim, item), layers * 2 * b.num_kv_heads * b.head_dim * item
+        row = layers * query_payload(b.num_heads, b.head_dim, item) if self.mode == "query" else 0  # read: none
+        return row, layers * 2 * b.num_kv_heads * b.head_dim * item
 
     def close(self) -> None:
         self.service.close()
@@ -159,37 +160,62 @@ class PoolMember:
                     self.pool.decref(page)
 
     def _store(self, keys: list[bytes], kv: torch.Tensor) -> int:
-        """A peer puts segments whose home is this engine: the keys not held yet get pages, their KV
-        and their keys, and stay unreferenced in the prefix cache (its LRU decides when they go).
-        Stops at the first page it cannot get. -> leading keys held now."""
-        axis = self.backend.page_axis
+        """A peer puts segments whose home is this engine (`kv`: the wire layout of `stage`): the keys
+        not held yet get pages, their KV and their keys, and stay unreferenced in the prefix cache
+        (its LRU decides when they go). Stops at the first page it cannot get; a copy that fails
+        frees the pages it took. -> leading keys held now."""
         with self.lock:
+            t0 = time.perf_counter()
+            found: list[int] = []  # pages it holds already: referenced while it allocates (no eviction)
             new: list[tuple[int, int]] = []  # (position in the put, page)
-            held = 0
             try:
                 for i, key in enumerate(keys):
-                    if not self.pool.lookup([key]):
+                    page = self.pool.lookup([key])
+                    if page:
+                        self.pool.incref(page[0])
+                        found.append(page[0])
+                    else:
                         new.append((i, self.pool.allocate()))
-                    held += 1
             except OutOfPages:
                 pass
-            if new:
-                src = torch.tensor([i for i, _ in new])
-                dst = torch.tensor([page for _, page in new], device=self.kv_layers[0].device)
-                for layer, part in zip(self.kv_layers, kv):
-                    layer.index_copy_(axis, dst, part.index_select(axis, src).to(layer.device))
+            held = len(found) + len(new)
+            try:
+                if new:
+                    self._write(kv, new)
                 for i, page in new:
                     self.pool.register(page, keys[i])
-                    self.pool.decref(page)
-            self.stats["stored_pages"] += len(new)
+                self.stats["stored_pages"] += len(new)
+            except Exception:
+                held = new[0][0]  # the keys before the first new page
+                log.exception("pool: a put from a peer could not be stored")
+            finally:
+                for page in found + [page for _, page in new]:
+                    self.pool.decref(page)  # (an unregistered page goes back to the free list)
+            self.service.busy_seconds += time.perf_counter() - t0
         return held
+
+    def _write(self, kv: torch.Tensor, new: list[tuple[int, int]]) -> None:
+        axis = self.backend.page_axis
+        src = torch.tensor([i for i, _ in new])
+        dst = torch.tensor([page for _, page in new], device=self.kv_layers[0].device)
+        for layer, part in zip(self.kv_layers, kv):
+            layer.index_copy_(axis, dst, part.index_select(0, src).to(layer.device).movedim(0, axis))
 
     # -- placement: this engine's side ---------------------------------------------------------
     def stage(self, pages: Sequence[int]) -> torch.Tensor:
-        """Every layer's KV of `pages` in one host tensor (what `put` sends); the caller holds `lock`."""
-        index = torch.tensor(list(pages), device=self.kv_layers[0].device)
+        """Every layer's KV of `pages` in one host tensor, what `put` sends: [layers, pages, 2,
+        kv_heads, page_size, head_dim] whatever the cache's own layout (torch's and flashinfer's
+        differ in where the page axis is), one layer at a time through the device. The caller holds
+        `lock`."""
+        first = self.kv_layers[0]
         axis = self.backend.page_axis
-        return torch.stack([layer.index_select(axis, index) for layer in self.kv_layers]).cpu()
+        index = torch.tensor(list(pages), device=first.device)
+        shape = first.shape[:axis] + first.shape[axis + 1 :]
+        out = torch.empty((len(self.kv_layers), len(pages), *shape), dtype=first.dtype,
+                          pin_memory=first.is_cuda)
+        for i, layer in enumerate(self.kv_layers):
+            out[i].copy_(layer.index_select(axis, index).movedim(axis, 0))
+        return out
 
     def put(self, home: int, keys: list[bytes], kv: torch.Tensor) -> int:
         """Give `home` the segments of `keys` (staged by `stage`). -> leading keys it holds now (0
@@ -199,7 +225,7 @@ class PoolMember:
             return 0
         try:
             held = self._client(peer).put(keys, kv)
-        except (PeerGone, RuntimeError, zmq.ZMQError) as e:
+        except (PeerGone, RuntimeError, OSError, zmq.ZMQError) as e:
             log.warning("pool: a put to engine %d failed (%s); its segments stay here", home, e)
             return 0
         self.stats["put_pages"] += held

@@ -1,6 +1,7 @@
 """The pool's query path (TokenLake §3.3–3.4) on one host: an engine ships a layer's query rows to
 the engine that holds prefix segments and gets back partial outputs with their log-sum-exp, which
-it merges with its own attention (engine/attention/partial.py). Prefix KV never moves.
+it merges with its own attention (engine/attention/partial.py). Prefix KV does not move to be read;
+it moves once when placed: a `Put` gives a new segment to its home (one zmq frame of its KV).
 
     requester                                      holder (a thread beside its engine)
     QueryClient.query(layer, q, segments) ──zmq──► QueryService: pages of the pinned segments,
@@ -8,7 +9,7 @@ it merges with its own attention (engine/attention/partial.py). Prefix KV never 
       (o, lse) read from its out_buf (shm)  ◄──zmq── (o, lse) written into the requester's out_buf
 
 Buffers are POSIX shared memory (multiprocessing.shared_memory), one q_buf/out_buf pair per
-(requester, holder), made by the requester, so only the small control message crosses zmq. On a
+(requester, holder), made by the requester, so only a small control message crosses zmq per query. On a
 GPU box the same pair would be CUDA IPC handles under MPS; that twin is not built yet.
 
 Pins. Before the first layer, the requester pins the segments a request reads (`pin`; a second
@@ -84,7 +85,8 @@ class Query(msgspec.Struct, tag=True):
 
 class Put(msgspec.Struct, tag=True):
     """Segments whose home is the holder, computed by the requester: their pages' KV of every layer
-    follows as one more frame ([layers, *a cache layer's shape with len(keys) pages])."""
+    follows as one more frame, [layers, len(keys), 2, kv_heads, page_size, head_dim] whatever either
+    engine's cache layout (member.py `stage`)."""
 
     peer: int
     keys: list[bytes]
@@ -173,7 +175,8 @@ class QueryService:
     def __init__(self, address: str, backend, kv_layers: Sequence[torch.Tensor],
                  resolve: Callable[[Sequence[bytes]], list[list[int]]],
                  release: Callable[[list[list[int]]], None],
-                 store: Callable[[list[bytes], torch.Tensor], int] | None = None, ctx: zmq.Context | None = None) -> None:
+                 store: Callable[[list[bytes], torch.Tensor], int] | None = None,
+                 ctx: zmq.Context | None = None) -> None:
         self.backend = backend
         self.kv_layers = list(kv_layers)
         self.resolve, self.release, self.store = resolve, release, store
@@ -186,7 +189,9 @@ class QueryService:
         self._sock.bind(address)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pool-query", daemon=True)
-        self.busy_seconds = 0.0  # serving peers: what this engine's steps share their device with
+        # serving peers (their queries' attention here; puts' stores, timed by the engine's `store`):
+        # what this engine's steps share their device with
+        self.busy_seconds = 0.0
 
     def start(self) -> "QueryService":
         self._thread.start()
@@ -221,7 +226,6 @@ class QueryService:
                 log.warning("pool query service: a message of %d frames dropped", len(frames))
                 continue
             ident, raw, *payload = frames
-            t0 = time.perf_counter()
             seq = 0
             try:
                 msg = _TO_HOLDER.decode(raw)
@@ -235,14 +239,13 @@ class QueryService:
                 reply = Done(error=f"{type(e).__name__}: {e}")
             reply.seq = seq
             self._sock.send_multipart([ident, _ENCODER.encode(reply)])
-            self.busy_seconds += time.perf_counter() - t0
 
     def _put(self, msg: Put, payload: bytes) -> Stored:
         if self.store is None:
             raise ValueError("this engine takes no puts")
         layer = self.kv_layers[0]
         axis = self.backend.page_axis
-        shape = (len(self.kv_layers), *layer.shape[:axis], len(msg.keys), *layer.shape[axis + 1 :])
+        shape = (len(self.kv_layers), len(msg.keys), *layer.shape[:axis], *layer.shape[axis + 1 :])
         if len(payload) != math.prod(shape) * layer.element_size():
             raise ValueError(f"a put of {len(msg.keys)} pages carries {len(payload)} bytes")
         kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(layer.dtype).view(shape)
@@ -290,10 +293,12 @@ class QueryService:
             return Done(error=f"no pins for {len(lost)} requests (first {lost[0]!r}): they were released")
         pages = [[p for seg in self.pins.get((msg.peer, msg.incarnation, rid), []) for p in seg]
                  for rid in msg.request_ids]
+        t0 = time.perf_counter()
         q = buf.q[: msg.rows].to(self.backend.device)  # a GPU holder stages through the host
         o, lse = self.backend.attend_pages(q, self.kv_layers[msg.layer], PageQuery(msg.query_start, pages))
         buf.o[: msg.rows].copy_(o)
         buf.lse[: msg.rows].copy_(lse)
+        self.busy_seconds += time.perf_counter() - t0
         return Done()
 
 
@@ -366,8 +371,8 @@ class QueryClient:
         return self._call(Pin(self.peer, request_id, keys))  # type: ignore[return-value]
 
     def put(self, keys: list[bytes], kv: torch.Tensor) -> int:
-        """Give the holder segments whose home it is: `kv` [layers, *a cache layer's shape with
-        len(keys) pages], on the host. -> leading keys it holds now."""
+        """Give the holder segments whose home it is: `kv` [layers, len(keys), 2, kv_heads, page_size,
+        head_dim], on the host. -> leading keys it holds now."""
         raw = kv.contiguous().view(torch.uint8).numpy()
         return self._call(Put(self.peer, keys), memoryview(raw)).held  # type: ignore[union-attr]
 

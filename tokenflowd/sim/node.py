@@ -6,14 +6,18 @@ where a request runs and what it computes.
     an arrival is routed when it arrives (router.py, the daemon's own code):
       routing   Router.pick: the engine with the longest cached prefix unless it is clearly busier
       pool      Router.pick_pooled: the least loaded engine; the prompt's prefix pages that engines
-                hold are pinned where they are and read there, so the request computes only the rest
+                hold are pinned where they are and read there, so the request computes only the rest;
+                its new whole segments are put at their homes (rendezvous hash) once its prompt is
+                computed, and no longer cached where it ran (the daemon's --pool-placement home)
+      pool-local  the same, new segments kept where they are computed (--pool-placement local)
     then the engine whose clock is earliest takes a step, until every request has finished.
 
 The pool's costs (query mode, TokenLake §3.3). Per layer of a step, each holder that the step's
 rows read costs one round trip and the rows' payload on the link, 2α + rows·payload/B, added to
 the requester's step (not overlapped with its own attention: conservative). The holder's attention
 over its pages for those rows, 4·heads·head_dim FLOPs per row, prefix token and layer, is added to
-the holder's next step. Pins hold the pages until the request ends. Each engine's prefix-cache key
+the holder's next step. A put costs the sender its pages' KV on the link, added to its next step.
+Pins hold the pages until the request ends. Each engine's prefix-cache key
 events are applied to the router's index after each of its steps, so the index is exact.
 """
 from __future__ import annotations
@@ -31,7 +35,7 @@ from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
-from tokenflowd.kv.pages import PagePool
+from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.prefix_index import PrefixIndex
 from tokenflowd.router import Router
 from tokenflowd.sim.clock import VirtualClock
@@ -40,7 +44,7 @@ from tokenflowd.sim.executor import CostModelExecutor
 from tokenflowd.sim.simulator import SIM_EOS, SIM_VOCAB_SIZE, RequestRecord, SimulationError
 from tokenflowd.sim.workload import WorkloadRequest, prompt_token_ids
 
-MODES = ("routing", "pool")
+MODES = ("routing", "pool", "pool-local")
 
 
 @dataclass(frozen=True)
@@ -64,12 +68,14 @@ class NodeResult:
     peer_tokens: int  # prompt tokens read where other engines hold them (pool)
     computed_tokens: int  # over all steps, recomputation included
     busy_seconds: list[float] = field(default_factory=list)  # per engine
+    put_pages: int = 0  # pages of new segments put at their homes (pool)
 
     def summary(self) -> dict:
         out = summarize([Timeline(r.arrival, r.reading_rate, r.token_times) for r in self.records])
         busy = self.busy_seconds
         out.update(hit_rate=(self.local_tokens + self.peer_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0,
                    local_tokens=self.local_tokens, peer_tokens=self.peer_tokens, computed_tokens=self.computed_tokens,
+                   put_pages=self.put_pages,
                    busy_cv=statistics.pstdev(busy) / statistics.fmean(busy) if busy and statistics.fmean(busy) else 0.0)
         return out
 
@@ -116,6 +122,7 @@ class _Engine:
         self.debt = 0.0  # s of peers' queries answered, charged to the next step
         self.busy = 0.0
         self.pins: dict[str, list[tuple[_Engine, list[int]]]] = {}  # request -> (holder, its pages) it reads
+        self.places: dict[str, list[tuple[int, list[bytes]]]] = {}  # request -> (home, keys) of its new segments
 
     @property
     def load(self) -> int:
@@ -148,6 +155,7 @@ class NodeSimulator:
                                                     r.output_len) for r in workload}
         self.prompt_tokens = sum(r.prompt_len for r in workload)
         self.peer_tokens = 0
+        self.put_pages = 0
 
     def _route(self, w: WorkloadRequest) -> None:
         self._now = w.arrival_time
@@ -158,9 +166,12 @@ class NodeSimulator:
         if self.mode == "routing":
             target = self.engines[self.router.pick(self.engines, ids).engine_id]
         else:
-            choice = self.router.pick_pooled(self.engines, ids, self.config.segment_pages, self.rng)
+            choice = self.router.pick_pooled(self.engines, ids, self.config.segment_pages, self.rng,
+                                             place=self.mode == "pool")
             target = self.engines[choice.engine_id]
             self._pin(target, req, choice.runs)
+            if choice.places:
+                target.places[req.request_id] = choice.places
         req.max_model_len = max_len - req.prefix_offset
         if not target.scheduler.has_unfinished():
             target.clock.now = max(target.clock.now, w.arrival_time)  # it was idle until now
@@ -188,6 +199,34 @@ class NodeSimulator:
         req.set_foreign_prefix(n, keys_done[-1])
         target.pins[req.request_id] = pinned
         self.peer_tokens += sum(len(p) for h, p in pinned if h is not target) * self.cost.page_size
+
+    def _place(self, e: _Engine) -> None:
+        """Put the new segments of e's requests whose prompts are computed at their homes (as the
+        engine's process does): the home stores the pages it lacks, unreferenced; e unpublishes what
+        the home holds. The sender pays the pages' KV on the link at its next step."""
+        cost = self.cost
+        for rid in list(e.places):
+            req = e.scheduler.requests.get(rid)
+            if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                continue
+            for home_id, keys in e.places.pop(rid):
+                pages = e.pool.lookup(keys)
+                home, held = self.engines[home_id], 0
+                try:
+                    for key in keys[: len(pages)]:
+                        if not home.pool.lookup([key]):
+                            page = home.pool.allocate()
+                            home.pool.register(page, key)
+                            home.pool.decref(page)
+                        held += 1
+                except OutOfPages:
+                    pass
+                e.pool.unpublish(keys[:held])
+                self.put_pages += held
+                sent = held * cost.page_size * cost.kv_bytes_per_token
+                e.debt += self.config.link_alpha + sent / self.config.link_bandwidth
+                added, removed = home.pool.drain_key_events()
+                self.index.update(home_id, added, removed)
 
     def run(self) -> NodeResult:
         pending = deque(self.workload)
@@ -218,6 +257,8 @@ class NodeSimulator:
                     cached = req.prefix_offset + req.num_cached_tokens if req is not None else \
                         next(o.num_cached_tokens for o in outs if o.request_id == rid)
                     rec.num_cached_tokens = cached
+            if e.places:
+                self._place(e)
             added, removed = e.pool.drain_key_events()
             self.index.update(e.engine_id, added, removed)
             for out in outs:
@@ -235,7 +276,7 @@ class NodeSimulator:
         # num_cached_tokens of a pool request counts its peers' prefix too (EngineCoreOutput)
         local = sum(r.num_cached_tokens for r in ordered) - self.peer_tokens
         return NodeResult(self.mode, ordered, self.prompt_tokens, local, self.peer_tokens, computed,
-                          [e.busy for e in self.engines])
+                          [e.busy for e in self.engines], self.put_pages)
 
 
 def simulate_node(cost: CostModel, workload: Sequence[WorkloadRequest], modes: Sequence[str] = MODES,
