@@ -46,12 +46,14 @@ MODEL = "smollm2-135m"
 SOURCES = ("local", "peer", "miss")
 
 
-def flags(engines: int, kv: str, mode: str) -> list[str]:
+def flags(engines: int, kv: str, mode: str, segment_tokens: int = 0) -> list[str]:
     """`mode`: off, query or read (placement by home, the default), or query-local, read-local (new
-    segments stay where they are computed)."""
+    segments stay where they are computed). `segment_tokens`: the pool's segment (0: the break-even
+    length the engines measure at start-up)."""
     pool, _, placement = mode.partition("-")
+    segment = ["--pool-segment-tokens", str(segment_tokens)] if segment_tokens and pool != "off" else []
     return ["--engines", str(engines), "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", kv,
-            "--pool-mode", pool, *(["--pool-placement", placement] if placement else [])]
+            "--pool-mode", pool, *(["--pool-placement", placement] if placement else []), *segment]
 
 
 def counters(d: Daemon) -> dict[str, float]:
@@ -96,7 +98,7 @@ def prefill_rate(d: Daemon) -> float:
 
 
 def run_mode(mode: str, a, workload: LoadWorkload, log_dir: Path) -> dict:
-    d = Daemon(*flags(a.engines, a.kv_cache_memory, mode), log_path=str(log_dir / f"{mode}.log"))
+    d = Daemon(*flags(a.engines, a.kv_cache_memory, mode, a.segment_tokens), log_path=str(log_dir / f"{mode}.log"))
     try:
         d.wait_all_engines()
         before = counters(d)
@@ -146,6 +148,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--modes", default="off,query,read")
+    p.add_argument("--segment-tokens", type=int, default=0,
+                   help="the pool's segment for every pool mode (default 0: measured at start-up; on a 2-core CPU "
+                        "the break-even is about 400-1,200 tokens, longer than most trace prompts)")
     p.add_argument("--out", default=str(ROOT / "bench/results/pool_daemon.json"))
     a = p.parse_args()
     log_dir = Path("/tmp/pool_daemon_logs")
