@@ -57,7 +57,7 @@ def main() -> None:
                 layer[:, :, pages] = 0
             print("ok", flush=True)
         elif cmd == "scatter":
-            shape = (layers_n, 2, kv_heads, len(pages), page, head_dim)
+            shape = (layers_n, len(pages), 2, kv_heads, page, head_dim)  # gather_pages' wire layout
             scatter_pages(staging[: math.prod(shape)].view(shape), layers, pages)
             print("ok", flush=True)
         else:

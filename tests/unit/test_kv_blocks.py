@@ -48,3 +48,30 @@ def test_pages_gathered_into_a_staging_run_and_scattered_land_as_a_direct_copy_w
     for s, d in zip(src, dst):
         assert torch.equal(d[:, :, [0, 15, 9]], s[:, :, [7, 1, 4]])
         assert not d[:, :, [p for p in range(16) if p not in (0, 15, 9)]].any()
+
+
+def test_runs_and_staged_pages_carry_pages_between_caches_of_different_layouts():
+    """A torch-layout cache ([2, kv_heads, pages, ...], page axis 2) and a flashinfer-layout one
+    ([2, pages, kv_heads, ...], page axis 1): byte runs and staged pages land each value in place."""
+    import ctypes
+
+    import torch
+
+    from tokenflowd.federation.transport import gather_pages, scatter_pages
+
+    g = torch.Generator().manual_seed(1)
+    src = [torch.randn(2, 3, 10, 4, 8, generator=g) for _ in range(2)]  # torch layout
+    dst = [torch.zeros(2, 16, 3, 4, 8) for _ in range(2)]  # flashinfer layout
+    blocks = kv_blocks(KVLayout.of(src), KVLayout.of(dst, page_axis=1), [7, 1, 4], [0, 15, 9])
+    for b in blocks:
+        ctypes.memmove(b.dst, b.src, b.nbytes)
+    for s, d in zip(src, dst):
+        for sp, dp in zip([7, 1, 4], [0, 15, 9]):
+            assert torch.equal(d[:, dp], s[:, :, sp])
+        assert not d[:, [p for p in range(16) if p not in (0, 15, 9)]].any()
+    back = [torch.zeros(2, 3, 10, 4, 8) for _ in range(2)]
+    staged = gather_pages(dst, [0, 15, 9], torch.empty(10_000), page_axis=1)
+    assert staged.shape == (2, 3, 2, 3, 4, 8)  # [layers, pages, 2, kv_heads, page_size, d]
+    scatter_pages(staged, back, [7, 1, 4])
+    for s, b in zip(src, back):
+        assert torch.equal(b[:, :, [7, 1, 4]], s[:, :, [7, 1, 4]])

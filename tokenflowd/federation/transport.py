@@ -229,56 +229,76 @@ class MooncakeTransport(KVTransport):
 @dataclass(frozen=True)
 class KVLayout:
     """Where a node's KV cache lives, as a peer needs it to write pages there: each layer's base
-    address and shape [2, kv_heads, num_pages, page_size, head_dim] (the torch backend's layout),
-    and the element size."""
+    address, its shape (K and V planes first, then pages and KV heads in the backend's order:
+    torch [2, kv_heads, num_pages, page_size, d], page_axis 2; flashinfer [2, num_pages, kv_heads,
+    page_size, d], page_axis 1) and the element size."""
 
     bases: tuple[int, ...]
     shape: tuple[int, ...]
     itemsize: int
+    page_axis: int = 2
 
     @classmethod
-    def of(cls, layers: Sequence[torch.Tensor]) -> "KVLayout":
+    def of(cls, layers: Sequence[torch.Tensor], page_axis: int = 2) -> "KVLayout":
         if any(not t.is_contiguous() or t.shape != layers[0].shape or t.dtype != layers[0].dtype for t in layers):
             raise ValueError("KV layers must be contiguous, of one shape and dtype")
-        return cls(tuple(t.data_ptr() for t in layers), tuple(layers[0].shape), layers[0].element_size())
+        return cls(tuple(t.data_ptr() for t in layers), tuple(layers[0].shape), layers[0].element_size(), page_axis)
+
+    @property
+    def num_pages(self) -> int:
+        return self.shape[self.page_axis]
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """[2, kv_heads, page_size, d]: a page's shape whatever the layout."""
+        return self.shape[: self.page_axis] + self.shape[self.page_axis + 1 :]
 
     def page_offset(self, plane: int, head: int, page: int) -> int:
-        _, kvh, num_pages, ps, d = self.shape
-        if not 0 <= page < num_pages:
-            raise ValueError(f"page {page} outside a cache of {num_pages} pages")
-        return (((plane * kvh + head) * num_pages + page) * ps * d) * self.itemsize
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page} outside a cache of {self.num_pages} pages")
+        index = [plane, head, head, 0, 0]
+        index[self.page_axis] = page
+        index[3 - self.page_axis] = head  # the KV-head axis is whichever of 1, 2 the pages are not
+        offset, stride = 0, 1
+        for i in reversed(range(len(self.shape))):
+            offset += index[i] * stride
+            stride *= self.shape[i]
+        return offset * self.itemsize
 
 
-def gather_pages(layers: Sequence[torch.Tensor], pages: Sequence[int], out: torch.Tensor) -> torch.Tensor:
-    """Copy `pages` of every layer ([2, kv_heads, num_pages, page_size, d] each) into `out`, a
-    contiguous staging buffer of at least [layers, 2, kv_heads, len(pages), page_size, d], so that
-    they travel as one run instead of one per (layer, plane, head, page). -> the filled view."""
+def gather_pages(layers: Sequence[torch.Tensor], pages: Sequence[int], out: torch.Tensor,
+                 page_axis: int = 2) -> torch.Tensor:
+    """Copy `pages` of every layer into `out`, a contiguous staging buffer, as [layers, pages, 2,
+    kv_heads, page_size, d] whatever the cache's layout (`page_axis`), so that they travel as one
+    run instead of one per (layer, plane, head, page), and a receiver of another layout can take
+    them. -> the filled view."""
     index = torch.tensor(list(pages), dtype=torch.int64, device=layers[0].device)
-    shape = (len(layers), *layers[0].shape[:2], len(pages), *layers[0].shape[3:])
-    view = out.view(-1)[: math.prod(shape)].view(shape)
+    shape = layers[0].shape
+    wire = (len(layers), len(pages), *shape[:page_axis], *shape[page_axis + 1 :])
+    view = out.view(-1)[: math.prod(wire)].view(wire)
     for i, layer in enumerate(layers):
-        torch.index_select(layer, 2, index, out=view[i])
+        view[i].copy_(layer.index_select(page_axis, index).movedim(page_axis, 0))
     return view
 
 
-def scatter_pages(staged: torch.Tensor, layers: Sequence[torch.Tensor], pages: Sequence[int]) -> None:
+def scatter_pages(staged: torch.Tensor, layers: Sequence[torch.Tensor], pages: Sequence[int],
+                  page_axis: int = 2) -> None:
     """The receiver's half of gather_pages: put a staged run of pages into `pages` of its layers."""
     index = torch.tensor(list(pages), dtype=torch.int64, device=layers[0].device)
     for i, layer in enumerate(layers):
-        layer.index_copy_(2, index, staged[i])
+        layer.index_copy_(page_axis, index, staged[i].to(layer.device).movedim(0, page_axis))
 
 
 def kv_blocks(src: KVLayout, dst: KVLayout, src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[Block]:
     """The byte runs that copy src's pages onto dst's pages, in every layer, plane and KV head,
-    adjacent runs merged."""
+    adjacent runs merged. The two caches may differ in layout (a page's rows are contiguous in both)."""
     if len(src_pages) != len(dst_pages):
         raise ValueError("as many destination pages as source pages")
     if len(set(dst_pages)) != len(dst_pages):
         raise ValueError("a destination page twice")
-    if src.shape[0:2] != dst.shape[0:2] or src.shape[3:] != dst.shape[3:] or src.itemsize != dst.itemsize \
-            or len(src.bases) != len(dst.bases):
-        raise ValueError("the two caches differ in more than their number of pages")
-    _, kvh, _, ps, d = src.shape
+    if src.page_shape != dst.page_shape or src.itemsize != dst.itemsize or len(src.bases) != len(dst.bases):
+        raise ValueError("the two caches differ in more than their number of pages and layout")
+    _, kvh, ps, d = src.page_shape
     page_bytes = ps * d * src.itemsize
     blocks: list[Block] = []
     for s_base, d_base in zip(src.bases, dst.bases):

@@ -34,6 +34,7 @@ import zmq
 from tokenflowd import protocol as p
 from tokenflowd.engine.core import ForeignPrefixLost
 from tokenflowd.engine.scheduler import ScheduledBatch
+from tokenflowd.federation.transport import gather_pages, scatter_pages
 from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.pool.attention import HolderRows, PeerCache, QueriedHolder
 from tokenflowd.pool.names import cache_name, service_address
@@ -195,27 +196,19 @@ class PoolMember:
         return held
 
     def _write(self, kv: torch.Tensor, new: list[tuple[int, int]]) -> None:
-        axis = self.backend.page_axis
         src = torch.tensor([i for i, _ in new])
-        dst = torch.tensor([page for _, page in new], device=self.kv_layers[0].device)
-        for layer, part in zip(self.kv_layers, kv):
-            layer.index_copy_(axis, dst, part.index_select(0, src).to(layer.device).movedim(0, axis))
+        scatter_pages(kv.index_select(1, src), self.kv_layers, [page for _, page in new], self.backend.page_axis)
 
     # -- placement: this engine's side ---------------------------------------------------------
     def stage(self, pages: Sequence[int]) -> torch.Tensor:
-        """Every layer's KV of `pages` in one host tensor, what `put` sends: [layers, pages, 2,
-        kv_heads, page_size, head_dim] whatever the cache's own layout (torch's and flashinfer's
-        differ in where the page axis is), one layer at a time through the device. The caller holds
-        `lock`."""
-        first = self.kv_layers[0]
-        axis = self.backend.page_axis
-        index = torch.tensor(list(pages), device=first.device)
-        shape = first.shape[:axis] + first.shape[axis + 1 :]
-        out = torch.empty((len(self.kv_layers), len(pages), *shape), dtype=first.dtype,
+        """Every layer's KV of `pages` in one host tensor, what `put` sends: federation/transport.py's
+        wire layout, [layers, pages, 2, kv_heads, page_size, head_dim], whatever the cache's own
+        (torch's and flashinfer's differ in where the page axis is). The caller holds `lock`."""
+        first, axis = self.kv_layers[0], self.backend.page_axis
+        page_elements = first.numel() // first.shape[axis]
+        out = torch.empty(len(self.kv_layers) * len(pages) * page_elements, dtype=first.dtype,
                           pin_memory=first.is_cuda)
-        for i, layer in enumerate(self.kv_layers):
-            out[i].copy_(layer.index_select(axis, index).movedim(axis, 0))
-        return out
+        return gather_pages(self.kv_layers, pages, out, axis)
 
     def put(self, home: int, keys: list[bytes], kv: torch.Tensor) -> int:
         """Give `home` the segments of `keys` (staged by `stage`). -> leading keys it holds now (0

@@ -154,11 +154,11 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
                         seed=a.seed)
     print(f"{len(requests)} trace requests, {a.engines} engines, cost model {cost.name}, policy {a.policy}")
     keys = ("throughput", "effective_throughput", "ttft_mean", "ttft_p99", "hit_rate", "busy_cv", "computed_tokens")
-    print(f"{'mode':>8} " + " ".join(f"{k:>20}" for k in keys))
+    print(f"{'mode':>10} " + " ".join(f"{k:>20}" for k in keys))
     summaries = {}
     for mode, result in simulate_node(cost, requests, MODES, config).items():
         s = summaries[mode] = result.summary()
-        print(f"{mode:>8} " + " ".join(f"{s[k]:>20.4g}" for k in keys))
+        print(f"{mode:>10} " + " ".join(f"{s[k]:>20.4g}" for k in keys))
     if a.out:
         doc = {"engines": a.engines, "cost_model": cost.name, "cost_source": cost.source, "policy": a.policy,
                "requests": len(requests), "time_scale": a.time_scale, "max_prompt_len": a.max_prompt_len,
