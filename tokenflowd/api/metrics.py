@@ -47,6 +47,14 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 _REBUFFER_BUCKETS = (0, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80)
 
 
+def _per_engine(family, slots, value: Callable[[Any], float]):
+    """`family` with one sample per engine that has reported stats: value(its stats)."""
+    for slot in slots:
+        if slot.stats is not None:
+            family.add_metric([str(slot.engine_id)], value(slot.stats))
+    return family
+
+
 class EngineCollector(Collector):
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
@@ -145,22 +153,14 @@ class EngineCollector(Collector):
                                              lambda s: s.pool_stored_pages),
         }
         for name, (doc, value) in figures.items():
-            c = CounterMetricFamily(name, doc, labels=["engine"])
-            for slot in slots:
-                if slot.stats is not None:
-                    c.add_metric([str(slot.engine_id)], value(slot.stats))
-            yield c
+            yield _per_engine(CounterMetricFamily(name, doc, labels=["engine"]), slots, value)
         gauges = {
             "tokenflowd_pool_pinned_pages": ("Pages an engine keeps pinned for peers' requests", lambda s: s.pool_pins),
             "tokenflowd_pool_share": ("Share of an engine's time that serving its pool peers took lately (its "
                                       "step-time model is slowed by it)", lambda s: s.pool_share),
         }
         for name, (doc, value) in gauges.items():
-            g = GaugeMetricFamily(name, doc, labels=["engine"])
-            for slot in slots:
-                if slot.stats is not None:
-                    g.add_metric([str(slot.engine_id)], value(slot.stats))
-            yield g
+            yield _per_engine(GaugeMetricFamily(name, doc, labels=["engine"]), slots, value)
 
     def _processes(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """Each live engine process as the OS sees it (psutil): a leaking or spinning engine shows."""
