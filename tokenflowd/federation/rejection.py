@@ -1,0 +1,77 @@
+"""Early rejection under overload (Mooncake §7): refuse a request before any prefill is spent on it
+when the decode pool will be too loaded to serve it.
+
+Judged on the *current* decode load, early rejection oscillates: the conductor accepts while the
+decode nodes are idle, the prefill nodes fill, their requests reach decode a prefill later, the
+decode load peaks, the conductor rejects, the prefill nodes empty, decode drains, and the cycle
+starts again (§7.3, Figure 10a). Judged on the decode load *predicted* for when the request would
+reach decode, it does not (§7.4, system level): every decode is taken to last a uniform time T_d
+(the mean of the recent ones), so at a future time t the decode pool holds
+
+    the decodes running now that will not have ended by t      (started after t − T_d)
+  + the accepted requests whose prefill ends by t and whose decode will not have ended by t
+
+and a request is accepted if that count, itself included, stays within the pool's capacity.
+
+`DecodeLoad` keeps those times; `EarlyRejection` decides with it, by prediction or (for the
+comparison) by the current load.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeLoad:
+    """The decode pool's requests as the conductor sees them, and the uniform decode time."""
+
+    capacity: int  # requests the decode pool serves within its TBT SLO
+    decode_seconds: float  # T_d until finished decodes say otherwise
+    window: int = 256  # finished decodes T_d is the mean of
+    _decoding: dict[str, float] = field(default_factory=dict)  # request -> when its decode started
+    _pending: dict[str, float] = field(default_factory=dict)  # request -> when its decode is predicted to start
+    _durations: deque = field(default_factory=deque)
+
+    def accepted(self, request_id: str, decode_start: float) -> None:
+        """Accepted: its prefill is predicted to end (its decode to start) at `decode_start`."""
+        self._pending[request_id] = decode_start
+
+    def started(self, request_id: str, now: float) -> None:
+        self._pending.pop(request_id, None)
+        self._decoding[request_id] = now
+
+    def finished(self, request_id: str, now: float) -> None:
+        """Its decode ended (or it failed or was aborted anywhere on its way)."""
+        self._pending.pop(request_id, None)
+        start = self._decoding.pop(request_id, None)
+        if start is not None:
+            self._durations.append(now - start)
+            if len(self._durations) > self.window:
+                self._durations.popleft()
+            self.decode_seconds = sum(self._durations) / len(self._durations)
+
+    def current(self) -> int:
+        return len(self._decoding)
+
+    def predicted(self, t: float, now: float) -> int:
+        """Requests the decode pool holds at time t ≥ now, every decode lasting decode_seconds. A
+        running one that has already lasted longer is taken to have that long still to go (what
+        is left of a decode is about as long as a decode, whatever it has lasted)."""
+        td = self.decode_seconds
+        ends = [start + td if start + td > now else now + td for start in self._decoding.values()]
+        running = sum(end > t for end in ends)
+        coming = sum(start <= t < start + td for start in self._pending.values())
+        return running + coming
+
+
+@dataclass
+class EarlyRejection:
+    load: DecodeLoad
+    predict: bool = True  # False: judge on the current decode load (Mooncake's §7.2, for comparison)
+
+    def admit(self, now: float, decode_start: float) -> bool:
+        """Whether a request whose decode would start at `decode_start` (now + its predicted TTFT)
+        is taken: the decode pool, this request included, within its capacity then (or now)."""
+        n = self.load.predicted(decode_start, now) if self.predict else self.load.current()
+        return n + 1 <= self.load.capacity
