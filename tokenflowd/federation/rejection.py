@@ -18,6 +18,7 @@ comparison) by the current load.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,6 +55,29 @@ class DecodeLoad:
     def current(self) -> int:
         return len(self._decoding)
 
+    def expected(self, t: float, now: float) -> float:
+        """Requests the decode pool holds at time t ≥ now, in expectation over the recent decode
+        times (their survival function S): a running one of age a is still running with probability
+        S(a + t − now) / S(a); an accepted one whose decode starts at s ≤ t, with S(t − s). Until
+        `min_samples` decodes have finished, the uniform time's count."""
+        if len(self._durations) < 16:
+            return float(self.predicted(t, now))
+        ordered = sorted(self._durations)
+        n = len(ordered)
+
+        def survival(x: float) -> float:  # share of recent decodes that lasted longer than x
+            return (n - bisect.bisect_right(ordered, x)) / n
+
+        total = 0.0
+        for start in self._decoding.values():
+            age = now - start
+            alive = survival(age)
+            total += survival(age + t - now) / alive if alive > 0 else 0.5
+        for start in self._pending.values():
+            if start <= t:
+                total += survival(t - start)
+        return total
+
     def predicted(self, t: float, now: float) -> int:
         """Requests the decode pool holds at time t ≥ now, every decode lasting decode_seconds. A
         running one that has already lasted longer is taken to have that long still to go (what
@@ -73,5 +97,8 @@ class EarlyRejection:
     def admit(self, now: float, decode_start: float) -> bool:
         """Whether a request whose decode would start at `decode_start` (now + its predicted TTFT)
         is taken: the decode pool, this request included, within its capacity then (or now)."""
-        n = self.load.predicted(decode_start, now) if self.predict else self.load.current()
+        if self.predict == "survival":
+            n = self.load.expected(decode_start, now)
+        else:
+            n = self.load.predicted(decode_start, now) if self.predict else self.load.current()
         return n + 1 <= self.load.capacity
