@@ -25,7 +25,6 @@ def run(predict, seed, dist, n=3000, window=5.0):
         samples.append(load.current())
     flips=sum(a[1]!=b[1] for a,b in zip(dec,dec[1:]))
     # windowed: fraction accepted per window, flips of (frac>0.5)
-    import math
     wins={}
     for tt,ok in dec: wins.setdefault(int(tt//window),[]).append(ok)
     st=[sum(v)/len(v)>0.5 for k,v in sorted(wins.items())]

@@ -184,6 +184,21 @@ class EngineCore:
     def add_request(self, req: Request) -> None:
         """Validate and queue. Raises InvalidRequestError (nothing changes) when it cannot be served,
         QueueDelayExceeded (nothing changes) when it would wait longer than --max-queue-delay."""
+        self._validate(req)
+        if self.admission is not None:
+            self.admission.check(self.scheduler, req)
+        self.scheduler.add(req)
+
+    def add_remote(self, req: Request, num_tokens: int, first_token: int) -> list[int] | None:
+        """A request whose prompt another node computed (federation/): validated as any, then given
+        pages for that node to write its `num_tokens` of KV into (Scheduler.add_remote). None: no
+        room now."""
+        self._validate(req)
+        if not 0 <= first_token < self.vocab_size:
+            raise InvalidRequestError(f"the first token must be in [0, {self.vocab_size})")
+        return self.scheduler.add_remote(req, num_tokens, first_token)
+
+    def _validate(self, req: Request) -> None:
         n = req.prefix_offset + req.num_prompt_tokens
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
@@ -204,9 +219,6 @@ class EngineCore:
         req.max_model_len = self.max_model_len - req.prefix_offset  # its own tokens' room
         if not req.eos_token_ids:
             req.eos_token_ids = self.eos_token_ids
-        if self.admission is not None:
-            self.admission.check(self.scheduler, req)
-        self.scheduler.add(req)
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None

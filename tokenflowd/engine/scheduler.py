@@ -228,6 +228,27 @@ class Scheduler:
         now = self.clock()
         self.kv.issue(seconds, self.running, self.loading, lambda r: r.buffer.buffer(now))
 
+    def add_remote(self, req: Request, num_tokens: int, first_token: int) -> list[int] | None:
+        """A request a prefill node computed: its first `num_tokens` of KV (the prompt's) will be
+        written into the pages returned, and `first_token` is the token that node sampled. It waits
+        in `loading` until kv.remote_done says the pages are in place (or failed: then it computes
+        its prompt here). None (and nothing changes) when the pages are not free now."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.kv.track(req)
+        pages = self.kv.start_remote(req, num_tokens)
+        if pages is None:
+            self.kv.free(req)
+            return None
+        req.token_ids.append(first_token)
+        req.buffer.on_tokens(1, self.clock())  # the client has it (sent by the prefill node)
+        self.requests[req.request_id] = req
+        req.arrival_seq = self._num_arrivals
+        self._num_arrivals += 1
+        req.status = RequestStatus.LOADING
+        self.loading.append(req)
+        return pages
+
     def poll_copies(self) -> None:
         """Account for the copies that ended: requests whose pages are in place run again, and those
         whose load failed wait again (they recompute)."""

@@ -41,7 +41,7 @@ from typing import Callable, Iterable, NamedTuple, Protocol
 
 from tokenflowd.kv.copier import LOAD, WRITE, Copier, CopierDead, CopyJob, NullCopier
 from tokenflowd.kv.pages import PagePool, cdiv, chain_page_keys
-from tokenflowd.kv.tiers import DEVICE, DISK, HOST, HostTier, NullHostTier
+from tokenflowd.kv.tiers import DEVICE, DISK, HOST, REMOTE, HostTier, NullHostTier
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,7 @@ class KVCacheManager:
         self.num_unissued_loads = 0  # pages in loading requests' queues, not yet handed to the copier
         self._keys_in_flight: Counter[bytes] = Counter()  # full pages being written to the host, by key
         self._failures_in_a_row = 0
+        self._remote_results: list[tuple[Request, bool]] = []  # remote_done's, for the next poll
 
     @property
     def page_bytes(self) -> int:
@@ -350,6 +351,40 @@ class KVCacheManager:
         st.num_published_pages = len(hit)
         return True
 
+    def start_remote(self, req: Request, num_tokens: int) -> list[int] | None:
+        """Admit `req` with its first `num_tokens` of KV to be written by another node (a decode node
+        taking over a prefill node's request, federation/): its device pages are allocated now for
+        the sender to write into, and it runs once `remote_done` says they are in place. None (and
+        nothing changes) when the pool lacks the pages."""
+        st = self.state(req)
+        assert not st.block_table and req.num_computed_tokens == 0
+        n_pages = cdiv(num_tokens, self.page_size)
+        if n_pages > self.pool.num_free:
+            return None
+        st.block_table = [self.pool.allocate() for _ in range(n_pages)]
+        st.num_load_tokens = num_tokens
+        st.load_source = REMOTE
+        return list(st.block_table)
+
+    def remote_done(self, req: Request, ok: bool) -> None:
+        """The sender's pages are in place (ok), or will never be: a failed or timed-out transfer,
+        told only once it can write no more (transport.py `settled`). `poll` reports it."""
+        self._remote_results.append((req, ok))
+
+    def _poll_remote(self, ready: list, failed: list) -> None:
+        results, self._remote_results = self._remote_results, []
+        for req, ok in results:
+            st = self.state(req)
+            if req.is_finished or st.load_source != REMOTE or not st.num_load_tokens:
+                continue  # (aborted meanwhile: its pages went with it)
+            if ok:
+                ready.append(req)
+            else:  # it computes its prompt here instead
+                self._release_device(req, st)
+                st.num_load_tokens = 0
+                st.load_source = ""
+                failed.append(req)
+
     def finish_load(self, req: Request) -> None:
         """Its pages are in place: it runs with its loaded tokens computed."""
         st = self.state(req)
@@ -433,6 +468,7 @@ class KVCacheManager:
     def poll(self) -> CopyResults:
         """Account for the copies that ended."""
         ready, failed = [], []
+        self._poll_remote(ready, failed)
         for job in self.copier.poll():
             tag: _Tag = job.tag
             req, st = tag.req, tag.kv

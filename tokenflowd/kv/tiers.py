@@ -27,6 +27,7 @@ import torch
 from tokenflowd.kv.pages import OutOfPages, PagePool, leading_run
 
 DEVICE, HOST, DISK = "device", "host", "disk"  # the tiers' names: where a prefix match's pages come from
+REMOTE = "remote"  # another node writes them (federation/): a decode node's request from a prefill node
 
 
 class KVTier(abc.ABC):

@@ -1,0 +1,93 @@
+"""A decode node's side of disaggregation, in process: a request whose prompt another engine (the
+prefill node) computed joins this engine with that KV written into pages it allocated for it, and
+goes on with the same greedy tokens as one engine alone; a transfer that fails makes it compute
+its prompt here instead, with the same tokens, and no page leaks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenflowd.config import EngineConfig
+from tokenflowd.engine.core import EngineCore
+from tokenflowd.engine.request import Request, SamplingParams
+from tokenflowd.federation.transport import gather_pages, scatter_pages
+
+PROMPT = list(range(5, 23))  # 18 tokens: 4 full pages of 4 and a partial one
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_dirs):
+    from tokenflowd.engine.loader import load_model_source
+
+    return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
+
+
+def core(tiny) -> EngineCore:
+    cfg = EngineConfig.resolve(model="tiny", device="cpu", dtype="float32", page_size=4, num_pages=64,
+                               max_num_batched_tokens=64, max_num_seqs=4, policy="fcfs", offload="none")
+    return EngineCore.from_config(cfg, tiny)
+
+
+def request(rid: str, max_tokens: int = MAX_TOKENS) -> Request:
+    return Request(rid, list(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
+
+
+def run(c: EngineCore, rid: str) -> list[int]:
+    out: list[int] = []
+    while c.has_unfinished():
+        out += [t for o in c.step() if o.request_id == rid for t in o.new_token_ids]
+    return out
+
+
+def prefill(tiny) -> tuple[EngineCore, Request, int]:
+    """The prefill node: the prompt computed and its first token sampled; the request holds its pages."""
+    p = core(tiny)
+    req = request("a", max_tokens=2)
+    p.add_request(req)
+    first = [t for o in p.step() for t in o.new_token_ids]
+    assert len(first) == 1 and req.num_computed_tokens == len(PROMPT)
+    return p, req, first[0]
+
+
+def test_a_request_prefilled_elsewhere_decodes_here_with_one_engines_greedy_tokens(tiny):
+    alone = core(tiny)
+    alone.add_request(request("ref"))
+    want = run(alone, "ref")
+    p, done, first = prefill(tiny)
+    d = core(tiny)
+    req = request("a")
+    pages = d.add_remote(req, len(PROMPT), first)
+    assert pages is not None and len(pages) == 5 and not run_one_step_makes_progress(d, "a")
+    src = p.kv.block_table(done)
+    staged = gather_pages(p.runner.kv_layers, src, torch.empty(1 << 20), p.runner.attn.page_axis)
+    scatter_pages(staged, d.runner.kv_layers, pages, d.runner.attn.page_axis)
+    d.kv.remote_done(req, ok=True)
+    assert [first] + run(d, "a") == want
+    assert d.pool.num_used == 0
+
+
+def run_one_step_makes_progress(c: EngineCore, rid: str) -> bool:
+    """A step while its KV is on the way produces nothing for it."""
+    return any(o.request_id == rid and o.new_token_ids for o in c.step())
+
+
+def test_a_failed_transfer_computes_the_prompt_here_with_the_same_tokens(tiny):
+    alone = core(tiny)
+    alone.add_request(request("ref"))
+    want = run(alone, "ref")
+    _, _, first = prefill(tiny)
+    d = core(tiny)
+    req = request("a")
+    assert d.add_remote(req, len(PROMPT), first) is not None
+    d.kv.remote_done(req, ok=False)
+    assert [first] + run(d, "a") == want
+    assert d.pool.num_used == 0
+
+
+def test_no_room_admits_nothing_and_changes_nothing(tiny):
+    d = core(tiny)
+    held = [d.pool.allocate() for _ in range(d.pool.num_free - 2)]
+    assert d.add_remote(request("a"), len(PROMPT), 7) is None
+    assert "a" not in d.scheduler.requests and d.pool.num_free == 2
+    del held
