@@ -91,3 +91,16 @@ def test_no_room_admits_nothing_and_changes_nothing(tiny):
     assert d.add_remote(request("a"), len(PROMPT), 7) is None
     assert "a" not in d.scheduler.requests and d.pool.num_free == 2
     del held
+
+
+def test_pages_of_a_request_aborted_while_its_kv_arrives_stay_taken_until_the_transfer_is_done(tiny):
+    d = core(tiny)
+    free = d.pool.num_free
+    req = request("a")
+    pages = d.add_remote(req, len(PROMPT), 7)
+    assert d.abort("a")
+    d.step() if d.has_unfinished() else d.scheduler.poll_copies()
+    assert d.pool.num_free == free - len(pages), "the sender may still be writing into them"
+    d.kv.remote_done(req, ok=False)  # its transfer is settled
+    d.scheduler.poll_copies()
+    assert d.pool.num_free == free and d.pool.num_used == 0

@@ -162,6 +162,7 @@ class KVCacheManager:
         self._keys_in_flight: Counter[bytes] = Counter()  # full pages being written to the host, by key
         self._failures_in_a_row = 0
         self._remote_results: list[tuple[Request, bool]] = []  # remote_done's, for the next poll
+        self._writing: dict[str, list[int]] = {}  # ended requests' pages another node may still write
 
     @property
     def page_bytes(self) -> int:
@@ -374,9 +375,14 @@ class KVCacheManager:
     def _poll_remote(self, ready: list, failed: list) -> None:
         results, self._remote_results = self._remote_results, []
         for req, ok in results:
-            st = self.state(req)
-            if req.is_finished or st.load_source != REMOTE or not st.num_load_tokens:
-                continue  # (aborted meanwhile: its pages went with it)
+            written = self._writing.pop(req.request_id, None)
+            if written is not None:  # it ended while they were written: only now are they free
+                for page in reversed(written):
+                    self.pool.decref(page)
+                continue
+            st = self._kv.get(req.request_id)
+            if st is None or req.is_finished or st.load_source != REMOTE or not st.num_load_tokens:
+                continue
             if ok:
                 ready.append(req)
             else:  # it computes its prompt here instead
@@ -392,10 +398,14 @@ class KVCacheManager:
         self.commit(req)
 
     def free(self, req: Request) -> None:
-        """The request ends: release its pages in every tier (copies in flight keep their pins)."""
+        """The request ends: release its pages in every tier (copies in flight keep their pins; pages
+        another node may still be writing stay taken until its transfer is done, `remote_done`)."""
         st = self._kv.pop(req.request_id, None)
         if st is None:
             return
+        if st.load_source == REMOTE and st.num_load_tokens:
+            self._writing[req.request_id] = st.block_table
+            st.block_table = []
         self._release_device(req, st)
         self._drop_host_copy(st, 0)
 
