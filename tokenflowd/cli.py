@@ -70,10 +70,42 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
         print(config_toml(server, engine), end="")
         return 0
+    missing = federation_missing(engine.role)
+    if missing:
+        print(f"tokenflowd: {missing}", file=sys.stderr)
+        return 2
     from tokenflowd.serve import serve
 
     logging.getLogger().setLevel(server.log_level.upper())  # the flag's, else the environment's or file's
     return serve(server, engine, reload=lambda: serve_configs(a))
+
+
+def federation_missing(role: str) -> str | None:
+    """Why this node cannot take the role, or None: prefill and decode move KV over Mooncake's
+    transfer engine, an optional extra."""
+    import importlib.util
+
+    if role == "both" or importlib.util.find_spec("mooncake") is not None:
+        return None
+    return (f"--role {role} moves KV between nodes over Mooncake's transfer engine, which is not installed: "
+            "pip install 'tokenflowd[federation]' (on a CUDA node: pip install mooncake-transfer-engine; "
+            "both need libibverbs1 and librdmacm1)")
+
+
+def cmd_conductor(a: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tokenflowd.federation.conductor import ConductorConfig, run
+
+    try:
+        config = ConductorConfig.load(a.config)
+    except (OSError, ValueError, TypeError) as e:
+        print(f"tokenflowd conductor: {e}", file=sys.stderr)
+        return 2
+    config = dataclasses.replace(config, **{k: v for k, v in (("host", a.host), ("port", a.port)) if v is not None})
+    logging.basicConfig(level=(getattr(a, "log_level", None) or "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(config)
 
 
 def cmd_config_check(a: argparse.Namespace) -> int:
@@ -156,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     check = csub.add_parser("check", parents=[common], help="validate a config file and print what it resolves to")
     check.add_argument("file")
     check.set_defaults(func=cmd_config_check)
+    d = sub.add_parser("conductor", parents=[common],
+                       help="the global scheduler of a federated cluster: places each request on a prefill and a "
+                            "decode node (Mooncake's Algorithm 1), rejects early under overload, proxies the stream")
+    d.add_argument("--config", required=True, help="cluster.toml: [conductor] settings and [[nodes]] (name, url)")
+    d.add_argument("--host", help="address to bind (default: the file's, else 127.0.0.1)")
+    d.add_argument("--port", type=int, help="default: the file's, else 8000")
+    d.set_defaults(func=cmd_conductor)
     from tokenflowd.sim.cli import add_commands as add_sim_commands
 
     add_sim_commands(sub, common)  # sim, calibrate

@@ -135,6 +135,11 @@ class EngineConfig:
     # where the pool keeps a new segment: home (the engine its key hashes to, pool/placement.py;
     # the engine that computed it puts it there) or local (where it was computed)
     pool_placement: str = "home"
+    # Federation (federation/): both (prefill and decode here), prefill (prompts computed here have
+    # their KV written to decode nodes, layer by layer) or decode (prompts' KV comes from prefill nodes)
+    role: str = "both"
+    kv_host: str = "127.0.0.1"  # where the KV transfer engine listens (prefill and decode roles)
+    kv_transfer_timeout: float = 30.0  # s a transfer between nodes may take before it is given up
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -197,6 +202,13 @@ class EngineConfig:
         if self.pool_mode == "read" and self.device != "cpu":
             raise ValueError("pool_mode read maps peers' caches through host shared memory: on a GPU use "
                              "pool_mode query (CUDA IPC of the caches is not built)")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.role != "both" and self.pool_mode != "off":
+            raise ValueError("a prefill or decode node runs without the node's pool (pool_mode off)")
+        if not 0 < self.kv_transfer_timeout < float("inf"):
+            raise ValueError(f"kv_transfer_timeout must be a finite number of seconds above 0, "
+                             f"got {self.kv_transfer_timeout}")
         if self.max_queue_delay is not None and not 0 < self.max_queue_delay < float("inf"):
             raise ValueError(f"max_queue_delay must be a finite number of seconds above 0 (leave it out to never "
                              f"shed load), got {self.max_queue_delay}")

@@ -53,6 +53,15 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pool-placement", choices=["home", "local"],
                    help="where the pool keeps a new segment: home (the default: the engine its key hashes to; "
                         "the engine that computed it puts it there) or local (where it was computed)")
+    g.add_argument("--role", choices=["both", "prefill", "decode"],
+                   help="this node in a federated cluster (tokenflowd conductor): both (the default: prefill and "
+                        "decode here), prefill (compute prompts and write their KV to decode nodes) or decode "
+                        "(take KV from prefill nodes); prefill and decode need the federation extra")
+    g.add_argument("--kv-host", help="the address this node's KV transfer engine listens on, reachable by its peer "
+                                     "nodes (prefill and decode roles; default 127.0.0.1)")
+    g.add_argument("--kv-transfer-timeout", type=float,
+                   help="s a KV transfer between nodes may take before it is given up and the prompt is computed "
+                        "on the decode node (default 30)")
     g.add_argument("--no-load-evict-overlap", action="store_true",
                    help="loads wait for evictions in flight (a benchmark baseline)")
     policy_args(p)
@@ -92,6 +101,7 @@ ENGINE_FLAGS = {
     "policy": "policy", "offload": "offload", "host_kv_memory": "host_kv_memory",
     "disk_kv_memory": "disk_kv_memory", "disk_kv_dir": "disk_kv_dir", "max_queue_delay": "max_queue_delay",
     "pool_mode": "pool_mode", "pool_segment_tokens": "pool_segment_tokens", "pool_placement": "pool_placement",
+    "role": "role", "kv_host": "kv_host", "kv_transfer_timeout": "kv_transfer_timeout",
 }
 
 

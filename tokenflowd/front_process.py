@@ -118,6 +118,8 @@ class FrontSupervisor(Supervisor):
         handle.stats = None
         handle.info = None
         self.index.forget(handle.engine_id)
+        if self.on_keys is not None:
+            self.on_keys(None, None)
 
     def _on_message(self, msg: p.FromEngine) -> None:
         slot = self.slots[msg.engine_id]

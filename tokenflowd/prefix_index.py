@@ -65,6 +65,10 @@ class PrefixIndex:
         """Keys held by more than one engine."""
         return self._num_replicated
 
+    def keys(self) -> list[bytes]:
+        """Every key some engine holds."""
+        return list(self._holders)
+
     def holders(self, key: bytes) -> list[int]:
         """The engines that hold the page of `key`."""
         return sorted(self._holders.get(key, ()))

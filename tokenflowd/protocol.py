@@ -41,6 +41,18 @@ class PrefixRun(msgspec.Struct, frozen=True):
     keys: list[bytes]
 
 
+class KVTarget(msgspec.Struct, frozen=True):
+    """Where a prefill node writes a request's prompt KV (federation/): the decode node's transfer
+    engine, its cache's layout (transport.py KVLayout) and the pages it allocated for the request."""
+
+    endpoint: str
+    bases: list[int]
+    shape: list[int]
+    itemsize: int
+    page_axis: int
+    pages: list[int]
+
+
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -57,6 +69,24 @@ class AddRequest(msgspec.Struct, tag=True):
     # The pool: runs of whole segments of the prompt that this engine computes and whose homes are
     # other engines: once computed, their KV is put at the home and not kept here (pool/member.py).
     place: list[PrefixRun] = []
+    # Federation, on a prefill node: compute the prompt, write its KV there layer by layer as each
+    # layer ends, sample the first token, and answer Prefilled.
+    kv_target: KVTarget | None = None
+    # Federation, on a decode node: a prefill node computes the prompt; allocate its pages and
+    # answer Reserved; it decodes once RemoteArrived says the KV is in place.
+    remote_kv: bool = False
+
+
+class RemoteArrived(msgspec.Struct, tag=True):
+    """The prefill node answered for a request the decode node reserved pages for: its KV was
+    written (`first_token` is what it sampled, `checksum` the pages' crc32) or not (None; `settled`:
+    the prefill node can write no more)."""
+
+    request_id: str
+    first_token: int | None
+    checksum: int = 0
+    settled: bool = True
+    num_cached_tokens: int = 0  # of the prompt, the prefill node's prefix cache held
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -128,7 +158,7 @@ class PoolPeers(msgspec.Struct, tag=True):
 
 
 ToEngine = (AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure
-            | AbortFront | QueryKeys | PoolPeers)
+            | AbortFront | QueryKeys | PoolPeers | RemoteArrived)
 
 
 # -- engine → supervisor ---------------------------------------------------------------------
@@ -158,6 +188,11 @@ class EngineStats(msgspec.Struct):
     pool_pins: int = 0  # pages pinned here for peers' requests now
     pool_put_pages: int = 0  # pages of new segments put at their homes on peers (placement)
     pool_stored_pages: int = 0  # pages peers put here, this engine being their segments' home
+    kv_remote_pages: int = 0  # federation: pages held for KV other nodes write or may still write
+    # the step-time model (a conductor predicts TTFT and TBT from it): s per step and per token
+    step_base: float = 0.0
+    step_per_token: float = 0.0
+    waiting_tokens: int = 0  # prompt tokens queued here and not yet computed
     pool_share: float = 0.0  # of the engine's time, the share serving its peers took lately (its step model's)
 
 
@@ -176,6 +211,8 @@ class Ready(msgspec.Struct, tag=True):
     pool_segment_pages: int = 0  # the pool's segment size (pool/segments.py); 0: pool off
     pool_query_row_bytes: int = 0  # a query row shipped to a holder and answered, all layers (dispatch's costs)
     pool_kv_token_bytes: int = 0  # a token's KV, all layers (a put's cost)
+    role: str = "both"  # federation/: both | prefill | decode
+    kv_endpoint: str = ""  # its KV transfer engine (prefill and decode roles)
 
 
 class Delta(msgspec.Struct):
@@ -242,7 +279,32 @@ class KeySnapshot(msgspec.Struct, tag=True):
     keys: list[bytes]
 
 
-FromEngine = Ready | StepOutputs | QueryReply | Reconfigured | KeySnapshot
+class Reserved(msgspec.Struct, tag=True):
+    """A decode node's answer to AddRequest(remote_kv): where the prefill node is to write (None:
+    no room now; the request was then queued to compute its prompt here) or why it was refused."""
+
+    engine_id: int
+    incarnation: int
+    request_id: str
+    target: KVTarget | None = None
+    error: str | None = None
+
+
+class Prefilled(msgspec.Struct, tag=True):
+    """A prefill node's answer to AddRequest(kv_target), once its writes are settled: the KV is
+    at the target (ok, with the first token and the pages' crc32) or not."""
+
+    engine_id: int
+    incarnation: int
+    request_id: str
+    ok: bool
+    first_token: int | None = None
+    checksum: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+FromEngine = Ready | StepOutputs | QueryReply | Reconfigured | KeySnapshot | Reserved | Prefilled
 
 
 class EngineSpec(msgspec.Struct):

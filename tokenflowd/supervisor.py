@@ -55,6 +55,8 @@ class Supervisor:
         self.num_fronts = num_fronts
         self.front_addresses: list[str] = []
         self.on_change: Callable[[], None] = lambda: None  # an engine came, went or was reconfigured
+        # the index changed: (keys added, keys removed), or (None, None) when it was rebuilt
+        self.on_keys: Callable[[list[bytes] | None, list[bytes] | None], None] | None = None
         self.slots = [
             EngineHandle(i, cfg, env)
             for i, (cfg, env) in enumerate(placement or engine_configs(engine, server.engines))
@@ -70,6 +72,8 @@ class Supervisor:
         self._encoder = msgspec.msgpack.Encoder()
         self._queries: dict[int, asyncio.Future[list[p.RequestInfo]]] = {}
         self._query_ids = itertools.count()
+        # federation: request id -> the engine's Reserved (decode role) or Prefilled (prefill role)
+        self._answers: dict[str, asyncio.Future] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -119,6 +123,8 @@ class Supervisor:
             unlink(cache_name(str(self.runtime_dir), handle.engine_id, handle.incarnation))
         handle.retire()
         self.index.forget(handle.engine_id)
+        if self.on_keys is not None:
+            self.on_keys(None, None)
         self._announce_pool(gone=handle)
         self.on_change()
 
@@ -176,14 +182,22 @@ class Supervisor:
                      msg.max_model_len)
         elif isinstance(msg, p.KeySnapshot):
             self.index.replace(msg.engine_id, msg.keys)
+            if self.on_keys is not None:
+                self.on_keys(None, None)
         elif isinstance(msg, p.QueryReply):
             fut = self._queries.pop(msg.query_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg.requests)
+        elif isinstance(msg, (p.Reserved, p.Prefilled)):
+            fut = self._answers.pop(msg.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
 
     def _on_step(self, slot: EngineHandle, msg: p.StepOutputs) -> None:
         slot.stats = msg.stats
         self.index.update(slot.engine_id, msg.keys_added, msg.keys_removed)
+        if self.on_keys is not None and (msg.keys_added or msg.keys_removed):
+            self.on_keys(msg.keys_added, msg.keys_removed)
         for delta in msg.deltas:
             slot.deliver(delta)
 
@@ -201,6 +215,15 @@ class Supervisor:
             slot.num_waiting -= 1
             raise NoEngineReady(f"engine {slot.engine_id} is not serving")
         return stream
+
+    def expect(self, request_id: str) -> asyncio.Future:
+        """The engine's federation answer about `request_id` (Reserved or Prefilled), once it comes;
+        registered before the request is sent. `forget` it if it will not be awaited."""
+        fut = self._answers[request_id] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def forget(self, request_id: str) -> None:
+        self._answers.pop(request_id, None)
 
     def abort(self, stream: Stream) -> None:
         """The client went away (or a stop string matched): the engine frees its pages at once."""

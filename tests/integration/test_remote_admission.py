@@ -57,12 +57,13 @@ def test_a_request_prefilled_elsewhere_decodes_here_with_one_engines_greedy_toke
     p, done, first = prefill(tiny)
     d = core(tiny)
     req = request("a")
-    pages = d.add_remote(req, len(PROMPT), first)
+    pages = d.add_remote(req, len(PROMPT))
     assert pages is not None and len(pages) == 5 and not run_one_step_makes_progress(d, "a")
     src = p.kv.block_table(done)
     staged = gather_pages(p.runner.kv_layers, src, torch.empty(1 << 20), p.runner.attn.page_axis)
     scatter_pages(staged, d.runner.kv_layers, pages, d.runner.attn.page_axis)
-    d.kv.remote_done(req, ok=True)
+    out = d.remote_arrived("a", first)
+    assert out is not None and out.new_token_ids == [first] and not out.finished
     assert [first] + run(d, "a") == want
     assert d.pool.num_used == 0
 
@@ -79,16 +80,41 @@ def test_a_failed_transfer_computes_the_prompt_here_with_the_same_tokens(tiny):
     _, _, first = prefill(tiny)
     d = core(tiny)
     req = request("a")
-    assert d.add_remote(req, len(PROMPT), first) is not None
-    d.kv.remote_done(req, ok=False)
-    assert [first] + run(d, "a") == want
+    assert d.add_remote(req, len(PROMPT)) is not None
+    assert d.remote_arrived("a", None) is None
+    assert run(d, "a") == want
     assert d.pool.num_used == 0
+
+
+def test_a_transfer_given_up_unsettled_keeps_its_pages_until_the_senders_timeout(tiny):
+    d = core(tiny)
+    free = d.pool.num_free
+    d.kv.remote_quarantine = 0.2
+    req = request("a")
+    pages = d.add_remote(req, len(PROMPT))
+    d.remote_arrived("a", None, settled=False)  # the prefill node is gone: it may still be writing
+    d.step()
+    assert d.kv.num_remote_pending == len(pages)
+    run(d, "a")
+    import time
+    time.sleep(0.25)
+    d.scheduler.poll_copies()
+    assert d.kv.num_remote_pending == 0 and d.pool.num_free == free and d.pool.num_used == 0
+
+
+def test_a_first_token_that_stops_ends_the_request_and_caches_its_prompt(tiny):
+    d = core(tiny)
+    req = request("a", max_tokens=1)
+    assert d.add_remote(req, len(PROMPT)) is not None
+    out = d.remote_arrived("a", 7)
+    assert out.finished and out.new_token_ids == [7] and not d.has_unfinished()
+    assert d.pool.num_used == 0 and d.pool.num_cached == len(PROMPT) // 4
 
 
 def test_no_room_admits_nothing_and_changes_nothing(tiny):
     d = core(tiny)
     held = [d.pool.allocate() for _ in range(d.pool.num_free - 2)]
-    assert d.add_remote(request("a"), len(PROMPT), 7) is None
+    assert d.add_remote(request("a"), len(PROMPT)) is None
     assert "a" not in d.scheduler.requests and d.pool.num_free == 2
     del held
 
@@ -97,10 +123,10 @@ def test_pages_of_a_request_aborted_while_its_kv_arrives_stay_taken_until_the_tr
     d = core(tiny)
     free = d.pool.num_free
     req = request("a")
-    pages = d.add_remote(req, len(PROMPT), 7)
+    pages = d.add_remote(req, len(PROMPT))
     assert d.abort("a")
     d.step() if d.has_unfinished() else d.scheduler.poll_copies()
     assert d.pool.num_free == free - len(pages), "the sender may still be writing into them"
-    d.kv.remote_done(req, ok=False)  # its transfer is settled
+    d.kv.remote_done(req, ok=False, settled=True)  # the sender says it is done writing
     d.scheduler.poll_copies()
     assert d.pool.num_free == free and d.pool.num_used == 0

@@ -34,6 +34,7 @@ from tokenflowd.api.auth import CALLER, Caller, KeyTable, auth_middleware, expos
 from tokenflowd.api.cadence import CadenceEstimator, ConversationKeys, Lookup
 from tokenflowd.api.connections import head_middleware, writable
 from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
+from tokenflowd.api.federation import Federation
 from tokenflowd.api.generation import Generation, Piece
 from tokenflowd.api.metrics import Metrics
 from tokenflowd.api.open_counts import OpenCounts
@@ -130,6 +131,7 @@ class Front:
         # --api-servers N > 1: passes a read cursor for a request this front does not serve to the one
         # that does (front_process.py); None answers 404 as before
         self.relay: Callable[[str, web.Request], Awaitable[web.Response | None]] | None = None
+        self.federation = Federation(self)  # /federation/*, and a decode node's requests (api/federation.py)
 
     async def keep_alive(self) -> None:
         """Every half keep-alive interval, an SSE comment to each stream silent for the interval.
@@ -312,22 +314,29 @@ class Front:
                                 f"(the bound is {self.config.max_waiting_requests}): retry after a second",
                            code="queue_full", headers={"Retry-After": "1"})
 
-    def _start(self, prep: _Prepared, request_id: str, arrival: float, choice: Choice) -> Generation:
+    def _start(self, prep: _Prepared, request_id: str, arrival: float, choice: Choice,
+               prefill_node: str | None = None) -> Generation:
+        """`prefill_node`: a federated decode node's request, whose prompt that node computes."""
         self._admissible()  # again: the requests placed with this one may have filled the queue
         slot = self.supervisor.slots[choice.engine_id]
         coalesce = self.coalescing if prep.stream and prep.coalesce else None
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,
                          front=self.supervisor.front, front_epoch=self.supervisor.front_epoch, coalesce=coalesce,
                          prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
-                         place=[PrefixRun(e, keys) for e, keys in choice.places])
+                         place=[PrefixRun(e, keys) for e, keys in choice.places], remote_kv=prefill_node is not None)
+        reserved = self.supervisor.expect(request_id) if prefill_node is not None else None
         try:
-            return Generation(self.supervisor, slot, add, self.tokenizer, prep.stop,
-                              self.metrics.engine(slot.engine_id), arrival,
-                              rate=RateMonitor(prep.reading_rate, max_rate=self.config.max_reading_rate,
-                                               initial_source=prep.rate.source),
-                              keep_text=prep.cadence is not None and prep.cadence.keys is not None)
+            gen = Generation(self.supervisor, slot, add, self.tokenizer, prep.stop,
+                             self.metrics.engine(slot.engine_id), arrival,
+                             rate=RateMonitor(prep.reading_rate, max_rate=self.config.max_reading_rate,
+                                              initial_source=prep.rate.source),
+                             keep_text=prep.cadence is not None and prep.cadence.keys is not None)
         except NoEngineReady:
+            self.supervisor.forget(request_id)
             raise self._unavailable() from None
+        if reserved is not None:
+            self.federation.drive(slot, request_id, prep.prompt_ids, prep.sampling, prefill_node, reserved)
+        return gen
 
     # -- routes -------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -373,9 +382,10 @@ class Front:
 
     async def _respond(self, request: web.Request, prep: _Prepared, arrival: float, chunks: Any) -> web.StreamResponse:
         caller = request[CALLER]
+        prefill_node = self.federation.decodes_remotely(request)
         self._open(caller)
         try:
-            gen = self._start(prep, chunks.rid, arrival, await self._pick(prep))
+            gen = self._start(prep, chunks.rid, arrival, await self._pick(prep), prefill_node)
         except BaseException:
             self.open_counts.close(caller.identity)
             raise
@@ -567,6 +577,13 @@ def build_app(front: Front) -> web.Application:
     app.router.add_get("/health", front.health)
     app.router.add_get("/metrics", front.metrics_endpoint)
     app.router.add_get("/openapi.json", front.openapi)
+    app.router.add_get("/federation/state", front.federation.state)
+    app.router.add_post("/federation/prefill", front.federation.prefill)
+
+    async def close_federation(_app: web.Application) -> None:
+        await front.federation.close()
+
+    app.on_cleanup.append(close_federation)
     if front.config.sse_keepalive > 0:
         app.cleanup_ctx.append(_background(front.keep_alive))
     return app

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -22,7 +23,7 @@ from tokenflowd.config import EngineConfig
 from tokenflowd.engine.admission import AdmissionControl
 from tokenflowd.engine.executor import Executor
 from tokenflowd.engine.loader import LoadedModel, load_model_source
-from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
+from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from tokenflowd.engine.runner import ModelRunner
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.engine.self_check import self_check
@@ -103,6 +104,8 @@ class EngineCore:
         # process does too (the pool's query service, pool/member.py); a step lets go of it while
         # the model runs. None: only the loop's thread touches them.
         self.lock: threading.Lock | None = None
+        # called with each step's batch before it runs (federation/: a prefill node plans its sends)
+        self.on_batch: Callable[[ScheduledBatch], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None,
@@ -189,14 +192,32 @@ class EngineCore:
             self.admission.check(self.scheduler, req)
         self.scheduler.add(req)
 
-    def add_remote(self, req: Request, num_tokens: int, first_token: int) -> list[int] | None:
-        """A request whose prompt another node computed (federation/): validated as any, then given
+    def add_remote(self, req: Request, num_tokens: int) -> list[int] | None:
+        """A request whose prompt another node computes (federation/): validated as any, then given
         pages for that node to write its `num_tokens` of KV into (Scheduler.add_remote). None: no
         room now."""
         self._validate(req)
-        if not 0 <= first_token < self.vocab_size:
-            raise InvalidRequestError(f"the first token must be in [0, {self.vocab_size})")
-        return self.scheduler.add_remote(req, num_tokens, first_token)
+        if num_tokens != req.num_prompt_tokens:
+            raise InvalidRequestError("a prefill node sends the whole prompt's KV")
+        return self.scheduler.add_remote(req, num_tokens)
+
+    def remote_arrived(self, request_id: str, first_token: int | None, settled: bool = True,
+                       num_cached_tokens: int = 0) -> EngineCoreOutput | None:
+        """The prefill node's KV for `request_id` is in place and it sampled `first_token` (None:
+        the transfer failed; the request computes its prompt here; `settled` as in kv.remote_done).
+        `num_cached_tokens`: the prefill node's prefix hit, reported as this request's.
+        -> the first token's output."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.LOADING:
+            return None
+        if first_token is not None and not 0 <= first_token < self.vocab_size:
+            first_token = None  # a prefill node that sent nonsense: compute it here
+        ended = self.scheduler.remote_arrived(req, first_token, settled)
+        if first_token is None:
+            return None
+        req.num_cached_tokens = num_cached_tokens
+        return EngineCoreOutput(request_id, [first_token], req.finish_reason if ended else None,
+                                num_cached_tokens=req.num_cached_tokens)
 
     def _validate(self, req: Request) -> None:
         n = req.prefix_offset + req.num_prompt_tokens
@@ -260,6 +281,8 @@ class EngineCore:
             if self.scheduler.loading:
                 self.kv.wait_oldest()  # nothing to compute until KV is back in place
             return []
+        if self.on_batch is not None:
+            self.on_batch(batch)
         t0 = clock()
         try:
             with self.unlocked():

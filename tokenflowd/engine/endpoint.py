@@ -88,6 +88,17 @@ class EngineEndpoint(abc.ABC):
     def pool_peers(self, msg: p.PoolPeers) -> None:
         """The pool's engines changed (an engine without the pool ignores it)."""
 
+    def remote_arrived(self, msg: p.RemoteArrived) -> None:
+        """A prefill node answered for a request this decode node reserved pages for (federation/)."""
+
+    def reply(self, request_id: str, msg: p.FromEngine, front: int | None = None) -> None:
+        """A message about one request, to the front that serves it (`front`, if it has ended)."""
+        front = self.request_front.get(request_id, 0) if front is None else front
+        if front and front <= len(self.fronts):
+            self._send_front(front, self.encoder.encode(msg))
+        else:
+            self.send(msg)
+
     def reconfigure(self, msg: p.Reconfigure) -> dict:
         """Apply what may change live; return the policy parameters now in force (none here)."""
         logging.getLogger().setLevel(msg.log_level.upper())
@@ -148,6 +159,8 @@ class EngineEndpoint(abc.ABC):
                 self._send_front(msg.front, self.encoder.encode(snapshot))
         elif isinstance(msg, p.PoolPeers):
             self.pool_peers(msg)
+        elif isinstance(msg, p.RemoteArrived):
+            self.remote_arrived(msg)
         elif isinstance(msg, p.Shutdown):
             self.running = False
         elif isinstance(msg, p.Reconfigure):

@@ -38,6 +38,7 @@ from tokenflowd.engine.admission import QueueDelayExceeded
 from tokenflowd.engine.core import EngineCore, EngineCoreOutput, EngineFailed
 from tokenflowd.engine.endpoint import EngineEndpoint, SupervisorUnreachable, die_with_parent
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
+from tokenflowd.federation.streaming import Receiver, Sender
 from tokenflowd.kv.copier import CopierDead
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool.names import cache_name
@@ -72,6 +73,32 @@ class EngineProcess(EngineEndpoint):
                 runner.kv_layers, self.core.pool, self.core.lock, self.config.max_num_batched_tokens)
             log.info("pool: %s mode, serving %d pages to peers", self.config.pool_mode, runner.num_pages)
             self.member.size_segments(self.config.pool_segment_tokens)
+        self.sender: Sender | None = None  # federation/: the prefill role's
+        self.receiver: Receiver | None = None  # ... and the decode role's
+        self.remote_outs: list[EngineCoreOutput] = []  # first tokens of requests whose KV came
+        if self.config.role != "both":
+            self._join_federation()
+
+    def _join_federation(self) -> None:
+        from tokenflowd.federation.transport import MooncakeTransport
+
+        # the transfer engine's own timeout bounds how long a write it gave up on can still land
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(1, math.ceil(self.config.kv_transfer_timeout))))
+        transport = MooncakeTransport(self.config.kv_host)
+        runner, core = self.core.runner, self.core
+        if self.config.role == "prefill":
+            self.sender = Sender(transport, runner.kv_cache, runner.attn.page_axis, self.config.page_size, core.pool)
+            core.on_batch = self._plan_sends
+        else:
+            self.receiver = Receiver(transport, runner.kv_cache, runner.attn.page_axis,
+                                     self.config.kv_transfer_timeout)
+            core.kv.remote_quarantine = 2 * self.config.kv_transfer_timeout
+        self.transport = transport
+        log.info("federation: %s node, KV transfer engine at %s", self.config.role, transport.endpoint)
+
+    def _plan_sends(self, batch) -> None:
+        self.core.runner.layer_hook = (self.sender.after_layer if self.sender.plan(batch, self.core.scheduler.requests)
+                                       else None)
 
     def _shared_cache(self, shape: tuple[int, ...], dtype) -> torch.Tensor:
         """The KV cache in shared memory, where the pool's peers can map it (read mode)."""
@@ -86,7 +113,8 @@ class EngineProcess(EngineEndpoint):
         self.send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.config.model,
                           core.max_model_len, self.config.page_size, self.config.device, self._stats(),
                           self.config.policy, msgspec.to_builtins(self.config.policy_params), core.fallback,
-                          *self._pool_ready()))
+                          *self._pool_ready(), role=self.config.role,
+                          kv_endpoint=self.transport.endpoint if self.config.role != "both" else ""))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
         trimmed = True  # nothing freed since the heap was last handed back
@@ -94,6 +122,11 @@ class EngineProcess(EngineEndpoint):
             self._loop(heartbeat_ms, last_sent, trimmed)
         if self.member is not None:
             self.member.close()
+        for side in (self.sender, self.receiver):
+            if side is not None:
+                side.close()
+        if self.config.role != "both":
+            self.transport.close()
         core.close()
         if self.shared_cache is not None:
             self.shared_cache.close()
@@ -119,15 +152,24 @@ class EngineProcess(EngineEndpoint):
             if not busy and not copying:  # wake for held tokens that come due (engine/pacing.py)
                 now = time.monotonic()
                 idle_ms = math.ceil(self.wait_until(now + self.spec.heartbeat_interval, now) * 1000)
+            if busy and self._only_awaiting_kv():  # nothing to compute until a prefill node's KV lands
+                busy, idle_ms = False, 5
             with core.unlocked():
                 polled = self.inbox.poll(0 if busy else 1 if copying else idle_ms)
             if polled:
                 self.drain_inbox()
             deltas = self.take_rejected()
+            if self.sender is not None or self.receiver is not None:
+                deltas += self._federation_outputs()
             if self.member is not None:
                 core.scheduler.pool_share = self.member.measure_share(time.monotonic())
             if core.has_unfinished():
-                deltas += [_delta(out) for out in core.step()]
+                outs = core.step()
+                if self.sender is not None:
+                    for out in outs:
+                        self.sender.output(out.request_id, out.new_token_ids, out.finished, out.error,
+                                           out.num_cached_tokens)
+                deltas += [_delta(out) for out in outs]
             elif copying:
                 core.scheduler.poll_copies()
             settled = copying and not core.copies_in_flight()  # the pages they pinned are free: say so
@@ -144,6 +186,30 @@ class EngineProcess(EngineEndpoint):
                 self._unpublish_placed(now)
             if self.orphaned(log):
                 break
+
+    def _only_awaiting_kv(self) -> bool:
+        sched = self.core.scheduler
+        return (self.receiver is not None and self.receiver.waiting and not sched.running and not sched.waiting
+                and len(sched.loading) == len(self.receiver.incoming) and not self.core.copies_in_flight())
+
+    def _federation_outputs(self) -> list[p.Delta]:
+        """Prefill role: answers for the requests whose KV writes settled. Decode role: the first
+        tokens of requests whose KV is in place (checked), and transfers given up."""
+        now = time.monotonic()
+        if self.sender is not None:
+            for front, answer in self.sender.poll(self.spec.engine_id, self.spec.incarnation):
+                self.reply(answer.request_id, answer, front)
+        outs, self.remote_outs = self.remote_outs, []
+        if self.receiver is not None:
+            outs += self.receiver.poll(self.core, now)
+        return [_delta(out) for out in outs]
+
+    def remote_arrived(self, msg: p.RemoteArrived) -> None:
+        if self.receiver is None:
+            return
+        out = self.receiver.arrived(self.core, msg, time.monotonic())
+        if out is not None:
+            self.remote_outs.append(out)
 
     def _sweep_pins(self) -> None:
         """Unpin the foreign prefixes of requests that ended or recompute theirs."""
@@ -197,6 +263,8 @@ class EngineProcess(EngineEndpoint):
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
+        if self.sender is not None:
+            self.sender.gone(request_id)
 
     def cached_keys(self) -> list[bytes]:
         return self.core.pool.cached_keys()
@@ -226,6 +294,8 @@ class EngineProcess(EngineEndpoint):
             return str(e)
         if msg.request_id in self.core.scheduler.requests:
             return f"request id {msg.request_id!r} is already in use"
+        if msg.kv_target is not None or msg.remote_kv:
+            return self._add_federated(msg, req)
         pinned = self._take_prefix(req, msg.prefix)
         try:
             self.core.add_request(req)
@@ -243,6 +313,43 @@ class EngineProcess(EngineEndpoint):
             peer, own = self.member.count(msg.request_id)
             self.peer_tokens += peer * self.config.page_size
             self.own_pool_tokens += own * self.config.page_size
+        return None
+
+    def _add_federated(self, msg: p.AddRequest, req: Request) -> str | None:
+        """A prefill node's request (its KV goes to msg.kv_target), or a decode node's (its KV comes
+        from a prefill node: Reserved says where, or that there is no room and it runs here)."""
+        rid = msg.request_id
+        if msg.kv_target is not None:
+            if self.sender is None:
+                return "this node does not prefill for others: start it with --role prefill"
+            error = self.sender.add(rid, msg.kv_target, len(msg.prompt_token_ids), msg.front)
+            if error is None:
+                try:
+                    self.core.add_request(req)
+                except QueueDelayExceeded as e:
+                    self.sender.out.pop(rid)
+                    self.shed(rid, str(e), e.retry_after)
+                    return None
+                except (InvalidRequestError, ValueError) as e:
+                    error = str(e)
+                    self.sender.out.pop(rid)
+            if error is None:
+                self.sender.out[rid].preemptions = req.num_preemptions
+                self.prompt_tokens += len(msg.prompt_token_ids)
+            return error
+        if self.receiver is None:
+            self.reply(rid, p.Reserved(self.spec.engine_id, self.spec.incarnation, rid,
+                                       error="this node takes no KV from others: start it with --role decode"))
+            return "this node takes no KV from others: start it with --role decode"
+        try:
+            target = self.receiver.reserve(self.core, req, time.monotonic())
+            if target is None:  # no room for its pages now: it waits here and computes its prompt itself
+                self.core.add_request(req)
+        except (InvalidRequestError, ValueError, QueueDelayExceeded) as e:
+            self.reply(rid, p.Reserved(self.spec.engine_id, self.spec.incarnation, rid, error=str(e)))
+            return str(e)
+        self.prompt_tokens += len(msg.prompt_token_ids)
+        self.reply(rid, p.Reserved(self.spec.engine_id, self.spec.incarnation, rid, target))
         return None
 
     def _take_prefix(self, req: Request, runs: list[p.PrefixRun]) -> bool:
@@ -285,6 +392,8 @@ class EngineProcess(EngineEndpoint):
     def _stats(self) -> p.EngineStats:
         sched, pool, kv = self.core.scheduler, self.core.pool, self.core.kv
         host = kv.host.pool
+        cost = sched.cost
+        queued = [r for r in sched.waiting] + [r for r in sched.running if r.num_computed_tokens < r.num_prompt_tokens]
         return p.EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             kv_pages_used=pool.num_used, kv_pages_cached=pool.num_cached,
@@ -295,7 +404,9 @@ class EngineProcess(EngineEndpoint):
             kv_pages_written=kv.stats.pages_written, kv_pages_loaded=kv.stats.pages_loaded,
             num_shed=self.core.admission.num_shed if self.core.admission else 0,
             prompt_tokens=self.prompt_tokens, hit_tokens=kv.stats.hit_tokens + self.own_pool_tokens,
-            peer_tokens=self.peer_tokens,
+            peer_tokens=self.peer_tokens, kv_remote_pages=kv.num_remote_pending,
+            step_base=cost.base, step_per_token=cost.per_token,
+            waiting_tokens=sum(r.num_prompt_tokens - r.num_computed_tokens for r in queued),
             **(self._pool_stats() if self.member is not None else {}),
         )
 

@@ -44,6 +44,9 @@ class ModelRunner(Executor):
         self.config = config
         self.kv_memory = kv_memory
         self.pool = None  # the engine's PoolMember (pool/member.py), set once the engine joins the pool
+        # called with each layer's index once its KV is in the cache, for the step about to run
+        # (federation/streaming.py: a prefill node sends each layer as it ends); None: no hook
+        self.layer_hook: Callable[[int], None] | None = None
         self.model_config = loaded.config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
@@ -158,11 +161,17 @@ class ModelRunner(Executor):
         T = input_ids.shape[0]
         pooled = self.pool is not None and any(batch.offsets)
         holders = self.pool.holders(batch, attn_inputs.query_start) if pooled else []
-        if holders:  # some requests read prefix pages held elsewhere in the pool
-            from tokenflowd.pool.attention import PooledAttention
+        if holders or self.layer_hook is not None:
+            attn = self.attn
+            if holders:  # some requests read prefix pages held elsewhere in the pool
+                from tokenflowd.pool.attention import PooledAttention
 
-            meta = self.attn.prepare(attn_inputs)
-            hidden = self.model(input_ids, positions, self.kv_layers, PooledAttention(self.attn, holders), meta)
+                attn = PooledAttention(attn, holders)
+            if self.layer_hook is not None:
+                from tokenflowd.federation.streaming import LayerHook
+
+                attn = LayerHook(attn, self.layer_hook)
+            hidden = self.model(input_ids, positions, self.kv_layers, attn, self.attn.prepare(attn_inputs))
         elif self.graphs is not None and T == len(batch) and T <= self.graphs.max_batch:
             hidden = self.graphs.run(input_ids, positions, attn_inputs)  # pure decode: replay a graph
         else:

@@ -228,11 +228,10 @@ class Scheduler:
         now = self.clock()
         self.kv.issue(seconds, self.running, self.loading, lambda r: r.buffer.buffer(now))
 
-    def add_remote(self, req: Request, num_tokens: int, first_token: int) -> list[int] | None:
-        """A request a prefill node computed: its first `num_tokens` of KV (the prompt's) will be
-        written into the pages returned, and `first_token` is the token that node sampled. It waits
-        in `loading` until kv.remote_done says the pages are in place (or failed: then it computes
-        its prompt here). None (and nothing changes) when the pages are not free now."""
+    def add_remote(self, req: Request, num_tokens: int) -> list[int] | None:
+        """A request another node (its prefill node) computes: its first `num_tokens` of KV (the
+        prompt's) will be written into the pages returned. It waits in `loading` until
+        `remote_arrived`. None (and nothing changes) when the pages are not free now."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.kv.track(req)
@@ -240,14 +239,29 @@ class Scheduler:
         if pages is None:
             self.kv.free(req)
             return None
-        req.token_ids.append(first_token)
-        req.buffer.on_tokens(1, self.clock())  # the client has it (sent by the prefill node)
         self.requests[req.request_id] = req
         req.arrival_seq = self._num_arrivals
         self._num_arrivals += 1
         req.status = RequestStatus.LOADING
         self.loading.append(req)
         return pages
+
+    def remote_arrived(self, req: Request, first_token: int | None, settled: bool = True) -> bool:
+        """Its KV is in place and `first_token` is what the prefill node sampled (it joins the batch
+        at the next step), or the transfer failed (None: it computes its prompt here; `settled` as
+        in kv.remote_done). -> whether the first token ended it (a stop token, max_tokens 1)."""
+        if first_token is None:
+            self.kv.remote_done(req, False, settled)
+            return False
+        req.token_ids.append(first_token)
+        req.buffer.on_tokens(1, self.clock())
+        reason = self._stop_reason(req, first_token)
+        if reason is not None:
+            self.kv.finish_load(req)  # the pages hold the prompt: cached for the next turn
+            self.finish(req, reason)
+            return True
+        self.kv.remote_done(req, True)
+        return False
 
     def poll_copies(self) -> None:
         """Account for the copies that ended: requests whose pages are in place run again, and those

@@ -165,7 +165,8 @@ class MooncakeTransport(KVTransport):
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
         super().__init__()
-        os.environ.setdefault("GLOG_minloglevel", "1")  # the engine's per-transfer INFO lines stay out of the journal
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # the engine's per-batch INFO lines stay out of the journal
+        os.environ.setdefault("GLOG_minloglevel", "1")
         from mooncake.engine import TransferEngine  # the federation extra
 
         self._te = TransferEngine()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Protocol
@@ -161,8 +162,11 @@ class KVCacheManager:
         self.num_unissued_loads = 0  # pages in loading requests' queues, not yet handed to the copier
         self._keys_in_flight: Counter[bytes] = Counter()  # full pages being written to the host, by key
         self._failures_in_a_row = 0
-        self._remote_results: list[tuple[Request, bool]] = []  # remote_done's, for the next poll
-        self._writing: dict[str, list[int]] = {}  # ended requests' pages another node may still write
+        self._remote_results: list[tuple[Request, bool, bool]] = []  # remote_done's, for the next poll
+        # Pages another node may still write, of requests that ended or gave up on that node's
+        # transfer: request -> (pages, monotonic time by which the sender's own timeout has stopped it)
+        self._writing: dict[str, tuple[list[int], float]] = {}
+        self.remote_quarantine = 60.0  # s a sender may go on writing after we stopped waiting for it
 
     @property
     def page_bytes(self) -> int:
@@ -367,29 +371,58 @@ class KVCacheManager:
         st.load_source = REMOTE
         return list(st.block_table)
 
-    def remote_done(self, req: Request, ok: bool) -> None:
-        """The sender's pages are in place (ok), or will never be: a failed or timed-out transfer,
-        told only once it can write no more (transport.py `settled`). `poll` reports it."""
-        self._remote_results.append((req, ok))
+    def remote_done(self, req: Request, ok: bool, settled: bool = True) -> None:
+        """The sender's pages are in place (ok), or will never be (a failed transfer). `settled`:
+        the sender can write no more (it said so: transport.py `settled`); otherwise (it is gone, or
+        it timed out on us) its pages stay taken for `remote_quarantine` s, the sender's own transfer
+        timeout, before they go to anyone else. `poll` reports the request."""
+        self._remote_results.append((req, ok, settled))
+
+    def _quarantine(self, request_id: str, pages: list[int], settled: bool) -> None:
+        if not pages:
+            return
+        if settled:
+            for page in reversed(pages):
+                self.pool.decref(page)
+        else:
+            self._writing[request_id] = (pages, time.monotonic() + self.remote_quarantine)
 
     def _poll_remote(self, ready: list, failed: list) -> None:
         results, self._remote_results = self._remote_results, []
-        for req, ok in results:
-            written = self._writing.pop(req.request_id, None)
-            if written is not None:  # it ended while they were written: only now are they free
-                for page in reversed(written):
-                    self.pool.decref(page)
+        for req, ok, settled in results:
+            written = self._writing.get(req.request_id)
+            if written is not None:  # it ended while they were written: free once the sender stops
+                if settled:
+                    del self._writing[req.request_id]
+                    self._quarantine(req.request_id, written[0], True)
                 continue
             st = self._kv.get(req.request_id)
             if st is None or req.is_finished or st.load_source != REMOTE or not st.num_load_tokens:
                 continue
             if ok:
                 ready.append(req)
-            else:  # it computes its prompt here instead
+            else:  # it computes its prompt here instead, in fresh pages
+                self._quarantine(req.request_id, st.block_table, settled)
+                st.block_table = []
                 self._release_device(req, st)
                 st.num_load_tokens = 0
                 st.load_source = ""
                 failed.append(req)
+        if self._writing:
+            now = time.monotonic()
+            for rid in [rid for rid, (_, until) in self._writing.items() if until <= now]:
+                self._quarantine(rid, self._writing.pop(rid)[0], True)
+
+    def remote_settled(self, request_id: str) -> None:
+        """The sender of an ended request's KV can write no more: its quarantined pages are free."""
+        written = self._writing.pop(request_id, None)
+        if written is not None:
+            self._quarantine(request_id, written[0], True)
+
+    @property
+    def num_remote_pending(self) -> int:
+        """Pages held for transfers from other nodes that are not settled (quarantine included)."""
+        return sum(len(pages) for pages, _ in self._writing.values())
 
     def finish_load(self, req: Request) -> None:
         """Its pages are in place: it runs with its loaded tokens computed."""
@@ -403,8 +436,8 @@ class KVCacheManager:
         st = self._kv.pop(req.request_id, None)
         if st is None:
             return
-        if st.load_source == REMOTE and st.num_load_tokens:
-            self._writing[req.request_id] = st.block_table
+        if st.load_source == REMOTE and st.num_load_tokens:  # the sender may still be writing them
+            self._quarantine(req.request_id, st.block_table, False)
             st.block_table = []
         self._release_device(req, st)
         self._drop_host_copy(st, 0)

@@ -1,0 +1,350 @@
+"""`tokenflowd conductor --config cluster.toml`: the global scheduler in front of a federated cluster.
+
+    client ──OpenAI API──► conductor ──the same request (+ X-Tokenflowd-Prefill-Node)──► decode node
+                             │  polls every node's /federation/state:         │ its front asks the
+                             │  role, queue, step-time model, prefix keys     ▼ prefill node to fill
+                             └──────────────────────────────────────────► prefill node (KV over Mooncake TE)
+
+For each request the conductor tokenizes the prompt (the nodes' tokenizer, so its page keys are
+theirs), finds each prefill node's cached prefix, and picks a (prefill, decode) pair by Mooncake's
+Algorithm 1 (placement.py): the least predicted TTFT, and the decode node of least predicted time
+between tokens. A node of role `both` is its own pair. Before any prefill is spent, early
+rejection (rejection.py) refuses the request with 429 and Retry-After when the decode pool is
+predicted to be full by the time the request would reach it. The decode node's response (its SSE
+stream) is passed to the client byte for byte.
+
+Faults: a node whose state poll fails, or that refuses a connection, leaves placement at once and
+comes back when its state answers again. A request whose decode node cannot be reached before
+any byte came back is placed again without that node; one whose stream breaks midway ends with an
+SSE error event.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import tomllib
+import uuid
+from dataclasses import dataclass, field
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from tokenflowd.api import schema as s
+from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
+from tokenflowd.api.federation import PREFILL_HEADER
+from tokenflowd.federation.placement import DecodeNode, Placement, PrefillNode, Rejection, place
+from tokenflowd.federation.rejection import DecodeLoad, EarlyRejection
+from tokenflowd.kv.pages import chain_page_keys
+
+log = logging.getLogger("tokenflowd.conductor")
+
+_PASSED_HEADERS = ("Authorization", "X-Reading-Rate", "Content-Type", "Accept")
+_RETURNED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After", "X-Accel-Buffering")
+MAX_BODY = 4 * 2**20  # the nodes' default --max-body-size
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    nodes: tuple[tuple[str, str], ...]  # (name, base URL)
+    model: str = "smollm2-135m"  # the nodes' model: its tokenizer keys prompts as they do
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ttft_slo: float = 30.0  # s: a request predicted to wait longer for its first token is refused
+    tbt_slo: float = 1.0  # s between tokens on the decode node
+    balancing_threshold: float = 1.5  # Mooncake's kvcache_balancing_threshold (Algorithm 1)
+    rejection: str = "predicted"  # off | current | predicted (Mooncake §7)
+    decode_seconds: float = 20.0  # a decode's uniform time until finished ones say otherwise
+    poll_interval: float = 0.25  # s between state polls of each node
+
+    @classmethod
+    def load(cls, path: str) -> "ConductorConfig":
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+        table = dict(raw.get("conductor", {}))
+        nodes = raw.get("nodes", [])
+        if not nodes:
+            raise ValueError(f"{path}: no [[nodes]] (each with name and url)")
+        try:
+            table["nodes"] = tuple((str(n["name"]), str(n["url"]).rstrip("/")) for n in nodes)
+        except KeyError as e:
+            raise ValueError(f"{path}: every [[nodes]] needs {e.args[0]}") from None
+        unknown = set(table) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{path}: unknown [conductor] keys: {', '.join(sorted(unknown))}")
+        config = cls(**table)
+        if config.rejection not in ("off", "current", "predicted"):
+            raise ValueError(f"rejection must be off, current or predicted, got {config.rejection!r}")
+        return config
+
+
+@dataclass
+class NodeView:
+    """A node as the conductor last heard of it."""
+
+    name: str
+    url: str
+    healthy: bool = False
+    role: str = "both"
+    page_size: int = 16
+    engines: list[dict] = field(default_factory=list)
+    keys: set[bytes] = field(default_factory=set)
+    seq: int = -1  # the last key change applied
+
+    def apply(self, state: dict) -> None:
+        self.role, self.page_size, self.engines = state["role"], state["page_size"], state["engines"]
+        keys = state["keys"]
+        if "snapshot" in keys:
+            self.keys = {bytes.fromhex(k) for k in keys["snapshot"]}
+        else:
+            for key, held in keys["changes"]:
+                (self.keys.add if held else self.keys.discard)(bytes.fromhex(key))
+        self.seq = keys["seq"]
+
+    def prefix_tokens(self, keys: list[bytes]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self.keys:
+                break
+            n += 1
+        return n * self.page_size
+
+    def _best(self) -> dict:
+        return min(self.engines, key=lambda e: e["waiting_tokens"] * e["step_per_token"] + e["running"] * 1e-9)
+
+    def queue_seconds(self) -> float:
+        e = self._best()
+        budget = max(1, e["max_num_batched_tokens"])
+        return e["waiting_tokens"] * e["step_per_token"] + math.ceil(e["waiting_tokens"] / budget) * e["step_base"]
+
+    def prefill_seconds(self, prompt: int, cached: int) -> float:
+        e = self._best()
+        n = max(1, prompt - cached)
+        return n * e["step_per_token"] + math.ceil(n / max(1, e["max_num_batched_tokens"])) * e["step_base"]
+
+    def tbt_seconds(self) -> float:
+        e = min(self.engines, key=lambda e: e["running"])
+        return e["step_base"] + (e["running"] + 1) * e["step_per_token"]
+
+    @property
+    def capacity(self) -> int:
+        return sum(e["max_num_seqs"] for e in self.engines)
+
+    @property
+    def serving(self) -> bool:
+        return self.healthy and bool(self.engines)
+
+
+class Conductor:
+    def __init__(self, config: ConductorConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.nodes = {name: NodeView(name, url) for name, url in config.nodes}
+        self.load = DecodeLoad(capacity=1, decode_seconds=config.decode_seconds)
+        self.gate = EarlyRejection(self.load, predict=config.rejection == "predicted")
+        self.session: aiohttp.ClientSession | None = None
+        self.counts = {"accepted": 0, "rejected": 0, "replaced": 0, "failed": 0}
+        self._chat = msgspec.json.Decoder(s.ChatCompletionRequest)
+        self._completion = msgspec.json.Decoder(s.CompletionRequest)
+        self._polls: list[asyncio.Task] = []
+
+    # -- the nodes --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0))
+        self._polls = [asyncio.create_task(self._follow(node)) for node in self.nodes.values()]
+
+    async def stop(self) -> None:
+        for task in self._polls:
+            task.cancel()
+        for task in self._polls:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.session is not None:
+            await self.session.close()
+
+    async def _follow(self, node: NodeView) -> None:
+        """Poll the node's state; a failed poll takes it out of placement until one answers again."""
+        timeout = aiohttp.ClientTimeout(total=max(1.0, 4 * self.config.poll_interval))
+        while True:
+            try:
+                async with self.session.get(f"{node.url}/federation/state", params={"since": str(node.seq)},
+                                            timeout=timeout) as r:
+                    r.raise_for_status()
+                    node.apply(await r.json())
+                if not node.healthy:
+                    log.info("node %s (%s, %s) is serving", node.name, node.role, node.url)
+                node.healthy = True
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KeyError, ValueError) as e:
+                if node.healthy:
+                    log.warning("node %s is out of placement: %s", node.name, e)
+                node.healthy, node.seq = False, -1
+            await asyncio.sleep(self.config.poll_interval)
+
+    def _down(self, node: NodeView, why: str) -> None:
+        if node.healthy:
+            log.warning("node %s is out of placement: %s", node.name, why)
+        node.healthy, node.seq = False, -1
+
+    # -- placement ----------------------------------------------------------------------------------
+    def place(self, prompt_ids: list[int], exclude: set[str]) -> Placement | Rejection:
+        serving = [n for n in self.nodes.values() if n.serving and n.name not in exclude]
+        if not serving:
+            return Rejection("no node")
+        keys = chain_page_keys(prompt_ids, serving[0].page_size, [])
+        prefill = [n for n in serving if n.role == "prefill"]
+        decode = [n for n in serving if n.role == "decode"]
+        groups = [(prefill, decode)] if prefill and decode else []
+        groups += [([n], [n]) for n in serving if n.role == "both"]
+        best: Placement | Rejection = Rejection("no prefill and decode pair")
+        c = self.config
+        for ps, ds in groups:
+            choice = place(len(prompt_ids),
+                           [PrefillNode(n.name, n.prefix_tokens(keys), n.queue_seconds(), n.prefill_seconds) for n in ps],
+                           [DecodeNode(n.name, n.tbt_seconds()) for n in ds],
+                           bandwidth=lambda a, b: 0.0, kv_bytes_per_token=1, balancing_threshold=c.balancing_threshold,
+                           ttft_slo=c.ttft_slo, tbt_slo=c.tbt_slo)
+            if isinstance(choice, Placement) and (not isinstance(best, Placement)
+                                                  or choice.ttft_seconds < best.ttft_seconds):
+                best = choice
+            elif isinstance(best, Rejection) and isinstance(choice, Rejection) and best.reason.startswith("no"):
+                best = choice
+        return best
+
+    def admit(self, placement: Placement, now: float) -> bool:
+        if self.config.rejection == "off":
+            return True
+        self.load.capacity = sum(n.capacity for n in self.nodes.values() if n.serving and n.role != "prefill")
+        return self.gate.admit(now, now + placement.ttft_seconds)
+
+    # -- the OpenAI API -------------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = self._chat.decode(raw)
+            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                        for m in body.messages]
+            prompt_ids = self.tokenizer.encode_chat(messages)
+        except Exception:  # the node says what is wrong with it, in its words
+            prompt_ids = []
+        return await self._forward(request, raw, prompt_ids)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        prompt_ids: list[int] = []
+        with contextlib.suppress(Exception):
+            prompt = self._completion.decode(raw).prompt
+            if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                prompt_ids = self.tokenizer.encode(prompt)
+            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                prompt_ids = list(prompt)
+        return await self._forward(request, raw, prompt_ids)
+
+    async def _forward(self, request: web.Request, raw: bytes, prompt_ids: list[int]) -> web.StreamResponse:
+        now = time.monotonic()
+        rid = uuid.uuid4().hex
+        tried: set[str] = set()
+        while True:
+            placement = self.place(prompt_ids or [0], tried)
+            if isinstance(placement, Rejection):
+                self.counts["rejected"] += 1
+                if placement.reason.startswith("no"):
+                    raise APIError(503, f"no node can serve this now ({placement.reason}): retry shortly",
+                                   code="unavailable", headers={"Retry-After": "1"})
+                raise APIError(429, f"the cluster is overloaded (predicted {placement.reason} "
+                                    f"{placement.ttft_seconds if placement.reason == 'ttft' else placement.tbt_seconds:.1f} s "
+                                    "over its SLO): retry later", code="overloaded",
+                               headers={"Retry-After": str(max(1, round(self.load.decode_seconds / 4)))})
+            if not tried and not self.admit(placement, now):
+                self.counts["rejected"] += 1
+                raise APIError(429, "the decode nodes are predicted to be full when this request would reach them: "
+                                    "retry later", code="overloaded",
+                               headers={"Retry-After": str(max(1, round(self.load.decode_seconds / 4)))})
+            if not tried:
+                self.counts["accepted"] += 1
+                self.load.accepted(rid, now + placement.ttft_seconds)
+            try:
+                return await self._proxy(request, raw, placement, rid)
+            except _Unreachable as e:  # nothing was sent: place it again without that node
+                self._down(self.nodes[e.node], e.why)
+                tried.add(e.node)
+                self.counts["replaced"] += 1
+
+    async def _proxy(self, request: web.Request, raw: bytes, placement: Placement, rid: str) -> web.StreamResponse:
+        decode = self.nodes[placement.decode]
+        headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}
+        if placement.prefill != placement.decode:
+            headers[PREFILL_HEADER] = self.nodes[placement.prefill].url
+        try:
+            upstream_cm = self.session.post(f"{decode.url}{request.path}", data=raw, headers=headers)
+            upstream = await upstream_cm.__aenter__()
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+            raise _Unreachable(decode.name, f"{type(e).__name__}: {e}") from None
+        response = web.StreamResponse(status=upstream.status,
+                                      headers={h: upstream.headers[h] for h in _RETURNED_HEADERS if h in upstream.headers})
+        started = False
+        try:
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                if not started:
+                    started = True
+                    self.load.started(rid, time.monotonic())
+                await response.write(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            self.counts["failed"] += 1
+            log.warning("the stream from %s broke: %s", decode.name, e)
+            if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await response.write(error_event(f"the decode node {decode.name} failed mid-stream: {e}"))
+        finally:
+            self.load.finished(rid, time.monotonic())
+            await upstream_cm.__aexit__(None, None, None)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await response.write_eof()
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.config.model, "object": "model",
+                                                              "owned_by": "tokenflowd"}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        nodes = {n.name: {"healthy": n.healthy, "role": n.role, "url": n.url, "keys": len(n.keys)}
+                 for n in self.nodes.values()}
+        ok = any(n.serving for n in self.nodes.values())
+        return web.json_response({"status": "ok" if ok else "no node", "nodes": nodes, **self.counts},
+                                 status=200 if ok else 503)
+
+
+class _Unreachable(Exception):
+    def __init__(self, node: str, why: str) -> None:
+        super().__init__(why)
+        self.node, self.why = node, why
+
+
+def build_app(conductor: Conductor) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY)
+    app[MAX_BODY_SIZE] = MAX_BODY
+    app.router.add_post("/v1/chat/completions", conductor.chat_completions)
+    app.router.add_post("/v1/completions", conductor.completions)
+    app.router.add_get("/v1/models", conductor.models)
+    app.router.add_get("/health", conductor.health)
+
+    async def lifecycle(_app: web.Application):
+        await conductor.start()
+        yield
+        await conductor.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def run(config: ConductorConfig) -> int:
+    from tokenflowd.text.source import load_tokenizer
+
+    conductor = Conductor(config, load_tokenizer(config.model))
+    web.run_app(build_app(conductor), host=config.host, port=config.port, print=None)
+    return 0
