@@ -52,12 +52,18 @@ def terminate(proc: subprocess.Popen, grace: float = 30.0) -> int:
 
 class Daemon:
     def __init__(self, *args: str, start_timeout: float = 120.0, env: dict[str, str] | None = None,
-                 log_path: str | None = None, wait: bool = True, null_engine: bool = False) -> None:
-        """`null_engine`: bench/null_engine.py stands in for the model (tests/null_daemon.py)."""
+                 log_path: str | None = None, wait: bool = True, null_engine: bool = False,
+                 netns: str | None = None, host: str = "127.0.0.1") -> None:
+        """`null_engine`: bench/null_engine.py stands in for the model (tests/null_daemon.py).
+        `netns`: run it in that network namespace, serving on `host` (tests/netns.py)."""
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"http://{host}:{self.port}"
         entry = [os.path.join(os.path.dirname(__file__), "null_daemon.py")] if null_engine else ["-m", "tokenflowd.cli"]
         cmd = [sys.executable, *entry, "serve", "--port", str(self.port), *args]
+        if host != "127.0.0.1":
+            cmd += ["--host", host]
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
         self.log = open(log_path, "w") if log_path else None  # its stdout and stderr; None: inherited
         self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                      stdout=self.log, stderr=subprocess.STDOUT if self.log else None)

@@ -103,8 +103,6 @@ def cmd_conductor(a: argparse.Namespace) -> int:
         print(f"tokenflowd conductor: {e}", file=sys.stderr)
         return 2
     config = dataclasses.replace(config, **{k: v for k, v in (("host", a.host), ("port", a.port)) if v is not None})
-    logging.basicConfig(level=(getattr(a, "log_level", None) or "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(config)
 
 
@@ -203,10 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    level = (a.log_level or ("INFO" if a.command == "serve" else "WARNING")).upper()
-    # serve logs to stdout, one line an event (journald under systemd); other commands to stderr
+    daemon = a.command in ("serve", "conductor")
+    level = (a.log_level or ("INFO" if daemon else "WARNING")).upper()
+    # the daemons log to stdout, one line an event (journald under systemd); other commands to stderr
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stdout if a.command == "serve" else sys.stderr)
+                        stream=sys.stdout if daemon else sys.stderr)
     try:
         return a.func(a)
     except (ModelLoadError, InvalidRequestError, ValueError) as e:

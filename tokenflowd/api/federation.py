@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenflowd.federation")
 
 PREFILL_HEADER = "X-Tokenflowd-Prefill-Node"
+HEARTBEAT = 1.0  # s between a prefill node's signs of life while it computes a prompt
 
 
 class PrefillOrder(msgspec.Struct):
@@ -127,7 +128,10 @@ class Federation:
         return web.json_response(body)
 
     # -- POST /federation/prefill (a prefill node) ---------------------------------------------
-    async def prefill(self, request: web.Request) -> web.Response:
+    async def prefill(self, request: web.Request) -> web.StreamResponse:
+        """The answer (PrefillAnswer, JSON) comes once the KV is written; until then a space every
+        HEARTBEAT s says the prefill node is alive (JSON allows leading whitespace), so the decode
+        node can tell a long prefill from a dead link by its read timeout."""
         raw = await self.front.read_body(request)
         try:
             order = self._order_decoder.decode(raw)
@@ -135,13 +139,30 @@ class Federation:
             raise APIError(400, f"not a prefill order: {e}") from None
         if self.role != "prefill":
             raise APIError(409, "this node does not prefill for others (--role prefill)", code="wrong_role")
-        answer = await self._prefill(order)
-        return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
+        work = asyncio.ensure_future(self._prefill(order))
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        try:
+            await response.prepare(request)
+            while not work.done():
+                await asyncio.wait([work], timeout=min(HEARTBEAT, self.timeout / 4))
+                if not work.done():
+                    await response.write(b" ")
+        except (ConnectionError, asyncio.CancelledError):  # the decode node is gone: it computes the prompt
+            await work  # its writes settle; the answer goes nowhere
+            raise
+        answer = work.result()
+        self.front.metrics.federation.labels("prefill", "ok" if answer.ok else "failed").inc()
+        await response.write(msgspec.json.encode(answer))
+        await response.write_eof()
+        return response
 
     async def _prefill(self, order: PrefillOrder) -> PrefillAnswer:
         front, sup = self.front, self.supervisor
-        front._admissible()
-        choice = front.router.pick(front._ready_slots(), order.prompt_token_ids)
+        try:
+            front._admissible()
+            choice = front.router.pick(front._ready_slots(), order.prompt_token_ids)
+        except APIError as e:
+            return PrefillAnswer(False, error=e.message)
         slot = sup.slots[choice.engine_id]
         s = order.sampling
         sampling = msgspec.structs.replace(s, max_tokens=1, min_tokens=min(s.min_tokens, 1))
@@ -157,24 +178,21 @@ class Federation:
                 failed.set_result(delta)
 
         try:
-            stream = sup.submit(slot, add, on_delta)
+            sup.submit(slot, add, on_delta)
         except Exception as e:
             sup.forget(rid)
             return PrefillAnswer(False, error=f"not admitted: {e}")
         try:
-            await asyncio.wait([answer, failed], timeout=2 * self.timeout, return_when=asyncio.FIRST_COMPLETED)
-            if not answer.done() and failed.done():  # the engine's answer follows its writes' end
+            await asyncio.wait([answer, failed], return_when=asyncio.FIRST_COMPLETED)
+            if not answer.done():  # the engine's answer follows its writes' end
                 await asyncio.wait([answer], timeout=1.0 if slot.ready else 0.0)
             if answer.done():
                 msg: p.Prefilled = answer.result()
                 return PrefillAnswer(msg.ok, msg.first_token, msg.checksum, msg.num_cached_tokens, msg.error)
-            if failed.done():
-                delta = failed.result()
-                # an engine gone writes no more; one that refused the request never started
-                return PrefillAnswer(False, error=delta.error or delta.finish_reason,
-                                     settled=not slot.ready or delta.finish_reason in ("rejected", "shed"))
-            sup.abort(stream)
-            return PrefillAnswer(False, error="the prefill timed out", settled=False)
+            delta = failed.result()
+            # an engine gone writes no more; one that refused the request never started
+            return PrefillAnswer(False, error=delta.error or delta.finish_reason,
+                                 settled=not slot.ready or delta.finish_reason in ("rejected", "shed"))
         finally:
             sup.forget(rid)
 
@@ -207,16 +225,18 @@ class Federation:
         order = PrefillOrder(rid, prompt_ids, sampling, msg.target)
         try:
             session = self._client()
+            # silence longer than the transfer timeout (no heartbeat): the prefill node or its link is gone
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
             async with session.post(f"{url}/federation/prefill", data=msgspec.json.encode(order),
-                                    headers={"Content-Type": "application/json"},
-                                    timeout=aiohttp.ClientTimeout(total=2 * self.timeout + 5)) as r:
-                body = await r.read()
+                                    headers={"Content-Type": "application/json"}, timeout=timeout) as r:
+                body = (await r.read()).strip()
                 if r.status == 200:
                     answer = msgspec.json.decode(body, type=PrefillAnswer)
                 else:  # refused before it wrote anything
                     answer = PrefillAnswer(False, error=f"{r.status}: {body[:200]!r}", settled=r.status < 500)
         except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError, OSError) as e:
             answer = PrefillAnswer(False, error=f"{type(e).__name__}: {e}", settled=False)
+        self.front.metrics.federation.labels("decode", "ok" if answer.ok else "failed").inc()
         if not answer.ok:
             log.warning("prefill of %s at %s failed (%s): computing it here", rid, url, answer.error)
         self.supervisor.send(slot, p.RemoteArrived(rid, answer.first_token if answer.ok else None,

@@ -71,6 +71,8 @@ class EngineCollector(Collector):
             "host_kv_pages_cached": ("Unreferenced host-tier KV pages kept for prefix-cache hits",
                                      lambda s: s.host_kv_pages_cached),
             "host_kv_pages_total": ("KV pages in an engine's host tier (0: offload off)", lambda s: s.host_kv_pages_total),
+            "kv_remote_pages": ("KV pages held for transfers from prefill nodes that gave up or ended early, until "
+                                "the sender can write no more (federation)", lambda s: s.kv_remote_pages),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(f"tokenflowd_{name}", doc, labels=["engine"])
@@ -216,6 +218,12 @@ class Metrics:
         self.rejected = Counter("tokenflowd_requests_rejected", "Requests refused before a first token (the waiting "
                                 "bound, an engine's --max-queue-delay), by HTTP status",
                                 ["status"], registry=r)
+        self.federation = Counter("tokenflowd_federation_prefills", "Federation: prompts a prefill node computed for a "
+                                  "decode node (side prefill), and those a decode node asked for (side decode), by "
+                                  "outcome (ok, or failed: the decode node computed it)", ["side", "outcome"], registry=r)
+        for side in ("prefill", "decode"):
+            for outcome in ("ok", "failed"):
+                self.federation.labels(side, outcome)  # every series from 0
         self._engines: dict[int, EngineMetrics] = {}
 
     def engine(self, engine_id: int) -> EngineMetrics:

@@ -90,8 +90,7 @@ class EngineProcess(EngineEndpoint):
             self.sender = Sender(transport, runner.kv_cache, runner.attn.page_axis, self.config.page_size, core.pool)
             core.on_batch = self._plan_sends
         else:
-            self.receiver = Receiver(transport, runner.kv_cache, runner.attn.page_axis,
-                                     self.config.kv_transfer_timeout)
+            self.receiver = Receiver(transport, runner.kv_cache, runner.attn.page_axis)
             core.kv.remote_quarantine = 2 * self.config.kv_transfer_timeout
         self.transport = transport
         log.info("federation: %s node, KV transfer engine at %s", self.config.role, transport.endpoint)
@@ -153,7 +152,9 @@ class EngineProcess(EngineEndpoint):
                 now = time.monotonic()
                 idle_ms = math.ceil(self.wait_until(now + self.spec.heartbeat_interval, now) * 1000)
             if busy and self._only_awaiting_kv():  # nothing to compute until a prefill node's KV lands
-                busy, idle_ms = False, 5
+                busy, idle_ms = False, 2
+            elif self.sender is not None and self.sender.out:  # writes to settle and answer soon
+                idle_ms = min(idle_ms, 1)
             with core.unlocked():
                 polled = self.inbox.poll(0 if busy else 1 if copying else idle_ms)
             if polled:
@@ -342,7 +343,7 @@ class EngineProcess(EngineEndpoint):
                                        error="this node takes no KV from others: start it with --role decode"))
             return "this node takes no KV from others: start it with --role decode"
         try:
-            target = self.receiver.reserve(self.core, req, time.monotonic())
+            target = self.receiver.reserve(self.core, req)
             if target is None:  # no room for its pages now: it waits here and computes its prompt itself
                 self.core.add_request(req)
         except (InvalidRequestError, ValueError, QueueDelayExceeded) as e:

@@ -21,6 +21,7 @@ SSE error event.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -147,6 +148,7 @@ class Conductor:
         self.gate = EarlyRejection(self.load, predict=config.rejection == "predicted")
         self.session: aiohttp.ClientSession | None = None
         self.counts = {"accepted": 0, "rejected": 0, "replaced": 0, "failed": 0}
+        self.placed: collections.Counter[str] = collections.Counter()  # "prefill->decode" -> requests
         self._chat = msgspec.json.Decoder(s.ChatCompletionRequest)
         self._completion = msgspec.json.Decoder(s.CompletionRequest)
         self._polls: list[asyncio.Task] = []
@@ -179,7 +181,7 @@ class Conductor:
                 node.healthy = True
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KeyError, ValueError) as e:
                 if node.healthy:
-                    log.warning("node %s is out of placement: %s", node.name, e)
+                    log.warning("node %s is out of placement: %s", node.name, repr(e))
                 node.healthy, node.seq = False, -1
             await asyncio.sleep(self.config.poll_interval)
 
@@ -198,6 +200,8 @@ class Conductor:
         decode = [n for n in serving if n.role == "decode"]
         groups = [(prefill, decode)] if prefill and decode else []
         groups += [([n], [n]) for n in serving if n.role == "both"]
+        if not prefill or not decode:  # one side is gone: the other's nodes serve requests whole
+            groups += [([n], [n]) for n in prefill + decode]
         best: Placement | Rejection = Rejection("no prefill and decode pair")
         c = self.config
         for ps, ds in groups:
@@ -267,6 +271,7 @@ class Conductor:
             if not tried:
                 self.counts["accepted"] += 1
                 self.load.accepted(rid, now + placement.ttft_seconds)
+            self.placed[f"{placement.prefill}->{placement.decode}"] += 1
             try:
                 return await self._proxy(request, raw, placement, rid)
             except _Unreachable as e:  # nothing was sent: place it again without that node
@@ -312,10 +317,11 @@ class Conductor:
                                                               "owned_by": "tokenflowd"}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        nodes = {n.name: {"healthy": n.healthy, "role": n.role, "url": n.url, "keys": len(n.keys)}
+        nodes = {n.name: {"healthy": n.healthy, "serving": n.serving, "role": n.role, "url": n.url, "keys": len(n.keys)}
                  for n in self.nodes.values()}
         ok = any(n.serving for n in self.nodes.values())
-        return web.json_response({"status": "ok" if ok else "no node", "nodes": nodes, **self.counts},
+        return web.json_response({"status": "ok" if ok else "no node", "nodes": nodes, "placed": self.placed,
+                                  **self.counts},
                                  status=200 if ok else 503)
 
 
@@ -346,5 +352,6 @@ def run(config: ConductorConfig) -> int:
     from tokenflowd.text.source import load_tokenizer
 
     conductor = Conductor(config, load_tokenizer(config.model))
-    web.run_app(build_app(conductor), host=config.host, port=config.port, print=None)
+    web.run_app(build_app(conductor), host=config.host, port=config.port, print=None, access_log=None,
+                handler_cancellation=True)  # a client gone cancels its proxy: the decode node aborts it
     return 0

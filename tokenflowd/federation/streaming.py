@@ -183,7 +183,6 @@ class Sender:
 @dataclass
 class _Incoming:
     pages: list[int]
-    deadline: float  # no answer by then: the transfer is given up (its pages quarantined)
     first_token: int | None = None
     checksum: int = 0
     verify_until: float = 0.0  # answered: the bytes must match by then
@@ -192,21 +191,22 @@ class _Incoming:
 
 
 class Receiver:
-    """The decode node's half: reserve pages, then check what arrived before the request decodes."""
+    """The decode node's half: reserve pages, then check what arrived before the request decodes.
+    The front always answers for a reservation (RemoteArrived): with the prefill node's word, or a
+    failure once that node has been silent for the transfer timeout (api/federation.py)."""
 
-    def __init__(self, transport: KVTransport, kv_cache: torch.Tensor, page_axis: int, timeout: float) -> None:
+    def __init__(self, transport: KVTransport, kv_cache: torch.Tensor, page_axis: int) -> None:
         self.transport = transport
         self.region = transport.register(kv_cache)
         self.layers = list(kv_cache.unbind(0))
         self.layout = KVLayout.of(self.layers, page_axis)
-        self.timeout = timeout
         self.incoming: dict[str, _Incoming] = {}
 
-    def reserve(self, core, req, now: float) -> p.KVTarget | None:
+    def reserve(self, core, req) -> p.KVTarget | None:
         pages = core.add_remote(req, req.num_prompt_tokens)
         if pages is None:
             return None
-        self.incoming[req.request_id] = _Incoming(pages, now + self.timeout)
+        self.incoming[req.request_id] = _Incoming(pages)
         return target_of(self.transport.endpoint, self.layout, pages)
 
     def arrived(self, core, msg: p.RemoteArrived, now: float):
@@ -225,7 +225,7 @@ class Receiver:
         return self._verify(core, msg.request_id, inc, now)
 
     def poll(self, core, now: float) -> list:
-        """Answers whose bytes arrive late, and transfers given up. -> first-token outputs."""
+        """Answers whose bytes arrive late. -> first-token outputs."""
         outs = []
         for rid, inc in list(self.incoming.items()):
             if rid not in core.scheduler.requests:  # aborted: the manager keeps its pages quarantined
@@ -234,10 +234,6 @@ class Receiver:
                 out = self._verify(core, rid, inc, now)
                 if out is not None:
                     outs.append(out)
-            elif now >= inc.deadline:
-                log.warning("no KV for %s from its prefill node after %.0f s: computing it here", rid, self.timeout)
-                del self.incoming[rid]
-                core.remote_arrived(rid, None, settled=False)
         return outs
 
     def _verify(self, core, rid: str, inc: _Incoming, now: float):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import math
 import os
+import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -158,10 +159,21 @@ class MooncakeTransport(KVTransport):
     MC_TRANSFER_TIMEOUT, default 30 s, passes), with the GIL released. A small pool of waiter
     threads turns it into futures the step loop can poll, so one stalled peer does not hold up the
     others; each waiter first sleeps most of the time the batch would take at the link's best
-    measured rate, so the spin is short and a fast batch is not held back."""
+    measured rate, so the spin is short and a fast batch is not held back.
+
+    NOTE: the engine (0.3.11.post1, TCP) kills its process (SIGSEGV) when a batch is submitted to
+    a peer it wrote to before and that has since died or dropped off the network; and its probe
+    of a peer behind a dead link blocks until the link returns. So a thread for each peer written
+    to lately probes it (`send_probe`, GIL released) every PROBE_INTERVAL s, and a batch goes
+    only to a peer whose last probe answered within PROBE_FRESH s; otherwise the transfer is
+    FAILED at once. What is left is a peer that dies within a probe interval before a submit."""
 
     _INVALID = (0, 2**64 - 1, -1)  # batch ids of a batch the engine could not submit (no such peer)
     WAITERS = 4
+    PROBE_INTERVAL = 0.05  # s between probes of a peer in use
+    PROBE_FRESH = 0.25  # s a probe's answer vouches for the peer
+    PROBE_FIRST = 0.5  # s a first write to a peer waits for its first probe
+    WATCH_SECONDS = 60.0  # a peer not written to for that long is no longer probed
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
         super().__init__()
@@ -177,6 +189,10 @@ class MooncakeTransport(KVTransport):
         self._regions: dict[int, tuple[Region, torch.Tensor]] = {}  # the tensor is kept: peers write into it
         self._waiter = ThreadPoolExecutor(max_workers=self.WAITERS, thread_name_prefix="mooncake-wait")
         self._closed = False
+        self._probed: dict[str, tuple[bool, float]] = {}  # peer -> (answered, when)
+        self._watched: dict[str, float] = {}  # peer -> last written to
+        self._wake = threading.Condition()
+        self._probers: dict[str, threading.Thread] = {}
 
     @property
     def endpoint(self) -> str:
@@ -195,12 +211,41 @@ class MooncakeTransport(KVTransport):
         if self._regions.pop(region.address, None) is not None:
             self._te.unregister_memory(region.address)
 
+    def reachable(self, peer: str) -> bool:
+        """The peer answered a probe within PROBE_FRESH s (a first write waits for one)."""
+        with self._wake:
+            self._watched[peer] = time.monotonic()
+            if peer not in self._probers:  # one prober a peer: a dead link stalls only its own
+                self._probers[peer] = threading.Thread(target=self._probe_loop, args=(peer,), daemon=True,
+                                                       name=f"mooncake-probe-{peer}")
+                self._probers[peer].start()
+            self._wake.wait_for(lambda: peer in self._probed or self._closed, self.PROBE_FIRST)
+            ok, when = self._probed.get(peer, (False, 0.0))
+        return ok and time.monotonic() - when < self.PROBE_FRESH
+
+    def _probe_loop(self, peer: str) -> None:
+        while True:
+            with self._wake:
+                if self._closed or time.monotonic() - self._watched[peer] > self.WATCH_SECONDS:
+                    del self._probers[peer]
+                    self._probed.pop(peer, None)
+                    return
+            ok = self._te.send_probe(peer) == 0
+            with self._wake:
+                self._probed[peer] = (ok, time.monotonic())
+                self._wake.notify_all()
+            time.sleep(self.PROBE_INTERVAL)
+
     def submit_write(self, peer: str, blocks: Sequence[Block]) -> Transfer:
         if self._closed:
             raise RuntimeError("the transport is closed")
         transfer = Transfer(peer, sum(b.nbytes for b in blocks), time.monotonic())
         if not blocks:
             transfer.state = DONE
+            return transfer
+        if not self.reachable(peer):  # gone, or behind a dead link: never hand it to the engine
+            transfer.state = FAILED
+            self._account(transfer, time.monotonic())
             return transfer
         batch = self._te.batch_transfer_async_write(peer, [b.src for b in blocks], [b.dst for b in blocks],
                                                     [b.nbytes for b in blocks])
@@ -221,7 +266,9 @@ class MooncakeTransport(KVTransport):
 
     def close(self) -> None:
         """Waits for the transfers still in the engine (each ends by MC_TRANSFER_TIMEOUT at most)."""
-        self._closed = True
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
         self._waiter.shutdown(wait=True)
         for region, _ in list(self._regions.values()):
             self.unregister(region)
