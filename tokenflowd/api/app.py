@@ -315,8 +315,9 @@ class Front:
                            code="queue_full", headers={"Retry-After": "1"})
 
     def _start(self, prep: _Prepared, request_id: str, arrival: float, choice: Choice,
-               prefill_node: str | None = None) -> Generation:
-        """`prefill_node`: a federated decode node's request, whose prompt that node computes."""
+               prefill_node: str | None = None, authorization: str | None = None) -> Generation:
+        """`prefill_node`: a federated decode node's request, whose prompt that node computes (asked
+        with the client's `authorization`)."""
         self._admissible()  # again: the requests placed with this one may have filled the queue
         slot = self.supervisor.slots[choice.engine_id]
         coalesce = self.coalescing if prep.stream and prep.coalesce else None
@@ -335,7 +336,8 @@ class Front:
             self.supervisor.forget(request_id)
             raise self._unavailable() from None
         if reserved is not None:
-            self.federation.drive(slot, request_id, prep.prompt_ids, prep.sampling, prefill_node, reserved)
+            self.federation.drive(slot, request_id, prep.prompt_ids, prep.sampling, prefill_node, reserved,
+                                  authorization)
         return gen
 
     # -- routes -------------------------------------------------------------------------------
@@ -385,7 +387,8 @@ class Front:
         prefill_node = self.federation.decodes_remotely(request)
         self._open(caller)
         try:
-            gen = self._start(prep, chunks.rid, arrival, await self._pick(prep), prefill_node)
+            gen = self._start(prep, chunks.rid, arrival, await self._pick(prep), prefill_node,
+                              request.headers.get("Authorization"))
         except BaseException:
             self.open_counts.close(caller.identity)
             raise

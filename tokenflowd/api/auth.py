@@ -28,7 +28,7 @@ from tokenflowd.api.errors import error_response
 from tokenflowd.config import AuthConfig
 
 ENV_VAR = "TOKENFLOWD_API_KEY"
-PROTECTED_PREFIX = "/v1/"
+PROTECTED_PREFIX = ("/v1/", "/federation/")  # federation: a conductor and peer nodes send a key too
 
 
 @dataclass(frozen=True, slots=True)

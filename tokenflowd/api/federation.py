@@ -207,13 +207,15 @@ class Federation:
         return url.rstrip("/")
 
     def drive(self, slot, request_id: str, prompt_ids: list[int], sampling: p.Sampling, url: str,
-              reserved: asyncio.Future) -> None:
-        task = asyncio.create_task(self._drive(slot, request_id, prompt_ids, sampling, url, reserved))
+              reserved: asyncio.Future, authorization: str | None) -> None:
+        """Have the prefill node at `url` fill the pages the engine reserves (its answer, Reserved),
+        with the client's own key (`authorization`; the nodes of a cluster share their keys)."""
+        task = asyncio.create_task(self._drive(slot, request_id, prompt_ids, sampling, url, reserved, authorization))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _drive(self, slot, rid: str, prompt_ids: list[int], sampling: p.Sampling, url: str,
-                     reserved: asyncio.Future) -> None:
+                     reserved: asyncio.Future, authorization: str | None) -> None:
         try:
             msg: p.Reserved = await asyncio.wait_for(reserved, self.timeout)
         except asyncio.TimeoutError:  # the engine is gone (its stream ended) or far behind
@@ -227,8 +229,9 @@ class Federation:
             session = self._client()
             # silence longer than the transfer timeout (no heartbeat): the prefill node or its link is gone
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
-            async with session.post(f"{url}/federation/prefill", data=msgspec.json.encode(order),
-                                    headers={"Content-Type": "application/json"}, timeout=timeout) as r:
+            headers = {"Content-Type": "application/json", **({"Authorization": authorization} if authorization else {})}
+            async with session.post(f"{url}/federation/prefill", data=msgspec.json.encode(order), headers=headers,
+                                    timeout=timeout) as r:
                 body = (await r.read()).strip()
                 if r.status == 200:
                     answer = msgspec.json.decode(body, type=PrefillAnswer)

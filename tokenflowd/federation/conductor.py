@@ -60,6 +60,7 @@ class ConductorConfig:
     rejection: str = "predicted"  # off | current | predicted (Mooncake §7)
     decode_seconds: float = 20.0  # a decode's uniform time until finished ones say otherwise
     poll_interval: float = 0.25  # s between state polls of each node
+    api_key: str = ""  # the nodes' API key, for their /federation/state (clients' requests carry their own)
 
     @classmethod
     def load(cls, path: str) -> "ConductorConfig":
@@ -152,6 +153,7 @@ class Conductor:
         self._chat = msgspec.json.Decoder(s.ChatCompletionRequest)
         self._completion = msgspec.json.Decoder(s.CompletionRequest)
         self._polls: list[asyncio.Task] = []
+        self._auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
     # -- the nodes --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -173,7 +175,7 @@ class Conductor:
         while True:
             try:
                 async with self.session.get(f"{node.url}/federation/state", params={"since": str(node.seq)},
-                                            timeout=timeout) as r:
+                                            timeout=timeout, headers=self._auth) as r:
                     r.raise_for_status()
                     node.apply(await r.json())
                 if not node.healthy:

@@ -79,12 +79,12 @@ class DecodeLoad:
         return total
 
     def predicted(self, t: float, now: float) -> int:
-        """Requests the decode pool holds at time t ≥ now, every decode lasting decode_seconds. A
-        running one that has already lasted longer is taken to have that long still to go (what
-        is left of a decode is about as long as a decode, whatever it has lasted)."""
+        """Requests the decode pool holds at time t ≥ now, every decode lasting decode_seconds (§7.4):
+        the running ones whose T_d has not elapsed by t, plus the accepted ones whose prefill has
+        ended by t and whose T_d has not. NOTE: a running decode already older than T_d counts as
+        ended, as in the paper; the survival estimate (`expected`) is the variant that does not."""
         td = self.decode_seconds
-        ends = [start + td if start + td > now else now + td for start in self._decoding.values()]
-        running = sum(end > t for end in ends)
+        running = sum(start + td > t for start in self._decoding.values())
         coming = sum(start <= t < start + td for start in self._pending.values())
         return running + coming
 
@@ -92,7 +92,9 @@ class DecodeLoad:
 @dataclass
 class EarlyRejection:
     load: DecodeLoad
-    predict: bool = True  # False: judge on the current decode load (Mooncake's §7.2, for comparison)
+    # True: the uniform-T_d prediction (§7.4); False: the current decode load (§7.2, for comparison);
+    # "survival": the expected load under the recent decode times' survival function
+    predict: bool | str = True
 
     def admit(self, now: float, decode_start: float) -> bool:
         """Whether a request whose decode would start at `decode_start` (now + its predicted TTFT)
