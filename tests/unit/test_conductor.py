@@ -112,6 +112,14 @@ def test_a_prediction_over_the_slo_is_a_rejection():
     assert isinstance(choice, Rejection) and choice.reason == "ttft"
 
 
+def test_a_slow_reader_takes_a_decode_node_a_fast_one_may_not():
+    c = conductor()  # tbt_slo 10 s
+    serve(c, "p1", state("prefill"))
+    serve(c, "d1", state("decode", running=7, per_token=2.0))  # 16 s between tokens
+    assert isinstance(c.place(PROMPT, set()), Rejection)
+    assert isinstance(c.place(PROMPT, set(), reading_rate=1 / 20), Placement)  # one token every 20 s
+
+
 def test_early_rejection_refuses_when_the_decode_pool_is_full_by_then():
     c = conductor(rejection="current")
     serve(c, "p1", state("prefill"))

@@ -193,7 +193,9 @@ class Conductor:
         node.healthy, node.seq = False, -1
 
     # -- placement ----------------------------------------------------------------------------------
-    def place(self, prompt_ids: list[int], exclude: set[str]) -> Placement | Rejection:
+    def place(self, prompt_ids: list[int], exclude: set[str], reading_rate: float | None = None) -> Placement | Rejection:
+        """`reading_rate`: the client's tokens/s; a slower reader is served by a decode node whose
+        time between tokens is up to 1/rate, beyond the operator's tbt_slo (its buffer covers it)."""
         serving = [n for n in self.nodes.values() if n.serving and n.name not in exclude]
         if not serving:
             return Rejection("no node")
@@ -211,7 +213,7 @@ class Conductor:
                            [PrefillNode(n.name, n.prefix_tokens(keys), n.queue_seconds(), n.prefill_seconds) for n in ps],
                            [DecodeNode(n.name, n.tbt_seconds()) for n in ds],
                            bandwidth=lambda a, b: 0.0, kv_bytes_per_token=1, balancing_threshold=c.balancing_threshold,
-                           ttft_slo=c.ttft_slo, tbt_slo=c.tbt_slo)
+                           ttft_slo=c.ttft_slo, tbt_slo=max(c.tbt_slo, 1.0 / reading_rate if reading_rate else 0.0))
             if isinstance(choice, Placement) and (not isinstance(best, Placement)
                                                   or choice.ttft_seconds < best.ttft_seconds):
                 best = choice
@@ -232,30 +234,38 @@ class Conductor:
             body = self._chat.decode(raw)
             messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                         for m in body.messages]
-            prompt_ids = self.tokenizer.encode_chat(messages)
+            prompt_ids, rate = self.tokenizer.encode_chat(messages), body.reading_rate
         except Exception:  # the node says what is wrong with it, in its words
-            prompt_ids = []
-        return await self._forward(request, raw, prompt_ids)
+            prompt_ids, rate = [], None
+        return await self._forward(request, raw, prompt_ids, rate)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         prompt_ids: list[int] = []
+        rate = None
         with contextlib.suppress(Exception):
-            prompt = self._completion.decode(raw).prompt
+            body = self._completion.decode(raw)
+            prompt, rate = body.prompt, body.reading_rate
             if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
                 prompt = prompt[0]
             if isinstance(prompt, str):
                 prompt_ids = self.tokenizer.encode(prompt)
             elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 prompt_ids = list(prompt)
-        return await self._forward(request, raw, prompt_ids)
+        return await self._forward(request, raw, prompt_ids, rate)
 
-    async def _forward(self, request: web.Request, raw: bytes, prompt_ids: list[int]) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, raw: bytes, prompt_ids: list[int],
+                       reading_rate: float | None) -> web.StreamResponse:
         now = time.monotonic()
         rid = uuid.uuid4().hex
         tried: set[str] = set()
+        if reading_rate is None:
+            with contextlib.suppress(ValueError):
+                reading_rate = float(request.headers.get("X-Reading-Rate", "nan"))
+        if reading_rate is not None and not 0 < reading_rate < math.inf:
+            reading_rate = None
         while True:
-            placement = self.place(prompt_ids or [0], tried)
+            placement = self.place(prompt_ids or [0], tried, reading_rate)
             if isinstance(placement, Rejection):
                 self.counts["rejected"] += 1
                 if placement.reason.startswith("no"):

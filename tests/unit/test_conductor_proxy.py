@@ -1,0 +1,158 @@
+"""The conductor's proxy against stand-in nodes (small aiohttp apps on loopback): the decode node's
+SSE bytes reach the client unchanged with the prefill node named in a header; a decode node that
+refuses connections leaves placement and the request is placed again; a stream that breaks midway
+ends with an SSE error event; early rejection answers 429 with Retry-After before any node sees
+the request."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+from aiohttp import web
+
+from tokenflowd.federation.conductor import Conductor, ConductorConfig, build_app
+
+SSE = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n', b"data: [DONE]\n\n"]
+
+
+class Tokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 100 for c in text]
+
+
+def node_app(role: str, seen: list, break_after: int | None = None) -> web.Application:
+    async def state(request: web.Request) -> web.Response:
+        engine = {"engine": 0, "running": 0, "waiting": 0, "waiting_tokens": 0, "step_base": 0.01,
+                  "step_per_token": 1e-4, "kv_pages_used": 0, "kv_pages_total": 10, "kv_remote_pages": 0,
+                  "max_num_seqs": 2, "max_num_batched_tokens": 64, "max_model_len": 512}
+        return web.json_response({"role": role, "page_size": 16, "engines": [engine],
+                                  "keys": {"seq": 0, "snapshot": []}})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        seen.append((dict(request.headers), await request.read()))
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        for i, chunk in enumerate(SSE):
+            if break_after is not None and i == break_after:
+                request.transport.close()  # the node dies mid-stream
+                return r
+            await r.write(chunk)
+        await r.write_eof()
+        return r
+
+    app = web.Application()
+    app.router.add_get("/federation/state", state)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def cluster(nodes: list[tuple[str, str]], wait: float = 5.0, **config):
+    c = Conductor(ConductorConfig(nodes=tuple(nodes), poll_interval=0.05, ttft_slo=100, tbt_slo=100, **config),
+                  Tokenizer())
+    runner, url = await serve(build_app(c))
+    deadline = asyncio.get_running_loop().time() + wait
+    while not all(n.serving for n in c.nodes.values()) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    return c, runner, url
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def post(url: str) -> tuple[int, dict, bytes]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hello", "stream": True},
+                          headers={"Authorization": "Bearer k", "X-Reading-Rate": "5"}) as r:
+            return r.status, dict(r.headers), await r.read()
+
+
+def test_the_decode_nodes_stream_reaches_the_client_unchanged_with_the_prefill_node_named():
+    async def main():
+        seen_p, seen_d = [], []
+        (rp, up), (rd, ud) = await serve(node_app("prefill", seen_p)), await serve(node_app("decode", seen_d))
+        c, rc, url = await cluster([("p", up), ("d", ud)])
+        try:
+            status, headers, body = await post(url)
+        finally:
+            for r in (rc, rp, rd):
+                await r.cleanup()
+        assert status == 200 and body == b"".join(SSE) and headers["Content-Type"] == "text/event-stream"
+        assert not seen_p and len(seen_d) == 1
+        sent_headers, sent_body = seen_d[0]
+        assert sent_headers["X-Tokenflowd-Prefill-Node"] == up
+        assert sent_headers["Authorization"] == "Bearer k" and sent_headers["X-Reading-Rate"] == "5"
+        assert b'"prompt": "hello"' in sent_body or b'"prompt":"hello"' in sent_body
+        assert c.placed == {"p->d": 1}
+    run(main())
+
+
+def test_a_decode_node_that_refuses_connections_leaves_placement_and_the_request_is_placed_again():
+    async def main():
+        seen = []
+        (rp, up), (rd, ud) = await serve(node_app("prefill", seen)), await serve(node_app("decode", []))
+        c, rc, url = await cluster([("p", up), ("d", ud)])
+        try:
+            await rd.cleanup()  # the decode node is gone, and the conductor has not polled it since
+            c.nodes["d"].healthy = True
+            status, _, body = await post(url)
+        finally:
+            for r in (rc, rp):
+                await r.cleanup()
+        assert status == 200 and body == b"".join(SSE)
+        assert not c.nodes["d"].healthy and c.counts["replaced"] == 1
+        assert c.placed == {"p->d": 1, "p->p": 1} and len(seen) == 1  # the prefill node served it whole
+    run(main())
+
+
+def test_a_stream_that_breaks_midway_ends_with_an_error_event():
+    async def main():
+        (rp, up), (rd, ud) = await serve(node_app("prefill", [])), await serve(node_app("decode", [], break_after=1))
+        c, rc, url = await cluster([("p", up), ("d", ud)])
+        try:
+            status, _, body = await post(url)
+        finally:
+            for r in (rc, rp, rd):
+                await r.cleanup()
+        assert status == 200 and body.startswith(SSE[0]) and b'"error"' in body and c.counts["failed"] == 1
+        assert not c.load._decoding and not c.load._pending  # its decode is over, for the rejection's count
+    run(main())
+
+
+def test_early_rejection_answers_429_with_retry_after_before_any_node_sees_the_request():
+    async def main():
+        seen = []
+        (rp, up), (rd, ud) = await serve(node_app("prefill", [])), await serve(node_app("decode", seen))
+        c, rc, url = await cluster([("p", up), ("d", ud)], rejection="current")
+        try:
+            for i in range(2):  # the decode node's two seats are taken
+                c.load.accepted(f"r{i}", 0.0)
+                c.load.started(f"r{i}", 0.0)
+            status, headers, _ = await post(url)
+        finally:
+            for r in (rc, rp, rd):
+                await r.cleanup()
+        assert status == 429 and int(headers["Retry-After"]) >= 1 and not seen and c.counts["rejected"] == 1
+    run(main())
+
+
+def test_no_node_serving_is_503():
+    async def main():
+        c, rc, url = await cluster([("d", "http://127.0.0.1:9")], wait=0.3)
+        try:
+            status, _, _ = await post(url)
+        finally:
+            with contextlib.suppress(Exception):
+                await rc.cleanup()
+        assert status == 503
+    run(main())
