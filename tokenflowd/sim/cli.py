@@ -95,6 +95,36 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     sn.add_argument("--out", help="write the summaries as JSON here")
     sn.set_defaults(func=cmd_sim_node)
 
+    from tokenflowd.sim import cluster as cluster_sim
+
+    sc = sub.add_parser("sim-cluster", parents=[common],
+                        help="N prefill and M decode nodes behind the conductor, the trace replayed: early "
+                             "rejection off, on the current decode load or on the predicted one (Mooncake §7)",
+                        description=cluster_sim.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sc.add_argument("--prefill", type=int, default=8, help="prefill nodes (default 8, Mooncake §8.2)")
+    sc.add_argument("--decode", type=int, default=8, help="decode nodes (default 8)")
+    sc.add_argument("--speed", type=float, default=1.0, help="replay speed: 2 = arrivals twice as fast (§8.2: 2)")
+    sc.add_argument("--num-prompts", type=int, help="the trace's first N requests (default all)")
+    sc.add_argument("--rejection", default="off,current,predicted",
+                    help=f"gates to compare, from {', '.join(cluster_sim.MODES)} (default off,current,predicted)")
+    sc.add_argument("--preset", default="a100-llama2-7b",
+                    help=f"cost model of every node: {', '.join(PRESETS)} or calibrated:FILE.json")
+    sc.add_argument("--trace", help="Mooncake conversation_trace.jsonl (default: the shared copy)")
+    sc.add_argument("--ttft-slo", type=float, default=30.0, help="s (default 30, Mooncake §8.1.3)")
+    sc.add_argument("--tbt-slo", type=float, default=0.1, help="s (default 0.1)")
+    sc.add_argument("--link-gbps", type=float, default=800.0, help="KV link per node, Gbit/s (default 800)")
+    sc.add_argument("--decode-batch", type=int, help="a decode node's most requests (default: the requests of "
+                                                     "the workload's mean size its KV pool holds)")
+    sc.add_argument("--cache-blocks", type=int, help="a prefill node's prefix cache in 512-token blocks "
+                                                     "(default: its KV pool)")
+    sc.add_argument("--decode-seconds", type=float, default=20.0, help="T_d before any decode has finished")
+    sc.add_argument("--decode-choice", choices=cluster_sim.DECODE_CHOICES, default="predicted",
+                    help="how place() rates decode nodes (default predicted)")
+    sc.add_argument("--ties", choices=cluster_sim.TIES, default="file",
+                    help="order of the trace's arrivals that share a timestamp (default file)")
+    sc.add_argument("--out", help="write the summaries and the load samples as JSON here")
+    sc.set_defaults(func=cmd_sim_cluster)
+
     c = sub.add_parser("calibrate", parents=[common], help="time our engine's steps and fit a cost model for `sim`")
     c.add_argument("--out", required=True, help="the cost model file to write (load with --preset calibrated:FILE)")
     c.add_argument("--batch-sizes", default="1,4,8", help="requests per run (default 1,4,8)")
@@ -163,6 +193,56 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
         doc = {"engines": a.engines, "cost_model": cost.name, "cost_source": cost.source, "policy": a.policy,
                "requests": len(requests), "time_scale": a.time_scale, "max_prompt_len": a.max_prompt_len,
                "segment_tokens": a.segment_tokens, "summaries": summaries}
+        with open(a.out, "w") as f:
+            json.dump(json_safe(doc), f, indent=1)
+        print("wrote", a.out)
+    return 0
+
+
+# Mooncake Table 3 (§8.2): 8 prefill + 8 decode instances, its 23,000-request trace at 2x speed.
+MOONCAKE_REJECTED = {"off": 4183, "current": 3771, "predicted": 3589}
+
+
+def cmd_sim_cluster(a: argparse.Namespace) -> int:
+    import json
+
+    from tokenflowd.sim.cluster import ClusterConfig, simulate_cluster
+    from tokenflowd.sim.cost import cost_model
+    from tokenflowd.sim.result import json_safe
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload
+
+    if not a.speed > 0:
+        raise ValueError("--speed must be above 0")
+    modes = [m.strip() for m in a.rejection.split(",") if m.strip()]
+    cost = cost_model(a.preset)
+    requests = build_workload(WorkloadSpec.parse("trace", trace=a.trace, num_requests=a.num_prompts,
+                                                 time_scale=1.0 / a.speed))
+    config = ClusterConfig(prefill_nodes=a.prefill, decode_nodes=a.decode, ttft_slo=a.ttft_slo, tbt_slo=a.tbt_slo,
+                           link_bandwidth=a.link_gbps * 1e9 / 8, decode_batch=a.decode_batch,
+                           cache_blocks=a.cache_blocks, decode_seconds=a.decode_seconds,
+                           decode_choice=a.decode_choice).resolve(cost, requests)
+    t0 = time.perf_counter()
+    results = simulate_cluster(cost, requests, modes, config, ties=a.ties)
+    print(f"{len(requests)} trace requests at {a.speed:g}x, {a.prefill}P + {a.decode}D of {cost.name}, "
+          f"decode batch {config.decode_batch}, prefix cache {config.cache_blocks} blocks, TTFT SLO {a.ttft_slo:g} s, "
+          f"TBT SLO {a.tbt_slo:g} s, ties {a.ties} ({time.perf_counter() - t0:.1f} s wall)")
+    keys = ("rejected", "rejected_ttft", "rejected_early", "rejected_late", "goodput_requests", "goodput_tokens_per_s",
+            "ttft_mean", "ttft_p99", "ttft_over_slo_20pct", "flips", "decode_load_sd", "prefill_load_sd")
+    heads = ("rejected", "by TTFT", "early", "late", "goodput", "good tok/s", "TTFT mean", "TTFT p99", ">1.2 SLO",
+             "flips", "dec SD", "pre SD")
+    paper = MOONCAKE_REJECTED if a.speed == 2 else {}  # its figures are for 2x only
+    print(f"{'gate':>10} " + " ".join(f"{h:>10}" for h in heads) + (f" {'Mooncake':>9}" if paper else ""))
+    summaries = {}
+    for mode, result in results.items():
+        s = summaries[mode] = result.summary()
+        row = " ".join(f"{s[k]:>10.4g}" for k in keys)
+        print(f"{mode:>10} {row}" + (f" {paper.get(mode, ''):>9}" if paper else ""))
+    if a.out:
+        doc = {"setup": {"preset": cost.name, "cost_source": cost.source, "speed": a.speed, "ties": a.ties,
+                         "requests": len(requests), "trace": a.trace or "default", **vars(config), "rejection": modes},
+               "mooncake_table3_rejected": MOONCAKE_REJECTED, "summaries": summaries,
+               "decode_load": {m: r.decode_samples for m, r in results.items()},
+               "prefill_load": {m: r.prefill_samples for m, r in results.items()}}
         with open(a.out, "w") as f:
             json.dump(json_safe(doc), f, indent=1)
         print("wrote", a.out)

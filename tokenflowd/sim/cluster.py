@@ -1,34 +1,41 @@
 """A disaggregated cluster on a virtual clock: N prefill nodes, M decode nodes and the conductor in
-front of them, the Mooncake trace replayed, to compare early-rejection policies (Mooncake §7, §8.2).
+front of them, the Mooncake trace replayed, to compare early-rejection gates (Mooncake §7, §8.2).
 
     arrival ──► conductor: place() (federation/placement.py, Algorithm 1) picks the prefill node of
-                least predicted TTFT (queue + prefill of the uncached tokens, or a fetch of a longer
-                prefix from another prefill node first) and the decode node of least predicted TBT,
-                and rejects when the TTFT breaks its SLO; then the gate (federation/rejection.py:
-                off | current | predicted | survival) may refuse it before any prefill is spent
+                least predicted TTFT (its queue + the prefill of what its cache lacks, or a fetch of
+                a longer prefix from another prefill node first) and the decode node of least
+                predicted TBT, and rejects a TTFT over its SLO; then the gate (rejection.py's
+                EarlyRejection on a DecodeLoad of the whole decode pool) may refuse the request
+                before any prefill is spent: off | current | predicted | survival
        │ accepted
        ▼
-    prefill node: FIFO, one request at a time, its uncached tokens in chunks of the cost model's
-                max_num_batched_tokens (each chunk attends to everything before it); the first token
-                comes out at the end. An LRU cache of the trace's 512-token prefix blocks; a request's
-                blocks are inserted when its prefill ends.
-       │ KV: prompt tokens × kv_bytes_per_token / link_bandwidth
+    prefill node: FIFO, one request at a time, what its cache lacks in chunks of the cost model's
+                max_num_batched_tokens (each chunk attends to all before it); the first token comes
+                out at the end. An LRU cache of the trace's 512-token blocks, a request's blocks
+                inserted when its prefill ends (fetched ones too: hot prefixes replicate by use).
+       │ KV: prompt tokens × kv_bytes_per_token / link_bandwidth, after the prefill (not overlapped)
        ▼
     decode node: continuous batching of at most decode_batch requests; a step's time is the cost
                 model's roofline at the batch's size and contexts; a request leaves after its output
-                length. One that arrives to a full batch is rejected there, its prefill wasted (a
-                "late" rejection, what early rejection is for).
+                length. One that reaches a full batch is rejected there, its prefill wasted: a
+                "late" rejection, which early rejection exists to avoid.
 
-The conductor knows what a real one knows: the prefill queues (sums of predicted prefill times;
-here exact), each node's cached prefix, the requests it sent each decode node, and the decode pool's
-starts and ends (DecodeLoad). It never sees output lengths. place() is called with an infinite TBT
-SLO: the decode side is the gate's to judge, so that `off` is the paper's baseline (each stage checks
-only its own load, when the request reaches it).
+The conductor knows what a real one knows: the prefill queues (sums of predicted prefill times,
+exact here), each node's cached prefix, the requests it sent each decode node and the decode starts
+and ends (DecodeLoad); never an output length. place() gets an infinite TBT SLO: the decode pool is
+the gate's to judge, so that `off` is the paper's baseline (each stage checks its own load when the
+request reaches it). A decode node is rated for place() by its batch when the request would reach
+it (`predicted`, a DecodeLoad per node: placement.py's "predicted TBT when the request reaches it")
+or by the requests sent there that have not ended (`sent`).
 
-What is not modelled: chunked pipeline parallelism across prefill nodes, decode-node KV memory per
-token (a node's batch is full at decode_batch requests, sized for the workload's mean request, so a
-batch of long requests may hold more KV than the card has), prefill batching across requests, and
-prefix caching on decode nodes. Matched prefix blocks are taken as held from placement to prefill.
+Not modelled: chunked pipeline parallelism across prefill nodes, prefill batching, decode-node KV
+memory per token (a batch is full at decode_batch requests, sized for the workload's mean request,
+so a batch of long ones may hold more KV than the card has), prefix caching on decode nodes. A
+request's matched blocks are taken as held from its placement to its prefill.
+
+NOTE: on a100-llama2-7b a decode node holds ~9 trace requests and is chosen a prefill queue ahead
+(~17 s at 2x), so nearly every late rejection is one full node while others have room: no gate on
+the pool's load sees those (`rejected_late_with_room`; bench/results/cluster_sim_2x.json).
 """
 from __future__ import annotations
 
@@ -45,46 +52,42 @@ from tokenflowd.sim.cost import CostModel, StepWork
 from tokenflowd.sim.workload import BLOCK_TOKENS, WorkloadRequest
 
 MODES = ("off", "current", "predicted", "survival")
-# How the conductor rates a decode node for place(): `predicted`: its batch when the request would
-# reach it, every decode lasting T_d (a DecodeLoad per node); `sent`: the requests it has sent there
-# that have not ended, wherever they are (queued, prefilling, in transfer, decoding).
+_GATES = {"current": False, "predicted": True, "survival": "survival"}  # EarlyRejection's `predict`
 DECODE_CHOICES = ("predicted", "sent")
 TIES = ("file", "reverse", "spread")
-_GATES = {"current": False, "predicted": True, "survival": "survival"}
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     prefill_nodes: int = 8
     decode_nodes: int = 8
-    rejection: str = "predicted"
-    ttft_slo: float = 30.0  # s (Mooncake §8.1.3, the real-trace runs)
+    rejection: str = "predicted"  # one of MODES
+    ttft_slo: float = 30.0  # s (Mooncake §8.1.3, its runs on the real trace)
     tbt_slo: float = 0.1  # s
-    link_bandwidth: float = 100e9  # bytes/s: 800 Gbps RDMA (Mooncake §8.1)
+    link_bandwidth: float = 100e9  # bytes/s: 800 Gbps RDMA (Mooncake §8.1's testbed)
     balancing_threshold: float = 1.5  # Algorithm 1's kvcache_balancing_threshold (the conductor's default)
-    decode_batch: int | None = None  # None: resolve() sizes it from the cost model and the workload
-    cache_blocks: int | None = None  # per prefill node; None: the cost model's KV pool in 512-token blocks
-    decode_seconds: float = 20.0  # T_d until the first decodes finish (the conductor's default)
+    decode_batch: int | None = None  # None: resolve() sizes it
+    cache_blocks: int | None = None  # per prefill node; None: resolve() sizes it
+    decode_seconds: float = 20.0  # T_d until decodes have finished (the conductor's default)
+    decode_choice: str = "predicted"  # one of DECODE_CHOICES
     sample_interval: float = 1.0  # s between samples of the pools' loads
-    decode_choice: str = "predicted"  # see DECODE_CHOICES
 
     def __post_init__(self) -> None:
-        if self.rejection not in MODES:
-            raise ValueError(f"rejection must be one of {', '.join(MODES)}, got {self.rejection!r}")
-        if self.decode_choice not in DECODE_CHOICES:
-            raise ValueError(f"decode_choice must be one of {', '.join(DECODE_CHOICES)}, got {self.decode_choice!r}")
+        for name, allowed in (("rejection", MODES), ("decode_choice", DECODE_CHOICES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
         for name in ("ttft_slo", "tbt_slo", "link_bandwidth", "decode_seconds", "sample_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be above 0, got {getattr(self, name)}")
-        if self.decode_batch is not None and self.decode_batch < 1 or self.cache_blocks is not None and self.cache_blocks < 0:
+        if (self.decode_batch or 1) < 1 or (self.cache_blocks or 0) < 0:
             raise ValueError("decode_batch must be >= 1 and cache_blocks >= 0")
 
     def resolve(self, cost: CostModel, workload: Sequence[WorkloadRequest]) -> "ClusterConfig":
         """decode_batch: the most requests of the workload's mean size (prompt + output) whose KV
-        fits the card and whose step at that context meets the TBT SLO (at least 1);
-        cache_blocks: the card's KV pool in the trace's blocks."""
+        fits the card's pool and whose step at that context meets the TBT SLO (at least 1);
+        cache_blocks: the card's KV pool in 512-token blocks."""
         batch, blocks = self.decode_batch, self.cache_blocks
         if batch is None:
             mean = statistics.fmean(r.prompt_len + r.output_len for r in workload)
@@ -98,18 +101,18 @@ class ClusterConfig:
 
 
 def order_ties(workload: Sequence[WorkloadRequest], ties: str) -> list[WorkloadRequest]:
-    """The trace stamps arrivals in ~3 s groups. `file`: a group's requests arrive at one instant
-    in the file's order; `reverse`: in the opposite order; `spread`: evenly over the gap to the next
-    group, in file order. Every mode sees the same order."""
+    """The trace stamps arrivals in groups ~3 s apart (up to 28 at one stamp), so their order within
+    a group decides who finds room. `file`: a group arrives at one instant in the file's order;
+    `reverse`: in the opposite order; `spread`: evenly over the gap to the next group, in file order."""
     if ties not in TIES:
         raise ValueError(f"ties must be one of {', '.join(TIES)}, got {ties!r}")
     groups: list[list[WorkloadRequest]] = []
-    for r in sorted(workload, key=lambda r: r.arrival_time):
+    for r in sorted(workload, key=lambda r: r.arrival_time):  # stable: the file's order within a stamp
         if groups and groups[-1][0].arrival_time == r.arrival_time:
             groups[-1].append(r)
         else:
             groups.append([r])
-    out = []
+    out: list[WorkloadRequest] = []
     for i, g in enumerate(groups):
         if ties == "reverse":
             g = g[::-1]
@@ -125,15 +128,15 @@ class ClusterRequest:
     """One request on its way through the cluster (times in virtual s)."""
 
     w: WorkloadRequest
-    # arriving | prefilling | decoding, then rejected-ttft | rejected-early | rejected-late | finished
+    # arriving | prefilling | decoding, then one of rejected-ttft | rejected-early | rejected-late | finished
     outcome: str = "arriving"
-    prefill: int | None = None
+    prefill: int | None = None  # node indices
     decode: int | None = None
-    cached_tokens: int = 0
-    prefill_work: float = 0.0  # s its prefill node spent on it (a fetched prefix's transfer included)
+    cached_tokens: int = 0  # prompt tokens its prefill did not compute (cached or fetched)
+    prefill_work: float = 0.0  # s its prefill node spent on it (a fetch included)
     first_token: float | None = None  # the end of its prefill
     finish: float | None = None
-    join_step: int = 0  # the decode node's step count when it joined the batch
+    join_step: int = 0  # its decode node's step count when it joined the batch
 
     @property
     def ttft(self) -> float | None:
@@ -141,7 +144,7 @@ class ClusterRequest:
 
     @property
     def tbt(self) -> float | None:
-        """Mean time between its tokens after the first (transfer and join waits included)."""
+        """Mean time between its tokens after the first, the KV transfer included."""
         if self.finish is None or self.first_token is None:
             return None
         return (self.finish - self.first_token) / max(1, self.w.output_len - 1)
@@ -149,9 +152,9 @@ class ClusterRequest:
 
 @dataclass
 class _PrefillNode:
-    capacity: int  # blocks its prefix cache holds
+    capacity: int  # blocks
     cache: OrderedDict = field(default_factory=OrderedDict)  # block id -> None, least recently used first
-    free_at: float = 0.0  # when the requests already queued here will have been prefilled
+    free_at: float = 0.0  # when the requests queued here will all have been prefilled
     in_flight: int = 0  # queued or prefilling
 
     def prefix_blocks(self, hash_ids: tuple[int, ...]) -> int:
@@ -170,39 +173,41 @@ class _PrefillNode:
 
 @dataclass
 class _DecodeNode:
-    load: DecodeLoad  # the conductor's view of this node alone
+    load: DecodeLoad  # what the conductor knows of this node alone
     batch: dict[str, ClusterRequest] = field(default_factory=dict)
     joining: list[ClusterRequest] = field(default_factory=list)  # arrived during a step: join the next
-    ends: list = field(default_factory=list)  # heap of (step count its last token comes at, seq, request id)
+    ends: list = field(default_factory=list)  # heap: (step count at its last token, seq, request id)
     steps: int = 0
     context: int = 0  # Σ tokens of KV over the batch
     stepping: bool = False
     sent: int = 0  # requests the conductor sent here that have not ended
     sent_tokens: int = 0  # their prompts' tokens
 
+    @property
+    def size(self) -> int:
+        return len(self.batch) + len(self.joining)
+
 
 class ClusterSim:
     def __init__(self, cost: CostModel, workload: Sequence[WorkloadRequest], config: ClusterConfig) -> None:
-        if config.decode_batch is None or config.cache_blocks is None:
-            config = config.resolve(cost, workload)
+        config = config.resolve(cost, workload)
         self.cost, self.config = cost, config
-        self.requests = [ClusterRequest(w) for w in workload]  # arrival order: ties as the caller ordered them
+        self.requests = [ClusterRequest(w) for w in workload]  # arrival order, ties as given
         self.prefill = [_PrefillNode(config.cache_blocks) for _ in range(config.prefill_nodes)]
-        self.decode = [_DecodeNode(DecodeLoad(capacity=config.decode_batch, decode_seconds=config.decode_seconds))
+        self.decode = [_DecodeNode(DecodeLoad(config.decode_batch, config.decode_seconds))
                        for _ in range(config.decode_nodes)]
-        self.load = DecodeLoad(capacity=config.decode_nodes * config.decode_batch,
-                               decode_seconds=config.decode_seconds)
-        self.gate = EarlyRejection(self.load, _GATES[config.rejection]) if config.rejection in _GATES else None
-        self._events: list = []  # (time, kind order, seq, handler, argument)
+        self.load = DecodeLoad(capacity=config.decode_nodes * config.decode_batch, decode_seconds=config.decode_seconds)
+        self.gate = EarlyRejection(self.load, _GATES[config.rejection]) if config.rejection != "off" else None
+        self._events: list = []  # heap: (time, kind order, seq, handler, argument)
         self._seq = 0
         self.decisions: list[bool] = []  # accepted?, per arrival
         self.decode_samples: list[int] = []
         self.prefill_samples: list[int] = []
-        self.wasted_prefill = 0.0  # s of prefill spent on requests rejected late
+        self.late_with_room = 0  # late rejections while another decode node had a free slot
 
     # -- costs ------------------------------------------------------------------------------------
     def prefill_seconds(self, prompt: int, cached: int) -> float:
-        """The uncached tokens in chunks of max_num_batched_tokens; at least one token is computed."""
+        """What the cache lacks (at least one token) in chunks of max_num_batched_tokens."""
         t, done, chunk = 0.0, min(cached, prompt - 1), self.cost.max_num_batched_tokens
         while done < prompt:
             n = min(chunk, prompt - done)
@@ -211,7 +216,8 @@ class ClusterSim:
         return t
 
     def decode_step_seconds(self, batch: int, context: int) -> float:
-        """One decode step: each of `batch` requests computes one token over its KV (Σ `context`)."""
+        """The roofline of a step in which `batch` requests holding Σ `context` tokens of KV each
+        compute one token: cost.step_time([(context_i, 1) ...]) without the list."""
         c = self.cost
         attended = context + batch
         flops = 2.0 * c.num_params * batch + 4.0 * c.num_layers * c.num_heads * c.head_dim * attended
@@ -220,10 +226,10 @@ class ClusterSim:
     def transfer_seconds(self, tokens: int) -> float:
         return tokens * self.cost.kv_bytes_per_token / self.config.link_bandwidth
 
-    # -- events -----------------------------------------------------------------------------------
+    # -- the loop ---------------------------------------------------------------------------------
     def _at(self, t: float, order: int, handler, arg) -> None:
-        """Events of one instant run decode steps' ends first, then prefills' ends, KV arrivals and
-        arrivals, each kind in the order it was scheduled."""
+        """At one instant decode steps end first (freeing slots), then prefills, KV arrivals and
+        arrivals, each kind in the order it was scheduled: the same for every gate."""
         self._seq += 1
         heapq.heappush(self._events, (t, order, self._seq, handler, arg))
 
@@ -234,58 +240,56 @@ class ClusterSim:
         next_sample = 0.0
         while self._events:
             t, _, _, handler, arg = heapq.heappop(self._events)
-            while next_sample <= min(t, last_arrival):
-                self.decode_samples.append(sum(len(d.batch) + len(d.joining) for d in self.decode))
+            while next_sample <= min(t, last_arrival):  # the state holds from the last event to t
+                self.decode_samples.append(sum(d.size for d in self.decode))
                 self.prefill_samples.append(sum(p.in_flight for p in self.prefill))
                 next_sample += self.config.sample_interval
             handler(t, arg)
-        assert self.load.current() == 0 and all(not d.batch and not d.sent for d in self.decode)
+        if self.load.current() or any(d.sent or d.batch for d in self.decode):
+            raise RuntimeError("a request was left in the decode pool after every event ran")
         return ClusterResult(self.config, self.requests, self.decisions, self.decode_samples, self.prefill_samples,
-                             self.wasted_prefill, last_arrival)
+                             self.late_with_room, last_arrival)
 
     def _arrive(self, now: float, r: ClusterRequest) -> None:
         c, w = self.config, r.w
-        bt = w.block_tokens
-        matched = [p.prefix_blocks(w.hash_ids) for p in self.prefill]
-        prefill = [PrefillNode(f"p{i}", min(k * bt, w.prompt_len), max(0.0, p.free_at - now), self.prefill_seconds)
-                   for i, (p, k) in enumerate(zip(self.prefill, matched))]
+        prefill = [PrefillNode(f"p{i}", min(p.prefix_blocks(w.hash_ids) * w.block_tokens, w.prompt_len),
+                               max(0.0, p.free_at - now), self.prefill_seconds) for i, p in enumerate(self.prefill)]
         kw = dict(bandwidth=lambda a, b: c.link_bandwidth, kv_bytes_per_token=self.cost.kv_bytes_per_token,
                   balancing_threshold=c.balancing_threshold, ttft_slo=c.ttft_slo, tbt_slo=math.inf)
-        # Pass 1 picks the prefill node (Algorithm 1 picks it apart from the decode node) and so
-        # tells when the request would reach decode; pass 2 rates the decode nodes at that time.
+        # Pass 1 picks the prefill node (Algorithm 1 picks it apart from the decode node), which
+        # says when the request would reach decode; pass 2 rates the decode nodes for that time.
         choice = place(w.prompt_len, prefill, [DecodeNode("d0", 0.0)], **kw)
         if isinstance(choice, Rejection):
-            r.outcome = "rejected-ttft"
-            self.decisions.append(False)
-            return
+            return self._reject(r, "rejected-ttft")
         decode_start = now + choice.ttft_seconds + self.transfer_seconds(w.prompt_len)
         choice = place(w.prompt_len, prefill, self._rate_decode(now, decode_start, w.prompt_len), **kw)
         if self.gate is not None and not self.gate.admit(now, decode_start):
-            r.outcome = "rejected-early"
-            self.decisions.append(False)
-            return
+            return self._reject(r, "rejected-early")
         self.decisions.append(True)
-        r.outcome = "prefilling"
-        r.prefill, r.decode = int(choice.prefill[1:]), int(choice.decode[1:])
+        r.outcome, r.prefill, r.decode = "prefilling", int(choice.prefill[1:]), int(choice.decode[1:])
         p, d = self.prefill[r.prefill], self.decode[r.decode]
         r.cached_tokens = prefill[r.prefill].prefix_tokens + choice.fetch_tokens
-        held = math.ceil(r.cached_tokens / bt)
-        p.touch(w.hash_ids[:held])
+        held = w.hash_ids[:math.ceil(r.cached_tokens / w.block_tokens)]
+        p.touch(held)
         if choice.fetch_from is not None:
-            self.prefill[int(choice.fetch_from[1:])].touch(w.hash_ids[:held])
-        # NOTE: place()'s TTFT is this FIFO's exact finish time: queue (free_at − now) + fetch + prefill.
+            self.prefill[int(choice.fetch_from[1:])].touch(held)
+        # NOTE: place()'s TTFT is this FIFO's finish time exactly: queue (free_at − now) + fetch + prefill.
         r.prefill_work = choice.ttft_seconds - prefill[r.prefill].queue_seconds
         p.free_at = now + choice.ttft_seconds
         p.in_flight += 1
         d.sent += 1
         d.sent_tokens += w.prompt_len
-        self.load.accepted(w.request_id, decode_start)
-        d.load.accepted(w.request_id, decode_start)
+        for load in (self.load, d.load):
+            load.accepted(w.request_id, decode_start)
         self._at(p.free_at, 1, self._prefilled, r)
 
+    def _reject(self, r: ClusterRequest, outcome: str) -> None:
+        r.outcome = outcome
+        self.decisions.append(False)
+
     def _rate_decode(self, now: float, decode_start: float, prompt: int) -> list[DecodeNode]:
-        """Each decode node's TBT with this request in its batch, at the contexts of the requests
-        sent there (their mean, times the batch expected)."""
+        """Each decode node's TBT with this request in its batch of n (predicted for decode_start,
+        or sent and not ended), at the mean context of the requests sent there."""
         out = []
         for j, d in enumerate(self.decode):
             n = d.load.predicted(decode_start, now) if self.config.decode_choice == "predicted" else d.sent
@@ -305,13 +309,12 @@ class ClusterSim:
 
     def _kv_arrived(self, now: float, r: ClusterRequest) -> None:
         d = self.decode[r.decode]
-        if len(d.batch) + len(d.joining) >= self.config.decode_batch:
-            self.wasted_prefill += r.prefill_work
-            self._end(now, r, "rejected-late")
-            return
+        if d.size >= self.config.decode_batch:  # the decode node's own check: a full batch
+            self.late_with_room += any(e.size < self.config.decode_batch for e in self.decode)
+            return self._end(now, r, "rejected-late")
         r.outcome = "decoding"
-        self.load.started(r.w.request_id, now)
-        d.load.started(r.w.request_id, now)
+        for load in (self.load, d.load):
+            load.started(r.w.request_id, now)
         d.joining.append(r)
         if not d.stepping:
             self._step(now, r.decode)
@@ -347,53 +350,59 @@ class ClusterSim:
         d = self.decode[r.decode]
         d.sent -= 1
         d.sent_tokens -= r.w.prompt_len
-        self.load.finished(r.w.request_id, now)
-        d.load.finished(r.w.request_id, now)
+        for load in (self.load, d.load):
+            load.finished(r.w.request_id, now)
 
 
 @dataclass
 class ClusterResult:
     config: ClusterConfig
     requests: list[ClusterRequest]
-    decisions: list[bool]
-    decode_samples: list[int]  # requests in the decode pool, each sample_interval from 0 to the last arrival
+    decisions: list[bool]  # accepted?, per arrival in order
+    decode_samples: list[int]  # requests in the decode pool, every sample_interval from 0 to the last arrival
     prefill_samples: list[int]  # requests queued or prefilling
-    wasted_prefill: float  # s of prefill node time spent on the late rejections
+    late_with_room: int
     span: float  # s from the first arrival to the last
 
     def summary(self) -> dict:
         c, rs = self.config, self.requests
-        count = {k: sum(r.outcome == k for r in rs)
-                 for k in ("rejected-ttft", "rejected-early", "rejected-late", "finished")}
-        admitted = [r for r in rs if r.first_token is not None]
+        count = {k: sum(r.outcome == k for r in rs) for k in ("rejected-ttft", "rejected-early", "rejected-late")}
+        admitted = [r for r in rs if r.first_token is not None]  # accepted: their prefill ran
+        finished = [r for r in rs if r.outcome == "finished"]
         ttfts = sorted(r.ttft for r in admitted)
-        good = [r for r in rs if r.outcome == "finished" and r.ttft <= c.ttft_slo and r.tbt <= c.tbt_slo]
+        good = [r for r in finished if r.ttft <= c.ttft_slo and r.tbt <= c.tbt_slo]
+        work = sum(r.prefill_work for r in admitted)
+        capacity = c.decode_nodes * c.decode_batch
         return {
             "requests": len(rs),
             "accepted": len(admitted),
-            "rejected": count["rejected-ttft"] + count["rejected-early"] + count["rejected-late"],
+            "rejected": sum(count.values()),
             "rejected_ttft": count["rejected-ttft"],  # by place(): predicted TTFT over its SLO
-            "rejected_early": count["rejected-early"],  # by the gate
-            "rejected_late": count["rejected-late"],  # at a full decode node, after prefill
-            "finished": count["finished"],
-            "goodput_requests": len(good),
+            "rejected_early": count["rejected-early"],  # by the gate, before prefill
+            "rejected_late": count["rejected-late"],  # by a full decode node, after prefill
+            "rejected_late_with_room": self.late_with_room,  # ... while another decode node had a slot
+            "finished": len(finished),
+            "goodput_requests": len(good),  # finished with TTFT and mean TBT within their SLOs
+            # output tokens of those over the arrivals' span: one denominator for every gate
             "goodput_tokens_per_s": sum(r.w.output_len for r in good) / self.span if self.span else math.nan,
             "ttft_mean": statistics.fmean(ttfts) if ttfts else math.nan,
             "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else math.nan,
             "ttft_over_slo_20pct": sum(t > 1.2 * c.ttft_slo for t in ttfts) / len(ttfts) if ttfts else 0.0,
-            "tbt_over_slo": sum(r.tbt > c.tbt_slo for r in rs if r.outcome == "finished"),
+            "tbt_over_slo": sum(r.tbt > c.tbt_slo for r in finished),
             "flips": sum(a != b for a, b in zip(self.decisions, self.decisions[1:])),
             "decode_load_mean": statistics.fmean(self.decode_samples) if self.decode_samples else 0.0,
             "decode_load_sd": statistics.pstdev(self.decode_samples) if self.decode_samples else 0.0,
+            "decode_capacity": capacity,
             "prefill_load_sd": statistics.pstdev(self.prefill_samples) if self.prefill_samples else 0.0,
-            "wasted_prefill_s": self.wasted_prefill,
+            "prefill_busy": work / (c.prefill_nodes * self.span) if self.span else math.nan,
+            "wasted_prefill_s": sum(r.prefill_work for r in rs if r.outcome == "rejected-late"),
             "cache_hit_rate": sum(r.cached_tokens for r in admitted) / max(1, sum(r.w.prompt_len for r in admitted)),
         }
 
 
 def simulate_cluster(cost: CostModel, workload: Sequence[WorkloadRequest], modes: Sequence[str],
                      config: ClusterConfig = ClusterConfig(), ties: str = "file") -> dict[str, ClusterResult]:
-    """Each mode on the same arrivals, the same resolved config but for the gate."""
+    """Each gate on the same arrivals, in the same order, with the same resolved config."""
     ordered = order_ties(workload, ties)
     config = config.resolve(cost, ordered)
     return {m: ClusterSim(cost, ordered, replace(config, rejection=m)).run() for m in modes}
