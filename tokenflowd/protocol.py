@@ -72,6 +72,7 @@ class AddRequest(msgspec.Struct, tag=True):
     # Federation, on a prefill node: compute the prompt, write its KV there layer by layer as each
     # layer ends, sample the first token, and answer Prefilled.
     kv_target: KVTarget | None = None
+    kv_deadline: float = 0.0  # ... and start no write after this time (monotonic; 0: none)
     # Federation, on a decode node: a prefill node computes the prompt; allocate its pages and
     # answer Reserved; it decodes once RemoteArrived says the KV is in place.
     remote_kv: bool = False
@@ -80,7 +81,8 @@ class AddRequest(msgspec.Struct, tag=True):
 class RemoteArrived(msgspec.Struct, tag=True):
     """The prefill node answered for a request the decode node reserved pages for: its KV was
     written (`first_token` is what it sampled, `checksum` the pages' crc32) or not (None; `settled`:
-    the prefill node can write no more)."""
+    the prefill node answered, its writes are over; the last bytes of a write it saw end may still
+    be on the wire, so the pages are freed a grace later)."""
 
     request_id: str
     first_token: int | None

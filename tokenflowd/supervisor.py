@@ -219,6 +219,8 @@ class Supervisor:
     def expect(self, request_id: str) -> asyncio.Future:
         """The engine's federation answer about `request_id` (Reserved or Prefilled), once it comes;
         registered before the request is sent. `forget` it if it will not be awaited."""
+        if request_id in self._answers:
+            raise ValueError(f"request id {request_id!r} is already awaited")
         fut = self._answers[request_id] = asyncio.get_running_loop().create_future()
         return fut
 

@@ -65,7 +65,9 @@ def tiny(hf_dirs):
 def core(tiny, budget: int = 64) -> EngineCore:
     cfg = EngineConfig.resolve(model="tiny", device="cpu", dtype="float32", page_size=4, num_pages=64,
                                max_num_batched_tokens=budget, max_num_seqs=4, policy="fcfs", offload="none")
-    return EngineCore.from_config(cfg, tiny)
+    c = EngineCore.from_config(cfg, tiny)
+    c.kv.remote_grace = 0.0  # no bytes on a wire here: a settled sender's pages are free at once
+    return c
 
 
 def request(rid: str, max_tokens: int = MAX_TOKENS) -> Request:
@@ -135,7 +137,58 @@ def test_a_checksum_that_does_not_match_makes_the_decode_engine_compute_the_prom
     assert receiver.poll(d_core, 100.0) == []  # past the time bytes may still be in flight: given up
     assert "a" not in receiver.incoming
     assert tokens(d_core, "a") == want  # its own first token too
-    assert d_core.pool.num_used == 0
+    # the bytes that did not match may yet land: those pages wait out the sender's horizon
+    assert d_core.kv.num_remote_pending == d_core.pool.num_used == len(target.pages)
+
+
+def test_a_seeded_sample_continues_on_the_decode_engine_as_on_one_engine(tiny):
+    def seeded(rid: str, max_tokens: int = MAX_TOKENS) -> Request:
+        return Request(rid, list(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0,
+                                                         seed=7))
+    alone = core(tiny)
+    alone.add_request(seeded("ref"))
+    want = tokens(alone, "ref")
+    transport = LocalTransport()
+    p_core, d_core = core(tiny), core(tiny)
+    sender = Sender(transport, p_core.runner.kv_cache, p_core.runner.attn.page_axis, 4, p_core.pool)
+    receiver = Receiver(transport, d_core.runner.kv_cache, d_core.runner.attn.page_axis)
+    req = seeded("a")
+    d_core._validate(req)
+    target = receiver.reserve(d_core, req)
+
+    def plan(batch) -> None:
+        p_core.runner.layer_hook = sender.after_layer if sender.plan(batch, p_core.scheduler.requests) else None
+
+    p_core.on_batch = plan
+    sender.add("a", target, len(PROMPT), 0)
+    p_core.add_request(seeded("a", max_tokens=1))
+    while p_core.has_unfinished():
+        for out in p_core.step():
+            sender.output(out.request_id, out.new_token_ids, out.finished, out.error, out.num_cached_tokens)
+    (_, answer), = sender.poll(0, 0)
+    receiver.arrived(d_core, p.RemoteArrived("a", answer.first_token, answer.checksum), 0.0)
+    assert [answer.first_token] + tokens(d_core, "a") == want
+
+
+def test_a_sender_past_its_deadline_writes_nothing_more(tiny):
+    transport = LocalTransport()
+    p_core, d_core = core(tiny, budget=16), core(tiny)
+    sender = Sender(transport, p_core.runner.kv_cache, p_core.runner.attn.page_axis, 4, p_core.pool)
+    receiver = Receiver(transport, d_core.runner.kv_cache, d_core.runner.attn.page_axis)
+    req = request("a")
+    d_core._validate(req)
+    target = receiver.reserve(d_core, req)
+    p_core.on_batch = lambda batch: setattr(p_core.runner, "layer_hook",
+                                            sender.after_layer if sender.plan(batch, p_core.scheduler.requests) else None)
+    assert sender.add("a", target, len(PROMPT), 0, deadline=0.0) is None  # long past
+    assert "already" in sender.add("a", target, len(PROMPT), 0)
+    p_core.add_request(request("a", max_tokens=1))
+    while p_core.has_unfinished():
+        for out in p_core.step():
+            sender.output(out.request_id, out.new_token_ids, out.finished, out.error, out.num_cached_tokens)
+    (_, answer), = sender.poll(0, 0)
+    assert not transport.batches and not answer.ok and "deadline" in answer.error
+    assert p_core.pool.num_used == 0
 
 
 def test_a_failed_write_is_answered_as_failed_and_frees_the_senders_pins(tiny):
@@ -148,6 +201,7 @@ def test_a_failed_write_is_answered_as_failed_and_frees_the_senders_pins(tiny):
     d_core._validate(req)
     answer = prefill_for(p_core, sender, receiver.reserve(d_core, req))
     assert not answer.ok and answer.first_token is None and "failed" in answer.error
+    assert len(transport.batches) == 1, "after a failed write it sends no more"
     assert p_core.pool.num_used == 0
 
 

@@ -26,7 +26,9 @@ def tiny(hf_dirs):
 def core(tiny) -> EngineCore:
     cfg = EngineConfig.resolve(model="tiny", device="cpu", dtype="float32", page_size=4, num_pages=64,
                                max_num_batched_tokens=64, max_num_seqs=4, policy="fcfs", offload="none")
-    return EngineCore.from_config(cfg, tiny)
+    c = EngineCore.from_config(cfg, tiny)
+    c.kv.remote_grace = 0.0  # no bytes on a wire here: a settled sender's pages are free at once
+    return c
 
 
 def request(rid: str, max_tokens: int = MAX_TOKENS) -> Request:

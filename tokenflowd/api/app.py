@@ -34,7 +34,7 @@ from tokenflowd.api.auth import CALLER, Caller, KeyTable, auth_middleware, expos
 from tokenflowd.api.cadence import CadenceEstimator, ConversationKeys, Lookup
 from tokenflowd.api.connections import head_middleware, writable
 from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
-from tokenflowd.api.federation import Federation
+from tokenflowd.api.federation import Federation, PrefillOrder
 from tokenflowd.api.generation import Generation, Piece
 from tokenflowd.api.metrics import Metrics
 from tokenflowd.api.open_counts import OpenCounts
@@ -325,7 +325,10 @@ class Front:
                          front=self.supervisor.front, front_epoch=self.supervisor.front_epoch, coalesce=coalesce,
                          prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
                          place=[PrefixRun(e, keys) for e, keys in choice.places], remote_kv=prefill_node is not None)
-        reserved = self.supervisor.expect(request_id) if prefill_node is not None else None
+        try:
+            reserved = self.supervisor.expect(request_id) if prefill_node is not None else None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
         try:
             gen = Generation(self.supervisor, slot, add, self.tokenizer, prep.stop,
                              self.metrics.engine(slot.engine_id), arrival,
@@ -336,8 +339,8 @@ class Front:
             self.supervisor.forget(request_id)
             raise self._unavailable() from None
         if reserved is not None:
-            self.federation.drive(slot, request_id, prep.prompt_ids, prep.sampling, prefill_node, reserved,
-                                  authorization)
+            order = PrefillOrder(request_id, prep.prompt_ids, prep.sampling, None, 0.0, prep.priority, prep.reading_rate)
+            self.federation.drive(slot, request_id, order, prefill_node, reserved, authorization)
         return gen
 
     # -- routes -------------------------------------------------------------------------------
@@ -400,6 +403,7 @@ class Front:
             return _json(chunks.whole(text, piece.finish_reason, _usage(gen)), chunks.rid, headers=_rate_headers(gen))
         finally:
             gen.close()
+            self.federation.cancel(chunks.rid)
             del self.live[chunks.rid]
             self.open_counts.close(caller.identity)
             if gen.finish_reason == "shed":
@@ -582,6 +586,7 @@ def build_app(front: Front) -> web.Application:
     app.router.add_get("/openapi.json", front.openapi)
     app.router.add_get("/federation/state", front.federation.state)
     app.router.add_post("/federation/prefill", front.federation.prefill)
+    app.router.add_post("/federation/abort", front.federation.abort)
 
     async def close_federation(_app: web.Application) -> None:
         await front.federation.close()

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from tokenflowd import protocol as p
 from tokenflowd.api.errors import APIError
+from tokenflowd.federation.timing import MARGIN, send_window
 from tokenflowd.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
@@ -42,7 +43,10 @@ class PrefillOrder(msgspec.Struct):
     request_id: str
     prompt_token_ids: list[int]
     sampling: p.Sampling
-    target: p.KVTarget
+    target: p.KVTarget | None
+    send_window: float  # s from now in which writes may start (federation/timing.py)
+    priority: int = 0  # the client's, for the prefill node's queue
+    reading_rate: float | None = None
 
 
 class PrefillAnswer(msgspec.Struct):
@@ -51,7 +55,7 @@ class PrefillAnswer(msgspec.Struct):
     checksum: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
-    settled: bool = True  # the prefill node writes no more into the target's pages
+    settled: bool = True  # its writes are over (the decode node still gives their last bytes a grace)
 
 
 class KeyLog:
@@ -98,7 +102,11 @@ class Federation:
         self.timeout = self.supervisor.engine_config.kv_transfer_timeout
         self._session: aiohttp.ClientSession | None = None
         self._order_decoder = msgspec.json.Decoder(PrefillOrder)
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: dict[str, asyncio.Task] = {}  # a decode node's orders out, by request
+        self.asked: dict[str, str] = {}  # ... those sent, and to which prefill node
+        self.asked_auth: dict[str, dict] = {}
+        self.aborts: set[asyncio.Task] = set()
+        self.orders: dict[str, object] = {}  # a prefill node's orders under way: request -> its stream
 
     @property
     def role(self) -> str:
@@ -139,6 +147,8 @@ class Federation:
             raise APIError(400, f"not a prefill order: {e}") from None
         if self.role != "prefill":
             raise APIError(409, "this node does not prefill for others (--role prefill)", code="wrong_role")
+        if order.target is None:
+            raise APIError(400, "a prefill order needs its target", param="target")
         work = asyncio.ensure_future(self._prefill(order))
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         try:
@@ -147,8 +157,8 @@ class Federation:
                 await asyncio.wait([work], timeout=min(HEARTBEAT, self.timeout / 4))
                 if not work.done():
                     await response.write(b" ")
-        except (ConnectionError, asyncio.CancelledError):  # the decode node is gone: it computes the prompt
-            await work  # its writes settle; the answer goes nowhere
+        except (ConnectionError, asyncio.CancelledError):  # the decode node gave up: stop the prefill
+            work.cancel()
             raise
         answer = work.result()
         self.front.metrics.federation.labels("prefill", "ok" if answer.ok else "failed").inc()
@@ -167,34 +177,57 @@ class Federation:
         s = order.sampling
         sampling = msgspec.structs.replace(s, max_tokens=1, min_tokens=min(s.min_tokens, 1))
         rid = f"prefill-{order.request_id}"
-        add = p.AddRequest(rid, order.prompt_token_ids, sampling, front.config.default_reading_rate,
-                           arrival_time=time.monotonic(), front=sup.front, front_epoch=sup.front_epoch,
-                           kv_target=order.target)
-        answer = sup.expect(rid)
-        failed: asyncio.Future = asyncio.get_running_loop().create_future()
+        now = time.monotonic()
+        add = p.AddRequest(rid, order.prompt_token_ids, sampling, order.reading_rate or front.config.default_reading_rate,
+                           order.priority, arrival_time=now, front=sup.front, front_epoch=sup.front_epoch,
+                           kv_target=order.target, kv_deadline=now + max(0.0, order.send_window))
+        try:
+            answer = sup.expect(rid)
+        except ValueError as e:
+            return PrefillAnswer(False, error=str(e))
+        ended: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def on_delta(delta: p.Delta) -> None:
-            if delta.finish_reason in ("error", "rejected", "shed", "abort") and not failed.done():
-                failed.set_result(delta)
+            if delta.finish_reason is not None and not ended.done():
+                ended.set_result(delta)
 
         try:
-            sup.submit(slot, add, on_delta)
+            stream = sup.submit(slot, add, on_delta)
         except Exception as e:
             sup.forget(rid)
             return PrefillAnswer(False, error=f"not admitted: {e}")
+        self.orders[order.request_id] = stream
         try:
-            await asyncio.wait([answer, failed], return_when=asyncio.FIRST_COMPLETED)
-            if not answer.done():  # the engine's answer follows its writes' end
-                await asyncio.wait([answer], timeout=1.0 if slot.ready else 0.0)
+            await asyncio.wait([answer, ended], return_when=asyncio.FIRST_COMPLETED)
+            if not answer.done():
+                # The engine answers once its writes have settled, each within the transfer timeout;
+                # an engine that died after the stream ended never does.
+                await asyncio.wait([answer], timeout=self.timeout + MARGIN if slot.ready else 0.0)
             if answer.done():
                 msg: p.Prefilled = answer.result()
                 return PrefillAnswer(msg.ok, msg.first_token, msg.checksum, msg.num_cached_tokens, msg.error)
-            delta = failed.result()
-            # an engine gone writes no more; one that refused the request never started
-            return PrefillAnswer(False, error=delta.error or delta.finish_reason,
-                                 settled=not slot.ready or delta.finish_reason in ("rejected", "shed"))
+            delta = ended.result()
+            refused = delta.finish_reason in ("rejected", "shed")  # it never started
+            return PrefillAnswer(False, error=delta.error or f"no answer after {delta.finish_reason}", settled=refused)
+        except asyncio.CancelledError:
+            sup.abort(stream)  # its writes stop (Sender.gone); the engine's answer goes nowhere
+            raise
         finally:
             sup.forget(rid)
+            self.orders.pop(order.request_id, None)
+
+    # -- POST /federation/abort (a prefill node) -------------------------------------------------
+    async def abort(self, request: web.Request) -> web.Response:
+        """The decode node's client has gone: stop computing and writing (the order's own call then
+        answers, so the decode node learns when its pages are safe)."""
+        try:
+            rid = msgspec.json.decode(await self.front.read_body(request), type=dict)["request_id"]
+        except (msgspec.DecodeError, KeyError, TypeError):
+            raise APIError(400, 'send {"request_id": ...}') from None
+        stream = self.orders.get(rid)
+        if stream is not None:
+            self.supervisor.abort(stream)
+        return web.json_response({"aborted": stream is not None})
 
     # -- a decode node's request -----------------------------------------------------------------
     def decodes_remotely(self, request: web.Request) -> str | None:
@@ -206,25 +239,48 @@ class Federation:
             raise APIError(400, f"{PREFILL_HEADER} must be an http(s) URL", param=PREFILL_HEADER)
         return url.rstrip("/")
 
-    def drive(self, slot, request_id: str, prompt_ids: list[int], sampling: p.Sampling, url: str,
-              reserved: asyncio.Future, authorization: str | None) -> None:
-        """Have the prefill node at `url` fill the pages the engine reserves (its answer, Reserved),
-        with the client's own key (`authorization`; the nodes of a cluster share their keys)."""
-        task = asyncio.create_task(self._drive(slot, request_id, prompt_ids, sampling, url, reserved, authorization))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+    def drive(self, slot, request_id: str, order: PrefillOrder, url: str, reserved: asyncio.Future,
+              authorization: str | None) -> None:
+        """Have the prefill node at `url` fill the pages the engine reserves (its answer, Reserved;
+        `order` without its target yet), with the client's own key (`authorization`; the nodes of a
+        cluster share their keys). `cancel(request_id)` when the client has gone."""
+        task = asyncio.create_task(self._drive(slot, request_id, order, url, reserved, authorization))
+        self.tasks[request_id] = task
+        task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
 
-    async def _drive(self, slot, rid: str, prompt_ids: list[int], sampling: p.Sampling, url: str,
-                     reserved: asyncio.Future, authorization: str | None) -> None:
+    def cancel(self, request_id: str) -> None:
+        """The request ended: a prefill still under way is called off (the prefill node aborts it;
+        its answer, which still comes, says when the pages are safe)."""
+        url = self.asked.get(request_id)
+        if url is not None and request_id in self.tasks:
+            task = asyncio.create_task(self._abort(url, request_id))
+            self.aborts.add(task)
+            task.add_done_callback(self.aborts.discard)
+
+    async def _abort(self, url: str, request_id: str) -> None:
+        try:
+            async with self._client().post(f"{url}/federation/abort", json={"request_id": request_id},
+                                           headers=self.asked_auth.get(request_id, {}),
+                                           timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            pass  # unreachable: its pages wait out the horizon
+
+    async def _drive(self, slot, rid: str, order: PrefillOrder, url: str, reserved: asyncio.Future,
+                     authorization: str | None) -> None:
         try:
             msg: p.Reserved = await asyncio.wait_for(reserved, self.timeout)
-        except asyncio.TimeoutError:  # the engine is gone (its stream ended) or far behind
+        except asyncio.TimeoutError:  # the engine is gone or far behind: whatever it reserved is free
+            self.supervisor.send(slot, p.RemoteArrived(rid, None, settled=True))
             return
         finally:
             self.supervisor.forget(rid)
         if msg.target is None:  # no room, or refused: it computes its prompt here, or has ended
             return
-        order = PrefillOrder(rid, prompt_ids, sampling, msg.target)
+        order = msgspec.structs.replace(order, target=msg.target, send_window=send_window(self.timeout))
+        self.asked[rid] = url
+        if authorization:
+            self.asked_auth[rid] = {"Authorization": authorization}
         try:
             session = self._client()
             # silence longer than the transfer timeout (no heartbeat): the prefill node or its link is gone
@@ -242,16 +298,19 @@ class Federation:
         self.front.metrics.federation.labels("decode", "ok" if answer.ok else "failed").inc()
         if not answer.ok:
             log.warning("prefill of %s at %s failed (%s): computing it here", rid, url, answer.error)
+        self.asked.pop(rid, None)
+        self.asked_auth.pop(rid, None)
         self.supervisor.send(slot, p.RemoteArrived(rid, answer.first_token if answer.ok else None,
                                                    answer.checksum, answer.settled, answer.num_cached_tokens))
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            # no bound on connections: each order holds one for its queue and compute
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
     async def close(self) -> None:
-        for task in list(self.tasks):
+        for task in list(self.tasks.values()):
             task.cancel()
         if self._session is not None:
             await self._session.close()

@@ -212,6 +212,9 @@ class EngineCore:
             return None
         if first_token is not None and not 0 <= first_token < self.vocab_size:
             first_token = None  # a prefill node that sent nonsense: compute it here
+        if first_token is not None and req.generator is not None and not req.sampling_params.greedy:
+            # the prefill node drew the first token from the same seed: the next draw here is the second
+            torch.empty(getattr(self.executor, "logits_width", self.vocab_size)).exponential_(generator=req.generator)
         ended = self.scheduler.remote_arrived(req, first_token, settled)
         if first_token is None:
             return None

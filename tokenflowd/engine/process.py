@@ -39,6 +39,7 @@ from tokenflowd.engine.core import EngineCore, EngineCoreOutput, EngineFailed
 from tokenflowd.engine.endpoint import EngineEndpoint, SupervisorUnreachable, die_with_parent
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
 from tokenflowd.federation.streaming import Receiver, Sender
+from tokenflowd.federation.timing import horizon
 from tokenflowd.kv.copier import CopierDead
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool.names import cache_name
@@ -91,7 +92,7 @@ class EngineProcess(EngineEndpoint):
             core.on_batch = self._plan_sends
         else:
             self.receiver = Receiver(transport, runner.kv_cache, runner.attn.page_axis)
-            core.kv.remote_quarantine = 2 * self.config.kv_transfer_timeout
+            core.kv.remote_quarantine = horizon(self.config.kv_transfer_timeout)
         self.transport = transport
         log.info("federation: %s node, KV transfer engine at %s", self.config.role, transport.endpoint)
 
@@ -121,11 +122,8 @@ class EngineProcess(EngineEndpoint):
             self._loop(heartbeat_ms, last_sent, trimmed)
         if self.member is not None:
             self.member.close()
-        for side in (self.sender, self.receiver):
-            if side is not None:
-                side.close()
         if self.config.role != "both":
-            self.transport.close()
+            self.transport.close()  # waits for the writes in flight, then unregisters the cache
         core.close()
         if self.shared_cache is not None:
             self.shared_cache.close()
@@ -153,6 +151,8 @@ class EngineProcess(EngineEndpoint):
                 idle_ms = math.ceil(self.wait_until(now + self.spec.heartbeat_interval, now) * 1000)
             if busy and self._only_awaiting_kv():  # nothing to compute until a prefill node's KV lands
                 busy, idle_ms = False, 2
+                if core.kv.num_remote_pending:  # quarantined pages come free on time even when idle
+                    core.scheduler.poll_copies()
             elif self.sender is not None and self.sender.out:  # writes to settle and answer soon
                 idle_ms = min(idle_ms, 1)
             with core.unlocked():
@@ -189,9 +189,11 @@ class EngineProcess(EngineEndpoint):
                 break
 
     def _only_awaiting_kv(self) -> bool:
+        """Nothing can run until a prefill node's KV lands: no request is running, and the last step
+        scheduled nothing (those waiting wait for pages the reservations hold)."""
         sched = self.core.scheduler
-        return (self.receiver is not None and self.receiver.waiting and not sched.running and not sched.waiting
-                and len(sched.loading) == len(self.receiver.incoming) and not self.core.copies_in_flight())
+        return (self.receiver is not None and self.receiver.waiting and not sched.running
+                and not len(self.core.last_batch) and not self.core.copies_in_flight())
 
     def _federation_outputs(self) -> list[p.Delta]:
         """Prefill role: answers for the requests whose KV writes settled. Decode role: the first
@@ -323,7 +325,8 @@ class EngineProcess(EngineEndpoint):
         if msg.kv_target is not None:
             if self.sender is None:
                 return "this node does not prefill for others: start it with --role prefill"
-            error = self.sender.add(rid, msg.kv_target, len(msg.prompt_token_ids), msg.front)
+            error = self.sender.add(rid, msg.kv_target, len(msg.prompt_token_ids), msg.front,
+                                    msg.kv_deadline or math.inf)
             if error is None:
                 try:
                     self.core.add_request(req)
@@ -346,7 +349,11 @@ class EngineProcess(EngineEndpoint):
             target = self.receiver.reserve(self.core, req)
             if target is None:  # no room for its pages now: it waits here and computes its prompt itself
                 self.core.add_request(req)
-        except (InvalidRequestError, ValueError, QueueDelayExceeded) as e:
+        except QueueDelayExceeded as e:
+            self.reply(rid, p.Reserved(self.spec.engine_id, self.spec.incarnation, rid, error=str(e)))
+            self.shed(rid, str(e), e.retry_after)
+            return None
+        except (InvalidRequestError, ValueError) as e:
             self.reply(rid, p.Reserved(self.spec.engine_id, self.spec.incarnation, rid, error=str(e)))
             return str(e)
         self.prompt_tokens += len(msg.prompt_token_ids)

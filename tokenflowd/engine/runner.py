@@ -129,6 +129,11 @@ class ModelRunner(Executor):
             self.graphs = DecodeGraphs(self.model, self.attn, self.kv_layers, scratch_page=self.num_pages,
                                        max_batch=self.config.max_num_seqs, max_model_len=self.max_model_len)
 
+    @property
+    def logits_width(self) -> int:
+        """Logits per row (the sampler's draws are this wide)."""
+        return self.model.lm_head.shape[0]
+
     # -- one step -----------------------------------------------------------------------------
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int], list[int]]:
         """Flat inputs of the step, plus the query rows that sample and the batch indices they belong to."""

@@ -44,7 +44,9 @@ from tokenflowd.kv.pages import chain_page_keys
 log = logging.getLogger("tokenflowd.conductor")
 
 _PASSED_HEADERS = ("Authorization", "X-Reading-Rate", "Content-Type", "Accept")
-_RETURNED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After", "X-Accel-Buffering")
+_HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+SLOW_POLLS = 3  # state polls in a row that time out before a node leaves placement
+MAX_SERVED = 100_000  # request ids remembered with their decode node (read cursors)
 MAX_BODY = 4 * 2**20  # the nodes' default --max-body-size
 
 
@@ -150,6 +152,7 @@ class Conductor:
         self.session: aiohttp.ClientSession | None = None
         self.counts = {"accepted": 0, "rejected": 0, "replaced": 0, "failed": 0}
         self.placed: collections.Counter[str] = collections.Counter()  # "prefill->decode" -> requests
+        self.served: collections.OrderedDict[str, str] = collections.OrderedDict()  # request id -> decode node
         self._chat = msgspec.json.Decoder(s.ChatCompletionRequest)
         self._completion = msgspec.json.Decoder(s.CompletionRequest)
         self._polls: list[asyncio.Task] = []
@@ -170,8 +173,11 @@ class Conductor:
             await self.session.close()
 
     async def _follow(self, node: NodeView) -> None:
-        """Poll the node's state; a failed poll takes it out of placement until one answers again."""
-        timeout = aiohttp.ClientTimeout(total=max(1.0, 4 * self.config.poll_interval))
+        """Poll the node's state. One that refuses the connection, or answers with an error, leaves
+        placement at once; one that is slow to answer (a busy front) only after SLOW_POLLS polls in a
+        row have timed out. It comes back with its first answer."""
+        timeout = aiohttp.ClientTimeout(total=max(2.0, 8 * self.config.poll_interval))
+        slow = 0
         while True:
             try:
                 async with self.session.get(f"{node.url}/federation/state", params={"since": str(node.seq)},
@@ -180,11 +186,13 @@ class Conductor:
                     node.apply(await r.json())
                 if not node.healthy:
                     log.info("node %s (%s, %s) is serving", node.name, node.role, node.url)
-                node.healthy = True
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KeyError, ValueError) as e:
-                if node.healthy:
-                    log.warning("node %s is out of placement: %s", node.name, repr(e))
-                node.healthy, node.seq = False, -1
+                node.healthy, slow = True, 0
+            except asyncio.TimeoutError as e:
+                slow += 1
+                if slow >= SLOW_POLLS:
+                    self._down(node, f"{slow} polls unanswered ({e!r})")
+            except (aiohttp.ClientError, OSError, KeyError, ValueError) as e:
+                self._down(node, repr(e))
             await asyncio.sleep(self.config.poll_interval)
 
     def _down(self, node: NodeView, why: str) -> None:
@@ -264,32 +272,37 @@ class Conductor:
                 reading_rate = float(request.headers.get("X-Reading-Rate", "nan"))
         if reading_rate is not None and not 0 < reading_rate < math.inf:
             reading_rate = None
-        while True:
-            placement = self.place(prompt_ids or [0], tried, reading_rate)
-            if isinstance(placement, Rejection):
-                self.counts["rejected"] += 1
-                if placement.reason.startswith("no"):
-                    raise APIError(503, f"no node can serve this now ({placement.reason}): retry shortly",
-                                   code="unavailable", headers={"Retry-After": "1"})
-                raise APIError(429, f"the cluster is overloaded (predicted {placement.reason} "
-                                    f"{placement.ttft_seconds if placement.reason == 'ttft' else placement.tbt_seconds:.1f} s "
-                                    "over its SLO): retry later", code="overloaded",
-                               headers={"Retry-After": str(max(1, round(self.load.decode_seconds / 4)))})
-            if not tried and not self.admit(placement, now):
-                self.counts["rejected"] += 1
-                raise APIError(429, "the decode nodes are predicted to be full when this request would reach them: "
-                                    "retry later", code="overloaded",
-                               headers={"Retry-After": str(max(1, round(self.load.decode_seconds / 4)))})
-            if not tried:
-                self.counts["accepted"] += 1
-                self.load.accepted(rid, now + placement.ttft_seconds)
-            self.placed[f"{placement.prefill}->{placement.decode}"] += 1
-            try:
-                return await self._proxy(request, raw, placement, rid)
-            except _Unreachable as e:  # nothing was sent: place it again without that node
-                self._down(self.nodes[e.node], e.why)
-                tried.add(e.node)
-                self.counts["replaced"] += 1
+        retry_after = {"Retry-After": str(max(1, round(self.load.decode_seconds / 4)))}
+        accepted = False
+        try:
+            while True:
+                placement = self.place(prompt_ids or [0], tried, reading_rate)
+                if isinstance(placement, Rejection):
+                    self.counts["rejected" if not accepted else "failed"] += 1
+                    if placement.reason.startswith("no"):
+                        raise APIError(503, f"no node can serve this now ({placement.reason}): retry shortly",
+                                       code="unavailable", headers={"Retry-After": "1"})
+                    late = placement.ttft_seconds if placement.reason == "ttft" else placement.tbt_seconds
+                    raise APIError(429, f"the cluster is overloaded (predicted {placement.reason} {late:.1f} s, over "
+                                        "its SLO): retry later", code="overloaded", headers=retry_after)
+                if not accepted:
+                    if not self.admit(placement, now):
+                        self.counts["rejected"] += 1
+                        raise APIError(429, "the decode nodes are predicted to be full when this request would reach "
+                                            "them: retry later", code="overloaded", headers=retry_after)
+                    accepted = True
+                    self.counts["accepted"] += 1
+                    self.load.accepted(rid, now + placement.ttft_seconds)
+                self.placed[f"{placement.prefill}->{placement.decode}"] += 1
+                try:
+                    return await self._proxy(request, raw, placement, rid)
+                except _Unreachable as e:  # nothing was sent: place it again without that node
+                    self._down(self.nodes[e.node], e.why)
+                    tried.add(e.node)
+                    self.counts["replaced"] += 1
+        finally:
+            if accepted:  # on every path, the client's going included: the decode load counts it no more
+                self.load.finished(rid, time.monotonic())
 
     async def _proxy(self, request: web.Request, raw: bytes, placement: Placement, rid: str) -> web.StreamResponse:
         decode = self.nodes[placement.decode]
@@ -297,18 +310,23 @@ class Conductor:
         if placement.prefill != placement.decode:
             headers[PREFILL_HEADER] = self.nodes[placement.prefill].url
         try:
-            upstream_cm = self.session.post(f"{decode.url}{request.path}", data=raw, headers=headers)
+            upstream_cm = self.session.post(f"{decode.url}{request.path_qs}", data=raw, headers=headers)
             upstream = await upstream_cm.__aenter__()
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
             raise _Unreachable(decode.name, f"{type(e).__name__}: {e}") from None
-        response = web.StreamResponse(status=upstream.status,
-                                      headers={h: upstream.headers[h] for h in _RETURNED_HEADERS if h in upstream.headers})
-        started = False
         try:
+            response = web.StreamResponse(status=upstream.status, headers=_returned(upstream.headers))
+            served = upstream.headers.get("X-Request-Id")
+            if served:  # its read cursor and inspection go to the node that serves it
+                self.served[served] = decode.name
+                while len(self.served) > MAX_SERVED:
+                    self.served.popitem(last=False)
+            # a stream's first bytes are its decode's start (a whole response says nothing of it)
+            streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
-                if not started:
-                    started = True
+                if streaming:
+                    streaming = False
                     self.load.started(rid, time.monotonic())
                 await response.write(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
@@ -318,11 +336,23 @@ class Conductor:
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     await response.write(error_event(f"the decode node {decode.name} failed mid-stream: {e}"))
         finally:
-            self.load.finished(rid, time.monotonic())
             await upstream_cm.__aexit__(None, None, None)
         with contextlib.suppress(ConnectionError, RuntimeError):
             await response.write_eof()
         return response
+
+    async def request_route(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/requests/{id}, POST /v1/requests/{id}/read: to the node that serves the request."""
+        node = self.nodes.get(self.served.get(request.match_info["request_id"], ""))
+        if node is None:
+            raise APIError(404, "no request with this id is being served here", code="not_found")
+        headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}
+        try:
+            async with self.session.request(request.method, f"{node.url}{request.path_qs}", data=await request.read(),
+                                            headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return web.Response(status=r.status, body=await r.read(), headers=_returned(r.headers))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise APIError(502, f"the node serving it did not answer: {e}") from None
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.config.model, "object": "model",
@@ -335,6 +365,11 @@ class Conductor:
         return web.json_response({"status": "ok" if ok else "no node", "nodes": nodes, "placed": self.placed,
                                   **self.counts},
                                  status=200 if ok else 503)
+
+
+def _returned(headers) -> dict[str, str]:
+    """A node's response headers, as the client gets them (the connection's own left out)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
 
 
 class _Unreachable(Exception):
@@ -350,6 +385,8 @@ def build_app(conductor: Conductor) -> web.Application:
     app.router.add_post("/v1/completions", conductor.completions)
     app.router.add_get("/v1/models", conductor.models)
     app.router.add_get("/health", conductor.health)
+    app.router.add_get("/v1/requests/{request_id}", conductor.request_route)
+    app.router.add_post("/v1/requests/{request_id}/read", conductor.request_route)
 
     async def lifecycle(_app: web.Application):
         await conductor.start()

@@ -22,6 +22,8 @@ prompt itself) rather than resend what it already wrote.
 from __future__ import annotations
 
 import logging
+import math
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -37,13 +39,17 @@ VERIFY_SECONDS = 5.0  # after the sender's word, how long bytes may still be in 
 
 
 def checksum(layers: Sequence[torch.Tensor], pages: Sequence[int], page_axis: int) -> int:
-    """crc32 of the pages of every layer, staged in the wire layout (the same on any cache layout)."""
+    """crc32 of the pages of every layer, staged in the wire layout (the same on any cache layout),
+    one layer at a time: a request's whole KV is never copied at once."""
+    crc = 0
     if not pages:
-        return 0
+        return crc
     page_elems = layers[0].numel() // layers[0].shape[page_axis]
-    out = torch.empty(len(layers) * len(pages) * page_elems, dtype=layers[0].dtype, device=layers[0].device)
-    staged = gather_pages(layers, pages, out, page_axis).cpu().contiguous()
-    return zlib.crc32(staged.view(-1).view(torch.uint8).numpy())
+    out = torch.empty(len(pages) * page_elems, dtype=layers[0].dtype, device=layers[0].device)
+    for layer in layers:
+        staged = gather_pages([layer], pages, out, page_axis).cpu().contiguous()
+        crc = zlib.crc32(staged.view(-1).view(torch.uint8).numpy(), crc)
+    return crc
 
 
 def target_of(endpoint: str, layout: KVLayout, pages: list[int]) -> p.KVTarget:
@@ -78,6 +84,7 @@ class _Outgoing:
     sent: int = 0  # leading pages of the prompt already sent
     pinned: list[int] = field(default_factory=list)  # our pages their writes read
     transfers: list[Transfer] = field(default_factory=list)
+    deadline: float = math.inf  # no batch starts after it (the decode node frees its pages some time later)
     first_token: int | None = None
     num_cached_tokens: int = 0
     ended: bool = False
@@ -99,26 +106,36 @@ class Sender:
         self._step: list[tuple[_Outgoing, list[int], list[int]]] = []  # this step's (request, our pages, theirs)
         self._cuda = kv_cache.is_cuda
 
-    def add(self, request_id: str, target: p.KVTarget, num_tokens: int, front: int) -> str | None:
+    def add(self, request_id: str, target: p.KVTarget, num_tokens: int, front: int,
+            deadline: float = math.inf) -> str | None:
+        """`deadline` (monotonic s): past it no write starts, so the target's pages, which the
+        decode node frees a known time after it gives up, are never written once they are another's."""
+        if request_id in self.out:
+            return f"request id {request_id!r} is already being sent"
         layout = layout_of(target)
         if layout.page_shape != self.layout.page_shape or layout.itemsize != self.layout.itemsize \
                 or len(layout.bases) != len(self.layout.bases):
             return "the decode node's KV cache has another shape (another model or dtype)"
         if len(target.pages) != -(-num_tokens // self.page_size):
             return f"the target has {len(target.pages)} pages for a prompt of {num_tokens} tokens"
-        self.out[request_id] = _Outgoing(target, layout, num_tokens, front, 0)
+        self.out[request_id] = _Outgoing(target, layout, num_tokens, front, 0, deadline=deadline)
+        self.transport.watch(target.endpoint)  # its probe answers before the first layer is sent
         return None
 
     def plan(self, batch, requests: dict) -> bool:
         """Which pages each streamed request of `batch` finishes this step. -> whether any is sent."""
         self._step = []
+        now = time.monotonic()
         for rid, start, n, table in zip(batch.request_ids, batch.positions, batch.num_tokens, batch.block_tables):
             o = self.out.get(rid)
-            if o is None or o.ended:
+            if o is None or o.ended or o.error:
                 continue
             req = requests.get(rid)
             if req is not None and req.num_preemptions != o.preemptions:
-                o.ended, o.error = True, "preempted on the prefill node"
+                o.error = "preempted on the prefill node"
+                continue
+            if now > o.deadline:
+                o.error = "the decode node's deadline passed"
                 continue
             end = start + n
             full = -(-o.num_tokens // self.page_size) if end >= o.num_tokens else end // self.page_size
@@ -137,8 +154,13 @@ class Sender:
             torch.cuda.current_stream().synchronize()
         src = KVLayout((self.layout.bases[layer],), self.layout.shape, self.layout.itemsize, self.layout.page_axis)
         for o, ours, theirs in self._step:
+            if o.error:  # an earlier layer's write failed: the rest is not worth sending
+                continue
             dst = KVLayout((o.layout.bases[layer],), o.layout.shape, o.layout.itemsize, o.layout.page_axis)
-            o.transfers.append(self.transport.submit_write(o.target.endpoint, kv_blocks(src, dst, ours, theirs)))
+            t = self.transport.submit_write(o.target.endpoint, kv_blocks(src, dst, ours, theirs))
+            o.transfers.append(t)
+            if t.state == FAILED:
+                o.error = "a KV write failed (the decode node is unreachable)"
 
     def output(self, request_id: str, token_ids: list[int], finished: bool, error: str | None,
                num_cached_tokens: int) -> None:
@@ -176,8 +198,6 @@ class Sender:
                                                  crc, o.num_cached_tokens, error)))
         return answers
 
-    def close(self) -> None:
-        self.transport.unregister(self.region)
 
 
 @dataclass
@@ -192,8 +212,10 @@ class _Incoming:
 
 class Receiver:
     """The decode node's half: reserve pages, then check what arrived before the request decodes.
-    The front always answers for a reservation (RemoteArrived): with the prefill node's word, or a
-    failure once that node has been silent for the transfer timeout (api/federation.py)."""
+    The front answers for every reservation (RemoteArrived, api/federation.py): with the prefill
+    node's word, or a failure once that node has been silent for the transfer timeout, or has not
+    answered in its own bounded wait. Pages given up on wait out the sender's horizon in the KV
+    manager (federation/timing.py)."""
 
     def __init__(self, transport: KVTransport, kv_cache: torch.Tensor, page_axis: int) -> None:
         self.transport = transport
@@ -212,8 +234,9 @@ class Receiver:
     def arrived(self, core, msg: p.RemoteArrived, now: float):
         """The prefill node's answer. -> the first token's output, if it is admitted at once."""
         inc = self.incoming.get(msg.request_id)
-        if inc is None:  # it ended meanwhile: its pages wait only for the sender to stop
-            if msg.settled:
+        if inc is None or msg.request_id not in core.scheduler.requests:  # it ended meanwhile
+            self.incoming.pop(msg.request_id, None)
+            if msg.settled:  # its pages waited only for the sender to stop
                 core.kv.remote_settled(msg.request_id)
             return None
         if msg.first_token is None:
@@ -240,16 +263,13 @@ class Receiver:
         if checksum(self.layers, inc.pages, self.layout.page_axis) == inc.checksum:
             del self.incoming[rid]
             return core.remote_arrived(rid, inc.first_token, num_cached_tokens=inc.num_cached_tokens)
-        inc.next_check = now + 0.02
-        if now >= inc.verify_until:
+        inc.next_check = now + 0.1
+        if now >= inc.verify_until:  # some bytes may yet land: the pages wait out the sender's horizon
             log.warning("the KV of %s did not arrive intact: computing it here", rid)
             del self.incoming[rid]
-            core.remote_arrived(rid, None, settled=True)
+            core.remote_arrived(rid, None, settled=False)
         return None
 
     @property
     def waiting(self) -> bool:
         return bool(self.incoming)
-
-    def close(self) -> None:
-        self.transport.unregister(self.region)

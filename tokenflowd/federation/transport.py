@@ -107,6 +107,9 @@ class KVTransport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def watch(self, peer: str) -> None:
+        """Writes to `peer` are coming (an implementation may start checking it is alive)."""
+
     def status(self, transfer: Transfer) -> str:
         """PENDING, DONE or FAILED, without blocking (a step loop polls it)."""
         if transfer.state == PENDING and transfer.done is not None and transfer.done.done():
@@ -157,8 +160,8 @@ class MooncakeTransport(KVTransport):
 
     The engine's batch status call blocks, spinning, until the batch ends (or its own timeout,
     MC_TRANSFER_TIMEOUT, default 30 s, passes), with the GIL released. A small pool of waiter
-    threads turns it into futures the step loop can poll, so one stalled peer does not hold up the
-    others; each waiter first sleeps most of the time the batch would take at the link's best
+    threads for each peer turns it into futures the step loop can poll, so one stalled peer does not
+    hold up the others; each waiter first sleeps most of the time the batch would take at the link's best
     measured rate, so the spin is short and a fast batch is not held back.
 
     NOTE: the engine (0.3.11.post1, TCP) kills its process (SIGSEGV) when a batch is submitted to
@@ -172,7 +175,7 @@ class MooncakeTransport(KVTransport):
     WAITERS = 4
     PROBE_INTERVAL = 0.05  # s between probes of a peer in use
     PROBE_FRESH = 0.25  # s a probe's answer vouches for the peer
-    PROBE_FIRST = 0.5  # s a first write to a peer waits for its first probe
+    PROBE_FIRST = 0.02  # s a first write to a peer waits for its first probe (on the step loop)
     WATCH_SECONDS = 60.0  # a peer not written to for that long is no longer probed
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
@@ -187,7 +190,7 @@ class MooncakeTransport(KVTransport):
             raise RuntimeError(f"Mooncake transfer engine did not start on {host} over {protocol} (code {rc})")
         self._endpoint = f"{host}:{self._te.get_rpc_port()}"
         self._regions: dict[int, tuple[Region, torch.Tensor]] = {}  # the tensor is kept: peers write into it
-        self._waiter = ThreadPoolExecutor(max_workers=self.WAITERS, thread_name_prefix="mooncake-wait")
+        self._waiters: dict[str, ThreadPoolExecutor] = {}  # per peer: a stalled one holds up only its own
         self._closed = False
         self._probed: dict[str, tuple[bool, float]] = {}  # peer -> (answered, when)
         self._watched: dict[str, float] = {}  # peer -> last written to
@@ -211,14 +214,21 @@ class MooncakeTransport(KVTransport):
         if self._regions.pop(region.address, None) is not None:
             self._te.unregister_memory(region.address)
 
-    def reachable(self, peer: str) -> bool:
-        """The peer answered a probe within PROBE_FRESH s (a first write waits for one)."""
+    def watch(self, peer: str) -> None:
+        """Writes to `peer` are coming: probe it from now on (one prober a peer, so that a dead link
+        stalls only its own)."""
         with self._wake:
             self._watched[peer] = time.monotonic()
-            if peer not in self._probers:  # one prober a peer: a dead link stalls only its own
+            if peer not in self._probers:
                 self._probers[peer] = threading.Thread(target=self._probe_loop, args=(peer,), daemon=True,
                                                        name=f"mooncake-probe-{peer}")
                 self._probers[peer].start()
+
+    def reachable(self, peer: str) -> bool:
+        """The peer answered a probe within PROBE_FRESH s. A peer not probed yet gets PROBE_FIRST s
+        for its first answer (a probe takes well under a millisecond on a live link)."""
+        self.watch(peer)
+        with self._wake:
             self._wake.wait_for(lambda: peer in self._probed or self._closed, self.PROBE_FIRST)
             ok, when = self._probed.get(peer, (False, 0.0))
         return ok and time.monotonic() - when < self.PROBE_FRESH
@@ -261,7 +271,10 @@ class MooncakeTransport(KVTransport):
             ok = self._te.get_batch_transfer_status([batch]) == 0
             return ok, time.monotonic()
 
-        transfer.done = self._waiter.submit(settle)
+        waiter = self._waiters.get(peer)
+        if waiter is None:
+            waiter = self._waiters[peer] = ThreadPoolExecutor(self.WAITERS, thread_name_prefix=f"mooncake-wait-{peer}")
+        transfer.done = waiter.submit(settle)
         return transfer
 
     def close(self) -> None:
@@ -269,7 +282,8 @@ class MooncakeTransport(KVTransport):
         with self._wake:
             self._closed = True
             self._wake.notify_all()
-        self._waiter.shutdown(wait=True)
+        for waiter in self._waiters.values():
+            waiter.shutdown(wait=True)
         for region, _ in list(self._regions.values()):
             self.unregister(region)
 

@@ -87,6 +87,7 @@ class RequestKV:
     num_load_tokens: int = 0  # num_computed_tokens once the load is in place
     load_source: str = ""  # the tier the load reads (HOST; DISK hits are promoted to the host first)
     epoch: int = 0  # moves on at each failed copy: copies issued before it carry nothing to trust
+    remote_until: float = 0.0  # a REMOTE load: by then (monotonic) its sender can write no more
     recompute: bool = False  # a load of it failed: it is recomputed, never loaded again
 
 
@@ -166,7 +167,10 @@ class KVCacheManager:
         # Pages another node may still write, of requests that ended or gave up on that node's
         # transfer: request -> (pages, monotonic time by which the sender's own timeout has stopped it)
         self._writing: dict[str, tuple[list[int], float]] = {}
-        self.remote_quarantine = 60.0  # s a sender may go on writing after we stopped waiting for it
+        # s after a reservation by which its sender can write no more (federation/streaming.py horizon)
+        self.remote_quarantine = 60.0
+        # s a settled sender's last bytes may still be on the wire (over TCP, "done" means sent)
+        self.remote_grace = 2.0
 
     @property
     def page_bytes(self) -> int:
@@ -369,23 +373,32 @@ class KVCacheManager:
         st.block_table = [self.pool.allocate() for _ in range(n_pages)]
         st.num_load_tokens = num_tokens
         st.load_source = REMOTE
+        st.remote_until = time.monotonic() + self.remote_quarantine
         return list(st.block_table)
 
     def remote_done(self, req: Request, ok: bool, settled: bool = True) -> None:
         """The sender's pages are in place (ok), or will never be (a failed transfer). `settled`:
         the sender can write no more (it said so: transport.py `settled`); otherwise (it is gone, or
-        it timed out on us) its pages stay taken for `remote_quarantine` s, the sender's own transfer
-        timeout, before they go to anyone else. `poll` reports the request."""
+        it timed out on us) its pages stay taken until `remote_quarantine` s after the reservation
+        (federation/timing.py horizon), before they go to anyone else. `poll` reports the request."""
         self._remote_results.append((req, ok, settled))
 
-    def _quarantine(self, request_id: str, pages: list[int], settled: bool) -> None:
+    def _quarantine(self, request_id: str, pages: list[int], settled: bool, until: float = 0.0) -> None:
+        """Free `pages` once the sender's last bytes cannot land: `remote_grace` s from now if it is
+        `settled`, else at its horizon `until` (now, if that has passed)."""
         if not pages:
             return
+        now = time.monotonic()
         if settled:
-            for page in reversed(pages):
-                self.pool.decref(page)
+            until = now + self.remote_grace
+        if until <= now:
+            self._free_pages(pages)
         else:
-            self._writing[request_id] = (pages, time.monotonic() + self.remote_quarantine)
+            self._writing[request_id] = (pages, until)
+
+    def _free_pages(self, pages: list[int]) -> None:
+        for page in reversed(pages):
+            self.pool.decref(page)
 
     def _poll_remote(self, ready: list, failed: list) -> None:
         results, self._remote_results = self._remote_results, []
@@ -402,7 +415,7 @@ class KVCacheManager:
             if ok:
                 ready.append(req)
             else:  # it computes its prompt here instead, in fresh pages
-                self._quarantine(req.request_id, st.block_table, settled)
+                self._quarantine(req.request_id, st.block_table, settled, st.remote_until)
                 st.block_table = []
                 self._release_device(req, st)
                 st.num_load_tokens = 0
@@ -411,7 +424,7 @@ class KVCacheManager:
         if self._writing:
             now = time.monotonic()
             for rid in [rid for rid, (_, until) in self._writing.items() if until <= now]:
-                self._quarantine(rid, self._writing.pop(rid)[0], True)
+                self._free_pages(self._writing.pop(rid)[0])
 
     def remote_settled(self, request_id: str) -> None:
         """The sender of an ended request's KV can write no more: its quarantined pages are free."""
@@ -437,7 +450,7 @@ class KVCacheManager:
         if st is None:
             return
         if st.load_source == REMOTE and st.num_load_tokens:  # the sender may still be writing them
-            self._quarantine(req.request_id, st.block_table, False)
+            self._quarantine(req.request_id, st.block_table, False, st.remote_until)
             st.block_table = []
         self._release_device(req, st)
         self._drop_host_copy(st, 0)
