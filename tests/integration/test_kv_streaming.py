@@ -6,6 +6,7 @@ failed write makes the decode engine compute the prompt itself."""
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Sequence
 
 import pytest
@@ -81,128 +82,105 @@ def tokens(c: EngineCore, rid: str) -> list[int]:
     return out
 
 
-def prefill_for(p_core: EngineCore, sender: Sender, target: p.KVTarget, rid: str = "a") -> p.Prefilled:
-    """The prefill engine's part: the prompt in chunks, the layer hook sending as it goes."""
-    def plan(batch) -> None:
-        p_core.runner.layer_hook = sender.after_layer if sender.plan(batch, p_core.scheduler.requests) else None
+class Pair:
+    """A prefill engine and a decode engine joined by a LocalTransport; the decode engine has
+    reserved pages for request "a" (`target`). `budget`: the prefill engine's chunk."""
 
-    p_core.on_batch = plan
-    assert sender.add(rid, target, len(PROMPT), 0) is None
-    p_core.add_request(request(rid, max_tokens=1))
-    while p_core.has_unfinished():
-        for out in p_core.step():
-            sender.output(out.request_id, out.new_token_ids, out.finished, out.error, out.num_cached_tokens)
-    (_, answer), = sender.poll(0, 0)
-    return answer
+    def __init__(self, tiny, budget: int = 64, make=None) -> None:
+        self.make = make or request
+        self.transport = LocalTransport()
+        self.p, self.d = core(tiny, budget), core(tiny)
+        self.sender = Sender(self.transport, self.p.runner.kv_cache, self.p.runner.attn.page_axis, 4, self.p.pool)
+        self.receiver = Receiver(self.transport, self.d.runner.kv_cache, self.d.runner.attn.page_axis)
+        req = self.make("a")
+        self.d._validate(req)
+        self.target = self.receiver.reserve(self.d, req)
+        self.p.on_batch = self._plan
+
+    def _plan(self, batch) -> None:
+        self.p.runner.layer_hook = self.sender.after_layer if self.sender.plan(batch, self.p.scheduler.requests) else None
+
+    def prefill(self, deadline: float = math.inf) -> p.Prefilled:
+        """The prefill engine's part: the prompt in chunks, the layer hook sending as it goes."""
+        assert self.sender.add("a", self.target, len(PROMPT), 0, deadline) is None
+        self.p.add_request(self.make("a", max_tokens=1))
+        while self.p.has_unfinished():
+            for out in self.p.step():
+                self.sender.output(out.request_id, out.new_token_ids, out.finished, out.error, out.num_cached_tokens)
+        (_, answer), = self.sender.poll(0, 0)
+        return answer
+
+    def arrived(self, answer: p.Prefilled, checksum: int | None = None):
+        msg = p.RemoteArrived("a", answer.first_token, answer.checksum if checksum is None else checksum)
+        return self.receiver.arrived(self.d, msg, 0.0)
+
+
+def alone(tiny, make=None) -> list[int]:
+    c = core(tiny)
+    c.add_request((make or request)("ref"))
+    return tokens(c, "ref")
 
 
 def test_a_prompt_streamed_layer_by_layer_in_chunks_decodes_with_one_engines_tokens(tiny):
-    alone = core(tiny)
-    alone.add_request(request("ref"))
-    want = tokens(alone, "ref")
-    transport = LocalTransport()
-    p_core, d_core = core(tiny, budget=16), core(tiny)  # 16-token chunks: the prompt takes three steps
-    sender = Sender(transport, p_core.runner.kv_cache, p_core.runner.attn.page_axis, 4, p_core.pool)
-    receiver = Receiver(transport, d_core.runner.kv_cache, d_core.runner.attn.page_axis)
-    req = request("a")
-    d_core._validate(req)
-    target = receiver.reserve(d_core, req)
-    assert target is not None and len(target.pages) == 11
-    answer = prefill_for(p_core, sender, target)
-    layers = tiny.config.num_layers
+    want = alone(tiny)
+    pair = Pair(tiny, budget=16)  # 16-token chunks: the prompt takes three steps
+    assert pair.target is not None and len(pair.target.pages) == 11
+    answer = pair.prefill()
     # one batch a layer a step, and every page sent once: chunks end at 16 and 32 tokens (4 and 8
     # full pages), the last one sends the rest, the partial page included
-    assert len(transport.batches) == 3 * layers
+    assert len(pair.transport.batches) == 3 * tiny.config.num_layers
     assert answer.ok and answer.first_token == want[0] and answer.checksum
-    assert p_core.pool.num_used == 0, "the pages it sent are unpinned once the writes settled"
-    out = receiver.arrived(d_core, p.RemoteArrived("a", answer.first_token, answer.checksum), 0.0)
+    assert pair.p.pool.num_used == 0, "the pages it sent are unpinned once the writes settled"
+    out = pair.arrived(answer)
     assert out is not None and out.new_token_ids == [want[0]]
-    assert [want[0]] + tokens(d_core, "a") == want
-    assert d_core.pool.num_used == 0
+    assert [want[0]] + tokens(pair.d, "a") == want
+    assert pair.d.pool.num_used == 0
 
 
 def test_a_checksum_that_does_not_match_makes_the_decode_engine_compute_the_prompt(tiny):
-    alone = core(tiny)
-    alone.add_request(request("ref"))
-    want = tokens(alone, "ref")
-    transport = LocalTransport()
-    p_core, d_core = core(tiny), core(tiny)
-    sender = Sender(transport, p_core.runner.kv_cache, p_core.runner.attn.page_axis, 4, p_core.pool)
-    receiver = Receiver(transport, d_core.runner.kv_cache, d_core.runner.attn.page_axis)
-    req = request("a")
-    d_core._validate(req)
-    target = receiver.reserve(d_core, req)
-    answer = prefill_for(p_core, sender, target)
-    assert receiver.arrived(d_core, p.RemoteArrived("a", answer.first_token, answer.checksum ^ 1), 0.0) is None
-    assert receiver.poll(d_core, 100.0) == []  # past the time bytes may still be in flight: given up
-    assert "a" not in receiver.incoming
-    assert tokens(d_core, "a") == want  # its own first token too
+    want = alone(tiny)
+    pair = Pair(tiny)
+    answer = pair.prefill()
+    assert pair.arrived(answer, checksum=answer.checksum ^ 1) is None
+    assert pair.receiver.poll(pair.d, 100.0) == []  # past the time bytes may still be in flight: given up
+    assert "a" not in pair.receiver.incoming
+    assert tokens(pair.d, "a") == want  # its own first token too
     # the bytes that did not match may yet land: those pages wait out the sender's horizon
-    assert d_core.kv.num_remote_pending == d_core.pool.num_used == len(target.pages)
+    assert pair.d.kv.num_remote_pending == pair.d.pool.num_used == len(pair.target.pages)
+
+
+def seeded(rid: str, max_tokens: int = MAX_TOKENS) -> Request:
+    return Request(rid, list(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=7))
 
 
 def test_a_seeded_sample_continues_on_the_decode_engine_as_on_one_engine(tiny):
-    def seeded(rid: str, max_tokens: int = MAX_TOKENS) -> Request:
-        return Request(rid, list(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0,
-                                                         seed=7))
-    alone = core(tiny)
-    alone.add_request(seeded("ref"))
-    want = tokens(alone, "ref")
-    transport = LocalTransport()
-    p_core, d_core = core(tiny), core(tiny)
-    sender = Sender(transport, p_core.runner.kv_cache, p_core.runner.attn.page_axis, 4, p_core.pool)
-    receiver = Receiver(transport, d_core.runner.kv_cache, d_core.runner.attn.page_axis)
-    req = seeded("a")
-    d_core._validate(req)
-    target = receiver.reserve(d_core, req)
-
-    def plan(batch) -> None:
-        p_core.runner.layer_hook = sender.after_layer if sender.plan(batch, p_core.scheduler.requests) else None
-
-    p_core.on_batch = plan
-    sender.add("a", target, len(PROMPT), 0)
-    p_core.add_request(seeded("a", max_tokens=1))
-    while p_core.has_unfinished():
-        for out in p_core.step():
-            sender.output(out.request_id, out.new_token_ids, out.finished, out.error, out.num_cached_tokens)
-    (_, answer), = sender.poll(0, 0)
-    receiver.arrived(d_core, p.RemoteArrived("a", answer.first_token, answer.checksum), 0.0)
-    assert [answer.first_token] + tokens(d_core, "a") == want
+    want = alone(tiny, seeded)
+    pair = Pair(tiny, make=seeded)
+    answer = pair.prefill()
+    pair.arrived(answer)
+    assert [answer.first_token] + tokens(pair.d, "a") == want
 
 
 def test_a_sender_past_its_deadline_writes_nothing_more(tiny):
-    transport = LocalTransport()
-    p_core, d_core = core(tiny, budget=16), core(tiny)
-    sender = Sender(transport, p_core.runner.kv_cache, p_core.runner.attn.page_axis, 4, p_core.pool)
-    receiver = Receiver(transport, d_core.runner.kv_cache, d_core.runner.attn.page_axis)
-    req = request("a")
-    d_core._validate(req)
-    target = receiver.reserve(d_core, req)
-    p_core.on_batch = lambda batch: setattr(p_core.runner, "layer_hook",
-                                            sender.after_layer if sender.plan(batch, p_core.scheduler.requests) else None)
-    assert sender.add("a", target, len(PROMPT), 0, deadline=0.0) is None  # long past
-    assert "already" in sender.add("a", target, len(PROMPT), 0)
-    p_core.add_request(request("a", max_tokens=1))
-    while p_core.has_unfinished():
-        for out in p_core.step():
-            sender.output(out.request_id, out.new_token_ids, out.finished, out.error, out.num_cached_tokens)
-    (_, answer), = sender.poll(0, 0)
-    assert not transport.batches and not answer.ok and "deadline" in answer.error
-    assert p_core.pool.num_used == 0
+    pair = Pair(tiny, budget=16)
+    answer = pair.prefill(deadline=0.0)  # long past
+    assert not pair.transport.batches and not answer.ok and "deadline" in answer.error
+    assert pair.p.pool.num_used == 0
+
+
+def test_an_order_id_already_being_sent_is_refused(tiny):
+    pair = Pair(tiny)
+    assert pair.sender.add("a", pair.target, len(PROMPT), 0) is None
+    assert "already" in pair.sender.add("a", pair.target, len(PROMPT), 0)
 
 
 def test_a_failed_write_is_answered_as_failed_and_frees_the_senders_pins(tiny):
-    transport = LocalTransport()
-    transport.fail = True
-    p_core, d_core = core(tiny), core(tiny)
-    sender = Sender(transport, p_core.runner.kv_cache, p_core.runner.attn.page_axis, 4, p_core.pool)
-    receiver = Receiver(transport, d_core.runner.kv_cache, d_core.runner.attn.page_axis)
-    req = request("a")
-    d_core._validate(req)
-    answer = prefill_for(p_core, sender, receiver.reserve(d_core, req))
+    pair = Pair(tiny)
+    pair.transport.fail = True
+    answer = pair.prefill()
     assert not answer.ok and answer.first_token is None and "failed" in answer.error
-    assert len(transport.batches) == 1, "after a failed write it sends no more"
-    assert p_core.pool.num_used == 0
+    assert len(pair.transport.batches) == 1, "after a failed write it sends no more"
+    assert pair.p.pool.num_used == 0
 
 
 def test_a_target_of_another_shape_is_refused(tiny):

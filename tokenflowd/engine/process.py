@@ -151,8 +151,6 @@ class EngineProcess(EngineEndpoint):
                 idle_ms = math.ceil(self.wait_until(now + self.spec.heartbeat_interval, now) * 1000)
             if busy and self._only_awaiting_kv():  # nothing to compute until a prefill node's KV lands
                 busy, idle_ms = False, 2
-                if core.kv.num_remote_pending:  # quarantined pages come free on time even when idle
-                    core.scheduler.poll_copies()
             elif self.sender is not None and self.sender.out:  # writes to settle and answer soon
                 idle_ms = min(idle_ms, 1)
             with core.unlocked():
@@ -171,7 +169,7 @@ class EngineProcess(EngineEndpoint):
                         self.sender.output(out.request_id, out.new_token_ids, out.finished, out.error,
                                            out.num_cached_tokens)
                 deltas += [_delta(out) for out in outs]
-            elif copying:
+            elif copying or core.kv.num_remote_pending:  # (pages held for a sender come free on time, idle too)
                 core.scheduler.poll_copies()
             settled = copying and not core.copies_in_flight()  # the pages they pinned are free: say so
             now = time.monotonic()
