@@ -5,9 +5,9 @@ with one engine's greedy tokens. Pages the sender read are pinned until its writ
 failed write makes the decode engine compute the prompt itself."""
 from __future__ import annotations
 
-import ctypes
 import math
-from typing import Sequence
+import os
+import sys
 
 import pytest
 import torch
@@ -17,43 +17,12 @@ from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, SamplingParams
 from tokenflowd.federation.streaming import Receiver, Sender
-from tokenflowd.federation.transport import DONE, FAILED, Block, KVTransport, Region, Transfer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from local_transport import LocalTransport  # noqa: E402
 
 PROMPT = list(range(5, 47))  # 42 tokens: 10 full pages of 4 and a partial one
 MAX_TOKENS = 10
-
-
-class LocalTransport(KVTransport):
-    """Writes are memmoves within this process; `fail` makes every later write fail."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fail = False
-        self.batches: list[int] = []  # blocks per batch, in submission order
-
-    @property
-    def endpoint(self) -> str:
-        return "local"
-
-    def register(self, tensor: torch.Tensor) -> Region:
-        return Region(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-
-    def unregister(self, region: Region) -> None:
-        pass
-
-    def submit_write(self, peer: str, blocks: Sequence[Block]) -> Transfer:
-        t = Transfer(peer, sum(b.nbytes for b in blocks), 0.0)
-        self.batches.append(len(blocks))
-        if self.fail:
-            t.state = FAILED
-            return t
-        for b in blocks:
-            ctypes.memmove(b.dst, b.src, b.nbytes)
-        t.state = DONE
-        return t
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")

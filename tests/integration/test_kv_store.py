@@ -1,0 +1,86 @@
+"""Whole pages into another engine's prefix cache (federation/store.py), in process over a memmove
+transport: the keeper publishes what arrived intact, so a request there hits the pages and decodes
+with one engine's tokens; a checksum that does not match publishes nothing and frees the pages."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tokenflowd.config import EngineConfig
+from tokenflowd.engine.core import EngineCore
+from tokenflowd.engine.request import Request, SamplingParams
+from tokenflowd.federation.store import Giver, Keeper
+from tokenflowd.federation.transport import KVLayout
+from tokenflowd.kv.pages import chain_page_keys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from local_transport import LocalTransport  # noqa: E402
+
+PROMPT = list(range(5, 47))  # 42 tokens
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_dirs):
+    from tokenflowd.engine.loader import load_model_source
+
+    return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
+
+
+def core(tiny) -> EngineCore:
+    cfg = EngineConfig.resolve(model="tiny", device="cpu", dtype="float32", page_size=PAGE, num_pages=64,
+                               max_num_batched_tokens=64, max_num_seqs=4, policy="fcfs", offload="none")
+    return EngineCore.from_config(cfg, tiny)
+
+
+def run(c: EngineCore, rid: str, prompt: list[int], max_tokens: int = 8) -> tuple[list[int], int]:
+    """(tokens, cached prompt tokens) of a greedy request."""
+    c.add_request(Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)))
+    out, cached = [], 0
+    while c.has_unfinished():
+        for o in c.step():
+            if o.request_id == rid:
+                out += o.new_token_ids
+                cached = o.num_cached_tokens
+    return out, cached
+
+
+def store(giver_core: EngineCore, keeper_core: EngineCore, keys: list[bytes], corrupt: bool = False) -> int:
+    transport = LocalTransport()
+    keeper = Keeper(keeper_core.pool, keeper_core.runner.kv_layers, keeper_core.runner.attn.page_axis)
+    giver = Giver(transport, giver_core.pool, giver_core.runner.kv_layers, giver_core.runner.attn.page_axis)
+    held, pages = keeper.reserve("s", keys)
+    dst = KVLayout.of(keeper_core.runner.kv_layers, keeper_core.runner.attn.page_axis)
+    assert giver.give("s", keys[held:], "local", dst, pages) == len(pages)
+    assert giver_core.pool.num_used == len(pages), "the giver pins what it sends until it settles"
+    (sid, ok, crc), = giver.poll()
+    assert giver_core.pool.num_used == 0
+    return keeper.done(sid, ok, crc ^ 1 if corrupt else crc)
+
+
+def test_pages_given_are_published_and_a_request_over_them_decodes_as_one_engine(tiny):
+    a = core(tiny)
+    want, _ = run(a, "a", PROMPT)
+    conversation = PROMPT + want  # the whole exchange is in a's prefix cache (full pages)
+    keys = chain_page_keys(conversation, PAGE, [])
+    b = core(tiny)
+    run(b, "warm", PROMPT[:12], 1)  # b holds the first 3 pages itself: only the rest travels
+    assert store(a, b, keys) == len(keys) - 3
+    assert b.pool.num_used == 0 and len(b.pool.lookup(keys)) == len(keys)
+    follow_up = conversation + [7, 8, 9]
+    ref, _ = run(core(tiny), "ref", follow_up)
+    got, cached = run(b, "next", follow_up)
+    assert got == ref and cached == len(keys) * PAGE
+
+
+def test_a_store_whose_checksum_does_not_match_publishes_nothing_and_frees_its_pages(tiny):
+    a = core(tiny)
+    want, _ = run(a, "a", PROMPT)
+    keys = chain_page_keys(PROMPT + want, PAGE, [])
+    b = core(tiny)
+    free = b.pool.num_free
+    assert store(a, b, keys, corrupt=True) == 0
+    assert b.pool.lookup(keys) == [] and b.pool.num_free == free and b.pool.num_used == 0

@@ -1,0 +1,126 @@
+"""KV of whole pages into another node's prefix cache (MemServe §4): the primitive under two
+federation moves, neither wired to the nodes yet (WIP):
+
+- a decode node, when a request ends, gives the prefill node the pages of the reply, so the next
+  turn of the conversation hits there (the prompt's pages it already holds);
+- a prefill node pulls a longer prefix that another prefill node holds (Algorithm 1's transfer
+  branch), and keeps it: hot prefixes replicate by use.
+
+    keeper (takes the pages)                        giver (holds them in its prefix cache)
+    reserve(keys) -> (held, pages): the leading
+      keys it holds already, and fresh pages for
+      the ones after them
+                                                    give(keys[held:], target) -> pins the pages it
+                                                      holds for those keys and writes every layer
+                                                      of them as one aggregated batch
+                                                    settled -> unpins; answers with the crc32
+    done(ok, crc) -> checks the crc32, publishes
+      the keys (unreferenced: its LRU decides), or
+      frees the pages
+
+Pages a giver may still write stay with the keeper's KV manager's horizon rules (timing.py) when
+the store is given up; here a store given up frees at once, which is only safe once the giver has
+settled (the caller's to know).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tokenflowd.federation.streaming import checksum
+from tokenflowd.federation.transport import DONE, KVLayout, KVTransport, Transfer, kv_blocks
+from tokenflowd.kv.pages import OutOfPages, PagePool
+
+
+@dataclass
+class _Kept:
+    keys: list[bytes]
+    pages: list[int]
+
+
+class Keeper:
+    def __init__(self, pool: PagePool, layers: Sequence[torch.Tensor], page_axis: int) -> None:
+        self.pool = pool
+        self.layers = list(layers)
+        self.page_axis = page_axis
+        self.kept: dict[str, _Kept] = {}
+
+    def reserve(self, store_id: str, keys: Sequence[bytes]) -> tuple[int, list[int]]:
+        """(leading keys held already, fresh pages for as many of the next keys as it can get). The
+        held pages are referenced while it allocates, so that none of them is the one evicted."""
+        if store_id in self.kept:
+            raise ValueError(f"store {store_id!r} is already under way")
+        held = self.pool.lookup(keys)
+        for page in held:
+            self.pool.incref(page)
+        pages: list[int] = []
+        try:
+            for _ in keys[len(held):]:
+                pages.append(self.pool.allocate())
+        except OutOfPages:
+            pass
+        finally:
+            for page in reversed(held):
+                self.pool.decref(page)
+        if pages:
+            self.kept[store_id] = _Kept(list(keys[len(held):len(held) + len(pages)]), pages)
+        return len(held), pages
+
+    def done(self, store_id: str, ok: bool, crc: int = 0) -> int:
+        """The giver's writes are settled: publish what arrived intact. -> pages published."""
+        kept = self.kept.pop(store_id, None)
+        if kept is None:
+            return 0
+        ok = ok and checksum(self.layers, kept.pages, self.page_axis) == crc
+        if ok:
+            for page, key in zip(kept.pages, kept.keys):
+                self.pool.register(page, key)
+        for page in reversed(kept.pages):
+            self.pool.decref(page)  # registered: cached, unreferenced; otherwise free
+        return len(kept.pages) if ok else 0
+
+
+@dataclass
+class _Given:
+    pages: list[int]
+    transfer: Transfer
+    crc: int = 0
+
+
+class Giver:
+    def __init__(self, transport: KVTransport, pool: PagePool, layers: Sequence[torch.Tensor], page_axis: int) -> None:
+        self.transport = transport
+        self.pool = pool
+        self.layers = list(layers)
+        self.layout = KVLayout.of(self.layers, page_axis)
+        self.given: dict[str, _Given] = {}
+
+    def give(self, store_id: str, keys: Sequence[bytes], peer: str, dst: KVLayout, dst_pages: Sequence[int]) -> int:
+        """Write the pages this node's prefix cache holds for `keys` (a leading run, at most as many
+        as `dst_pages`) into the peer's pages, every layer in one batch. -> pages sent."""
+        if store_id in self.given:
+            raise ValueError(f"store {store_id!r} is already under way")
+        pages = self.pool.lookup(keys)[: len(dst_pages)]
+        if not pages:
+            return 0
+        for page in pages:
+            self.pool.incref(page)
+        crc = checksum(self.layers, pages, self.layout.page_axis)
+        blocks = kv_blocks(self.layout, dst, pages, list(dst_pages[: len(pages)]))
+        self.given[store_id] = _Given(pages, self.transport.submit_write(peer, blocks), crc)
+        return len(pages)
+
+    def poll(self) -> list[tuple[str, bool, int]]:
+        """(store, ok, crc32 of the pages) for each store whose write has settled; its pages unpinned."""
+        out = []
+        for sid, g in list(self.given.items()):
+            if not self.transport.settled(g.transfer):
+                continue
+            ok = self.transport.status(g.transfer) == DONE
+            for page in reversed(g.pages):
+                self.pool.decref(page)
+            del self.given[sid]
+            out.append((sid, ok, g.crc))
+        return out
