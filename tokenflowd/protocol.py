@@ -91,6 +91,35 @@ class RemoteArrived(msgspec.Struct, tag=True):
     num_cached_tokens: int = 0  # of the prompt, the prefill node's prefix cache held
 
 
+class KeepKV(msgspec.Struct, tag=True):
+    """Federation (store.py): take the whole pages of `token_ids` into the prefix cache from another
+    node; answered by Reserved (`held`: leading pages held already; `target`: pages for the next)."""
+
+    store_id: str
+    token_ids: list[int]
+    front: int = 0
+
+
+class KeptKV(msgspec.Struct, tag=True):
+    """The giver's writes for a KeepKV are settled: publish the pages if their crc32 matches."""
+
+    store_id: str
+    ok: bool
+    checksum: int = 0
+    num_pages: int = 0  # the leading pages of the target written (the giver's cache may hold fewer)
+
+
+class GiveKV(msgspec.Struct, tag=True):
+    """Federation (store.py): write the cached pages of `token_ids` after the first `held` into the
+    target; answered by Prefilled (ok, checksum) once the writes have settled."""
+
+    store_id: str
+    token_ids: list[int]
+    held: int
+    target: KVTarget
+    front: int = 0
+
+
 class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
 
@@ -160,7 +189,7 @@ class PoolPeers(msgspec.Struct, tag=True):
 
 
 ToEngine = (AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure
-            | AbortFront | QueryKeys | PoolPeers | RemoteArrived)
+            | AbortFront | QueryKeys | PoolPeers | RemoteArrived | KeepKV | KeptKV | GiveKV)
 
 
 # -- engine → supervisor ---------------------------------------------------------------------
@@ -290,6 +319,7 @@ class Reserved(msgspec.Struct, tag=True):
     request_id: str
     target: KVTarget | None = None
     error: str | None = None
+    held: int = 0  # KeepKV: leading pages held already
 
 
 class Prefilled(msgspec.Struct, tag=True):
@@ -304,6 +334,7 @@ class Prefilled(msgspec.Struct, tag=True):
     checksum: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    num_pages: int = 0  # GiveKV: pages written
 
 
 FromEngine = Ready | StepOutputs | QueryReply | Reconfigured | KeySnapshot | Reserved | Prefilled

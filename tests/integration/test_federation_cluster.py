@@ -129,6 +129,13 @@ def alone(node: Daemon, messages: list[dict], max_tokens: int = 24) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
+def wait_for(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
 def assert_no_pages_held(node: Daemon, within: float = 3 * TIMEOUT + 10) -> None:
     deadline = time.monotonic() + within
     while True:
@@ -146,15 +153,23 @@ def test_greedy_output_through_the_cluster_equals_one_nodes_and_a_second_turn_hi
     for q in QUESTIONS:
         messages = [{"role": "user", "content": q}]
         asked.append((messages, chat(client, messages)[0]))
+    prompt_pages = hits = 0
     for system, first, second in CONVERSATIONS:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": first}]
+        returned = cluster.decode.metric("tokenflowd_federation_prefills_total", side="return", outcome="ok")
         reply, prompt_tokens, _ = chat(client, messages)
         asked.append((list(messages), reply))
+        wait_for(lambda: cluster.decode.metric("tokenflowd_federation_prefills_total", side="return",
+                                               outcome="ok") > returned, 30)  # the reader's pause covers it
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": second}]
         reply2, _, cached = chat(client, messages)
         asked.append((messages, reply2))
         # the first turn's prompt is in the prefill node's cache, whole pages of it at least
         assert cached >= prompt_tokens // 16 * 16 >= 48, (cached, prompt_tokens)
+        prompt_pages += prompt_tokens // 16 * 16
+        hits += cached
+    # and so is the reply, which the decode node gave back (MemServe): turns hit beyond their prompts
+    assert hits > prompt_pages, (hits, prompt_pages)
     assert len(asked) == 20
     h = cluster.health()
     assert h["placed"].get("prefill->decode") == 20, h

@@ -334,7 +334,8 @@ class Front:
                              self.metrics.engine(slot.engine_id), arrival,
                              rate=RateMonitor(prep.reading_rate, max_rate=self.config.max_reading_rate,
                                               initial_source=prep.rate.source),
-                             keep_text=prep.cadence is not None and prep.cadence.keys is not None)
+                             keep_text=prep.cadence is not None and prep.cadence.keys is not None,
+                             keep_ids=prefill_node is not None)
         except NoEngineReady:
             self.supervisor.forget(request_id)
             raise self._unavailable() from None
@@ -404,6 +405,10 @@ class Front:
         finally:
             gen.close()
             self.federation.cancel(chunks.rid)
+            if prefill_node is not None and gen.finish_reason in ("stop", "length") and gen.output_ids:
+                # MemServe: the reply's KV goes back to the prefill node, where the next turn starts
+                self.federation.give_back(gen.stream.engine, prep.prompt_ids + gen.output_ids, prefill_node,
+                                          request.headers.get("Authorization"))
             del self.live[chunks.rid]
             self.open_counts.close(caller.identity)
             if gen.finish_reason == "shed":
@@ -587,6 +592,8 @@ def build_app(front: Front) -> web.Application:
     app.router.add_get("/federation/state", front.federation.state)
     app.router.add_post("/federation/prefill", front.federation.prefill)
     app.router.add_post("/federation/abort", front.federation.abort)
+    app.router.add_post("/federation/keep", front.federation.keep)
+    app.router.add_post("/federation/kept", front.federation.kept)
 
     async def close_federation(_app: web.Application) -> None:
         await front.federation.close()

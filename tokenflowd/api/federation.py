@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ from aiohttp import web
 
 from tokenflowd import protocol as p
 from tokenflowd.api.errors import APIError
-from tokenflowd.federation.timing import MARGIN, send_window
+from tokenflowd.federation.timing import MARGIN, horizon, send_window
 from tokenflowd.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
@@ -56,6 +57,23 @@ class PrefillAnswer(msgspec.Struct):
     num_cached_tokens: int = 0
     error: str | None = None
     settled: bool = True  # its writes are over (the decode node still gives their last bytes a grace)
+
+
+class KeepOrder(msgspec.Struct):
+    store_id: str
+    token_ids: list[int]
+
+
+class KeepAnswer(msgspec.Struct):
+    held: int
+    target: p.KVTarget | None = None
+
+
+class KeptReport(msgspec.Struct):
+    store_id: str
+    ok: bool
+    checksum: int = 0
+    num_pages: int = 0
 
 
 class KeyLog:
@@ -107,6 +125,7 @@ class Federation:
         self.asked_auth: dict[str, dict] = {}
         self.aborts: set[asyncio.Task] = set()
         self.orders: dict[str, object] = {}  # a prefill node's orders under way: request -> its stream
+        self.keeping: dict[str, tuple] = {}  # a prefill node's stores under way: store -> (its engine, horizon)
 
     @property
     def role(self) -> str:
@@ -302,6 +321,86 @@ class Federation:
         self.asked_auth.pop(rid, None)
         self.supervisor.send(slot, p.RemoteArrived(rid, answer.first_token if answer.ok else None,
                                                    answer.checksum, answer.settled, answer.num_cached_tokens))
+
+    # -- MemServe: a reply's KV back to the prefill node (federation/store.py) -------------------
+    async def keep(self, request: web.Request) -> web.Response:
+        """POST /federation/keep {"store_id", "token_ids"} (a prefill node): pages for the whole pages
+        of `token_ids` after those its cache holds. -> {"held", "target"} (target null: none)."""
+        try:
+            body = msgspec.json.decode(await self.front.read_body(request), type=KeepOrder)
+        except msgspec.DecodeError as e:
+            raise APIError(400, f"not a keep order: {e}") from None
+        if self.role == "both":
+            raise APIError(409, "this node takes no KV from others", code="wrong_role")
+        slot = self.supervisor.slots[self.front.router.pick(self.front._ready_slots(), body.token_ids).engine_id]
+        try:
+            answer = self.supervisor.expect(body.store_id)
+        except ValueError as e:
+            raise APIError(409, str(e)) from None
+        try:
+            if not self.supervisor.send(slot, p.KeepKV(body.store_id, body.token_ids, self.supervisor.front)):
+                raise APIError(503, "the engine is not serving")
+            msg: p.Reserved = await asyncio.wait_for(answer, self.timeout)
+        except asyncio.TimeoutError:
+            raise APIError(503, "the engine did not answer") from None
+        finally:
+            self.supervisor.forget(body.store_id)
+        if msg.error:
+            raise APIError(409, msg.error)
+        now = time.monotonic()
+        for sid in [sid for sid, (_, until) in self.keeping.items() if until <= now]:
+            del self.keeping[sid]  # never reported: the engine has freed them by now
+        if msg.target is not None:
+            self.keeping[body.store_id] = (slot, now + horizon(self.timeout))
+        return web.Response(body=msgspec.json.encode({"held": msg.held, "target": msg.target}),
+                            content_type="application/json")
+
+    async def kept(self, request: web.Request) -> web.Response:
+        """POST /federation/kept {"store_id", "ok", "checksum"}: the giver's writes have settled."""
+        try:
+            body = msgspec.json.decode(await self.front.read_body(request), type=KeptReport)
+        except msgspec.DecodeError as e:
+            raise APIError(400, f"not a report: {e}") from None
+        kept = self.keeping.pop(body.store_id, None)
+        if kept is not None:
+            self.supervisor.send(kept[0], p.KeptKV(body.store_id, body.ok, body.checksum, body.num_pages))
+        return web.json_response({"known": kept is not None})
+
+    def give_back(self, slot, token_ids: list[int], url: str, authorization: str | None) -> None:
+        """A decode node: the ended request's whole pages go to the prefill node at `url`."""
+        task = asyncio.create_task(self._give_back(slot, token_ids, url, authorization))
+        self.aborts.add(task)
+        task.add_done_callback(self.aborts.discard)
+
+    async def _give_back(self, slot, token_ids: list[int], url: str, authorization: str | None) -> None:
+        sid = uuid.uuid4().hex
+        headers = {"Authorization": authorization} if authorization else {}
+        timeout = aiohttp.ClientTimeout(total=2 * self.timeout)
+        try:
+            async with self._client().post(f"{url}/federation/keep", json={"store_id": sid, "token_ids": token_ids},
+                                           headers=headers, timeout=timeout) as r:
+                if r.status != 200:
+                    return
+                kept = msgspec.json.decode(await r.read(), type=KeepAnswer)
+            if kept.target is None:
+                return
+            answer = self.supervisor.expect(sid)
+            try:
+                if not self.supervisor.send(slot, p.GiveKV(sid, token_ids, kept.held, kept.target,
+                                                           self.supervisor.front)):
+                    return
+                given: p.Prefilled = await asyncio.wait_for(answer, 2 * self.timeout + MARGIN)
+            finally:
+                self.supervisor.forget(sid)
+            # only once its writes have settled: before, the keeper's pages wait out their horizon
+            async with self._client().post(f"{url}/federation/kept",
+                                           json={"store_id": sid, "ok": given.ok, "checksum": given.checksum,
+                                                 "num_pages": given.num_pages},
+                                           headers=headers, timeout=timeout) as r:
+                await r.read()
+            self.front.metrics.federation.labels("return", "ok" if given.ok else "failed").inc()
+        except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError, OSError) as e:
+            log.info("the reply's KV did not go back to %s: %r", url, e)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

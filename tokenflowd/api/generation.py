@@ -55,7 +55,7 @@ class Generation:
     def __init__(
         self, supervisor: Supervisor, slot: EngineHandle, add: AddRequest, tokenizer: Tokenizer,
         stop: tuple[str, ...], metrics: EngineMetrics, arrival_time: float, *,
-        rate: RateMonitor | None = None, keep_text: bool = False,
+        rate: RateMonitor | None = None, keep_text: bool = False, keep_ids: bool = False,
     ) -> None:
         self.supervisor = supervisor
         self.request_id = add.request_id
@@ -77,6 +77,7 @@ class Generation:
         self.buffer = TokenBuffer(add.reading_rate)  # the client's buffer as delivered by the front
         self.rate = rate or RateMonitor(add.reading_rate)
         self.text_parts: list[str] | None = [] if keep_text else None
+        self.output_ids: list[int] | None = [] if keep_ids else None  # a federated reply's, for MemServe
         self.stream = supervisor.submit(slot, add, self.on_delta)
 
     # -- the supervisor's side ---------------------------------------------------------------
@@ -100,6 +101,8 @@ class Generation:
             self.finish_reason = "shed"
             return Piece("", 0, "shed", delta.error or "the engine is overloaded", delta.retry_after)
         self.num_output_tokens += len(delta.token_ids)
+        if self.output_ids is not None:
+            self.output_ids += delta.token_ids
         if delta.num_cached_tokens > self.num_cached_tokens:
             self.num_cached_tokens = delta.num_cached_tokens
         self.num_preemptions = delta.num_preemptions

@@ -219,9 +219,10 @@ class Metrics:
                                 "bound, an engine's --max-queue-delay), by HTTP status",
                                 ["status"], registry=r)
         self.federation = Counter("tokenflowd_federation_prefills", "Federation: prompts a prefill node computed for a "
-                                  "decode node (side prefill), and those a decode node asked for (side decode), by "
+                                  "decode node (side prefill), those a decode node asked for (side decode), and replies' KV a decode node "
+                                  "gave back to its prefill node (side return), by "
                                   "outcome (ok, or failed: the decode node computed it)", ["side", "outcome"], registry=r)
-        for side in ("prefill", "decode"):
+        for side in ("prefill", "decode", "return"):
             for outcome in ("ok", "failed"):
                 self.federation.labels(side, outcome)  # every series from 0
         self._engines: dict[int, EngineMetrics] = {}

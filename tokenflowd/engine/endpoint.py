@@ -91,6 +91,9 @@ class EngineEndpoint(abc.ABC):
     def remote_arrived(self, msg: p.RemoteArrived) -> None:
         """A prefill node answered for a request this decode node reserved pages for (federation/)."""
 
+    def store(self, msg: p.KeepKV | p.KeptKV | p.GiveKV) -> None:
+        """Pages into or out of the prefix cache for another node (federation/store.py)."""
+
     def reply(self, request_id: str, msg: p.FromEngine, front: int | None = None) -> None:
         """A message about one request, to the front that serves it (`front`, if it has ended)."""
         front = self.request_front.get(request_id, 0) if front is None else front
@@ -161,6 +164,8 @@ class EngineEndpoint(abc.ABC):
             self.pool_peers(msg)
         elif isinstance(msg, p.RemoteArrived):
             self.remote_arrived(msg)
+        elif isinstance(msg, (p.KeepKV, p.KeptKV, p.GiveKV)):
+            self.store(msg)
         elif isinstance(msg, p.Shutdown):
             self.running = False
         elif isinstance(msg, p.Reconfigure):

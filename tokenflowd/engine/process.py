@@ -38,9 +38,12 @@ from tokenflowd.engine.admission import QueueDelayExceeded
 from tokenflowd.engine.core import EngineCore, EngineCoreOutput, EngineFailed
 from tokenflowd.engine.endpoint import EngineEndpoint, SupervisorUnreachable, die_with_parent
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
-from tokenflowd.federation.streaming import Receiver, Sender
+from tokenflowd.federation.store import Giver, Keeper
+from tokenflowd.federation.transport import KVLayout
+from tokenflowd.federation.streaming import Receiver, Sender, layout_of, target_of
 from tokenflowd.federation.timing import horizon
 from tokenflowd.kv.copier import CopierDead
+from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool.names import cache_name
 from tokenflowd.pool.shared_kv import SharedKV
@@ -94,6 +97,11 @@ class EngineProcess(EngineEndpoint):
             self.receiver = Receiver(transport, runner.kv_cache, runner.attn.page_axis)
             core.kv.remote_quarantine = horizon(self.config.kv_transfer_timeout)
         self.transport = transport
+        layers, axis = runner.kv_layers, runner.attn.page_axis
+        self.keeper = Keeper(core.pool, layers, axis)  # a reply's KV from a decode node (MemServe)
+        self.keeper_layout = KVLayout.of(layers, axis)
+        self.giver = Giver(transport, core.pool, layers, axis)
+        self.giving: dict[str, int] = {}  # store -> the front to answer
         log.info("federation: %s node, KV transfer engine at %s", self.config.role, transport.endpoint)
 
     def _plan_sends(self, batch) -> None:
@@ -151,7 +159,8 @@ class EngineProcess(EngineEndpoint):
                 idle_ms = math.ceil(self.wait_until(now + self.spec.heartbeat_interval, now) * 1000)
             if busy and self._only_awaiting_kv():  # nothing to compute until a prefill node's KV lands
                 busy, idle_ms = False, 2
-            elif self.sender is not None and self.sender.out:  # writes to settle and answer soon
+            elif (self.sender is not None and self.sender.out) or (self.config.role != "both" and self.giver.given):
+                # writes to settle and answer soon
                 idle_ms = min(idle_ms, 1)
             with core.unlocked():
                 polled = self.inbox.poll(0 if busy else 1 if copying else idle_ms)
@@ -200,10 +209,45 @@ class EngineProcess(EngineEndpoint):
         if self.sender is not None:
             for front, answer in self.sender.poll(self.spec.engine_id, self.spec.incarnation):
                 self.reply(answer.request_id, answer, front)
+        for sid, ok, crc, n in self.giver.poll() if self.config.role != "both" else ():
+            self.reply(sid, p.Prefilled(self.spec.engine_id, self.spec.incarnation, sid, ok, checksum=crc,
+                                        num_pages=n), self.giving.pop(sid, 0))
+        if self.config.role != "both":
+            self.keeper.expire(now)
         outs, self.remote_outs = self.remote_outs, []
         if self.receiver is not None:
             outs += self.receiver.poll(self.core, now)
         return [_delta(out) for out in outs]
+
+    def store(self, msg: p.KeepKV | p.KeptKV | p.GiveKV) -> None:
+        if self.config.role == "both":
+            return
+        if isinstance(msg, p.KeptKV):
+            self.keeper.done(msg.store_id, msg.ok, msg.checksum, msg.num_pages)
+            return
+        keys = chain_page_keys(msg.token_ids, self.config.page_size, [])
+        engine, incarnation = self.spec.engine_id, self.spec.incarnation
+        if isinstance(msg, p.KeepKV):
+            until = time.monotonic() + horizon(self.config.kv_transfer_timeout)
+            try:
+                held, pages = self.keeper.reserve(msg.store_id, keys, until)
+            except ValueError as e:
+                self.reply(msg.store_id, p.Reserved(engine, incarnation, msg.store_id, error=str(e)), msg.front)
+                return
+            target = target_of(self.transport.endpoint, self.keeper_layout, pages) if pages else None
+            self.reply(msg.store_id, p.Reserved(engine, incarnation, msg.store_id, target, held=held), msg.front)
+            return
+        try:
+            sent = self.giver.give(msg.store_id, keys[msg.held:], msg.target.endpoint, layout_of(msg.target),
+                                   msg.target.pages)
+        except ValueError as e:
+            self.reply(msg.store_id, p.Prefilled(engine, incarnation, msg.store_id, False, error=str(e)), msg.front)
+            return
+        if sent:
+            self.giving[msg.store_id] = msg.front
+        else:  # its cache no longer holds them
+            self.reply(msg.store_id, p.Prefilled(engine, incarnation, msg.store_id, False,
+                                                 error="the pages are no longer cached here"), msg.front)
 
     def remote_arrived(self, msg: p.RemoteArrived) -> None:
         if self.receiver is None:

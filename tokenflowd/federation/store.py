@@ -1,10 +1,11 @@
-"""KV of whole pages into another node's prefix cache (MemServe §4): the primitive under two
-federation moves, neither wired to the nodes yet (WIP):
+"""KV of whole pages into another node's prefix cache (MemServe §4), the primitive under two
+federation moves:
 
 - a decode node, when a request ends, gives the prefill node the pages of the reply, so the next
-  turn of the conversation hits there (the prompt's pages it already holds);
+  turn of the conversation hits there (the prompt's pages it already holds): wired, through the
+  fronts (api/federation.py `give_back`, /federation/keep and /federation/kept);
 - a prefill node pulls a longer prefix that another prefill node holds (Algorithm 1's transfer
-  branch), and keeps it: hot prefixes replicate by use.
+  branch), and keeps it, so hot prefixes replicate by use: not wired yet.
 
     keeper (takes the pages)                        giver (holds them in its prefix cache)
     reserve(keys) -> (held, pages): the leading
@@ -18,12 +19,12 @@ federation moves, neither wired to the nodes yet (WIP):
       the keys (unreferenced: its LRU decides), or
       frees the pages
 
-Pages a giver may still write stay with the keeper's KV manager's horizon rules (timing.py) when
-the store is given up; here a store given up frees at once, which is only safe once the giver has
-settled (the caller's to know).
+The keeper is told `done` only once the giver's writes have settled; a store never reported
+expires at its horizon (timing.py), when no write of the giver's can land any more.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,6 +39,7 @@ from tokenflowd.kv.pages import OutOfPages, PagePool
 class _Kept:
     keys: list[bytes]
     pages: list[int]
+    until: float  # monotonic: by then the giver can write no more (timing.py horizon)
 
 
 class Keeper:
@@ -47,7 +49,7 @@ class Keeper:
         self.page_axis = page_axis
         self.kept: dict[str, _Kept] = {}
 
-    def reserve(self, store_id: str, keys: Sequence[bytes]) -> tuple[int, list[int]]:
+    def reserve(self, store_id: str, keys: Sequence[bytes], until: float = math.inf) -> tuple[int, list[int]]:
         """(leading keys held already, fresh pages for as many of the next keys as it can get). The
         held pages are referenced while it allocates, so that none of them is the one evicted."""
         if store_id in self.kept:
@@ -65,21 +67,29 @@ class Keeper:
             for page in reversed(held):
                 self.pool.decref(page)
         if pages:
-            self.kept[store_id] = _Kept(list(keys[len(held):len(held) + len(pages)]), pages)
+            self.kept[store_id] = _Kept(list(keys[len(held):len(held) + len(pages)]), pages, until)
         return len(held), pages
 
-    def done(self, store_id: str, ok: bool, crc: int = 0) -> int:
-        """The giver's writes are settled: publish what arrived intact. -> pages published."""
+    def expire(self, now: float) -> None:
+        """Stores never answered (the giver or the front gone): their pages are free once no write
+        of theirs can land."""
+        for sid in [sid for sid, k in self.kept.items() if k.until <= now]:
+            self.done(sid, False)
+
+    def done(self, store_id: str, ok: bool, crc: int = 0, num_pages: int | None = None) -> int:
+        """The giver's writes are settled: publish what arrived intact, the first `num_pages` (all by
+        default; a giver whose cache held fewer wrote fewer). -> pages published."""
         kept = self.kept.pop(store_id, None)
         if kept is None:
             return 0
-        ok = ok and checksum(self.layers, kept.pages, self.page_axis) == crc
+        n = len(kept.pages) if num_pages is None else max(0, min(num_pages, len(kept.pages)))
+        ok = ok and n > 0 and checksum(self.layers, kept.pages[:n], self.page_axis) == crc
         if ok:
-            for page, key in zip(kept.pages, kept.keys):
+            for page, key in zip(kept.pages[:n], kept.keys[:n]):
                 self.pool.register(page, key)
         for page in reversed(kept.pages):
             self.pool.decref(page)  # registered: cached, unreferenced; otherwise free
-        return len(kept.pages) if ok else 0
+        return n if ok else 0
 
 
 @dataclass
@@ -112,8 +122,9 @@ class Giver:
         self.given[store_id] = _Given(pages, self.transport.submit_write(peer, blocks), crc)
         return len(pages)
 
-    def poll(self) -> list[tuple[str, bool, int]]:
-        """(store, ok, crc32 of the pages) for each store whose write has settled; its pages unpinned."""
+    def poll(self) -> list[tuple[str, bool, int, int]]:
+        """(store, ok, crc32 of the pages, pages) for each store whose write has settled; its pages
+        unpinned."""
         out = []
         for sid, g in list(self.given.items()):
             if not self.transport.settled(g.transfer):
@@ -122,5 +133,5 @@ class Giver:
             for page in reversed(g.pages):
                 self.pool.decref(page)
             del self.given[sid]
-            out.append((sid, ok, g.crc))
+            out.append((sid, ok, g.crc, len(g.pages)))
         return out
