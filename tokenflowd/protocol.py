@@ -118,6 +118,7 @@ class GiveKV(msgspec.Struct, tag=True):
     held: int
     target: KVTarget
     front: int = 0
+    deadline: float = 0.0  # monotonic: no write starts after it (the keeper frees the pages at its horizon)
 
 
 class AbortRequests(msgspec.Struct, tag=True):

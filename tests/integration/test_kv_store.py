@@ -12,7 +12,7 @@ import torch
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, SamplingParams
-from tokenflowd.federation.store import Giver, Keeper
+from tokenflowd.federation.store import VERIFY_SECONDS, Giver, Keeper
 from tokenflowd.federation.transport import KVLayout
 from tokenflowd.kv.pages import chain_page_keys
 
@@ -59,7 +59,12 @@ def store(giver_core: EngineCore, keeper_core: EngineCore, keys: list[bytes], co
     assert giver_core.pool.num_used == sent, "the giver pins what it sends until it settles"
     (sid, ok, crc, n), = giver.poll()
     assert giver_core.pool.num_used == 0
-    return keeper.done(sid, ok, crc ^ 1 if corrupt else crc, n)
+    published = keeper.done(sid, ok, crc ^ 1 if corrupt else crc, n, now=0.0)
+    if corrupt:  # tried again while bytes may land, then held until the horizon: no write can land after it
+        assert keeper.poll(VERIFY_SECONDS + 1) == 0 and keeper.kept
+        keeper.poll(float("inf"))
+        assert not keeper.kept
+    return published
 
 
 def test_pages_given_are_published_and_a_request_over_them_decodes_as_one_engine(tiny):
@@ -95,3 +100,26 @@ def test_a_giver_holding_fewer_pages_than_reserved_writes_those_and_the_keeper_p
     b = core(tiny)
     assert store(a, b, keys) == len(held_by_a)
     assert len(b.pool.lookup(keys)) == len(held_by_a) and b.pool.num_used == 0
+
+
+def test_a_target_of_another_shape_or_outside_the_cache_is_refused_and_pins_nothing(tiny):
+    a = core(tiny)
+    want, _ = run(a, "a", PROMPT)
+    keys = chain_page_keys(PROMPT + want, PAGE, [])
+    giver = Giver(LocalTransport(), a.pool, a.runner.kv_layers, a.runner.attn.page_axis)
+    layout = KVLayout.of(a.runner.kv_layers, a.runner.attn.page_axis)
+    other = KVLayout(layout.bases, layout.shape[:-1] + (layout.shape[-1] * 2,), layout.itemsize, layout.page_axis)
+    for dst, pages in ((other, list(range(4))), (layout, [10_000, 1, 2]), (layout, [1, 1, 2])):
+        with pytest.raises(ValueError):
+            giver.give("s", keys, "local", dst, pages)
+        assert a.pool.num_used == 0 and not giver.given
+
+
+def test_a_reservation_takes_at_most_a_quarter_of_the_cache(tiny):
+    b = core(tiny)
+    keeper = Keeper(b.pool, b.runner.kv_layers, b.runner.attn.page_axis)
+    keys = chain_page_keys(list(range(1, 1 + 60 * PAGE)), PAGE, [])
+    held, pages = keeper.reserve("s", keys)
+    assert held == 0 and len(pages) == b.pool.num_pages // 4
+    keeper.poll(float("inf"))  # never reported: freed at the horizon
+    assert b.pool.num_used == 0

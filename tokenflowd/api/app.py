@@ -407,7 +407,8 @@ class Front:
             self.federation.cancel(chunks.rid)
             if prefill_node is not None and gen.finish_reason in ("stop", "length") and gen.output_ids:
                 # MemServe: the reply's KV goes back to the prefill node, where the next turn starts
-                self.federation.give_back(gen.stream.engine, prep.prompt_ids + gen.output_ids, prefill_node,
+                # (the last token's KV was never computed: its page is not whole here)
+                self.federation.give_back(gen.stream.engine, (prep.prompt_ids + gen.output_ids)[:-1], prefill_node,
                                           request.headers.get("Authorization"))
             del self.live[chunks.rid]
             self.open_counts.close(caller.identity)

@@ -330,8 +330,12 @@ class Federation:
             body = msgspec.json.decode(await self.front.read_body(request), type=KeepOrder)
         except msgspec.DecodeError as e:
             raise APIError(400, f"not a keep order: {e}") from None
-        if self.role == "both":
-            raise APIError(409, "this node takes no KV from others", code="wrong_role")
+        if self.role != "prefill":
+            raise APIError(409, "only a prefill node keeps others' KV", code="wrong_role")
+        vocab = self.front.tokenizer.vocab_size
+        if not 0 < len(body.token_ids) <= self.front._max_model_len() or any(
+                not 0 <= t < vocab for t in body.token_ids):
+            raise APIError(400, f"token_ids must be 1 to {self.front._max_model_len()} ids in [0, {vocab})")
         slot = self.supervisor.slots[self.front.router.pick(self.front._ready_slots(), body.token_ids).engine_id]
         try:
             answer = self.supervisor.expect(body.store_id)
@@ -386,10 +390,13 @@ class Federation:
                 return
             answer = self.supervisor.expect(sid)
             try:
-                if not self.supervisor.send(slot, p.GiveKV(sid, token_ids, kept.held, kept.target,
-                                                           self.supervisor.front)):
-                    return
-                given: p.Prefilled = await asyncio.wait_for(answer, 2 * self.timeout + MARGIN)
+                # writes start within one timeout of the keeper's answer, well inside its horizon
+                give = p.GiveKV(sid, token_ids, kept.held, kept.target, self.supervisor.front,
+                                deadline=time.monotonic() + self.timeout)
+                if self.supervisor.send(slot, give):
+                    given: p.Prefilled = await asyncio.wait_for(answer, 2 * self.timeout + MARGIN)
+                else:  # nothing was written: the keeper may free its pages at once
+                    given = p.Prefilled(0, 0, sid, False)
             finally:
                 self.supervisor.forget(sid)
             # only once its writes have settled: before, the keeper's pages wait out their horizon

@@ -213,7 +213,7 @@ class EngineProcess(EngineEndpoint):
             self.reply(sid, p.Prefilled(self.spec.engine_id, self.spec.incarnation, sid, ok, checksum=crc,
                                         num_pages=n), self.giving.pop(sid, 0))
         if self.config.role != "both":
-            self.keeper.expire(now)
+            self.keeper.poll(now)
         outs, self.remote_outs = self.remote_outs, []
         if self.receiver is not None:
             outs += self.receiver.poll(self.core, now)
@@ -222,9 +222,24 @@ class EngineProcess(EngineEndpoint):
     def store(self, msg: p.KeepKV | p.KeptKV | p.GiveKV) -> None:
         if self.config.role == "both":
             return
+        try:
+            self._store(msg)
+        except Exception as e:  # a bad order costs the order, never the engine
+            log.exception("federation: a store message failed")
+            if not isinstance(msg, p.KeptKV):
+                answer = (p.Reserved(self.spec.engine_id, self.spec.incarnation, msg.store_id, error=str(e))
+                          if isinstance(msg, p.KeepKV) else
+                          p.Prefilled(self.spec.engine_id, self.spec.incarnation, msg.store_id, False, error=str(e)))
+                self.reply(msg.store_id, answer, msg.front)
+
+    def _store(self, msg: p.KeepKV | p.KeptKV | p.GiveKV) -> None:
         if isinstance(msg, p.KeptKV):
-            self.keeper.done(msg.store_id, msg.ok, msg.checksum, msg.num_pages)
+            self.keeper.done(msg.store_id, msg.ok, msg.checksum, msg.num_pages, time.monotonic())
             return
+        if any(not 0 <= t < self.core.vocab_size for t in msg.token_ids):
+            raise ValueError(f"token ids must be in [0, {self.core.vocab_size})")
+        if isinstance(msg, p.GiveKV) and time.monotonic() > msg.deadline:
+            raise ValueError("the keeper's deadline for this store has passed")
         keys = chain_page_keys(msg.token_ids, self.config.page_size, [])
         engine, incarnation = self.spec.engine_id, self.spec.incarnation
         if isinstance(msg, p.KeepKV):

@@ -40,6 +40,12 @@ class _Kept:
     keys: list[bytes]
     pages: list[int]
     until: float  # monotonic: by then the giver can write no more (timing.py horizon)
+    report: tuple[bool, int, int] | None = None  # the giver's (ok, crc32, pages written), once settled
+    verify_until: float = 0.0  # its bytes may still be on the wire until then: the crc is tried again
+
+
+VERIFY_SECONDS = 5.0  # as the decode node's Receiver: over TCP a write said done may still be landing
+MAX_SHARE = 0.25  # of the cache, the most one store may reserve
 
 
 class Keeper:
@@ -48,6 +54,7 @@ class Keeper:
         self.layers = list(layers)
         self.page_axis = page_axis
         self.kept: dict[str, _Kept] = {}
+        self.max_pages = max(1, int(pool.num_pages * MAX_SHARE))
 
     def reserve(self, store_id: str, keys: Sequence[bytes], until: float = math.inf) -> tuple[int, list[int]]:
         """(leading keys held already, fresh pages for as many of the next keys as it can get). The
@@ -59,7 +66,7 @@ class Keeper:
             self.pool.incref(page)
         pages: list[int] = []
         try:
-            for _ in keys[len(held):]:
+            for _ in keys[len(held):len(held) + self.max_pages]:
                 pages.append(self.pool.allocate())
         except OutOfPages:
             pass
@@ -70,26 +77,44 @@ class Keeper:
             self.kept[store_id] = _Kept(list(keys[len(held):len(held) + len(pages)]), pages, until)
         return len(held), pages
 
-    def expire(self, now: float) -> None:
-        """Stores never answered (the giver or the front gone): their pages are free once no write
-        of theirs can land."""
-        for sid in [sid for sid, k in self.kept.items() if k.until <= now]:
-            self.done(sid, False)
-
-    def done(self, store_id: str, ok: bool, crc: int = 0, num_pages: int | None = None) -> int:
-        """The giver's writes are settled: publish what arrived intact, the first `num_pages` (all by
-        default; a giver whose cache held fewer wrote fewer). -> pages published."""
-        kept = self.kept.pop(store_id, None)
-        if kept is None:
+    def done(self, store_id: str, ok: bool, crc: int = 0, num_pages: int | None = None, now: float = 0.0) -> int:
+        """The giver's writes are settled (its report): publish the first `num_pages` (all by default;
+        a giver whose cache held fewer wrote fewer) once their crc32 matches, trying again for
+        VERIFY_SECONDS while bytes may still land (`poll`). A failed store keeps its pages until its
+        horizon: a write said done may still be on the wire. -> pages published now."""
+        kept = self.kept.get(store_id)
+        if kept is None or kept.report is not None:
             return 0
         n = len(kept.pages) if num_pages is None else max(0, min(num_pages, len(kept.pages)))
-        ok = ok and n > 0 and checksum(self.layers, kept.pages[:n], self.page_axis) == crc
-        if ok:
-            for page, key in zip(kept.pages[:n], kept.keys[:n]):
-                self.pool.register(page, key)
+        kept.report, kept.verify_until = (ok and n > 0, crc, n), now + VERIFY_SECONDS
+        return self._verify(store_id, kept, now)
+
+    def poll(self, now: float) -> int:
+        """Reports whose bytes are still landing, and stores past their horizon (never reported, or
+        failed): their pages are free once no write of theirs can land. -> pages published."""
+        published = 0
+        for sid, kept in list(self.kept.items()):
+            if kept.until <= now:
+                self._release(sid, kept, 0)
+            elif kept.report is not None and kept.report[0] and now < kept.verify_until + 1:
+                published += self._verify(sid, kept, now)
+        return published
+
+    def _verify(self, sid: str, kept: _Kept, now: float) -> int:
+        ok, crc, n = kept.report
+        if ok and checksum(self.layers, kept.pages[:n], self.page_axis) == crc:
+            self._release(sid, kept, n)
+            return n
+        if not ok or now >= kept.verify_until:
+            kept.report = (False, crc, n)  # given up: the pages wait out the horizon
+        return 0
+
+    def _release(self, sid: str, kept: _Kept, publish: int) -> None:
+        del self.kept[sid]
+        for page, key in zip(kept.pages[:publish], kept.keys[:publish]):
+            self.pool.register(page, key)
         for page in reversed(kept.pages):
             self.pool.decref(page)  # registered: cached, unreferenced; otherwise free
-        return n if ok else 0
 
 
 @dataclass
@@ -109,16 +134,19 @@ class Giver:
 
     def give(self, store_id: str, keys: Sequence[bytes], peer: str, dst: KVLayout, dst_pages: Sequence[int]) -> int:
         """Write the pages this node's prefix cache holds for `keys` (a leading run, at most as many
-        as `dst_pages`) into the peer's pages, every layer in one batch. -> pages sent."""
+        as `dst_pages`) into the peer's pages, every layer in one batch. -> pages sent. ValueError
+        (nothing taken) for a target of another shape or bad pages."""
         if store_id in self.given:
             raise ValueError(f"store {store_id!r} is already under way")
         pages = self.pool.lookup(keys)[: len(dst_pages)]
         if not pages:
             return 0
+        blocks = kv_blocks(self.layout, dst, pages, list(dst_pages[: len(pages)]))  # checks the target first
+        if any(not 0 <= page < dst.num_pages for page in dst_pages[: len(pages)]):
+            raise ValueError("a target page outside the peer's cache")
         for page in pages:
             self.pool.incref(page)
         crc = checksum(self.layers, pages, self.layout.page_axis)
-        blocks = kv_blocks(self.layout, dst, pages, list(dst_pages[: len(pages)]))
         self.given[store_id] = _Given(pages, self.transport.submit_write(peer, blocks), crc)
         return len(pages)
 
