@@ -147,8 +147,18 @@ def assert_no_pages_held(node: Daemon, within: float = 5 * TIMEOUT + 15) -> None
         time.sleep(0.25)
 
 
+def counts(cluster) -> tuple[int, float, float]:
+    """(requests placed prefill->decode, the decode node's and the prefill node's prefills that went
+    well): the tests share one cluster, in any order, so each counts from where it starts."""
+    return (cluster.health()["placed"].get("prefill->decode", 0),
+            cluster.decode.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok"),
+            cluster.prefill.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="ok"))
+
+
 def test_greedy_output_through_the_cluster_equals_one_nodes_and_a_second_turn_hits_the_prefill_cache(cluster):
     client = cluster.client
+    cluster.wait(lambda h: h["nodes"]["prefill"]["serving"] and h["nodes"]["decode"]["serving"], 60)
+    before = counts(cluster)
     asked: list[tuple[list[dict], str]] = []
     for q in QUESTIONS:
         messages = [{"role": "user", "content": q}]
@@ -171,10 +181,8 @@ def test_greedy_output_through_the_cluster_equals_one_nodes_and_a_second_turn_hi
     # and so is the reply, which the decode node gave back (MemServe): turns hit beyond their prompts
     assert hits > prompt_pages, (hits, prompt_pages)
     assert len(asked) == 20
-    h = cluster.health()
-    assert h["placed"].get("prefill->decode") == 20, h
-    assert cluster.decode.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok") == 20
-    assert cluster.prefill.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="ok") == 20
+    after = counts(cluster)
+    assert [a - b for a, b in zip(after, before)] == [20, 20, 20], (before, after, cluster.health())
     for messages, text in asked:
         assert text == alone(cluster.decode, messages), messages
     assert_no_pages_held(cluster.prefill)
