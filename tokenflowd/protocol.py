@@ -243,8 +243,6 @@ class Ready(msgspec.Struct, tag=True):
     pool_segment_pages: int = 0  # the pool's segment size (pool/segments.py); 0: pool off
     pool_query_row_bytes: int = 0  # a query row shipped to a holder and answered, all layers (dispatch's costs)
     pool_kv_token_bytes: int = 0  # a token's KV, all layers (a put's cost)
-    role: str = "both"  # federation/: both | prefill | decode
-    kv_endpoint: str = ""  # its KV transfer engine (prefill and decode roles)
 
 
 class Delta(msgspec.Struct):

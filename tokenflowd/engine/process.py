@@ -121,8 +121,7 @@ class EngineProcess(EngineEndpoint):
         self.send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.config.model,
                           core.max_model_len, self.config.page_size, self.config.device, self._stats(),
                           self.config.policy, msgspec.to_builtins(self.config.policy_params), core.fallback,
-                          *self._pool_ready(), role=self.config.role,
-                          kv_endpoint=self.transport.endpoint if self.config.role != "both" else ""))
+                          *self._pool_ready()))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
         trimmed = True  # nothing freed since the heap was last handed back
