@@ -148,7 +148,7 @@ class Conductor:
         self.tokenizer = tokenizer
         self.nodes = {name: NodeView(name, url) for name, url in config.nodes}
         self.load = DecodeLoad(capacity=1, decode_seconds=config.decode_seconds)
-        self.gate = EarlyRejection(self.load, predict=config.rejection == "predicted")
+        self.gate = EarlyRejection(self.load, predict="current" if config.rejection == "current" else "predicted")
         self.session: aiohttp.ClientSession | None = None
         self.counts = {"accepted": 0, "rejected": 0, "replaced": 0, "failed": 0}
         self.placed: collections.Counter[str] = collections.Counter()  # "prefill->decode" -> requests
@@ -232,8 +232,11 @@ class Conductor:
     def admit(self, placement: Placement, now: float) -> bool:
         if self.config.rejection == "off":
             return True
-        self.load.capacity = sum(n.capacity for n in self.nodes.values() if n.serving and n.role != "prefill")
-        return self.gate.admit(now, now + placement.ttft_seconds)
+        serving = [n for n in self.nodes.values() if n.serving]
+        self.load.capacity = sum(n.capacity for n in serving if n.role != "prefill")
+        # the soonest a request arriving now could reach decode: behind the shortest prefill queue
+        queues = [n.queue_seconds() for n in serving if n.role != "decode"] or [0.0]
+        return self.gate.admit(now, now + placement.ttft_seconds, earliest=now + min(queues))
 
     # -- the OpenAI API -------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

@@ -10,11 +10,23 @@ reach decode, it does not (§7.4, system level): every decode is taken to last a
 
     the decodes running now that will not have ended by t      (started after t − T_d)
   + the accepted requests whose prefill ends by t and whose decode will not have ended by t
+  + the requests not yet arrived that will reach decode by t   (the recent rate of decode starts
+                                                                × (t − the earliest a request
+                                                                arriving now could reach decode))
 
 and a request is accepted if that count, itself included, stays within the pool's capacity.
 
-`DecodeLoad` keeps those times; `EarlyRejection` decides with it, by prediction or (for the
-comparison) by the current load.
+The third term is not in the paper's description. Without it the count falls the further t lies
+ahead, as running decodes end and nobody replaces them, so the gate takes most readily the requests
+whose decode starts latest (long prompts, long prefill queues) and refuses those that would reach
+decode soon. In the cluster simulator that bias cost more than the oscillation it removes: it shed
+more than the current load's gate at nearly every overload tried (`tokenflowd sim-cluster`, gate
+`uniform`; bench/results/cluster_sim_*.json). The earliest
+a new request could reach decode is now plus the shortest prefill queue: when every prefill queue
+is long, nobody arriving later overtakes this request, and the term is ~0.
+
+`DecodeLoad` keeps those times; `EarlyRejection` decides with it: by this prediction, by the
+paper's (`uniform`, without the third term), by the survival estimate, or by the current load.
 """
 from __future__ import annotations
 
@@ -33,6 +45,7 @@ class DecodeLoad:
     _decoding: dict[str, float] = field(default_factory=dict)  # request -> when its decode started
     _pending: dict[str, float] = field(default_factory=dict)  # request -> when its decode is predicted to start
     _durations: deque = field(default_factory=deque)
+    _starts: deque = field(default_factory=deque)  # when recent decodes started, in order
 
     def accepted(self, request_id: str, decode_start: float) -> None:
         """Accepted: its prefill is predicted to end (its decode to start) at `decode_start`."""
@@ -41,6 +54,9 @@ class DecodeLoad:
     def started(self, request_id: str, now: float) -> None:
         self._pending.pop(request_id, None)
         self._decoding[request_id] = now
+        self._starts.append(now)
+        while self._starts and (self._starts[0] < now - 4 * self.decode_seconds or len(self._starts) > 100_000):
+            self._starts.popleft()
 
     def finished(self, request_id: str, now: float) -> None:
         """Its decode ended (or it failed or was aborted anywhere on its way)."""
@@ -54,6 +70,15 @@ class DecodeLoad:
 
     def current(self) -> int:
         return len(self._decoding)
+
+    def inflow(self, now: float) -> float:
+        """Decodes started per second over the last T_d."""
+        td = self.decode_seconds
+        return (len(self._starts) - bisect.bisect_right(self._starts, now - td)) / td
+
+    def arriving(self, t: float, now: float, earliest: float) -> float:
+        """Requests not yet arrived that reach decode by t: none can before `earliest`."""
+        return self.inflow(now) * max(0.0, t - earliest)
 
     def expected(self, t: float, now: float) -> float:
         """Requests the decode pool holds at time t ≥ now, in expectation over the recent decode
@@ -89,18 +114,34 @@ class DecodeLoad:
         return running + coming
 
 
+GATES = ("current", "predicted", "uniform", "survival")
+
+
 @dataclass
 class EarlyRejection:
     load: DecodeLoad
-    # True: the uniform-T_d prediction (§7.4); False: the current decode load (§7.2, for comparison);
-    # "survival": the expected load under the recent decode times' survival function
-    predict: bool | str = True
+    # "predicted": the uniform-T_d prediction with the requests still to arrive (the module's
+    # docstring); "uniform": the paper's, without them; "survival": the survival estimate with them;
+    # "current": the decode load now (§7.2, for comparison)
+    predict: str = "predicted"
 
-    def admit(self, now: float, decode_start: float) -> bool:
+    def __post_init__(self) -> None:
+        if self.predict not in GATES:
+            raise ValueError(f"predict must be one of {', '.join(GATES)}, got {self.predict!r}")
+
+    def admit(self, now: float, decode_start: float, earliest: float | None = None) -> bool:
         """Whether a request whose decode would start at `decode_start` (now + its predicted TTFT)
-        is taken: the decode pool, this request included, within its capacity then (or now)."""
-        if self.predict == "survival":
-            n = self.load.expected(decode_start, now)
+        is taken: the decode pool, this request included, within its capacity then (or now).
+        `earliest`: the soonest a request arriving now could reach decode (now + the shortest
+        prefill queue; now if unknown)."""
+        load, t = self.load, decode_start
+        later = load.arriving(t, now, now if earliest is None else earliest)
+        if self.predict == "current":
+            n = load.current()
+        elif self.predict == "uniform":
+            n = load.predicted(t, now)
+        elif self.predict == "survival":
+            n = load.expected(t, now) + later
         else:
-            n = self.load.predicted(decode_start, now) if self.predict else self.load.current()
-        return n + 1 <= self.load.capacity
+            n = load.predicted(t, now) + later
+        return n + 1 <= load.capacity

@@ -105,8 +105,8 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     sc.add_argument("--decode", type=int, default=8, help="decode nodes (default 8)")
     sc.add_argument("--speed", type=float, default=1.0, help="replay speed: 2 = arrivals twice as fast (§8.2: 2)")
     sc.add_argument("--num-prompts", type=int, help="the trace's first N requests (default all)")
-    sc.add_argument("--rejection", default="off,current,predicted",
-                    help=f"gates to compare, from {', '.join(cluster_sim.MODES)} (default off,current,predicted)")
+    sc.add_argument("--rejection", default="off,current,predicted,uniform",
+                    help=f"gates to compare, from {', '.join(cluster_sim.MODES)} (default off,current,predicted,uniform)")
     sc.add_argument("--preset", default="a100-llama2-7b",
                     help=f"cost model of every node: {', '.join(PRESETS)} or calibrated:FILE.json")
     sc.add_argument("--trace", help="Mooncake conversation_trace.jsonl (default: the shared copy)")
@@ -120,6 +120,9 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     sc.add_argument("--decode-seconds", type=float, default=20.0, help="T_d before any decode has finished")
     sc.add_argument("--decode-choice", choices=cluster_sim.DECODE_CHOICES, default="predicted",
                     help="how place() rates decode nodes (default predicted)")
+    sc.add_argument("--decode-admission", choices=cluster_sim.DECODE_ADMISSIONS, default="pool",
+                    help="pool: a request whose KV is ready takes a seat on any decode node; bound: only on the "
+                         "node chosen at its arrival (default pool)")
     sc.add_argument("--ties", choices=cluster_sim.TIES, default="file",
                     help="order of the trace's arrivals that share a timestamp (default file)")
     sc.add_argument("--out", help="write the summaries and the load samples as JSON here")
@@ -220,16 +223,17 @@ def cmd_sim_cluster(a: argparse.Namespace) -> int:
     config = ClusterConfig(prefill_nodes=a.prefill, decode_nodes=a.decode, ttft_slo=a.ttft_slo, tbt_slo=a.tbt_slo,
                            link_bandwidth=a.link_gbps * 1e9 / 8, decode_batch=a.decode_batch,
                            cache_blocks=a.cache_blocks, decode_seconds=a.decode_seconds,
-                           decode_choice=a.decode_choice).resolve(cost, requests)
+                           decode_choice=a.decode_choice, decode_admission=a.decode_admission).resolve(cost, requests)
     t0 = time.perf_counter()
     results = simulate_cluster(cost, requests, modes, config, ties=a.ties)
     print(f"{len(requests)} trace requests at {a.speed:g}x, {a.prefill}P + {a.decode}D of {cost.name}, "
           f"decode batch {config.decode_batch}, prefix cache {config.cache_blocks} blocks, TTFT SLO {a.ttft_slo:g} s, "
-          f"TBT SLO {a.tbt_slo:g} s, ties {a.ties} ({time.perf_counter() - t0:.1f} s wall)")
+          f"TBT SLO {a.tbt_slo:g} s, ties {a.ties}, decode admission {a.decode_admission} "
+          f"({time.perf_counter() - t0:.1f} s wall)")
     keys = ("rejected", "rejected_ttft", "rejected_early", "rejected_late", "goodput_requests", "goodput_tokens_per_s",
-            "ttft_mean", "ttft_p99", "ttft_over_slo_20pct", "flips", "decode_load_sd", "prefill_load_sd")
+            "ttft_mean", "ttft_p99", "ttft_over_slo_20pct", "flips", "phase_flips", "decode_load_sd", "prefill_load_sd")
     heads = ("rejected", "by TTFT", "early", "late", "goodput", "good tok/s", "TTFT mean", "TTFT p99", ">1.2 SLO",
-             "flips", "dec SD", "pre SD")
+             "flips", "phases", "dec SD", "pre SD")
     paper = MOONCAKE_REJECTED if a.speed == 2 else {}  # its figures are for 2x only
     print(f"{'gate':>10} " + " ".join(f"{h:>10}" for h in heads) + (f" {'Mooncake':>9}" if paper else ""))
     summaries = {}

@@ -6,7 +6,7 @@ front of them, the Mooncake trace replayed, to compare early-rejection gates (Mo
                 a longer prefix from another prefill node first) and the decode node of least
                 predicted TBT, and rejects a TTFT over its SLO; then the gate (rejection.py's
                 EarlyRejection on a DecodeLoad of the whole decode pool) may refuse the request
-                before any prefill is spent: off | current | predicted | survival
+                before any prefill is spent: off | current | predicted | uniform | survival
        │ accepted
        ▼
     prefill node: FIFO, one request at a time, what its cache lacks in chunks of the cost model's
@@ -17,8 +17,11 @@ front of them, the Mooncake trace replayed, to compare early-rejection gates (Mo
        ▼
     decode node: continuous batching of at most decode_batch requests; a step's time is the cost
                 model's roofline at the batch's size and contexts; a request leaves after its output
-                length. One that reaches a full batch is rejected there, its prefill wasted: a
-                "late" rejection, which early rejection exists to avoid.
+                length. With `decode_admission = "pool"` a request whose KV is ready takes a seat on
+                the node placement chose or, if that one is full, on the decode node with the most
+                free seats (the conductor binds the node when the KV is ready); with "bound", only
+                on the node chosen at arrival. One that finds no seat is rejected there, its prefill
+                wasted: a "late" rejection, which early rejection exists to avoid.
 
 The conductor knows what a real one knows: the prefill queues (sums of predicted prefill times,
 exact here), each node's cached prefix, the requests it sent each decode node and the decode starts
@@ -34,8 +37,13 @@ so a batch of long ones may hold more KV than the card has), prefix caching on d
 request's matched blocks are taken as held from its placement to its prefill.
 
 NOTE: on a100-llama2-7b a decode node holds ~9 trace requests and is chosen a prefill queue ahead
-(~17 s at 2x), so nearly every late rejection is one full node while others have room: no gate on
-the pool's load sees those (`rejected_late_with_room`; bench/results/cluster_sim_2x.json).
+(~17 s at 2x), so with "bound" nearly every late rejection is one full node while others have room:
+no gate on the pool's load sees those (`rejected_late_with_room`; bench/results/cluster_sim_2x.json).
+
+Oscillation (Mooncake Fig. 9, 10) is the swing of the pools' loads: `decode_load_sd` and
+`prefill_load_sd`, and `phase_flips`, how often the majority decision of a flip_window flips between
+accepting and refusing. `flips` counts every change between consecutive decisions, so a gate that
+meters requests near its threshold (accept, refuse, accept) scores high on it without any swing.
 """
 from __future__ import annotations
 
@@ -47,13 +55,13 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from tokenflowd.federation.placement import DecodeNode, PrefillNode, Rejection, place
-from tokenflowd.federation.rejection import DecodeLoad, EarlyRejection
+from tokenflowd.federation.rejection import GATES, DecodeLoad, EarlyRejection
 from tokenflowd.sim.cost import CostModel, StepWork
 from tokenflowd.sim.workload import BLOCK_TOKENS, WorkloadRequest
 
-MODES = ("off", "current", "predicted", "survival")
-_GATES = {"current": False, "predicted": True, "survival": "survival"}  # EarlyRejection's `predict`
+MODES = ("off",) + GATES
 DECODE_CHOICES = ("predicted", "sent")
+DECODE_ADMISSIONS = ("pool", "bound")
 TIES = ("file", "reverse", "spread")
 
 
@@ -70,15 +78,18 @@ class ClusterConfig:
     cache_blocks: int | None = None  # per prefill node; None: resolve() sizes it
     decode_seconds: float = 20.0  # T_d until decodes have finished (the conductor's default)
     decode_choice: str = "predicted"  # one of DECODE_CHOICES
+    decode_admission: str = "pool"  # one of DECODE_ADMISSIONS
     sample_interval: float = 1.0  # s between samples of the pools' loads
+    flip_window: float = 10.0  # s: phase_flips counts flips of each window's majority decision
 
     def __post_init__(self) -> None:
-        for name, allowed in (("rejection", MODES), ("decode_choice", DECODE_CHOICES)):
+        for name, allowed in (("rejection", MODES), ("decode_choice", DECODE_CHOICES),
+                              ("decode_admission", DECODE_ADMISSIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
-        for name in ("ttft_slo", "tbt_slo", "link_bandwidth", "decode_seconds", "sample_interval"):
+        for name in ("ttft_slo", "tbt_slo", "link_bandwidth", "decode_seconds", "sample_interval", "flip_window"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be above 0, got {getattr(self, name)}")
         if (self.decode_batch or 1) < 1 or (self.cache_blocks or 0) < 0:
@@ -197,10 +208,10 @@ class ClusterSim:
         self.decode = [_DecodeNode(DecodeLoad(config.decode_batch, config.decode_seconds))
                        for _ in range(config.decode_nodes)]
         self.load = DecodeLoad(capacity=config.decode_nodes * config.decode_batch, decode_seconds=config.decode_seconds)
-        self.gate = EarlyRejection(self.load, _GATES[config.rejection]) if config.rejection != "off" else None
+        self.gate = EarlyRejection(self.load, config.rejection) if config.rejection != "off" else None
         self._events: list = []  # heap: (time, kind order, seq, handler, argument)
         self._seq = 0
-        self.decisions: list[bool] = []  # accepted?, per arrival
+        self.decisions: list[tuple[float, bool]] = []  # (when, accepted?), per arrival
         self.decode_samples: list[int] = []
         self.prefill_samples: list[int] = []
         self.late_with_room = 0  # late rejections while another decode node had a free slot
@@ -263,9 +274,10 @@ class ClusterSim:
             return self._reject(r, "rejected-ttft")
         decode_start = now + choice.ttft_seconds + self.transfer_seconds(w.prompt_len)
         choice = place(w.prompt_len, prefill, self._rate_decode(now, decode_start, w.prompt_len), **kw)
-        if self.gate is not None and not self.gate.admit(now, decode_start):
+        earliest = now + min(p.queue_seconds for p in prefill)  # the soonest one arriving now could prefill
+        if self.gate is not None and not self.gate.admit(now, decode_start, earliest):
             return self._reject(r, "rejected-early")
-        self.decisions.append(True)
+        self.decisions.append((now, True))
         r.outcome, r.prefill, r.decode = "prefilling", int(choice.prefill[1:]), int(choice.decode[1:])
         p, d = self.prefill[r.prefill], self.decode[r.decode]
         r.cached_tokens = prefill[r.prefill].prefix_tokens + choice.fetch_tokens
@@ -285,7 +297,7 @@ class ClusterSim:
 
     def _reject(self, r: ClusterRequest, outcome: str) -> None:
         r.outcome = outcome
-        self.decisions.append(False)
+        self.decisions.append((r.w.arrival_time, False))
 
     def _rate_decode(self, now: float, decode_start: float, prompt: int) -> list[DecodeNode]:
         """Each decode node's TBT with this request in its batch of n (predicted for decode_start,
@@ -308,8 +320,15 @@ class ClusterSim:
             self._at(now + self.transfer_seconds(r.w.prompt_len), 2, self._kv_arrived, r)
 
     def _kv_arrived(self, now: float, r: ClusterRequest) -> None:
-        d = self.decode[r.decode]
-        if d.size >= self.config.decode_batch:  # the decode node's own check: a full batch
+        d, full = self.decode[r.decode], self.config.decode_batch
+        if d.size >= full and self.config.decode_admission == "pool":
+            j = min(range(len(self.decode)), key=lambda j: self.decode[j].size)
+            if self.decode[j].size < full:  # another node has a seat: the request moves there
+                self._unsend(r, now)
+                r.decode, d = j, self.decode[j]
+                d.sent += 1
+                d.sent_tokens += r.w.prompt_len
+        if d.size >= full:  # the decode node's own check: a full batch
             self.late_with_room += any(e.size < self.config.decode_batch for e in self.decode)
             return self._end(now, r, "rejected-late")
         r.outcome = "decoding"
@@ -347,18 +366,22 @@ class ClusterSim:
         r.outcome = outcome
         if outcome == "finished":
             r.finish = now
+        self._unsend(r, now)
+        self.load.finished(r.w.request_id, now)
+
+    def _unsend(self, r: ClusterRequest, now: float) -> None:
+        """r leaves its decode node's count (ended, or moved to another node)."""
         d = self.decode[r.decode]
         d.sent -= 1
         d.sent_tokens -= r.w.prompt_len
-        for load in (self.load, d.load):
-            load.finished(r.w.request_id, now)
+        d.load.finished(r.w.request_id, now)
 
 
 @dataclass
 class ClusterResult:
     config: ClusterConfig
     requests: list[ClusterRequest]
-    decisions: list[bool]  # accepted?, per arrival in order
+    decisions: list[tuple[float, bool]]  # (when, accepted?), per arrival in order
     decode_samples: list[int]  # requests in the decode pool, every sample_interval from 0 to the last arrival
     prefill_samples: list[int]  # requests queued or prefilling
     late_with_room: int
@@ -389,7 +412,8 @@ class ClusterResult:
             "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else math.nan,
             "ttft_over_slo_20pct": sum(t > 1.2 * c.ttft_slo for t in ttfts) / len(ttfts) if ttfts else 0.0,
             "tbt_over_slo": sum(r.tbt > c.tbt_slo for r in finished),
-            "flips": sum(a != b for a, b in zip(self.decisions, self.decisions[1:])),
+            "flips": sum(a != b for (_, a), (_, b) in zip(self.decisions, self.decisions[1:])),
+            "phase_flips": self.phase_flips(),
             "decode_load_mean": statistics.fmean(self.decode_samples) if self.decode_samples else 0.0,
             "decode_load_sd": statistics.pstdev(self.decode_samples) if self.decode_samples else 0.0,
             "decode_capacity": capacity,
@@ -398,6 +422,17 @@ class ClusterResult:
             "wasted_prefill_s": sum(r.prefill_work for r in rs if r.outcome == "rejected-late"),
             "cache_hit_rate": sum(r.cached_tokens for r in admitted) / max(1, sum(r.w.prompt_len for r in admitted)),
         }
+
+
+    def phase_flips(self) -> int:
+        """Flips of the majority decision (accept or refuse) between consecutive flip_windows that
+        saw arrivals: the slow swing of Mooncake Fig. 10a, not the metering of a gate at its threshold."""
+        windows: dict[int, list[int]] = {}
+        for t, accepted in self.decisions:
+            counts = windows.setdefault(int(t // self.config.flip_window), [0, 0])
+            counts[accepted] += 1
+        phases = [counts[1] >= counts[0] for _, counts in sorted(windows.items())]
+        return sum(a != b for a, b in zip(phases, phases[1:]))
 
 
 def simulate_cluster(cost: CostModel, workload: Sequence[WorkloadRequest], modes: Sequence[str],
