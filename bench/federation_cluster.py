@@ -138,6 +138,8 @@ def cluster(setup: str, workload: LoadWorkload, log_dir: Path) -> dict:
     try:
         for name, role in zip(("n1", "n2"), roles):
             extra = ["--role", role, "--kv-host", net.addr[name]] if role != "both" else []
+            if role == "decode":  # it takes KV from the prefill node, started first
+                extra += ["--federation-peers", nodes[0].base_url]
             nodes.append(Daemon(*NODE, *extra, netns=net.ns[name], host=net.addr[name], wait=False,
                                 log_path=str(log_dir / f"{setup}-{name}.log")))
         for d in nodes:

@@ -7,6 +7,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from tokenflowd.federation.peers import normal_url
+
 _UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
@@ -140,6 +142,9 @@ class EngineConfig:
     role: str = "both"
     kv_host: str = "127.0.0.1"  # where the KV transfer engine listens (prefill and decode roles)
     kv_transfer_timeout: float = 30.0  # s a transfer between nodes may take before it is given up
+    # the nodes this node exchanges KV with (federation/peers.py), as base URLs: a decode node takes
+    # KV only from the prefill nodes listed, whatever URL a request's header names
+    federation_peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -206,6 +211,16 @@ class EngineConfig:
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.role != "both" and self.pool_mode != "off":
             raise ValueError("a prefill or decode node runs without the node's pool (pool_mode off)")
+        bad = [url for url in self.federation_peers if normal_url(url) is None]
+        if bad:
+            raise ValueError(f"federation_peers must be the http(s) base URLs of nodes, such as http://10.0.0.1:8000; "
+                             f"got {bad[0]!r}")
+        if self.role == "decode" and not self.federation_peers:
+            raise ValueError("a decode node takes KV only from the prefill nodes named by federation_peers "
+                             "(--federation-peers URL[,URL...]): name them, as the conductor's [[nodes]] do")
+        if self.role == "both" and self.federation_peers:
+            raise ValueError("federation_peers are the prefill or decode nodes this node exchanges KV with: a node of "
+                             "role both exchanges none (set --role, or leave the peers out)")
         if not 0 < self.kv_transfer_timeout < float("inf"):
             raise ValueError(f"kv_transfer_timeout must be a finite number of seconds above 0, "
                              f"got {self.kv_transfer_timeout}")
@@ -225,6 +240,7 @@ class EngineConfig:
         host_kv_memory: str | int | None = None,
         disk_kv_memory: str | int = 0,
         quantization: str = "none",
+        federation_peers: str | tuple[str, ...] | list[str] = (),
         **kw,
     ) -> "EngineConfig":
         """Turn user-level choices ("auto", "1GiB") into a concrete, frozen config."""
@@ -253,11 +269,19 @@ class EngineConfig:
             host_kv_memory=None if host_kv_memory is None else parse_size(host_kv_memory),
             disk_kv_memory=parse_size(disk_kv_memory),
             quantization=quantization,
+            federation_peers=resolve_peers(federation_peers),
             **kw,
         )
 
 
 QUANTIZATIONS = ("none", "int4", "int8")
+
+
+def resolve_peers(peers: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """"URL,URL" (a flag or an environment variable) or a list (TOML) -> the URLs in normal form (one
+    spelling per node); a text that is no URL stays as it is, for the validation to name."""
+    urls = peers.split(",") if isinstance(peers, str) else peers
+    return tuple(dict.fromkeys(normal_url(u) or u for u in (u.strip() for u in urls) if u))
 
 
 def resolve_quantization(asked: str, model: str, device: str) -> str:
@@ -516,7 +540,8 @@ def _known_fields() -> dict[str, dict[str, str]]:
 _SIZE_FIELDS = ("kv_cache_memory", "host_kv_memory", "disk_kv_memory", "max_body_size")  # a number of bytes, or a text with a unit
 
 
-_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "tuple[str,": "a list of strings"}
 
 
 def _type_name(name: str, annotation: str) -> str:
@@ -528,6 +553,8 @@ def _has_type(name: str, annotation: str, value) -> bool:
     if name in _SIZE_FIELDS:
         return isinstance(value, (int, str)) and not isinstance(value, bool)
     kind = annotation.split(" ")[0]
+    if kind == "tuple[str,":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
     if kind == "bool":
         return isinstance(value, bool)
     if kind == "int":
@@ -544,6 +571,8 @@ def _from_text(name: str, annotation: str, text: str):
     try:
         if name in _SIZE_FIELDS:
             return parse_size(text)
+        if annotation.startswith("tuple[str"):  # TOKENFLOWD_FEDERATION_PEERS=URL,URL
+            return tuple(v.strip() for v in text.split(",") if v.strip())
         if annotation.startswith("bool"):
             if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                 raise ValueError

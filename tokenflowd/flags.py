@@ -59,6 +59,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "(take KV from prefill nodes); prefill and decode need the federation extra")
     g.add_argument("--kv-host", help="the address this node's KV transfer engine listens on, reachable by its peer "
                                      "nodes (prefill and decode roles; default 127.0.0.1)")
+    g.add_argument("--federation-peers", metavar="URL[,URL...]",
+                   help="the nodes this node exchanges KV with, as the base URLs the conductor's [[nodes]] give: a "
+                        "decode node takes KV only from the prefill nodes listed (needed with --role decode); a "
+                        "request naming another node gets 403")
     g.add_argument("--kv-transfer-timeout", type=float,
                    help="s a KV transfer between nodes may take before it is given up and the prompt is computed "
                         "on the decode node (default 30)")
@@ -102,6 +106,7 @@ ENGINE_FLAGS = {
     "disk_kv_memory": "disk_kv_memory", "disk_kv_dir": "disk_kv_dir", "max_queue_delay": "max_queue_delay",
     "pool_mode": "pool_mode", "pool_segment_tokens": "pool_segment_tokens", "pool_placement": "pool_placement",
     "role": "role", "kv_host": "kv_host", "kv_transfer_timeout": "kv_transfer_timeout",
+    "federation_peers": "federation_peers",
 }
 
 

@@ -55,8 +55,9 @@ class Cluster:
         try:
             self.prefill = Daemon("--role", "prefill", "--kv-host", addr["prefill"], *NODE_ARGS, netns=self.net.ns["prefill"],
                                   host=addr["prefill"], wait=False, log_path=str(tmp / "prefill.log"))
-            self.decode = Daemon("--role", "decode", "--kv-host", addr["decode"], *NODE_ARGS, netns=self.net.ns["decode"],
-                                 host=addr["decode"], wait=False, log_path=str(tmp / "decode.log"))
+            self.decode = Daemon("--role", "decode", "--kv-host", addr["decode"], "--federation-peers",
+                                 self.prefill.base_url, *NODE_ARGS, netns=self.net.ns["decode"], host=addr["decode"],
+                                 wait=False, log_path=str(tmp / "decode.log"))
             config = tmp / "cluster.toml"
             config.write_text(f'[conductor]\nmodel = "{MODEL}"\nttft_slo = 600\ntbt_slo = 60\npoll_interval = 0.2\n\n'
                               f'[[nodes]]\nname = "prefill"\nurl = "{self.prefill.base_url}"\n\n'

@@ -23,9 +23,9 @@ def tiny(hf_dirs):
     return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
 
 
-def core(tiny) -> EngineCore:
+def core(tiny, **kw) -> EngineCore:
     cfg = EngineConfig.resolve(model="tiny", device="cpu", dtype="float32", page_size=4, num_pages=64,
-                               max_num_batched_tokens=64, max_num_seqs=4, policy="fcfs", offload="none")
+                               max_num_batched_tokens=64, max_num_seqs=4, policy="fcfs", offload="none", **kw)
     c = EngineCore.from_config(cfg, tiny)
     c.kv.remote_grace = 0.0  # no bytes on a wire here: a settled sender's pages are free at once
     return c
@@ -132,3 +132,58 @@ def test_pages_of_a_request_aborted_while_its_kv_arrives_stay_taken_until_the_tr
     d.kv.remote_done(req, ok=False, settled=True)  # the sender says it is done writing
     d.scheduler.poll_copies()
     assert d.pool.num_free == free and d.pool.num_used == 0
+
+
+def test_a_reservation_takes_a_seat_and_none_is_made_when_no_seat_is_free(tiny):
+    """Seats (max_num_seqs) bound reservations as they bound local admissions: a reservation beyond
+    them would hold pages idle and go ahead of the requests queued before it. None: the decode node
+    queues the request and computes its prompt itself."""
+    d = core(tiny)  # 4 seats
+    for rid in ("r0", "r1", "r2"):
+        assert d.add_remote(request(rid), len(PROMPT)) is not None
+    d.add_request(request("w"))  # queued before the next: it has the last seat
+    free = d.pool.num_free
+    assert d.add_remote(request("e"), len(PROMPT)) is None
+    assert "e" not in d.scheduler.requests and d.pool.num_free == free
+    d.abort("w")
+    assert d.add_remote(request("e"), len(PROMPT)) is not None  # the seat is free again
+    assert d.add_remote(request("f"), len(PROMPT)) is None
+    d.add_request(request("f"))  # as a local request: it waits for a seat
+    for rid in ("r0", "r1", "r2", "e"):
+        d.remote_arrived(rid, None)
+    while d.has_unfinished():
+        d.step()
+    assert d.pool.num_used == 0
+
+
+def test_a_reservation_past_max_queue_delay_is_none_and_the_request_is_shed_as_a_local_one(tiny):
+    from tokenflowd.buffer.estimates import StepCost
+    from tokenflowd.engine.admission import MIN_OBSERVED_STEPS, QueueDelayExceeded, engine_ttft
+
+    d = core(tiny, max_queue_delay=1.0)
+    d.add_request(request("warm", max_tokens=MIN_OBSERVED_STEPS + 2))
+    while d.has_unfinished():
+        d.step()
+    assert d.admission.num_steps >= MIN_OBSERVED_STEPS
+    for rid in ("a", "b"):  # two seats of four decode
+        d.add_request(request(rid, max_tokens=40))
+    d.step()
+    sched = d.scheduler
+    sched.step_model.cost = StepCost(base=0.1, per_token=0.01, per_context=0.0)
+    d.admission.pace = 1.0
+    # its prompt computed elsewhere, it waits here for a seat and one token's step, not its prompt's
+    remote, local = engine_ttft(sched, request("x"), remote=True), engine_ttft(sched, request("x"))
+    assert remote < local
+    d.admission.bound = remote / 2
+    free = d.pool.num_free
+    assert d.add_remote(request("e"), len(PROMPT)) is None
+    assert "e" not in sched.requests and d.pool.num_free == free and d.admission.num_shed == 0
+    with pytest.raises(QueueDelayExceeded):  # the decode node then sheds it, as a local request
+        d.add_request(request("e"))
+    assert d.admission.num_shed == 1
+    d.admission.bound = (remote + local) / 2  # a reservation fits it, a local prompt would not
+    assert d.add_remote(request("e"), len(PROMPT)) is not None
+    d.remote_arrived("e", None)
+    while d.has_unfinished():
+        d.step()
+    assert d.pool.num_used == 0

@@ -2,7 +2,7 @@
 SSE bytes reach the client unchanged with the prefill node named in a header; a decode node that
 refuses connections leaves placement and the request is placed again; a stream that breaks midway
 ends with an SSE error event; early rejection answers 429 with Retry-After before any node sees
-the request."""
+the request; GET /v1/requests merges the nodes' lists and names those that did not answer."""
 from __future__ import annotations
 
 import asyncio
@@ -155,4 +155,63 @@ def test_no_node_serving_is_503():
             with contextlib.suppress(Exception):
                 await rc.cleanup()
         assert status == 503
+    run(main())
+
+
+def listing_app(role: str, ids: list[str], seen: list, status: int = 200) -> web.Application:
+    """A stand-in node that lists `ids` as its requests under way to the key "k", refuses others
+    (401), or answers `status`."""
+    async def request_list(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        if request.headers.get("Authorization") != "Bearer k":
+            return web.json_response({"error": {"message": "bad key", "code": "invalid_api_key"}}, status=401)
+        if status != 200:
+            return web.json_response({"error": {"message": "broken"}}, status=status)
+        return web.json_response({"object": "list", "data": [{"request_id": i, "state": "running"} for i in ids]})
+
+    app = node_app(role, [])
+    app.router.add_get("/v1/requests", request_list)
+    return app
+
+
+async def get(url: str, key: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/requests", headers={"Authorization": f"Bearer {key}"}) as r:
+            return r.status, await r.json()
+
+
+def test_the_request_list_merges_every_nodes_and_names_those_that_did_not_answer():
+    async def main():
+        seen: list = []
+        (rp, up), (rd, ud), (rb, ub) = (await serve(listing_app("prefill", ["prefill-a"], seen)),
+                                        await serve(listing_app("decode", ["a", "b"], seen)),
+                                        await serve(listing_app("decode", ["c"], seen, status=500)))
+        c, rc, url = await cluster([("p", up), ("gone", "http://127.0.0.1:9"), ("d", ud), ("broken", ub)], wait=0)
+        try:
+            for _ in range(250):
+                if all(c.nodes[n].serving for n in ("p", "d", "broken")):
+                    break
+                await asyncio.sleep(0.02)
+            status, body = await get(url, "k")
+            seen_with_key = list(seen)
+            refused, refusal = await get(url, "wrong")
+        finally:
+            for r in (rc, rp, rd, rb):
+                await r.cleanup()
+        assert status == 200, body
+        assert body["object"] == "list" and [r["request_id"] for r in body["data"]] == ["prefill-a", "a", "b"]
+        assert body["unreachable"] == ["gone", "broken"]
+        assert seen_with_key == ["Bearer k"] * 3  # the client's key, to each node that serves
+        assert refused == 401 and refusal["error"]["code"] == "invalid_api_key"
+    run(main())
+
+
+def test_the_request_list_with_no_node_answering_is_502():
+    async def main():
+        c, rc, url = await cluster([("d", "http://127.0.0.1:9")], wait=0.3)
+        try:
+            status, body = await get(url, "k")
+        finally:
+            await rc.cleanup()
+        assert status == 502 and "d" in body["error"]["message"]
     run(main())

@@ -131,3 +131,36 @@ def test_values_that_would_break_the_daemon_are_refused_by_config_check(tmp_path
     path.write_text(text)
     assert main(["config", "check", str(path)]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_federation_peers_from_a_flag_the_environment_or_a_file_are_held_in_one_spelling(tmp_path):
+    from tokenflowd.federation.peers import Peers
+
+    want = ("http://10.0.0.1:8000", "https://prefill.example/tf")
+    flag = serve_configs(args(role="decode", federation_peers="HTTP://10.0.0.1:8000/, https://Prefill.EXAMPLE:443/tf/"),
+                         {})[1]
+    env = serve_configs(args(role="decode"), {"TOKENFLOWD_FEDERATION_PEERS": "http://10.0.0.1:8000,"
+                                                                           "https://prefill.example/tf"})[1]
+    path = tmp_path / "t.toml"
+    path.write_text('[engine]\nrole = "decode"\n'
+                    'federation_peers = ["http://10.0.0.1:8000/", "https://prefill.example/tf"]\n')
+    file = serve_configs(args(config=str(path)), {})[1]
+    assert flag.federation_peers == env.federation_peers == file.federation_peers == want
+    peers = Peers(want)
+    assert peers.named("http://10.0.0.1:8000/") == peers.named("HTTP://10.0.0.1:8000") == "http://10.0.0.1:8000"
+    for other in ("http://10.0.0.1:8001", "http://10.0.0.2:8000", "https://10.0.0.1:8000", "http://10.0.0.1:8000/x",
+                  "http://10.0.0.1:8000@evil.example", "http://evil.example/?u=http://10.0.0.1:8000", "10.0.0.1:8000"):
+        assert peers.named(other) is None, other
+
+
+@pytest.mark.parametrize("text,msg", [
+    ('[engine]\nrole = "decode"\n', "a decode node takes KV only from the prefill nodes named by federation_peers"),
+    ('[engine]\nrole = "decode"\nfederation_peers = ["10.0.0.1:8000"]\n', "federation_peers must be the http(s) base"),
+    ('[engine]\nfederation_peers = ["http://10.0.0.1:8000"]\n', "a node of role both exchanges none"),
+    ('[engine]\nrole = "decode"\nfederation_peers = "http://10.0.0.1:8000"\n', "federation_peers must be a list of"),
+])
+def test_federation_peers_that_cannot_serve_are_refused_by_config_check(tmp_path, capsys, text, msg):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    assert main(["config", "check", str(path)]) == 2
+    assert msg in capsys.readouterr().err

@@ -28,6 +28,7 @@ from aiohttp import web
 
 from tokenflowd import protocol as p
 from tokenflowd.api.errors import APIError
+from tokenflowd.federation.peers import Peers, normal_url
 from tokenflowd.federation.timing import MARGIN, horizon, send_window
 from tokenflowd.prefix_index import PrefixIndex
 
@@ -118,6 +119,7 @@ class Federation:
         self.keys = KeyLog(self.supervisor.index)
         self.supervisor.on_keys = self.keys.record
         self.timeout = self.supervisor.engine_config.kv_transfer_timeout
+        self.peers = Peers(self.supervisor.engine_config.federation_peers)
         self._session: aiohttp.ClientSession | None = None
         self._order_decoder = msgspec.json.Decoder(PrefillOrder)
         self.tasks: dict[str, asyncio.Task] = {}  # a decode node's orders out, by request
@@ -251,12 +253,24 @@ class Federation:
     # -- a decode node's request -----------------------------------------------------------------
     def decodes_remotely(self, request: web.Request) -> str | None:
         """The prefill node a conductor named for this request, if this node takes KV from others."""
-        url = request.headers.get(PREFILL_HEADER)
-        if url is None or self.role != "decode":
+        if self.role != "decode":
             return None
-        if not url.startswith(("http://", "https://")):
-            raise APIError(400, f"{PREFILL_HEADER} must be an http(s) URL", param=PREFILL_HEADER)
-        return url.rstrip("/")
+        return self.peer(request, PREFILL_HEADER)
+
+    def peer(self, request: web.Request, header: str) -> str | None:
+        """The node `header` names (its URL as --federation-peers spells it), or None when the request
+        has no such header. A URL not listed is refused (403) before anything is reserved or sent: the
+        header is the client's word, and this node's calls and KV must not go where a client chooses."""
+        url = request.headers.get(header)
+        if url is None:
+            return None
+        if normal_url(url) is None:
+            raise APIError(400, f"{header} must be the http(s) base URL of a node", param=header)
+        listed = self.peers.named(url)
+        if listed is None:
+            raise APIError(403, f"{header} names {url!r}, which is not among this node's --federation-peers: it "
+                                "exchanges KV only with the nodes listed there", param=header, code="unlisted_peer")
+        return listed
 
     def drive(self, slot, request_id: str, order: PrefillOrder, url: str, reserved: asyncio.Future,
               authorization: str | None) -> None:

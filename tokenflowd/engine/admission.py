@@ -43,7 +43,9 @@ each named where it errs:
 An idle engine never sheds (a prediction there is the request's own prefill), nor does one whose
 step-time model has seen fewer than MIN_OBSERVED_STEPS steps (it would be the prior's guess).
 With several engines the router picks one and that engine decides: a request it sheds is shed,
-not offered to another engine.
+not offered to another engine. A decode node's reservation for a prompt's KV from a prefill node
+(EngineCore.add_remote) is bounded alike, priced with its prompt computed (a seat and one token);
+past the bound nothing is reserved and the request is admitted, or shed, as a local one.
 """
 from __future__ import annotations
 
@@ -91,12 +93,18 @@ class AdmissionControl:
         """Raise QueueDelayExceeded (nothing changes) when `req`, validated and not yet added,
         would wait longer than the bound. An idle engine never sheds, nor one whose step-time model
         has not yet been fitted to steps of its own."""
-        if not scheduler.has_unfinished() or self.num_steps < MIN_OBSERVED_STEPS:
-            return
-        ttft = engine_ttft(scheduler, req, self.pace)
-        if ttft > self.bound:
+        ttft = self.over_bound(scheduler, req)
+        if ttft is not None:
             self.num_shed += 1
             raise QueueDelayExceeded(ttft, self.bound)
+
+    def over_bound(self, scheduler: Scheduler, req: Request, remote: bool = False) -> float | None:
+        """`req`'s predicted TTFT when it exceeds the bound, else None (as `check`, counting nothing).
+        `remote`: its prompt's KV comes from a prefill node, so it waits here only for a seat."""
+        if not scheduler.has_unfinished() or self.num_steps < MIN_OBSERVED_STEPS:
+            return None
+        ttft = engine_ttft(scheduler, req, self.pace, remote)
+        return ttft if ttft > self.bound else None
 
 
 class QueuedWork(NamedTuple):
@@ -167,9 +175,10 @@ def _step_of(pipeline: float) -> int:
     return math.ceil(pipeline - 1e-9)
 
 
-def engine_ttft(scheduler: Scheduler, req: Request, pace: float = 1.0) -> float:
+def engine_ttft(scheduler: Scheduler, req: Request, pace: float = 1.0, remote: bool = False) -> float:
     """predict_ttft for `req` (validated, not yet added) on `scheduler`'s queue as it stands,
-    the step-time model's prices scaled by `pace`."""
+    the step-time model's prices scaled by `pace`. `remote`: a prefill node computes its prompt;
+    here it takes a seat and the pages of its life, and its first decode is one token."""
     kv = scheduler.kv
     ps = kv.page_size
     key = (-req.priority, req.arrival_time)
@@ -197,7 +206,8 @@ def engine_ttft(scheduler: Scheduler, req: Request, pace: float = 1.0) -> float:
     queued = []
     for r, e in zip([*ahead, req], expected[len(seated):]):
         # a preempted request's KV on the host comes back by a load, under compute
-        computed = max(kv.match(r).num_device_pages * ps, kv.num_host_tokens(r))
+        computed = r.num_tokens if remote and r is req else max(kv.match(r).num_device_pages * ps,
+                                                                 kv.num_host_tokens(r))
         queued.append(QueuedWork(max(1, r.num_tokens - computed), max(0.0, e - r.num_output_tokens - 1),
                                  peak_pages(r, e)))
     contexts = [r.num_tokens for r in seated] or [r.num_tokens for r in (*ahead, req)]

@@ -194,11 +194,14 @@ class EngineCore:
 
     def add_remote(self, req: Request, num_tokens: int) -> list[int] | None:
         """A request whose prompt another node computes (federation/): validated as any, then given
-        pages for that node to write its `num_tokens` of KV into (Scheduler.add_remote). None: no
-        room now."""
+        pages for that node to write its `num_tokens` of KV into (Scheduler.add_remote). None
+        (nothing changes): no room or no seat now, or it would wait longer than --max-queue-delay
+        for its seat; then it is a local request, queued or shed as `add_request` decides."""
         self._validate(req)
         if num_tokens != req.num_prompt_tokens:
             raise InvalidRequestError("a prefill node sends the whole prompt's KV")
+        if self.admission is not None and self.admission.over_bound(self.scheduler, req, remote=True) is not None:
+            return None
         return self.scheduler.add_remote(req, num_tokens)
 
     def remote_arrived(self, request_id: str, first_token: int | None, settled: bool = True,

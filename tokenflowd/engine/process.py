@@ -403,7 +403,7 @@ class EngineProcess(EngineEndpoint):
             return "this node takes no KV from others: start it with --role decode"
         try:
             target = self.receiver.reserve(self.core, req)
-            if target is None:  # no room for its pages now: it waits here and computes its prompt itself
+            if target is None:  # no room, no seat, or past --max-queue-delay: a local request, queued or shed
                 self.core.add_request(req)
         except QueueDelayExceeded as e:
             self.reply(rid, p.Reserved(self.spec.engine_id, self.spec.incarnation, rid, error=str(e)))

@@ -231,9 +231,14 @@ class Scheduler:
     def add_remote(self, req: Request, num_tokens: int) -> list[int] | None:
         """A request another node (its prefill node) computes: its first `num_tokens` of KV (the
         prompt's) will be written into the pages returned. It waits in `loading` until
-        `remote_arrived`. None (and nothing changes) when the pages are not free now."""
+        `remote_arrived`. None (and nothing changes) when the pages are not free now, or no seat
+        (max_num_seqs) is: its pages would sit idle while it waits, and it would go ahead of the
+        requests queued before it."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        ahead = bisect.bisect_left(self.waiting, _queue_order(req), key=_queue_order)
+        if len(self.running) + len(self.loading) + ahead >= self.max_num_seqs:
+            return None
         self.kv.track(req)
         pages = self.kv.start_remote(req, num_tokens)
         if pages is None:

@@ -357,6 +357,48 @@ class Conductor:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise APIError(502, f"the node serving it did not answer: {e}") from None
 
+    async def request_list(self, request: web.Request) -> web.Response:
+        """GET /v1/requests: the requests under way on every node, asked with the client's key and
+        merged in a node's format. A node that does not answer, and one out of placement (not
+        asked), is left out and named in "unreachable"; a key the nodes refuse is refused as they do."""
+        headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}
+        asked = [n for n in self.nodes.values() if n.healthy]
+        answers = dict(zip((n.name for n in asked), await asyncio.gather(
+            *(self._requests_of(n, headers) for n in asked), return_exceptions=True)))
+        data: list[dict] = []
+        unreachable: list[str] = []
+        for name in self.nodes:
+            answer = answers.get(name)
+            if isinstance(answer, _Refused):
+                return answer.response
+            if isinstance(answer, BaseException):
+                raise answer
+            if answer is None:
+                unreachable.append(name)
+            else:
+                data += answer
+        if len(unreachable) == len(self.nodes):
+            raise APIError(502, f"no node answered (unreachable: {', '.join(unreachable)}): retry shortly",
+                           code="unavailable", headers={"Retry-After": "1"})
+        return web.json_response({"object": "list", "data": data, "unreachable": unreachable})
+
+    async def _requests_of(self, node: NodeView, headers: dict[str, str]) -> list[dict] | None:
+        """The node's GET /v1/requests list, or None when it gives none. Raises _Refused when it
+        refuses the client's key (the nodes share their keys: each would)."""
+        try:
+            async with self.session.get(f"{node.url}/v1/requests", headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=10)) as r:
+                body = await r.read()
+                if r.status in (401, 403):
+                    raise _Refused(web.Response(status=r.status, body=body, headers=_returned(r.headers)))
+                if r.status != 200:
+                    log.warning("node %s answered GET /v1/requests with %d", node.name, r.status)
+                    return None
+                return msgspec.json.decode(body, type=_RequestList).data
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, msgspec.DecodeError) as e:
+            log.warning("node %s did not list its requests: %r", node.name, e)
+            return None
+
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.config.model, "object": "model",
                                                               "owned_by": "tokenflowd"}]})
@@ -375,6 +417,16 @@ def _returned(headers) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
 
 
+class _RequestList(msgspec.Struct):
+    data: list[dict]
+
+
+class _Refused(Exception):
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
 class _Unreachable(Exception):
     def __init__(self, node: str, why: str) -> None:
         super().__init__(why)
@@ -388,6 +440,7 @@ def build_app(conductor: Conductor) -> web.Application:
     app.router.add_post("/v1/completions", conductor.completions)
     app.router.add_get("/v1/models", conductor.models)
     app.router.add_get("/health", conductor.health)
+    app.router.add_get("/v1/requests", conductor.request_list)
     app.router.add_get("/v1/requests/{request_id}", conductor.request_route)
     app.router.add_post("/v1/requests/{request_id}/read", conductor.request_route)
 
