@@ -128,6 +128,17 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     sc.add_argument("--out", help="write the summaries and the load samples as JSON here")
     sc.set_defaults(func=cmd_sim_cluster)
 
+    from tokenflowd.sim import prfaas_case
+
+    sp = sub.add_parser("sim-prfaas", parents=[common],
+                        help="PrfaaS's case study through its throughput model: PrfaaS-PD, homogeneous PD and "
+                             "naive heterogeneous PD (prfaas.txt §4)",
+                        description=prfaas_case.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--egress-gbps", type=float, default=100.0, help="the PrfaaS cluster's egress (default 100)")
+    sp.add_argument("--samples", type=int, default=200_000, help="prompt lengths drawn (default 200000)")
+    sp.add_argument("--out", help="write the three plans as JSON here")
+    sp.set_defaults(func=cmd_sim_prfaas)
+
     c = sub.add_parser("calibrate", parents=[common], help="time our engine's steps and fit a cost model for `sim`")
     c.add_argument("--out", required=True, help="the cost model file to write (load with --preset calibrated:FILE)")
     c.add_argument("--batch-sizes", default="1,4,8", help="requests per run (default 1,4,8)")
@@ -249,6 +260,32 @@ def cmd_sim_cluster(a: argparse.Namespace) -> int:
                "prefill_load": {m: r.prefill_samples for m, r in results.items()}}
         with open(a.out, "w") as f:
             json.dump(json_safe(doc), f, indent=1)
+        print("wrote", a.out)
+    return 0
+
+
+def cmd_sim_prfaas(a: argparse.Namespace) -> int:
+    import json
+
+    from tokenflowd.sim.prfaas_case import PAPER, case_study, lognormal_lengths
+    from tokenflowd.sim.result import json_safe
+
+    if not a.egress_gbps > 0 or a.samples < 1:
+        raise ValueError("--egress-gbps must be above 0 and --samples at least 1")
+    study = case_study(lognormal_lengths(a.samples), egress=a.egress_gbps * 1e9 / 8)
+    print(f"{'deployment':>12} {'t':>9} {'N_prfaas/N_p/N_d':>17} {'offloaded':>9} {'Θ_prfaas':>9} {'Θ_pd-p':>8} "
+          f"{'Θ_pd-d':>8} {'Λ_max':>7} {'egress Gb/s':>11} {'paper Λ':>8}")
+    for name, plan, remote in (("prfaas", study.prfaas, 4), ("homogeneous", study.homogeneous, 0),
+                               ("naive", study.naive, 4)):
+        t = "-" if plan.threshold in (0.0, float("inf")) else f"{plan.threshold / 1000:.1f}K"
+        print(f"{name:>12} {t:>9} {f'{remote}/{plan.n_prefill}/{plan.n_decode}':>17} {plan.offloaded:>9.1%} "
+              f"{plan.theta_prfaas:>9.2f} {plan.theta_pd_p:>8.2f} {plan.theta_pd_d:>8.2f} {plan.throughput:>7.2f} "
+              f"{plan.egress * 8 / 1e9:>11.1f} {PAPER[name]:>8.2f}")
+    print(f"paper: t = {PAPER['threshold'] / 1000:.1f}K, {PAPER['offloaded']:.1%} offloaded, "
+          f"~{PAPER['egress_gbps']:g} Gb/s egress")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(json_safe({"egress_gbps": a.egress_gbps, "samples": a.samples, **study.to_dict()}), f, indent=1)
         print("wrote", a.out)
     return 0
 
