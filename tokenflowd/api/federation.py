@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenflowd.federation")
 
 PREFILL_HEADER = "X-Tokenflowd-Prefill-Node"
+PREFIX_HEADER = "X-Tokenflowd-Prefix-Node"  # the prefill node first pulls the prompt's longer prefix from there
 HEARTBEAT = 1.0  # s between a prefill node's signs of life while it computes a prompt
 
 
