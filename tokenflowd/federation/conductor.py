@@ -8,7 +8,12 @@
 For each request the conductor tokenizes the prompt (the nodes' tokenizer, so its page keys are
 theirs), finds each prefill node's cached prefix, and picks a (prefill, decode) pair by Mooncake's
 Algorithm 1 (placement.py): the least predicted TTFT, and the decode node of least predicted time
-between tokens. A node of role `both` is its own pair. Before any prefill is spent, early
+between tokens. A node of role `both` is its own pair. A prefill node far behind the longest match
+may be placed to fetch it first, when the transfer (a token's KV bytes over the bandwidth the
+holder's transfer engine measured to it, or its mean measured egress, or `link_gbps`) and its own
+queue beat the holder's queue: the request then also names the holder
+(`X-Tokenflowd-Prefix-Node`), and the prefill node pulls those pages into its own prefix cache,
+where they stay (api/federation.py). Before any prefill is spent, early
 rejection (rejection.py) refuses the request with 429 and Retry-After when the decode pool is
 predicted to be full by the time the request would reach it. The decode node's response (its SSE
 stream) is passed to the client byte for byte.
