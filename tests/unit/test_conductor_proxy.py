@@ -126,6 +126,7 @@ def test_a_prefill_node_placed_to_fetch_a_longer_prefix_is_named_with_the_node_t
         assert seen_d[0][0]["X-Tokenflowd-Prefill-Node"] == ui
         assert seen_d[0][0]["X-Tokenflowd-Prefix-Node"] == ub
         assert "X-Tokenflowd-Prefix-Node" not in seen_d[1][0]
+        assert c.counts["fetched"] == 1 and c.placed == {"idle->d": 2}
     run(main())
 
 

@@ -341,8 +341,8 @@ class Front:
             self.supervisor.forget(request_id)
             raise self._unavailable() from None
         if reserved is not None:
-            order = PrefillOrder(request_id, prep.prompt_ids, prep.sampling, None, 0.0, prep.priority, prep.reading_rate,
-                                 pull_from)
+            order = PrefillOrder(request_id, prep.prompt_ids, prep.sampling, None, 0.0, prep.priority,
+                                 prep.reading_rate, pull_from)
             self.federation.drive(slot, request_id, order, prefill_node, reserved, authorization)
         return gen
 

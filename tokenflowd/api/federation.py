@@ -578,7 +578,9 @@ class _There:
 
     def __init__(self, federation: Federation, url: str, authorization: str | None) -> None:
         self.federation, self.url = federation, url
-        self.headers = {"Content-Type": "application/json", **({"Authorization": authorization} if authorization else {})}
+        self.headers = {"Content-Type": "application/json"}
+        if authorization:
+            self.headers["Authorization"] = authorization
 
     def __repr__(self) -> str:
         return self.url

@@ -174,7 +174,8 @@ class Conductor:
         self.load = DecodeLoad(capacity=1, decode_seconds=config.decode_seconds)
         self.gate = EarlyRejection(self.load, predict=config.rejection == "predicted")
         self.session: aiohttp.ClientSession | None = None
-        self.counts = {"accepted": 0, "rejected": 0, "replaced": 0, "failed": 0}
+        self.counts = {"accepted": 0, "rejected": 0, "replaced": 0, "failed": 0,
+                       "fetched": 0}  # fetched: placed on a prefill node that pulls a longer prefix first
         self.placed: collections.Counter[str] = collections.Counter()  # "prefill->decode" -> requests
         self.served: collections.OrderedDict[str, str] = collections.OrderedDict()  # request id -> decode node
         self._chat = msgspec.json.Decoder(s.ChatCompletionRequest)
@@ -256,7 +257,8 @@ class Conductor:
             choice = place(len(prompt_ids),
                            [PrefillNode(n.name, n.prefix_tokens(keys), n.queue_seconds(), n.prefill_seconds) for n in ps],
                            [DecodeNode(n.name, n.tbt_seconds()) for n in ds],
-                           bandwidth=bandwidth, kv_bytes_per_token=token_bytes, balancing_threshold=c.balancing_threshold,
+                           bandwidth=bandwidth, kv_bytes_per_token=token_bytes,
+                           balancing_threshold=c.balancing_threshold,
                            ttft_slo=c.ttft_slo, tbt_slo=max(c.tbt_slo, 1.0 / reading_rate if reading_rate else 0.0))
             if isinstance(choice, Placement) and (not isinstance(best, Placement)
                                                   or choice.ttft_seconds < best.ttft_seconds):
@@ -347,6 +349,7 @@ class Conductor:
             headers[PREFILL_HEADER] = self.nodes[placement.prefill].url
             if placement.fetch_from is not None:  # the prefill node pulls the longer prefix from there first
                 headers[PREFIX_HEADER] = self.nodes[placement.fetch_from].url
+                self.counts["fetched"] += 1
         try:
             upstream_cm = self.session.post(f"{decode.url}{request.path_qs}", data=raw, headers=headers)
             upstream = await upstream_cm.__aenter__()
