@@ -7,7 +7,9 @@ The conductor's part is to name the nodes; here the tests name them in the heade
   A's whole pages of it (/federation/give), publishes them, and its prefill hits them: the same
   greedy tokens as A's, with the pulled pages counted as cached. The copy stays in B's cache.
 - A source that is not listening, or that never answers, costs the prompt its pull and nothing
-  else: B computes it and the tokens are the same. No KV page stays taken on any node.
+  else: B computes it and the tokens are the same; a client that goes meanwhile calls the order
+  off. No KV page stays taken on any node.
+- A node of role both, which has no transfer engine, refuses to give (409).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import socket
 import sys
 import time
 
+import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
@@ -106,7 +109,7 @@ def test_a_prefill_node_pulls_the_prefix_another_holds_hits_it_and_keeps_it(node
         assert_no_pages_held(node)
 
 
-def test_a_pull_from_a_source_that_is_gone_or_silent_falls_back_to_computing_the_prompt(nodes):
+def test_a_pull_from_a_source_that_is_gone_or_silent_falls_back_to_computing_the_prompt_or_is_called_off(nodes):
     _, b, d = nodes
     silent = socket.socket()  # takes connections and never answers: the pull ends at the transfer timeout
     silent.bind(("127.0.0.1", 0))
@@ -124,6 +127,19 @@ def test_a_pull_from_a_source_that_is_gone_or_silent_falls_back_to_computing_the
             assert (pulls(b, "ok"), pulls(b, "failed")) == (ok, failed + 1), source
             # B still prefilled it for D: its heartbeats went on while it pulled
             assert d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok") == prefilled + 1
+        # a client that goes while B pulls calls the order off: B computes nothing for it
+        prefilled = [b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome=outcome)
+                     for outcome in ("ok", "failed")]
+        failed = pulls(b, "failed")
+        messages = [{"role": "user", "content": "Name three rivers of Europe and where they meet the sea. " * 4}]
+        with pytest.raises(httpx.TimeoutException):
+            d.http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8},
+                        headers={PREFILL: b.base_url, PREFIX: f"http://127.0.0.1:{silent.getsockname()[1]}"},
+                        timeout=0.5)
+        wait_for(lambda: pulls(b, "failed") == failed + 1, 10)
+        wait_for(lambda: b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="failed")
+                 == prefilled[1] + 1, 10)
+        assert b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="ok") == prefilled[0]
     finally:
         silent.close()
     for node in nodes:
@@ -140,3 +156,17 @@ def test_a_prefix_node_that_is_not_a_url_is_refused_and_one_without_a_prefill_no
     assert chat(d, "Hello.", {PREFIX: b.base_url})[0] == chat(d, "Hello.")[0]  # D computes it itself
     assert pulls(b, "ok") + pulls(b, "failed") == pulled
     assert d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok") == prefilled
+
+
+def test_give_refuses_what_it_cannot_give_with_a_reason():
+    both = Daemon(null_engine=True)  # role both: its engines have no transfer engine
+    try:
+        target = {"endpoint": "127.0.0.1:1", "bases": [0], "shape": [2, 1, 4, 16, 8], "itemsize": 4, "page_axis": 2,
+                  "pages": [0]}
+        r = both.http.post("/federation/give", json={"store_id": "s", "token_ids": list(range(1, 40)), "held": 0,
+                                                     "target": target})
+        assert r.status_code == 409 and "transfer engine" in r.json()["error"]["message"]
+        r = both.http.post("/federation/give", json={"store_id": "s", "token_ids": [1, 2]})
+        assert r.status_code == 400 and "give order" in r.json()["error"]["message"]
+    finally:
+        both.stop()
