@@ -65,7 +65,12 @@ class Daemon:
         if netns is not None:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         self.log = open(log_path, "w") if log_path else None  # its stdout and stderr; None: inherited
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        # a script's sys.path starts at its own folder, not the cwd: the null daemon imports this
+        # checkout's package, as `-m tokenflowd.cli` does, and not another one installed
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path,
+                                               **(env or {})},
                                      stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
         self.http = httpx.Client(base_url=self.base_url, timeout=60)
         if wait:

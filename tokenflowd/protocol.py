@@ -226,6 +226,7 @@ class EngineStats(msgspec.Struct):
     step_per_token: float = 0.0
     waiting_tokens: int = 0  # prompt tokens queued here and not yet computed
     pool_share: float = 0.0  # of the engine's time, the share serving its peers took lately (its step model's)
+    kv_links: dict[str, float] = {}  # federation: peer transfer engine -> bytes/s its writes there achieved
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -243,6 +244,8 @@ class Ready(msgspec.Struct, tag=True):
     pool_segment_pages: int = 0  # the pool's segment size (pool/segments.py); 0: pool off
     pool_query_row_bytes: int = 0  # a query row shipped to a holder and answered, all layers (dispatch's costs)
     pool_kv_token_bytes: int = 0  # a token's KV, all layers (a put's cost)
+    kv_token_bytes: int = 0  # a token's KV, all layers, as it travels between nodes (a conductor prices fetches)
+    kv_endpoint: str = ""  # its KV transfer engine (prefill and decode roles): peers' links name it
 
 
 class Delta(msgspec.Struct):

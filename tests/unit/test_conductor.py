@@ -21,8 +21,11 @@ def engine(waiting_tokens: int = 0, running: int = 0, per_token: float = 1e-3, b
             "max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 4096}
 
 
-def state(role: str, keys: list[bytes] = (), **load) -> dict:
-    return {"role": role, "page_size": PAGE, "engines": [engine(**load)], "keys": {"seq": 1, "snapshot": [k.hex() for k in keys]}}
+def state(role: str, keys: list[bytes] = (), kv: dict | None = None, **load) -> dict:
+    """`kv`: what a prefill or decode node says of its transfer engines (kv_token_bytes,
+    kv_endpoints, links: bytes/s its writes achieved to each peer endpoint)."""
+    return {"role": role, "page_size": PAGE, "engines": [engine(**load)],
+            "keys": {"seq": 1, "snapshot": [k.hex() for k in keys]}, **(kv or {})}
 
 
 def conductor(**config) -> Conductor:
@@ -81,6 +84,57 @@ def test_a_request_goes_to_the_prefill_node_holding_its_prefix_and_the_least_loa
     assert isinstance(choice, Placement) and (choice.prefill, choice.decode) == ("p2", "d2")
     serve(c, "p2", state("prefill", keys[:10], waiting_tokens=100_000))  # its queue outweighs its cache
     assert c.place(PROMPT, set()).prefill == "p1"
+
+
+KV_TOKEN = 50_000  # bytes of a token's KV, all layers
+
+
+def kv(endpoint: str, **links: float) -> dict:
+    return {"kv_token_bytes": KV_TOKEN, "kv_endpoints": [endpoint], "links": dict(links)}
+
+
+def test_an_idle_prefill_node_fetches_the_long_prefix_a_busy_one_holds_at_the_measured_bandwidth():
+    c = conductor(names=("p1", "p2", "d1"))
+    keys = chain_page_keys(PROMPT, PAGE, [])
+    serve(c, "p1", state("prefill", keys, kv=kv("p1:1", **{"p2:1": 1e9, "d1:1": 1e8}), waiting_tokens=50_000))
+    serve(c, "p2", state("prefill", kv=kv("p2:1")))
+    serve(c, "d1", state("decode", kv=kv("d1:1")))
+    assert c.bandwidth("p1", "p2") == 1e9  # measured between the two: the egress to d1 does not count
+    choice = c.place(PROMPT, set())
+    assert (choice.prefill, choice.fetch_from, choice.fetch_tokens) == ("p2", "p1", 12 * PAGE)
+    # 192 tokens at 50 kB each over 1 GB/s, then the 8 tokens p2 lacks still: 1 step
+    assert choice.ttft_seconds == pytest.approx(12 * PAGE * KV_TOKEN / 1e9 + 0.01 + 8e-3)
+
+
+def test_without_a_link_measured_between_two_nodes_the_sources_egress_then_the_nominal_link_stands_in():
+    c = conductor(names=("p1", "p2", "d1"), link_gbps=8)
+    serve(c, "p1", state("prefill", kv=kv("p1:1", **{"d1:1": 2e8, "d2:1": 4e8})))
+    serve(c, "p2", state("prefill", kv=kv("p2:1")))
+    assert c.bandwidth("p1", "p2") == pytest.approx(3e8)  # p1's mean egress
+    assert c.bandwidth("p2", "p1") == pytest.approx(1e9)  # nothing measured by p2: 8 Gb/s
+
+
+def test_no_fetch_without_a_link_or_when_the_gain_is_below_the_balancing_threshold():
+    keys = chain_page_keys(PROMPT, PAGE, [])
+    c = conductor(names=("p1", "p2", "d1"), link_gbps=0)  # no nominal link: only measured ones count
+    serve(c, "p1", state("prefill", keys, kv=kv("p1:1"), waiting_tokens=50_000))
+    serve(c, "p2", state("prefill", kv=kv("p2:1")))
+    serve(c, "d1", state("decode", kv=kv("d1:1")))
+    choice = c.place(PROMPT, set())
+    assert (choice.prefill, choice.fetch_from, choice.fetch_tokens) == ("p2", None, 0)
+    # a node that does not say how large a token's KV is cannot be priced: no fetch either
+    c = conductor(names=("p1", "p2", "d1"))
+    serve(c, "p1", state("prefill", keys, waiting_tokens=50_000))
+    serve(c, "p2", state("prefill"))
+    serve(c, "d1", state("decode"))
+    assert c.place(PROMPT, set()).fetch_from is None
+    # p2 holds 10 of the 12 pages: 12/10 < 1.5, so it computes the 2 it lacks rather than fetch them
+    c = conductor(names=("p1", "p2", "d1"))
+    serve(c, "p1", state("prefill", keys, kv=kv("p1:1", **{"p2:1": 1e9}), waiting_tokens=50_000))
+    serve(c, "p2", state("prefill", keys[:10], kv=kv("p2:1")))
+    serve(c, "d1", state("decode", kv=kv("d1:1")))
+    choice = c.place(PROMPT, set())
+    assert (choice.prefill, choice.fetch_from) == ("p2", None)
 
 
 def test_nodes_that_are_gone_leave_placement_and_a_lone_side_serves_requests_whole():

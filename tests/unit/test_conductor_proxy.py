@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from tokenflowd.federation.conductor import Conductor, ConductorConfig, build_app
+from tokenflowd.kv.pages import chain_page_keys
 
 SSE = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n', b"data: [DONE]\n\n"]
 
@@ -21,13 +22,15 @@ class Tokenizer:
         return [ord(c) % 100 for c in text]
 
 
-def node_app(role: str, seen: list, break_after: int | None = None) -> web.Application:
+def node_app(role: str, seen: list, break_after: int | None = None, waiting_tokens: int = 0,
+             **published) -> web.Application:
+    """`published`: more of the node's /federation/state (its prefix keys, its transfer engines)."""
     async def state(request: web.Request) -> web.Response:
-        engine = {"engine": 0, "running": 0, "waiting": 0, "waiting_tokens": 0, "step_base": 0.01,
+        engine = {"engine": 0, "running": 0, "waiting": 0, "waiting_tokens": waiting_tokens, "step_base": 0.01,
                   "step_per_token": 1e-4, "kv_pages_used": 0, "kv_pages_total": 10, "kv_remote_pages": 0,
                   "max_num_seqs": 2, "max_num_batched_tokens": 64, "max_model_len": 512}
         return web.json_response({"role": role, "page_size": 16, "engines": [engine],
-                                  "keys": {"seq": 0, "snapshot": []}})
+                                  "keys": {"seq": 0, "snapshot": []}, **published})
 
     async def completions(request: web.Request) -> web.StreamResponse:
         seen.append((dict(request.headers), await request.read()))
@@ -70,9 +73,9 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def post(url: str) -> tuple[int, dict, bytes]:
+async def post(url: str, prompt: str = "hello") -> tuple[int, dict, bytes]:
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hello", "stream": True},
+        async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": prompt, "stream": True},
                           headers={"Authorization": "Bearer k", "X-Reading-Rate": "5"}) as r:
             return r.status, dict(r.headers), await r.read()
 
@@ -94,6 +97,36 @@ def test_the_decode_nodes_stream_reaches_the_client_unchanged_with_the_prefill_n
         assert sent_headers["Authorization"] == "Bearer k" and sent_headers["X-Reading-Rate"] == "5"
         assert b'"prompt": "hello"' in sent_body or b'"prompt":"hello"' in sent_body
         assert c.placed == {"p->d": 1}
+    run(main())
+
+
+def test_a_prefill_node_placed_to_fetch_a_longer_prefix_is_named_with_the_node_that_holds_it():
+    prompt = "the same long system prompt, " * 8
+    keys = [k.hex() for k in chain_page_keys(Tokenizer().encode(prompt), 16, [])]
+
+    def kv(endpoint: str, **links: float) -> dict:
+        return {"kv_token_bytes": 10_000, "kv_endpoints": [endpoint], "links": links}
+
+    async def main():
+        seen_d = []
+        # "busy" holds the whole prompt but has a long queue; "idle" holds none of it
+        (rb, ub), (ri, ui), (rd, ud) = (
+            await serve(node_app("prefill", [], waiting_tokens=200_000, keys={"seq": 1, "snapshot": keys},
+                                 **kv("busy:1", **{"idle:1": 1e9}))),
+            await serve(node_app("prefill", [], **kv("idle:1"))),
+            await serve(node_app("decode", seen_d, **kv("d:1"))))
+        c, rc, url = await cluster([("busy", ub), ("idle", ui), ("d", ud)])
+        try:
+            status, _, _ = await post(url, prompt)
+            _, _, _ = await post(url)  # "hello": no node holds any of it, so nothing is fetched
+        finally:
+            for r in (rc, rb, ri, rd):
+                await r.cleanup()
+        assert status == 200 and len(seen_d) == 2
+        assert seen_d[0][0]["X-Tokenflowd-Prefill-Node"] == ui
+        assert seen_d[0][0]["X-Tokenflowd-Prefix-Node"] == ub
+        assert "X-Tokenflowd-Prefix-Node" not in seen_d[1][0]
+        assert c.counts["fetched"] == 1 and c.placed == {"idle->d": 2}
     run(main())
 
 

@@ -75,3 +75,10 @@ def test_runs_and_staged_pages_carry_pages_between_caches_of_different_layouts()
     scatter_pages(staged, back, [7, 1, 4])
     for s, b in zip(src, back):
         assert torch.equal(b[:, :, [7, 1, 4]], s[:, :, [7, 1, 4]])
+
+
+def test_a_tokens_kv_bytes_are_the_same_whatever_the_layout():
+    # 3 layers of [2, kv_heads 2, 10 pages, page 4, d 8] (torch) or [2, 10 pages, 2, 4, 8] (flashinfer), bf16
+    torch_layout = KVLayout((0, 1, 2), (2, 2, 10, 4, 8), 2, page_axis=2)
+    flashinfer = KVLayout((0, 1, 2), (2, 10, 2, 4, 8), 2, page_axis=1)
+    assert torch_layout.token_bytes == flashinfer.token_bytes == 2 * 3 * 2 * 8 * 2

@@ -315,9 +315,10 @@ class Front:
                            code="queue_full", headers={"Retry-After": "1"})
 
     def _start(self, prep: _Prepared, request_id: str, arrival: float, choice: Choice,
-               prefill_node: str | None = None, authorization: str | None = None) -> Generation:
+               prefill_node: str | None = None, authorization: str | None = None,
+               pull_from: str | None = None) -> Generation:
         """`prefill_node`: a federated decode node's request, whose prompt that node computes (asked
-        with the client's `authorization`)."""
+        with the client's `authorization`), having first pulled a longer prefix from `pull_from`."""
         self._admissible()  # again: the requests placed with this one may have filled the queue
         slot = self.supervisor.slots[choice.engine_id]
         coalesce = self.coalescing if prep.stream and prep.coalesce else None
@@ -340,7 +341,8 @@ class Front:
             self.supervisor.forget(request_id)
             raise self._unavailable() from None
         if reserved is not None:
-            order = PrefillOrder(request_id, prep.prompt_ids, prep.sampling, None, 0.0, prep.priority, prep.reading_rate)
+            order = PrefillOrder(request_id, prep.prompt_ids, prep.sampling, None, 0.0, prep.priority,
+                                 prep.reading_rate, pull_from)
             self.federation.drive(slot, request_id, order, prefill_node, reserved, authorization)
         return gen
 
@@ -389,10 +391,11 @@ class Front:
     async def _respond(self, request: web.Request, prep: _Prepared, arrival: float, chunks: Any) -> web.StreamResponse:
         caller = request[CALLER]
         prefill_node = self.federation.decodes_remotely(request)
+        pull_from = self.federation.pulls_from(request)
         self._open(caller)
         try:
             gen = self._start(prep, chunks.rid, arrival, await self._pick(prep), prefill_node,
-                              request.headers.get("Authorization"))
+                              request.headers.get("Authorization"), pull_from)
         except BaseException:
             self.open_counts.close(caller.identity)
             raise
@@ -595,6 +598,7 @@ def build_app(front: Front) -> web.Application:
     app.router.add_post("/federation/abort", front.federation.abort)
     app.router.add_post("/federation/keep", front.federation.keep)
     app.router.add_post("/federation/kept", front.federation.kept)
+    app.router.add_post("/federation/give", front.federation.give)
 
     async def close_federation(_app: web.Application) -> None:
         await front.federation.close()

@@ -1,9 +1,19 @@
 """A node's front in a federated cluster (the conductor, federation/conductor.py, drives it).
 
     GET  /federation/state?since=N   the node's role, load, step-time model and its prefix-cache
-                                     keys (the changes after N, or all of them): the conductor's view
-    POST /federation/prefill         a prefill node: compute a prompt, write its KV to a decode node's
-                                     pages as each layer ends, answer with the first token
+                                     keys (the changes after N, or all of them), a token's KV bytes,
+                                     its transfer engines and the bandwidth its writes achieved to each
+                                     peer's: the conductor's view
+    POST /federation/prefill         a prefill node: compute a prompt (after pulling a longer prefix of
+                                     it from another prefill node, if the order names one), write its KV
+                                     to a decode node's pages as each layer ends, answer with the first
+                                     token
+    POST /federation/abort           a prefill node: the decode node's client has gone
+    POST /federation/keep            a prefill node: pages for the whole pages of some tokens after
+                                     those its cache holds (a store's keeper, federation/store.py)
+    POST /federation/give            a prefill or decode node: write its cached pages of them there
+                                     (a store's giver); answers once the writes have settled
+    POST /federation/kept            the giver's writes have settled: the keeper publishes what arrived
 
 A decode node serves an ordinary OpenAI request that carries `X-Tokenflowd-Prefill-Node: URL` (the
 conductor adds it): its engine allocates the prompt's pages (Reserved), this front asks the prefill
@@ -12,6 +22,19 @@ which checks the pages' checksum and decodes. The client's stream is the decode 
 reads the same as from one node. If the prefill node fails, is unreachable or times out, the
 engine computes the prompt itself: no token was sent yet, so the client sees only a later first
 token.
+
+Whole pages move between two nodes' prefix caches by one sequence (`_move`: keep, give, kept), in
+two directions:
+- MemServe's return: when a federated request ends, the decode node gives the conversation's whole
+  pages to the prefill node, where the next turn starts.
+- A prefill node's pull (Mooncake's Algorithm 1, its transfer branch): when the conductor places a
+  prompt on a prefill node that holds less of it than another, it names that other node too
+  (`X-Tokenflowd-Prefix-Node`); the decode node passes it in the order (`pull_from`), and the prefill
+  node, before it computes the prompt, reserves pages for the prompt's whole pages it lacks, has the
+  other node give them, and publishes what arrived intact, so its prefill hits them. The copy stays
+  in its prefix cache: hot prefixes replicate by use. A pull that fails, or outlasts the transfer
+  timeout, leaves the prompt to compute (the order's heartbeats go on meanwhile); pages reserved for
+  it wait out their horizon.
 """
 from __future__ import annotations
 
@@ -38,6 +61,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenflowd.federation")
 
 PREFILL_HEADER = "X-Tokenflowd-Prefill-Node"
+PREFIX_HEADER = "X-Tokenflowd-Prefix-Node"  # the prefill node first pulls the prompt's longer prefix from there
 HEARTBEAT = 1.0  # s between a prefill node's signs of life while it computes a prompt
 
 
@@ -49,6 +73,7 @@ class PrefillOrder(msgspec.Struct):
     send_window: float  # s from now in which writes may start (federation/timing.py)
     priority: int = 0  # the client's, for the prefill node's queue
     reading_rate: float | None = None
+    pull_from: str | None = None  # another prefill node holding a longer prefix: pull it first (PREFIX_HEADER)
 
 
 class PrefillAnswer(msgspec.Struct):
@@ -75,6 +100,26 @@ class KeptReport(msgspec.Struct):
     ok: bool
     checksum: int = 0
     num_pages: int = 0
+
+
+class GiveOrder(msgspec.Struct):
+    store_id: str
+    token_ids: list[int]
+    held: int  # leading whole pages the keeper holds already: the giver writes those after them
+    target: p.KVTarget
+
+
+class GiveAnswer(msgspec.Struct):
+    """Once the giver's writes have settled: ok, and the crc32 of the pages it wrote."""
+
+    ok: bool
+    checksum: int = 0
+    num_pages: int = 0
+    error: str | None = None
+
+
+class _Refused(Exception):
+    """The other node answered a store's step with an error."""
 
 
 class KeyLog:
@@ -128,6 +173,7 @@ class Federation:
         self.aborts: set[asyncio.Task] = set()
         self.orders: dict[str, object] = {}  # a prefill node's orders under way: request -> its stream
         self.keeping: dict[str, tuple] = {}  # a prefill node's stores under way: store -> (its engine, horizon)
+        self.pulling: dict[str, bool] = {}  # a prefill node's orders pulling a prefix first -> called off
 
     @property
     def role(self) -> str:
@@ -139,11 +185,15 @@ class Federation:
             since = int(request.query.get("since", "-1"))
         except ValueError:
             raise APIError(400, "since must be an integer", param="since") from None
-        engines = []
+        engines, endpoints, links = [], [], {}
         for slot in self.supervisor.slots:
             if not slot.ready or slot.stats is None or slot.info is None:
                 continue
             st = slot.stats
+            if slot.info.kv_endpoint:
+                endpoints.append(slot.info.kv_endpoint)
+            for peer, bps in st.kv_links.items():
+                links.setdefault(peer, []).append(bps)
             engines.append({"engine": slot.engine_id, "running": st.num_running, "waiting": st.num_waiting,
                             "waiting_tokens": st.waiting_tokens, "step_base": st.step_base,
                             "step_per_token": st.step_per_token, "kv_pages_used": st.kv_pages_used,
@@ -153,7 +203,11 @@ class Federation:
                             "max_model_len": slot.info.max_model_len})
         cfg = self.supervisor.engine_config
         body = {"role": self.role, "page_size": cfg.page_size, "model": cfg.model, "engines": engines,
-                "waiting_requests": self.supervisor.num_waiting, "keys": self.keys.since(since)}
+                "waiting_requests": self.supervisor.num_waiting, "keys": self.keys.since(since),
+                # what a prefix fetch between nodes costs: a token's KV, and the bandwidth each peer
+                # transfer engine got from this node's engines (the mean over those that wrote there)
+                "kv_token_bytes": max((s.info.kv_token_bytes for s in self.supervisor.slots if s.info), default=0),
+                "kv_endpoints": endpoints, "links": {peer: sum(b) / len(b) for peer, b in links.items()}}
         return web.json_response(body)
 
     # -- POST /federation/prefill (a prefill node) ---------------------------------------------
@@ -170,7 +224,7 @@ class Federation:
             raise APIError(409, "this node does not prefill for others (--role prefill)", code="wrong_role")
         if order.target is None:
             raise APIError(400, "a prefill order needs its target", param="target")
-        work = asyncio.ensure_future(self._prefill(order))
+        work = asyncio.ensure_future(self._prefill(order, request.headers.get("Authorization")))
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         try:
             await response.prepare(request)
@@ -187,21 +241,30 @@ class Federation:
         await response.write_eof()
         return response
 
-    async def _prefill(self, order: PrefillOrder) -> PrefillAnswer:
+    async def _prefill(self, order: PrefillOrder, authorization: str | None) -> PrefillAnswer:
         front, sup = self.front, self.supervisor
+        received = time.monotonic()  # the send window runs from here, a pull's time included
         try:
             front._admissible()
             choice = front.router.pick(front._ready_slots(), order.prompt_token_ids)
         except APIError as e:
             return PrefillAnswer(False, error=e.message)
         slot = sup.slots[choice.engine_id]
+        if order.pull_from is not None:
+            self.pulling[order.request_id] = False
+            try:
+                await self._pull(slot, order.prompt_token_ids, order.pull_from, authorization)
+            finally:
+                called_off = self.pulling.pop(order.request_id)
+            if called_off:  # nothing was written to the decode node's pages
+                return PrefillAnswer(False, error="called off by the decode node")
         s = order.sampling
         sampling = msgspec.structs.replace(s, max_tokens=1, min_tokens=min(s.min_tokens, 1))
         rid = f"prefill-{order.request_id}"
         now = time.monotonic()
         add = p.AddRequest(rid, order.prompt_token_ids, sampling, order.reading_rate or front.config.default_reading_rate,
                            order.priority, arrival_time=now, front=sup.front, front_epoch=sup.front_epoch,
-                           kv_target=order.target, kv_deadline=now + max(0.0, order.send_window))
+                           kv_target=order.target, kv_deadline=received + max(0.0, order.send_window))
         try:
             answer = sup.expect(rid)
         except ValueError as e:
@@ -248,7 +311,9 @@ class Federation:
         stream = self.orders.get(rid)
         if stream is not None:
             self.supervisor.abort(stream)
-        return web.json_response({"aborted": stream is not None})
+        elif rid in self.pulling:  # it has not started: it will not
+            self.pulling[rid] = True
+        return web.json_response({"aborted": stream is not None or rid in self.pulling})
 
     # -- a decode node's request -----------------------------------------------------------------
     def decodes_remotely(self, request: web.Request) -> str | None:
@@ -271,6 +336,16 @@ class Federation:
             raise APIError(403, f"{header} names {url!r}, which is not among this node's --federation-peers: it "
                                 "exchanges KV only with the nodes listed there", param=header, code="unlisted_peer")
         return listed
+
+    def pulls_from(self, request: web.Request) -> str | None:
+        """The node whose longer prefix of the prompt the prefill node is to pull first (the
+        conductor's choice), for a request this node decodes remotely."""
+        url = request.headers.get(PREFIX_HEADER)
+        if url is None or self.decodes_remotely(request) is None:
+            return None
+        if not url.startswith(("http://", "https://")):
+            raise APIError(400, f"{PREFIX_HEADER} must be an http(s) URL", param=PREFIX_HEADER)
+        return url.rstrip("/")
 
     def drive(self, slot, request_id: str, order: PrefillOrder, url: str, reserved: asyncio.Future,
               authorization: str | None) -> None:
@@ -336,7 +411,12 @@ class Federation:
         self.supervisor.send(slot, p.RemoteArrived(rid, answer.first_token if answer.ok else None,
                                                    answer.checksum, answer.settled, answer.num_cached_tokens))
 
-    # -- MemServe: a reply's KV back to the prefill node (federation/store.py) -------------------
+    # -- whole pages into another node's prefix cache (federation/store.py) ----------------------
+    # Two moves share one sequence (`_move`), each side either this node's engine (_Here) or another
+    # node's front (_There):
+    #   MemServe's return   keeper: the prefill node (_There)   giver: the decode node's engine (_Here)
+    #   a prefill's pull    keeper: the prefill node's engine   giver: the prefill node holding the
+    #                       (_Here)                             longer prefix (_There)
     async def keep(self, request: web.Request) -> web.Response:
         """POST /federation/keep {"store_id", "token_ids"} (a prefill node): pages for the whole pages
         of `token_ids` after those its cache holds. -> {"held", "target"} (target null: none)."""
@@ -346,32 +426,30 @@ class Federation:
             raise APIError(400, f"not a keep order: {e}") from None
         if self.role != "prefill":
             raise APIError(409, "only a prefill node keeps others' KV", code="wrong_role")
-        vocab = self.front.tokenizer.vocab_size
-        if not 0 < len(body.token_ids) <= self.front._max_model_len() or any(
-                not 0 <= t < vocab for t in body.token_ids):
-            raise APIError(400, f"token_ids must be 1 to {self.front._max_model_len()} ids in [0, {vocab})")
+        self._check_token_ids(body.token_ids)
+        slot = self.supervisor.slots[self.front.router.pick(self.front._ready_slots(), body.token_ids).engine_id]
+        answer = await self._reserve(slot, body)
+        return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
+
+    async def give(self, request: web.Request) -> web.Response:
+        """POST /federation/give {"store_id", "token_ids", "held", "target"} (a prefill or decode node):
+        its engine that holds them writes its cached pages of `token_ids` after the first `held` into
+        the target, as one batch. -> {"ok", "checksum", "num_pages"} once the writes have settled."""
+        try:
+            body = msgspec.json.decode(await self.front.read_body(request), type=GiveOrder)
+        except msgspec.DecodeError as e:
+            raise APIError(400, f"not a give order: {e}") from None
+        if self.role == "both":
+            raise APIError(409, "a node of role both has no KV transfer engine to give with", code="wrong_role")
+        self._check_token_ids(body.token_ids)
+        if body.held < 0:
+            raise APIError(400, "held must be 0 or more", param="held")
         slot = self.supervisor.slots[self.front.router.pick(self.front._ready_slots(), body.token_ids).engine_id]
         try:
-            answer = self.supervisor.expect(body.store_id)
-        except ValueError as e:
-            raise APIError(409, str(e)) from None
-        try:
-            if not self.supervisor.send(slot, p.KeepKV(body.store_id, body.token_ids, self.supervisor.front)):
-                raise APIError(503, "the engine is not serving")
-            msg: p.Reserved = await asyncio.wait_for(answer, self.timeout)
-        except asyncio.TimeoutError:
+            answer = await self._give(slot, body)
+        except asyncio.TimeoutError:  # its writes may still be under way: the keeper holds its pages to their horizon
             raise APIError(503, "the engine did not answer") from None
-        finally:
-            self.supervisor.forget(body.store_id)
-        if msg.error:
-            raise APIError(409, msg.error)
-        now = time.monotonic()
-        for sid in [sid for sid, (_, until) in self.keeping.items() if until <= now]:
-            del self.keeping[sid]  # never reported: the engine has freed them by now
-        if msg.target is not None:
-            self.keeping[body.store_id] = (slot, now + horizon(self.timeout))
-        return web.Response(body=msgspec.json.encode({"held": msg.held, "target": msg.target}),
-                            content_type="application/json")
+        return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
 
     async def kept(self, request: web.Request) -> web.Response:
         """POST /federation/kept {"store_id", "ok", "checksum"}: the giver's writes have settled."""
@@ -379,49 +457,102 @@ class Federation:
             body = msgspec.json.decode(await self.front.read_body(request), type=KeptReport)
         except msgspec.DecodeError as e:
             raise APIError(400, f"not a report: {e}") from None
-        kept = self.keeping.pop(body.store_id, None)
-        if kept is not None:
-            self.supervisor.send(kept[0], p.KeptKV(body.store_id, body.ok, body.checksum, body.num_pages))
-        return web.json_response({"known": kept is not None})
+        return web.json_response({"known": self._report(body)})
 
     def give_back(self, slot, token_ids: list[int], url: str, authorization: str | None) -> None:
-        """A decode node: the ended request's whole pages go to the prefill node at `url`."""
-        task = asyncio.create_task(self._give_back(slot, token_ids, url, authorization))
+        """A decode node: the ended request's whole pages go to the prefill node at `url` (MemServe)."""
+        task = asyncio.create_task(self._move(token_ids, _There(self, url, authorization), _Here(self, slot), "return"))
         self.aborts.add(task)
         task.add_done_callback(self.aborts.discard)
 
-    async def _give_back(self, slot, token_ids: list[int], url: str, authorization: str | None) -> None:
-        sid = uuid.uuid4().hex
-        headers = {"Authorization": authorization} if authorization else {}
-        timeout = aiohttp.ClientTimeout(total=2 * self.timeout)
+    async def _pull(self, slot, prompt: list[int], url: str, authorization: str | None) -> None:
+        """A prefill node, before it computes `prompt` on engine `slot`: the whole pages of it that the
+        node at `url` holds and this engine lacks come into this engine's prefix cache, where they stay
+        (Algorithm 1's transfer branch: hot prefixes replicate by use). Within one transfer timeout;
+        a pull that fails leaves the prompt to compute."""
+        if not url.startswith(("http://", "https://")):
+            return
+        # the last token is always computed (kv/manager.py `match`): only pages before it can hit
         try:
-            async with self._client().post(f"{url}/federation/keep", json={"store_id": sid, "token_ids": token_ids},
-                                           headers=headers, timeout=timeout) as r:
-                if r.status != 200:
-                    return
-                kept = msgspec.json.decode(await r.read(), type=KeepAnswer)
-            if kept.target is None:
-                return
-            answer = self.supervisor.expect(sid)
-            try:
-                # writes start within one timeout of the keeper's answer, well inside its horizon
-                give = p.GiveKV(sid, token_ids, kept.held, kept.target, self.supervisor.front,
-                                deadline=time.monotonic() + self.timeout)
-                if self.supervisor.send(slot, give):
-                    given: p.Prefilled = await asyncio.wait_for(answer, 2 * self.timeout + MARGIN)
-                else:  # nothing was written: the keeper may free its pages at once
-                    given = p.Prefilled(0, 0, sid, False)
-            finally:
-                self.supervisor.forget(sid)
-            # only once its writes have settled: before, the keeper's pages wait out their horizon
-            async with self._client().post(f"{url}/federation/kept",
-                                           json={"store_id": sid, "ok": given.ok, "checksum": given.checksum,
-                                                 "num_pages": given.num_pages},
-                                           headers=headers, timeout=timeout) as r:
-                await r.read()
-            self.front.metrics.federation.labels("return", "ok" if given.ok else "failed").inc()
-        except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError, OSError) as e:
-            log.info("the reply's KV did not go back to %s: %r", url, e)
+            await asyncio.wait_for(self._move(prompt[:-1], _Here(self, slot), _There(self, url, authorization), "pull"),
+                                   self.timeout)
+        except asyncio.TimeoutError:  # the pages it reserved wait out their horizon (no write lands after it)
+            log.info("the pull from %s took over %s s: computing the prompt", url, self.timeout)
+            self.front.metrics.federation.labels("pull", "failed").inc()
+
+    async def _move(self, token_ids: list[int], keeper: _Here | _There, giver: _Here | _There, side: str) -> bool:
+        """One store: the keeper reserves pages for the whole pages of `token_ids` after those it holds,
+        the giver writes its cached pages of them there as one batch, and once those writes have
+        settled (never before: a write said done may still be landing) the keeper publishes what
+        arrived with a matching crc32. A store the keeper is never told of, or told failed, holds its
+        pages until its horizon (timing.py). Counted by `side` (return, pull) when there was
+        something to move. -> the giver wrote them."""
+        sid = uuid.uuid4().hex
+        try:
+            kept = await keeper.keep(sid, token_ids)
+            if kept.target is None:  # it holds them all, or has no room
+                return False
+            given = await giver.give(GiveOrder(sid, token_ids, kept.held, kept.target))
+            await keeper.kept(KeptReport(sid, given.ok, given.checksum, given.num_pages))
+        except (_Refused, APIError, aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError, OSError) as e:
+            log.info("%s of %d tokens (%s -> %s) failed: %r", side, len(token_ids), giver, keeper, e)
+            given = GiveAnswer(False, error=repr(e))
+        self.front.metrics.federation.labels(side, "ok" if given.ok else "failed").inc()
+        return given.ok
+
+    def _check_token_ids(self, token_ids: list[int]) -> None:
+        vocab = self.front.tokenizer.vocab_size
+        if not 0 < len(token_ids) <= self.front._max_model_len() or any(not 0 <= t < vocab for t in token_ids):
+            raise APIError(400, f"token_ids must be 1 to {self.front._max_model_len()} ids in [0, {vocab})")
+
+    async def _reserve(self, slot, order: KeepOrder) -> KeepAnswer:
+        """The keeper's step on engine `slot`: pages for the whole pages of the order's tokens after
+        those it holds (KeepKV). APIError: refused."""
+        try:
+            answer = self.supervisor.expect(order.store_id)
+        except ValueError as e:
+            raise APIError(409, str(e)) from None
+        try:
+            if not self.supervisor.send(slot, p.KeepKV(order.store_id, order.token_ids, self.supervisor.front)):
+                raise APIError(503, "the engine is not serving")
+            msg: p.Reserved = await asyncio.wait_for(answer, self.timeout)
+        except asyncio.TimeoutError:
+            raise APIError(503, "the engine did not answer") from None
+        finally:
+            self.supervisor.forget(order.store_id)
+        if msg.error:
+            raise APIError(409, msg.error)
+        now = time.monotonic()
+        for sid in [sid for sid, (_, until) in self.keeping.items() if until <= now]:
+            del self.keeping[sid]  # never reported: the engine has freed them by now
+        if msg.target is not None:
+            self.keeping[order.store_id] = (slot, now + horizon(self.timeout))
+        return KeepAnswer(msg.held, msg.target)
+
+    def _report(self, report: KeptReport) -> bool:
+        """The keeper's last step: the giver's writes have settled (KeptKV). -> the store was known."""
+        kept = self.keeping.pop(report.store_id, None)
+        if kept is not None:
+            self.supervisor.send(kept[0], p.KeptKV(report.store_id, report.ok, report.checksum, report.num_pages))
+        return kept is not None
+
+    async def _give(self, slot, order: GiveOrder) -> GiveAnswer:
+        """The giver's step on engine `slot` (GiveKV): its answer once its writes have settled.
+        asyncio.TimeoutError: none came (its writes may still be under way)."""
+        try:
+            answer = self.supervisor.expect(order.store_id)
+        except ValueError as e:
+            raise APIError(409, str(e)) from None
+        try:
+            # writes start within one timeout of the keeper's answer, well inside its horizon
+            give = p.GiveKV(order.store_id, order.token_ids, order.held, order.target, self.supervisor.front,
+                            deadline=time.monotonic() + self.timeout)
+            if not self.supervisor.send(slot, give):  # nothing was written: the keeper may know at once
+                return GiveAnswer(False, error="the engine is not serving")
+            given: p.Prefilled = await asyncio.wait_for(answer, 2 * self.timeout + MARGIN)
+        finally:
+            self.supervisor.forget(order.store_id)
+        return GiveAnswer(given.ok, given.checksum, given.num_pages, given.error)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -434,3 +565,56 @@ class Federation:
             task.cancel()
         if self._session is not None:
             await self._session.close()
+
+
+class _Here:
+    """This node's engine `slot` as one side of a store."""
+
+    def __init__(self, federation: Federation, slot) -> None:
+        self.federation, self.slot = federation, slot
+
+    def __repr__(self) -> str:
+        return f"engine {self.slot.engine_id}"
+
+    async def keep(self, store_id: str, token_ids: list[int]) -> KeepAnswer:
+        return await self.federation._reserve(self.slot, KeepOrder(store_id, token_ids))
+
+    async def give(self, order: GiveOrder) -> GiveAnswer:
+        return await self.federation._give(self.slot, order)
+
+    async def kept(self, report: KeptReport) -> None:
+        self.federation._report(report)
+
+
+class _There:
+    """Another node's front at `url` as one side of a store, asked with the client's key (the nodes
+    of a cluster share their keys)."""
+
+    def __init__(self, federation: Federation, url: str, authorization: str | None) -> None:
+        self.federation, self.url = federation, url
+        self.headers = {"Content-Type": "application/json"}
+        if authorization:
+            self.headers["Authorization"] = authorization
+
+    def __repr__(self) -> str:
+        return self.url
+
+    async def keep(self, store_id: str, token_ids: list[int]) -> KeepAnswer:
+        raw = await self._post("/federation/keep", KeepOrder(store_id, token_ids), 2 * self.federation.timeout)
+        return msgspec.json.decode(raw, type=KeepAnswer)
+
+    async def give(self, order: GiveOrder) -> GiveAnswer:
+        raw = await self._post("/federation/give", order, 2 * self.federation.timeout + MARGIN)
+        return msgspec.json.decode(raw, type=GiveAnswer)
+
+    async def kept(self, report: KeptReport) -> None:
+        await self._post("/federation/kept", report, 2 * self.federation.timeout)
+
+    async def _post(self, path: str, body: msgspec.Struct, timeout: float) -> bytes:
+        async with self.federation._client().post(f"{self.url}{path}", data=msgspec.json.encode(body),
+                                                  headers=self.headers,
+                                                  timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            raw = await r.read()
+            if r.status != 200:
+                raise _Refused(f"{path}: {r.status} {raw[:200]!r}")
+            return raw

@@ -219,10 +219,12 @@ class Metrics:
                                 "bound, an engine's --max-queue-delay), by HTTP status",
                                 ["status"], registry=r)
         self.federation = Counter("tokenflowd_federation_prefills", "Federation: prompts a prefill node computed for a "
-                                  "decode node (side prefill), those a decode node asked for (side decode), and replies' KV a decode node "
-                                  "gave back to its prefill node (side return), by "
-                                  "outcome (ok, or failed: the decode node computed it)", ["side", "outcome"], registry=r)
-        for side in ("prefill", "decode", "return"):
+                                  "decode node (side prefill), those a decode node asked for (side decode), replies' "
+                                  "KV a decode node gave back to its prefill node (side return), and longer prefixes "
+                                  "a prefill node pulled from another before it computed a prompt (side pull), by "
+                                  "outcome (ok, or failed: the prompt was computed without it)", ["side", "outcome"],
+                                  registry=r)
+        for side in ("prefill", "decode", "return", "pull"):
             for outcome in ("ok", "failed"):
                 self.federation.labels(side, outcome)  # every series from 0
         self._engines: dict[int, EngineMetrics] = {}

@@ -121,7 +121,9 @@ class EngineProcess(EngineEndpoint):
         self.send(p.Ready(self.spec.engine_id, self.spec.incarnation, os.getpid(), self.config.model,
                           core.max_model_len, self.config.page_size, self.config.device, self._stats(),
                           self.config.policy, msgspec.to_builtins(self.config.policy_params), core.fallback,
-                          *self._pool_ready()))
+                          *self._pool_ready(),
+                          kv_token_bytes=KVLayout.of(core.runner.kv_layers, core.runner.attn.page_axis).token_bytes,
+                          kv_endpoint=self.transport.endpoint if self.config.role != "both" else ""))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
         trimmed = True  # nothing freed since the heap was last handed back
@@ -471,8 +473,12 @@ class EngineProcess(EngineEndpoint):
             peer_tokens=self.peer_tokens, kv_remote_pages=kv.num_remote_pending,
             step_base=cost.base, step_per_token=cost.per_token,
             waiting_tokens=sum(r.num_prompt_tokens - r.num_computed_tokens for r in queued),
+            kv_links=self._links() if self.config.role != "both" else {},
             **(self._pool_stats() if self.member is not None else {}),
         )
+
+    def _links(self) -> dict[str, float]:
+        return {peer: bps for peer, link in self.transport.links.items() if (bps := link.bandwidth)}
 
     def _pool_stats(self) -> dict:
         m = self.member.stats

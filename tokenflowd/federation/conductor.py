@@ -8,7 +8,12 @@
 For each request the conductor tokenizes the prompt (the nodes' tokenizer, so its page keys are
 theirs), finds each prefill node's cached prefix, and picks a (prefill, decode) pair by Mooncake's
 Algorithm 1 (placement.py): the least predicted TTFT, and the decode node of least predicted time
-between tokens. A node of role `both` is its own pair. Before any prefill is spent, early
+between tokens. A node of role `both` is its own pair. A prefill node far behind the longest match
+may be placed to fetch it first, when the transfer (a token's KV bytes over the bandwidth the
+holder's transfer engine measured to it, or its mean measured egress, or `link_gbps`) and its own
+queue beat the holder's queue: the request then also names the holder
+(`X-Tokenflowd-Prefix-Node`), and the prefill node pulls those pages into its own prefix cache,
+where they stay (api/federation.py). Before any prefill is spent, early
 rejection (rejection.py) refuses the request with 429 and Retry-After when the decode pool is
 predicted to be full by the time the request would reach it. The decode node's response (its SSE
 stream) is passed to the client byte for byte.
@@ -36,7 +41,7 @@ from aiohttp import web
 
 from tokenflowd.api import schema as s
 from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
-from tokenflowd.api.federation import PREFILL_HEADER
+from tokenflowd.api.federation import PREFILL_HEADER, PREFIX_HEADER
 from tokenflowd.federation.placement import DecodeNode, Placement, PrefillNode, Rejection, place
 from tokenflowd.federation.rejection import DecodeLoad, EarlyRejection
 from tokenflowd.kv.pages import chain_page_keys
@@ -52,6 +57,14 @@ MAX_BODY = 4 * 2**20  # the nodes' default --max-body-size
 
 @dataclass(frozen=True)
 class ConductorConfig:
+    """The [conductor] table of cluster.toml, and its [[nodes]] (name, url).
+
+    `link_gbps` is the bandwidth placement assumes between two nodes until any has been measured:
+    a prefill node's transfer engine measures what each of its writes achieved, and the conductor
+    prices a prefix fetch from node A to node B at A's measured bandwidth to B, else at A's mean
+    measured egress to any peer, else at link_gbps (10 Gb/s, low for RDMA, so that an unmeasured
+    link is not oversold). 0: no fetch before a link has been measured."""
+
     nodes: tuple[tuple[str, str], ...]  # (name, base URL)
     model: str = "smollm2-135m"  # the nodes' model: its tokenizer keys prompts as they do
     host: str = "127.0.0.1"
@@ -63,6 +76,7 @@ class ConductorConfig:
     decode_seconds: float = 20.0  # a decode's uniform time until finished ones say otherwise
     poll_interval: float = 0.25  # s between state polls of each node
     api_key: str = ""  # the nodes' API key, for their /federation/state (clients' requests carry their own)
+    link_gbps: float = 10.0  # Gb/s between two nodes before a transfer between them was measured (0: none)
 
     @classmethod
     def load(cls, path: str) -> "ConductorConfig":
@@ -80,9 +94,13 @@ class ConductorConfig:
         if unknown:
             raise ValueError(f"{path}: unknown [conductor] keys: {', '.join(sorted(unknown))}")
         config = cls(**table)
-        if config.rejection not in ("off", "current", "predicted"):
-            raise ValueError(f"rejection must be off, current or predicted, got {config.rejection!r}")
         return config
+
+    def __post_init__(self) -> None:
+        if self.rejection not in ("off", "current", "predicted"):
+            raise ValueError(f"rejection must be off, current or predicted, got {self.rejection!r}")
+        if not 0 <= self.link_gbps < math.inf:
+            raise ValueError(f"link_gbps must be a number of Gb/s, 0 or more, got {self.link_gbps!r}")
 
 
 @dataclass
@@ -97,9 +115,15 @@ class NodeView:
     engines: list[dict] = field(default_factory=list)
     keys: set[bytes] = field(default_factory=set)
     seq: int = -1  # the last key change applied
+    kv_token_bytes: int = 0  # a token's KV, all layers (0: not said)
+    kv_endpoints: set[str] = field(default_factory=set)  # its engines' transfer engines
+    links: dict[str, float] = field(default_factory=dict)  # peer transfer engine -> bytes/s its writes achieved
 
     def apply(self, state: dict) -> None:
         self.role, self.page_size, self.engines = state["role"], state["page_size"], state["engines"]
+        self.kv_token_bytes = int(state.get("kv_token_bytes", 0))
+        self.kv_endpoints = set(state.get("kv_endpoints", ()))
+        self.links = {peer: float(bps) for peer, bps in state.get("links", {}).items()}
         keys = state["keys"]
         if "snapshot" in keys:
             self.keys = {bytes.fromhex(k) for k in keys["snapshot"]}
@@ -150,7 +174,8 @@ class Conductor:
         self.load = DecodeLoad(capacity=1, decode_seconds=config.decode_seconds)
         self.gate = EarlyRejection(self.load, predict="current" if config.rejection == "current" else "predicted")
         self.session: aiohttp.ClientSession | None = None
-        self.counts = {"accepted": 0, "rejected": 0, "replaced": 0, "failed": 0}
+        self.counts = {"accepted": 0, "rejected": 0, "replaced": 0, "failed": 0,
+                       "fetched": 0}  # fetched: placed on a prefill node that pulls a longer prefix first
         self.placed: collections.Counter[str] = collections.Counter()  # "prefill->decode" -> requests
         self.served: collections.OrderedDict[str, str] = collections.OrderedDict()  # request id -> decode node
         self._chat = msgspec.json.Decoder(s.ChatCompletionRequest)
@@ -201,6 +226,15 @@ class Conductor:
         node.healthy, node.seq = False, -1
 
     # -- placement ----------------------------------------------------------------------------------
+    def bandwidth(self, src: str, dst: str) -> float:
+        """Bytes/s from node `src` to node `dst`: measured between them, else `src`'s mean measured
+        egress, else the nominal link_gbps."""
+        a, b = self.nodes[src], self.nodes[dst]
+        measured = [bps for peer, bps in a.links.items() if peer in b.kv_endpoints] or list(a.links.values())
+        if measured:
+            return sum(measured) / len(measured)
+        return self.config.link_gbps * 1e9 / 8
+
     def place(self, prompt_ids: list[int], exclude: set[str], reading_rate: float | None = None) -> Placement | Rejection:
         """`reading_rate`: the client's tokens/s; a slower reader is served by a decode node whose
         time between tokens is up to 1/rate, beyond the operator's tbt_slo (its buffer covers it)."""
@@ -217,10 +251,14 @@ class Conductor:
         best: Placement | Rejection = Rejection("no prefill and decode pair")
         c = self.config
         for ps, ds in groups:
+            # a prefix moves only between nodes with transfer engines that say what a token weighs
+            token_bytes = min(n.kv_token_bytes for n in ps)
+            bandwidth = self.bandwidth if token_bytes else _no_link
             choice = place(len(prompt_ids),
                            [PrefillNode(n.name, n.prefix_tokens(keys), n.queue_seconds(), n.prefill_seconds) for n in ps],
                            [DecodeNode(n.name, n.tbt_seconds()) for n in ds],
-                           bandwidth=lambda a, b: 0.0, kv_bytes_per_token=1, balancing_threshold=c.balancing_threshold,
+                           bandwidth=bandwidth, kv_bytes_per_token=token_bytes,
+                           balancing_threshold=c.balancing_threshold,
                            ttft_slo=c.ttft_slo, tbt_slo=max(c.tbt_slo, 1.0 / reading_rate if reading_rate else 0.0))
             if isinstance(choice, Placement) and (not isinstance(best, Placement)
                                                   or choice.ttft_seconds < best.ttft_seconds):
@@ -312,6 +350,9 @@ class Conductor:
         headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}
         if placement.prefill != placement.decode:
             headers[PREFILL_HEADER] = self.nodes[placement.prefill].url
+            if placement.fetch_from is not None:  # the prefill node pulls the longer prefix from there first
+                headers[PREFIX_HEADER] = self.nodes[placement.fetch_from].url
+                self.counts["fetched"] += 1
         try:
             upstream_cm = self.session.post(f"{decode.url}{request.path_qs}", data=raw, headers=headers)
             upstream = await upstream_cm.__aenter__()
@@ -410,6 +451,10 @@ class Conductor:
         return web.json_response({"status": "ok" if ok else "no node", "nodes": nodes, "placed": self.placed,
                                   **self.counts},
                                  status=200 if ok else 503)
+
+
+def _no_link(src: str, dst: str) -> float:
+    return 0.0
 
 
 def _returned(headers) -> dict[str, str]:

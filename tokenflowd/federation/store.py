@@ -5,7 +5,8 @@ federation moves:
   turn of the conversation hits there (the prompt's pages it already holds): wired, through the
   fronts (api/federation.py `give_back`, /federation/keep and /federation/kept);
 - a prefill node pulls a longer prefix that another prefill node holds (Algorithm 1's transfer
-  branch), and keeps it, so hot prefixes replicate by use: not wired yet.
+  branch), and keeps it, so hot prefixes replicate by use: wired through the fronts too (the
+  prefill node's own engine keeps, the other node's /federation/give gives).
 
     keeper (takes the pages)                        giver (holds them in its prefix cache)
     reserve(keys) -> (held, pages): the leading

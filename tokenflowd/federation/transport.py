@@ -315,6 +315,12 @@ class KVLayout:
         """[2, kv_heads, page_size, d]: a page's shape whatever the layout."""
         return self.shape[: self.page_axis] + self.shape[self.page_axis + 1 :]
 
+    @property
+    def token_bytes(self) -> int:
+        """A token's KV in every layer: 2 (K, V) x layers x kv_heads x d x itemsize."""
+        planes, kv_heads, _, d = self.page_shape
+        return planes * len(self.bases) * kv_heads * d * self.itemsize
+
     def page_offset(self, plane: int, head: int, page: int) -> int:
         if not 0 <= page < self.num_pages:
             raise ValueError(f"page {page} outside a cache of {self.num_pages} pages")

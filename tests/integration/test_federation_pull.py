@@ -1,0 +1,172 @@
+"""A prefill node pulls a longer prefix from another prefill node before it computes a prompt
+(Mooncake's Algorithm 1, its transfer branch), on real daemons over loopback: prefill nodes A and B
+and a decode node D on the embedded model, KV over Mooncake's transfer engine (TCP on 127.0.0.1).
+The conductor's part is to name the nodes; here the tests name them in the headers it would add.
+
+- A holds a long prompt; asked through D to prefill it with A named as the prefix's holder, B pulls
+  A's whole pages of it (/federation/give), publishes them, and its prefill hits them: the same
+  greedy tokens as A's, with the pulled pages counted as cached. The copy stays in B's cache.
+- A source that is not listening, or that never answers, costs the prompt its pull and nothing
+  else: B computes it and the tokens are the same; a client that goes meanwhile calls the order
+  off. No KV page stays taken on any node.
+- A node of role both, which has no transfer engine, refuses to give (409).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+import httpx
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from daemon import Daemon, free_port  # noqa: E402
+
+pytest.importorskip("mooncake.engine", reason="the federation extra (Mooncake Transfer Engine) is not installed")
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+PAGE = 16
+TIMEOUT = 2  # --kv-transfer-timeout: a store never reported or failed frees its pages 4x + 1x + 5 s later
+NODE_ARGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--kv-transfer-timeout", str(TIMEOUT))
+PREFILL, PREFIX = "X-Tokenflowd-Prefill-Node", "X-Tokenflowd-Prefix-Node"
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pull")
+    started = []
+    try:
+        for name, role in (("a", "prefill"), ("b", "prefill"), ("d", "decode")):
+            started.append(Daemon("--role", role, *NODE_ARGS, wait=False, log_path=str(tmp / f"{name}.log")))
+        for node in started:
+            node.wait_healthy(240)
+        yield started
+    finally:
+        for node in started:
+            node.stop()
+
+
+def chat(node: Daemon, system: str, headers: dict[str, str] | None = None) -> tuple[str, int, int]:
+    """(text, prompt tokens, cached prompt tokens) of a greedy completion served by `node`."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Say something kind."}]
+    r = node.http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 16,
+                                                     "temperature": 0}, headers=headers or {})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    usage = body["usage"]
+    return (body["choices"][0]["message"]["content"], usage["prompt_tokens"],
+            (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def pulls(node: Daemon, outcome: str) -> float:
+    return node.metric("tokenflowd_federation_prefills_total", side="pull", outcome=outcome)
+
+
+def wait_for(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def assert_no_pages_held(node: Daemon, within: float = 6 * TIMEOUT + 15) -> None:  # past timing.py's horizon
+    deadline = time.monotonic() + within
+    while True:
+        held = (node.metric("tokenflowd_kv_pages_used"), node.metric("tokenflowd_kv_remote_pages"),
+                node.metric("tokenflowd_requests_running") + node.metric("tokenflowd_requests_waiting"))
+        if held == (0, 0, 0):
+            return
+        assert time.monotonic() < deadline, f"{node.base_url} still holds (pages, remote pages, requests) {held}"
+        time.sleep(0.25)
+
+
+def test_a_prefill_node_pulls_the_prefix_another_holds_hits_it_and_keeps_it(nodes):
+    a, b, d = nodes
+    system = "You are a patient guide to the birds of the northern forests, and you answer briefly. " * 5
+    want, prompt_tokens, _ = chat(d, system, {PREFILL: a.base_url})  # A computes it: its cache holds it
+    whole = (prompt_tokens - 1) // PAGE * PAGE  # the pages a prefill can hit (its last token is computed)
+    assert whole >= 6 * PAGE
+    ok, failed = pulls(b, "ok"), pulls(b, "failed")
+    prefilled = b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="ok")
+    text, _, cached = chat(d, system, {PREFILL: b.base_url, PREFIX: a.base_url})
+    assert text == want
+    assert cached >= whole, (cached, whole)  # B held none of it: every page it hit came from A
+    assert (pulls(b, "ok"), pulls(b, "failed")) == (ok + 1, failed)
+    assert b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="ok") == prefilled + 1
+    # the copy stayed: B alone hits it
+    text, _, cached = chat(b, system)
+    assert text == want and cached >= whole
+    # what a conductor prices the next fetch with: a token's KV, and the link A's give to B measured
+    state_a = a.http.get("/federation/state").json()
+    assert state_a["kv_token_bytes"] == 2 * 30 * 3 * 64 * 4  # K and V, layers, KV heads, head_dim, float32
+    endpoint_b, = b.http.get("/federation/state").json()["kv_endpoints"]
+    wait_for(lambda: endpoint_b in a.http.get("/federation/state").json()["links"], 10)
+    assert a.http.get("/federation/state").json()["links"][endpoint_b] > 0
+    for node in nodes:
+        assert_no_pages_held(node)
+
+
+def test_a_pull_from_a_source_that_is_gone_or_silent_falls_back_to_computing_the_prompt_or_is_called_off(nodes):
+    _, b, d = nodes
+    silent = socket.socket()  # takes connections and never answers: the pull ends at the transfer timeout
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        for size, source in (("small", f"http://127.0.0.1:{free_port()}"),
+                             ("large", f"http://127.0.0.1:{silent.getsockname()[1]}")):
+            # a prompt of its own for each: B computes it, and it must not hit there the next time
+            system = f"You are a terse assistant for a {size} library that lends tools as well as books. " * 5
+            want, _, _ = chat(d, system)  # D alone
+            ok, failed = pulls(b, "ok"), pulls(b, "failed")
+            prefilled = d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok")
+            text, _, _ = chat(d, system, {PREFILL: b.base_url, PREFIX: source})
+            assert text == want, source
+            assert (pulls(b, "ok"), pulls(b, "failed")) == (ok, failed + 1), source
+            # B still prefilled it for D: its heartbeats went on while it pulled
+            assert d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok") == prefilled + 1
+        # a client that goes while B pulls calls the order off: B computes nothing for it
+        prefilled = [b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome=outcome)
+                     for outcome in ("ok", "failed")]
+        failed = pulls(b, "failed")
+        messages = [{"role": "user", "content": "Name three rivers of Europe and where they meet the sea. " * 4}]
+        with pytest.raises(httpx.TimeoutException):
+            d.http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8},
+                        headers={PREFILL: b.base_url, PREFIX: f"http://127.0.0.1:{silent.getsockname()[1]}"},
+                        timeout=0.5)
+        wait_for(lambda: pulls(b, "failed") == failed + 1, 10)
+        wait_for(lambda: b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="failed")
+                 == prefilled[1] + 1, 10)
+        assert b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="ok") == prefilled[0]
+    finally:
+        silent.close()
+    for node in nodes:
+        assert_no_pages_held(node)
+
+
+def test_a_prefix_node_that_is_not_a_url_is_refused_and_one_without_a_prefill_node_is_ignored(nodes):
+    _, b, d = nodes
+    r = d.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                  "max_tokens": 2}, headers={PREFILL: b.base_url, PREFIX: "b:8000"})
+    assert r.status_code == 400 and PREFIX in r.text
+    pulled = pulls(b, "ok") + pulls(b, "failed")
+    prefilled = d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok")
+    assert chat(d, "Hello.", {PREFIX: b.base_url})[0] == chat(d, "Hello.")[0]  # D computes it itself
+    assert pulls(b, "ok") + pulls(b, "failed") == pulled
+    assert d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok") == prefilled
+
+
+def test_give_refuses_what_it_cannot_give_with_a_reason():
+    both = Daemon(null_engine=True)  # role both: its engines have no transfer engine
+    try:
+        target = {"endpoint": "127.0.0.1:1", "bases": [0], "shape": [2, 1, 4, 16, 8], "itemsize": 4, "page_axis": 2,
+                  "pages": [0]}
+        r = both.http.post("/federation/give", json={"store_id": "s", "token_ids": list(range(1, 40)), "held": 0,
+                                                     "target": target})
+        assert r.status_code == 409 and "transfer engine" in r.json()["error"]["message"]
+        r = both.http.post("/federation/give", json={"store_id": "s", "token_ids": [1, 2]})
+        assert r.status_code == 400 and "give order" in r.json()["error"]["message"]
+    finally:
+        both.stop()
