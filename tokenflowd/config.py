@@ -525,7 +525,7 @@ def load_config_file(path: str) -> dict[str, dict]:
 
 # -- the environment and the merged view -----------------------------------------------------------
 ENV_PREFIX = "TOKENFLOWD_"
-ENV_NOT_CONFIG = {"TOKENFLOWD_API_KEY"}  # a secret read by api/auth.py, not a config field
+ENV_NOT_CONFIG = {"TOKENFLOWD_API_KEY", "TOKENFLOWD_NODE_KEY"}  # secrets read by api/auth.py, not config fields
 
 
 def _known_fields() -> dict[str, dict[str, str]]:

@@ -32,16 +32,39 @@ PAGE = 16
 TIMEOUT = 2  # --kv-transfer-timeout: a store never reported or failed frees its pages 4x + 1x + 5 s later
 NODE_ARGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--kv-transfer-timeout", str(TIMEOUT))
 PREFILL, PREFIX = "X-Tokenflowd-Prefill-Node", "X-Tokenflowd-Prefix-Node"
+NODE_KEY, USER_KEY = "sk-node-test", "sk-user-test"
+AS_NODE = {"Authorization": f"Bearer {NODE_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
+def sources():
+    """Two sources D lists as peers: one gone (nobody listens on its port) and one that takes
+    connections and never answers (a pull from it ends at the transfer timeout)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        yield f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{silent.getsockname()[1]}"
+    finally:
+        silent.close()
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory, sources):
     tmp = tmp_path_factory.mktemp("pull")
+    auth = tmp / "auth.toml"  # a keyed cluster: the nodes call each other with the node key alone
+    auth.write_text(f'[auth.keys."{NODE_KEY}"]\nrole = "node"\n[auth.keys."{USER_KEY}"]\n')
+    args = (*NODE_ARGS, "--config", str(auth))
+    env = {"TOKENFLOWD_NODE_KEY": NODE_KEY}
     started = []
     try:
-        for name, role in (("a", "prefill"), ("b", "prefill"), ("d", "decode")):
-            started.append(Daemon("--role", role, *NODE_ARGS, wait=False, log_path=str(tmp / f"{name}.log")))
+        for name in ("a", "b"):
+            started.append(Daemon("--role", "prefill", *args, env=env, wait=False, log_path=str(tmp / f"{name}.log")))
+        peers = ",".join([n.base_url for n in started] + list(sources))
+        started.append(Daemon("--role", "decode", "--federation-peers", peers, *args, env=env, wait=False,
+                              log_path=str(tmp / "d.log")))
         for node in started:
+            node.http.headers["Authorization"] = f"Bearer {USER_KEY}"  # a client's key
             node.wait_healthy(240)
         yield started
     finally:
@@ -89,6 +112,9 @@ def test_a_prefill_node_pulls_the_prefix_another_holds_hits_it_and_keeps_it(node
     want, prompt_tokens, _ = chat(d, system, {PREFILL: a.base_url})  # A computes it: its cache holds it
     whole = (prompt_tokens - 1) // PAGE * PAGE  # the pages a prefill can hit (its last token is computed)
     assert whole >= 6 * PAGE
+    # a conductor orders a pull once the source's state shows the pages: so does this test
+    wait_for(lambda: len(a.http.get("/federation/state", headers=AS_NODE).json()["keys"]["snapshot"])
+             >= whole // PAGE, 10)
     ok, failed = pulls(b, "ok"), pulls(b, "failed")
     prefilled = b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="ok")
     text, _, cached = chat(d, system, {PREFILL: b.base_url, PREFIX: a.base_url})
@@ -100,48 +126,44 @@ def test_a_prefill_node_pulls_the_prefix_another_holds_hits_it_and_keeps_it(node
     text, _, cached = chat(b, system)
     assert text == want and cached >= whole
     # what a conductor prices the next fetch with: a token's KV, and the link A's give to B measured
-    state_a = a.http.get("/federation/state").json()
+    assert a.http.get("/federation/state").status_code == 403  # a client's key is not a node's
+    state_a = a.http.get("/federation/state", headers=AS_NODE).json()
     assert state_a["kv_token_bytes"] == 2 * 30 * 3 * 64 * 4  # K and V, layers, KV heads, head_dim, float32
-    endpoint_b, = b.http.get("/federation/state").json()["kv_endpoints"]
-    wait_for(lambda: endpoint_b in a.http.get("/federation/state").json()["links"], 10)
-    assert a.http.get("/federation/state").json()["links"][endpoint_b] > 0
+    endpoint_b, = b.http.get("/federation/state", headers=AS_NODE).json()["kv_endpoints"]
+    wait_for(lambda: endpoint_b in a.http.get("/federation/state", headers=AS_NODE).json()["links"], 10)
+    assert a.http.get("/federation/state", headers=AS_NODE).json()["links"][endpoint_b] > 0
     for node in nodes:
         assert_no_pages_held(node)
 
 
-def test_a_pull_from_a_source_that_is_gone_or_silent_falls_back_to_computing_the_prompt_or_is_called_off(nodes):
+def test_a_pull_from_a_source_that_is_gone_or_silent_falls_back_to_computing_the_prompt_or_is_called_off(
+        nodes, sources):
     _, b, d = nodes
-    silent = socket.socket()  # takes connections and never answers: the pull ends at the transfer timeout
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)
-    try:
-        for size, source in (("small", f"http://127.0.0.1:{free_port()}"),
-                             ("large", f"http://127.0.0.1:{silent.getsockname()[1]}")):
-            # a prompt of its own for each: B computes it, and it must not hit there the next time
-            system = f"You are a terse assistant for a {size} library that lends tools as well as books. " * 5
-            want, _, _ = chat(d, system)  # D alone
-            ok, failed = pulls(b, "ok"), pulls(b, "failed")
-            prefilled = d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok")
-            text, _, _ = chat(d, system, {PREFILL: b.base_url, PREFIX: source})
-            assert text == want, source
-            assert (pulls(b, "ok"), pulls(b, "failed")) == (ok, failed + 1), source
-            # B still prefilled it for D: its heartbeats went on while it pulled
-            assert d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok") == prefilled + 1
-        # a client that goes while B pulls calls the order off: B computes nothing for it
-        prefilled = [b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome=outcome)
-                     for outcome in ("ok", "failed")]
-        failed = pulls(b, "failed")
-        messages = [{"role": "user", "content": "Name three rivers of Europe and where they meet the sea. " * 4}]
-        with pytest.raises(httpx.TimeoutException):
-            d.http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8},
-                        headers={PREFILL: b.base_url, PREFIX: f"http://127.0.0.1:{silent.getsockname()[1]}"},
-                        timeout=0.5)
-        wait_for(lambda: pulls(b, "failed") == failed + 1, 10)
-        wait_for(lambda: b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="failed")
-                 == prefilled[1] + 1, 10)
-        assert b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="ok") == prefilled[0]
-    finally:
-        silent.close()
+    gone, silent = sources
+    for size, source in (("small", gone), ("large", silent)):
+        # a prompt of its own for each: B computes it, and it must not hit there the next time
+        system = f"You are a terse assistant for a {size} library that lends tools as well as books. " * 5
+        want, _, _ = chat(d, system)  # D alone
+        ok, failed = pulls(b, "ok"), pulls(b, "failed")
+        prefilled = d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok")
+        text, _, _ = chat(d, system, {PREFILL: b.base_url, PREFIX: source})
+        assert text == want, source
+        assert (pulls(b, "ok"), pulls(b, "failed")) == (ok, failed + 1), source
+        # B still prefilled it for D: its heartbeats went on while it pulled
+        assert d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok") == prefilled + 1
+    # a client that goes while B pulls calls the order off: B computes nothing for it
+    prefilled = [b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome=outcome)
+                 for outcome in ("ok", "failed")]
+    failed = pulls(b, "failed")
+    messages = [{"role": "user", "content": "Name three rivers of Europe and where they meet the sea. " * 4}]
+    with pytest.raises(httpx.TimeoutException):
+        d.http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8},
+                    headers={PREFILL: b.base_url, PREFIX: silent},
+                    timeout=0.5)
+    wait_for(lambda: pulls(b, "failed") == failed + 1, 10)
+    wait_for(lambda: b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="failed")
+             == prefilled[1] + 1, 10)
+    assert b.metric("tokenflowd_federation_prefills_total", side="prefill", outcome="ok") == prefilled[0]
     for node in nodes:
         assert_no_pages_held(node)
 
@@ -151,6 +173,10 @@ def test_a_prefix_node_that_is_not_a_url_is_refused_and_one_without_a_prefill_no
     r = d.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                                   "max_tokens": 2}, headers={PREFILL: b.base_url, PREFIX: "b:8000"})
     assert r.status_code == 400 and PREFIX in r.text
+    r = d.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                  "max_tokens": 2}, headers={PREFILL: b.base_url,
+                                                                             PREFIX: "http://127.0.0.1:1"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "unlisted_peer"  # not in D's --federation-peers
     pulled = pulls(b, "ok") + pulls(b, "failed")
     prefilled = d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok")
     assert chat(d, "Hello.", {PREFIX: b.base_url})[0] == chat(d, "Hello.")[0]  # D computes it itself

@@ -101,3 +101,46 @@ def test_the_api_key_stays_in_the_front(monkeypatch):
     assert "TOKENFLOWD_API_KEY" not in env and "sk-secret" not in env.values()
     assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
     assert env["PATH"] == os.environ["PATH"]
+
+
+def test_federation_routes_take_only_node_keys_and_v1_takes_every_key():
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from tokenflowd.api.auth import auth_middleware, node_key
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def run(table: KeyTable) -> dict:
+        app = web.Application(middlewares=[auth_middleware(table)])
+        app.router.add_get("/v1/models", ok)
+        app.router.add_get("/federation/state", ok)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        got = {}
+        try:
+            async with aiohttp.ClientSession() as s:
+                for path in ("/v1/models", "/federation/state"):
+                    for key in (None, "sk-ops", "sk-node"):
+                        headers = {"Authorization": f"Bearer {key}"} if key else {}
+                        async with s.get(url + path, headers=headers) as r:
+                            got[path, key] = (r.status, (await r.json()).get("error", {}).get("code"))
+        finally:
+            await runner.cleanup()
+        return got
+
+    keyed = KeyTable((), AuthConfig((KeyGrant("sk-ops", "operator", 10), KeyGrant("sk-node", "node"))))
+    got = asyncio.run(run(keyed))
+    assert got["/v1/models", "sk-ops"][0] == got["/v1/models", "sk-node"][0] == 200
+    assert got["/federation/state", "sk-node"][0] == 200
+    assert got["/federation/state", "sk-ops"] == (403, "not_a_node"), "a client's key, however privileged"
+    assert got["/federation/state", None][0] == got["/v1/models", None][0] == 401
+    # an open API (no key) stays open, federation included: the daemon binds 127.0.0.1 unless told
+    assert all(status == 200 for status, _ in asyncio.run(run(KeyTable((), AuthConfig()))).values())
+    assert node_key({"TOKENFLOWD_NODE_KEY": " sk-node "}) == "sk-node" and node_key({}) is None

@@ -315,10 +315,9 @@ class Front:
                            code="queue_full", headers={"Retry-After": "1"})
 
     def _start(self, prep: _Prepared, request_id: str, arrival: float, choice: Choice,
-               prefill_node: str | None = None, authorization: str | None = None,
-               pull_from: str | None = None) -> Generation:
-        """`prefill_node`: a federated decode node's request, whose prompt that node computes (asked
-        with the client's `authorization`), having first pulled a longer prefix from `pull_from`."""
+               prefill_node: str | None = None, pull_from: str | None = None) -> Generation:
+        """`prefill_node`: a federated decode node's request, whose prompt that node computes, having
+        first pulled a longer prefix from `pull_from`."""
         self._admissible()  # again: the requests placed with this one may have filled the queue
         slot = self.supervisor.slots[choice.engine_id]
         coalesce = self.coalescing if prep.stream and prep.coalesce else None
@@ -343,7 +342,7 @@ class Front:
         if reserved is not None:
             order = PrefillOrder(request_id, prep.prompt_ids, prep.sampling, None, 0.0, prep.priority,
                                  prep.reading_rate, pull_from)
-            self.federation.drive(slot, request_id, order, prefill_node, reserved, authorization)
+            self.federation.drive(slot, request_id, order, prefill_node, reserved)
         return gen
 
     # -- routes -------------------------------------------------------------------------------
@@ -394,8 +393,7 @@ class Front:
         pull_from = self.federation.pulls_from(request)
         self._open(caller)
         try:
-            gen = self._start(prep, chunks.rid, arrival, await self._pick(prep), prefill_node,
-                              request.headers.get("Authorization"), pull_from)
+            gen = self._start(prep, chunks.rid, arrival, await self._pick(prep), prefill_node, pull_from)
         except BaseException:
             self.open_counts.close(caller.identity)
             raise
@@ -411,8 +409,7 @@ class Front:
             if prefill_node is not None and gen.finish_reason in ("stop", "length") and gen.output_ids:
                 # MemServe: the reply's KV goes back to the prefill node, where the next turn starts
                 # (the last token's KV was never computed: its page is not whole here)
-                self.federation.give_back(gen.stream.engine, (prep.prompt_ids + gen.output_ids)[:-1], prefill_node,
-                                          request.headers.get("Authorization"))
+                self.federation.give_back(gen.stream.engine, (prep.prompt_ids + gen.output_ids)[:-1], prefill_node)
             del self.live[chunks.rid]
             self.open_counts.close(caller.identity)
             if gen.finish_reason == "shed":

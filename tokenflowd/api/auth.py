@@ -13,6 +13,12 @@ open API, get `[auth] default_max_priority`, 0 unless the operator says otherwis
 request is refused with a 403 that says what the key may send. A priority below 0 is anyone's:
 it only puts the caller's own request behind the others (an agent yielding to people). A key
 may also be bounded in the requests it has open at once (`max_concurrent`; api/app.py answers 429).
+
+/federation/* (api/federation.py) is the cluster's own: the conductor's polls and the nodes'
+orders to each other, which compute prompts, write KV into a node's prefix cache and list its
+cached pages' keys. With keys configured it takes only keys of [auth] role "node"
+(`[auth.keys."KEY"] role = "node"`): a client's key, however privileged, is refused (403). A node
+sends its own key to its peers from TOKENFLOWD_NODE_KEY; the conductor from its config's api_key.
 """
 from __future__ import annotations
 
@@ -28,7 +34,10 @@ from tokenflowd.api.errors import error_response
 from tokenflowd.config import AuthConfig
 
 ENV_VAR = "TOKENFLOWD_API_KEY"
-PROTECTED_PREFIX = ("/v1/", "/federation/")  # federation: a conductor and peer nodes send a key too
+NODE_KEY_ENV_VAR = "TOKENFLOWD_NODE_KEY"  # the key this node sends to its peers' /federation/*
+PROTECTED_PREFIX = ("/v1/", "/federation/")
+FEDERATION_PREFIX = "/federation/"
+NODE_ROLE = "node"  # the [auth] role of the keys of a cluster's nodes and its conductor
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +79,12 @@ def exposure_warning(host: str, table: "KeyTable") -> str | None:
         return None
     return (f"listening on {host} with no API key: anyone who can reach it may generate text, set reading "
             f"rates and priorities; set --api-key-file, TOKENFLOWD_API_KEY or [auth] keys, or bind to 127.0.0.1")
+
+
+def node_key(environ: dict[str, str] | None = None) -> str | None:
+    """The key this node sends to its peers' /federation/* (None: none, an open cluster)."""
+    key = (os.environ if environ is None else environ).get(NODE_KEY_ENV_VAR, "").strip()
+    return key or None
 
 
 def key_matches(given: bytes, keys: tuple[bytes, ...]) -> bool:
@@ -141,6 +156,10 @@ def auth_middleware(table: KeyTable):
                 if caller is None:
                     return error_response(401, "the API key is not valid: check the key you sent",
                                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                if request.path.startswith(FEDERATION_PREFIX) and caller.role != NODE_ROLE:
+                    return error_response(403, f"{FEDERATION_PREFIX}* is for the cluster's nodes and conductor: "
+                                               f'send a key granted role = "{NODE_ROLE}" in the [auth] table',
+                                          code="not_a_node")
                 request[CALLER] = caller
         return await handler(request)
 

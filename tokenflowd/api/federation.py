@@ -50,6 +50,7 @@ import msgspec
 from aiohttp import web
 
 from tokenflowd import protocol as p
+from tokenflowd.api.auth import node_key
 from tokenflowd.api.errors import APIError
 from tokenflowd.federation.peers import Peers, normal_url
 from tokenflowd.federation.timing import MARGIN, horizon, send_window
@@ -169,7 +170,8 @@ class Federation:
         self._order_decoder = msgspec.json.Decoder(PrefillOrder)
         self.tasks: dict[str, asyncio.Task] = {}  # a decode node's orders out, by request
         self.asked: dict[str, str] = {}  # ... those sent, and to which prefill node
-        self.asked_auth: dict[str, dict] = {}
+        key = node_key()  # what this node sends to its peers' /federation/* (api/auth.py)
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}
         self.aborts: set[asyncio.Task] = set()
         self.orders: dict[str, object] = {}  # a prefill node's orders under way: request -> its stream
         self.keeping: dict[str, tuple] = {}  # a prefill node's stores under way: store -> (its engine, horizon)
@@ -224,7 +226,7 @@ class Federation:
             raise APIError(409, "this node does not prefill for others (--role prefill)", code="wrong_role")
         if order.target is None:
             raise APIError(400, "a prefill order needs its target", param="target")
-        work = asyncio.ensure_future(self._prefill(order, request.headers.get("Authorization")))
+        work = asyncio.ensure_future(self._prefill(order))
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         try:
             await response.prepare(request)
@@ -241,7 +243,7 @@ class Federation:
         await response.write_eof()
         return response
 
-    async def _prefill(self, order: PrefillOrder, authorization: str | None) -> PrefillAnswer:
+    async def _prefill(self, order: PrefillOrder) -> PrefillAnswer:
         front, sup = self.front, self.supervisor
         received = time.monotonic()  # the send window runs from here, a pull's time included
         try:
@@ -253,7 +255,7 @@ class Federation:
         if order.pull_from is not None:
             self.pulling[order.request_id] = False
             try:
-                await self._pull(slot, order.prompt_token_ids, order.pull_from, authorization)
+                await self._pull(slot, order.prompt_token_ids, order.pull_from)
             finally:
                 called_off = self.pulling.pop(order.request_id)
             if called_off:  # nothing was written to the decode node's pages
@@ -340,19 +342,15 @@ class Federation:
     def pulls_from(self, request: web.Request) -> str | None:
         """The node whose longer prefix of the prompt the prefill node is to pull first (the
         conductor's choice), for a request this node decodes remotely."""
-        url = request.headers.get(PREFIX_HEADER)
-        if url is None or self.decodes_remotely(request) is None:
+        if self.decodes_remotely(request) is None:
             return None
-        if not url.startswith(("http://", "https://")):
-            raise APIError(400, f"{PREFIX_HEADER} must be an http(s) URL", param=PREFIX_HEADER)
-        return url.rstrip("/")
+        return self.peer(request, PREFIX_HEADER)
 
-    def drive(self, slot, request_id: str, order: PrefillOrder, url: str, reserved: asyncio.Future,
-              authorization: str | None) -> None:
+    def drive(self, slot, request_id: str, order: PrefillOrder, url: str, reserved: asyncio.Future) -> None:
         """Have the prefill node at `url` fill the pages the engine reserves (its answer, Reserved;
-        `order` without its target yet), with the client's own key (`authorization`; the nodes of a
-        cluster share their keys). `cancel(request_id)` when the client has gone."""
-        task = asyncio.create_task(self._drive(slot, request_id, order, url, reserved, authorization))
+        `order` without its target yet), asked with this node's key. `cancel(request_id)` when the
+        client has gone."""
+        task = asyncio.create_task(self._drive(slot, request_id, order, url, reserved))
         self.tasks[request_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
 
@@ -368,14 +366,13 @@ class Federation:
     async def _abort(self, url: str, request_id: str) -> None:
         try:
             async with self._client().post(f"{url}/federation/abort", json={"request_id": request_id},
-                                           headers=self.asked_auth.get(request_id, {}),
+                                           headers=self.auth,
                                            timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
                 await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             pass  # unreachable: its pages wait out the horizon
 
-    async def _drive(self, slot, rid: str, order: PrefillOrder, url: str, reserved: asyncio.Future,
-                     authorization: str | None) -> None:
+    async def _drive(self, slot, rid: str, order: PrefillOrder, url: str, reserved: asyncio.Future) -> None:
         try:
             msg: p.Reserved = await asyncio.wait_for(reserved, self.timeout)
         except asyncio.TimeoutError:  # the engine is gone or far behind: whatever it reserved is free
@@ -387,13 +384,11 @@ class Federation:
             return
         order = msgspec.structs.replace(order, target=msg.target, send_window=send_window(self.timeout))
         self.asked[rid] = url
-        if authorization:
-            self.asked_auth[rid] = {"Authorization": authorization}
         try:
             session = self._client()
             # silence longer than the transfer timeout (no heartbeat): the prefill node or its link is gone
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
-            headers = {"Content-Type": "application/json", **({"Authorization": authorization} if authorization else {})}
+            headers = {"Content-Type": "application/json", **self.auth}
             async with session.post(f"{url}/federation/prefill", data=msgspec.json.encode(order), headers=headers,
                                     timeout=timeout) as r:
                 body = (await r.read()).strip()
@@ -407,7 +402,6 @@ class Federation:
         if not answer.ok:
             log.warning("prefill of %s at %s failed (%s): computing it here", rid, url, answer.error)
         self.asked.pop(rid, None)
-        self.asked_auth.pop(rid, None)
         self.supervisor.send(slot, p.RemoteArrived(rid, answer.first_token if answer.ok else None,
                                                    answer.checksum, answer.settled, answer.num_cached_tokens))
 
@@ -459,13 +453,13 @@ class Federation:
             raise APIError(400, f"not a report: {e}") from None
         return web.json_response({"known": self._report(body)})
 
-    def give_back(self, slot, token_ids: list[int], url: str, authorization: str | None) -> None:
+    def give_back(self, slot, token_ids: list[int], url: str) -> None:
         """A decode node: the ended request's whole pages go to the prefill node at `url` (MemServe)."""
-        task = asyncio.create_task(self._move(token_ids, _There(self, url, authorization), _Here(self, slot), "return"))
+        task = asyncio.create_task(self._move(token_ids, _There(self, url), _Here(self, slot), "return"))
         self.aborts.add(task)
         task.add_done_callback(self.aborts.discard)
 
-    async def _pull(self, slot, prompt: list[int], url: str, authorization: str | None) -> None:
+    async def _pull(self, slot, prompt: list[int], url: str) -> None:
         """A prefill node, before it computes `prompt` on engine `slot`: the whole pages of it that the
         node at `url` holds and this engine lacks come into this engine's prefix cache, where they stay
         (Algorithm 1's transfer branch: hot prefixes replicate by use). Within one transfer timeout;
@@ -474,7 +468,7 @@ class Federation:
             return
         # the last token is always computed (kv/manager.py `match`): only pages before it can hit
         try:
-            await asyncio.wait_for(self._move(prompt[:-1], _Here(self, slot), _There(self, url, authorization), "pull"),
+            await asyncio.wait_for(self._move(prompt[:-1], _Here(self, slot), _There(self, url), "pull"),
                                    self.timeout)
         except asyncio.TimeoutError:  # the pages it reserved wait out their horizon (no write lands after it)
             log.info("the pull from %s took over %s s: computing the prompt", url, self.timeout)
@@ -587,14 +581,11 @@ class _Here:
 
 
 class _There:
-    """Another node's front at `url` as one side of a store, asked with the client's key (the nodes
-    of a cluster share their keys)."""
+    """Another node's front at `url` as one side of a store, asked with this node's key."""
 
-    def __init__(self, federation: Federation, url: str, authorization: str | None) -> None:
+    def __init__(self, federation: Federation, url: str) -> None:
         self.federation, self.url = federation, url
-        self.headers = {"Content-Type": "application/json"}
-        if authorization:
-            self.headers["Authorization"] = authorization
+        self.headers = {"Content-Type": "application/json", **federation.auth}
 
     def __repr__(self) -> str:
         return self.url
