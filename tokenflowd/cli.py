@@ -106,6 +106,41 @@ def cmd_conductor(a: argparse.Namespace) -> int:
     return run(config)
 
 
+def cmd_federation_plan(a: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from tokenflowd.federation.conductor import ConductorConfig
+    from tokenflowd.federation.plan import fetch_states, plan_cluster, trace_lengths
+
+    try:
+        config = ConductorConfig.load(a.config)
+        with open(a.trace, encoding="utf-8") as f:
+            lengths, mean_tokens, mean_output = trace_lengths(f)
+        states = asyncio.run(fetch_states(config.nodes, config.api_key))
+        live = plan_cluster(states, config.remote, lengths, mean_tokens, mean_output,
+                            a.tbt_slo if a.tbt_slo is not None else config.tbt_slo)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        print(f"tokenflowd federation plan: {e}", file=sys.stderr)
+        return 2
+    plan, silent = live.plan, [name for name, _ in config.nodes if name not in states]
+    if a.json:
+        print(json.dumps({**plan.to_dict(), "threshold": None if plan.threshold == float("inf") else plan.threshold,
+                          "remote": live.remote, "local": live.local, "unreachable": silent,
+                          "egress_measured_bytes_per_s": live.cluster.egress}))
+        return 0
+    t = "none (nothing offloaded)" if plan.threshold == float("inf") else f"{plan.threshold:.0f} tokens"
+    print(f"nodes: {len(live.remote)} remote prefill ({', '.join(live.remote) or '-'}), {len(live.local)} local "
+          f"({', '.join(live.local)})" + (f"; not answering: {', '.join(silent)}" if silent else ""))
+    print(f"threshold t: {t}; offloaded {plan.offloaded:.1%} (mean {plan.l_long:.0f} tokens remote, "
+          f"{plan.l_short:.0f} local)")
+    print(f"local split: N_p {plan.n_prefill} / N_d {plan.n_decode}")
+    print(f"Θ_prfaas {plan.theta_prfaas:.3g}, Θ_pd-p {plan.theta_pd_p:.3g}, Θ_pd-d {plan.theta_pd_d:.3g} req/s; "
+          f"Λ_max {plan.throughput:.3g} req/s")
+    print(f"egress at Λ_max: {plan.egress * 8 / 1e9:.3g} Gb/s of {live.cluster.egress * 8 / 1e9:.3g} Gb/s measured")
+    return 0
+
+
 def cmd_config_check(a: argparse.Namespace) -> int:
     """Validate a config file (with the TOKENFLOWD_* variables set now) and print what it resolves to."""
     from tokenflowd.config import config_toml
@@ -193,6 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--host", help="address to bind (default: the file's, else 127.0.0.1)")
     d.add_argument("--port", type=int, help="default: the file's, else 8000")
     d.set_defaults(func=cmd_conductor)
+    f = sub.add_parser("federation", help="a federated cluster's planning (PrfaaS)")
+    fsub = f.add_subparsers(dest="federation_command", required=True)
+    plan = fsub.add_parser("plan", parents=[common],
+                           help="PrfaaS's plan for the cluster as its nodes measure themselves: the threshold t above "
+                                "which a prompt is prefilled remotely, the local prefill/decode split, the predicted "
+                                "throughput")
+    plan.add_argument("--config", required=True, help="cluster.toml; [[nodes]] with remote = true are the PrfaaS "
+                                                      "prefill nodes")
+    plan.add_argument("--trace", required=True, help="a Mooncake-format trace (JSON lines: input_length, "
+                                                     "output_length, hash_ids) of the workload to plan for")
+    plan.add_argument("--tbt-slo", type=float, help="s between tokens (default: the config's tbt_slo)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=cmd_federation_plan)
     from tokenflowd.sim.cli import add_commands as add_sim_commands
 
     add_sim_commands(sub, common)  # sim, calibrate

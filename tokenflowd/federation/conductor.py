@@ -76,6 +76,7 @@ class ConductorConfig:
     decode_seconds: float = 20.0  # a decode's uniform time until finished ones say otherwise
     poll_interval: float = 0.25  # s between state polls of each node
     api_key: str = ""  # the nodes' API key, for their /federation/state (clients' requests carry their own)
+    remote: tuple[str, ...] = ()  # nodes of [[nodes]] with remote = true: the PrfaaS prefill cluster
     link_gbps: float = 10.0  # Gb/s between two nodes before a transfer between them was measured (0: none)
 
     @classmethod
@@ -88,6 +89,7 @@ class ConductorConfig:
             raise ValueError(f"{path}: no [[nodes]] (each with name and url)")
         try:
             table["nodes"] = tuple((str(n["name"]), str(n["url"]).rstrip("/")) for n in nodes)
+            table["remote"] = tuple(str(n["name"]) for n in nodes if n.get("remote", False) is True)
         except KeyError as e:
             raise ValueError(f"{path}: every [[nodes]] needs {e.args[0]}") from None
         unknown = set(table) - set(cls.__dataclass_fields__)
@@ -99,6 +101,9 @@ class ConductorConfig:
     def __post_init__(self) -> None:
         if self.rejection not in ("off", "current", "predicted"):
             raise ValueError(f"rejection must be off, current or predicted, got {self.rejection!r}")
+        unknown = set(self.remote) - {name for name, _ in self.nodes}
+        if unknown:
+            raise ValueError(f"remote names no node: {', '.join(sorted(unknown))}")
         if not 0 <= self.link_gbps < math.inf:
             raise ValueError(f"link_gbps must be a number of Gb/s, 0 or more, got {self.link_gbps!r}")
 
