@@ -70,6 +70,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
         print(config_toml(server, engine), end="")
         return 0
+    if engine.role != "both" and (server.api_servers or 1) > 1:
+        print("tokenflowd: a prefill or decode node runs one front process (--api-servers 1): its stores, its "
+              "key log and its role are the front's, and a peer's calls must all reach the same one", file=sys.stderr)
+        return 2
     missing = federation_missing(engine.role)
     if missing:
         print(f"tokenflowd: {missing}", file=sys.stderr)

@@ -37,7 +37,7 @@ log = logging.getLogger("tokenflowd.supervisor")
 # no slower steps at 64 (mean inter-token latency 67.5 ms vs 73.9 ms at 1,024; 0, no cache,
 # was 2.6x slower).
 ENGINE_ENV_DEFAULTS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
-FRONT_SECRETS = ("TOKENFLOWD_API_KEY",)  # the front's alone: an engine never sees a client
+FRONT_SECRETS = ("TOKENFLOWD_API_KEY", "TOKENFLOWD_NODE_KEY")  # the front's alone: an engine never sees a key
 
 
 def engine_environment(own: dict[str, str]) -> dict[str, str]:

@@ -107,6 +107,7 @@ class KeptKV(msgspec.Struct, tag=True):
     ok: bool
     checksum: int = 0
     num_pages: int = 0  # the leading pages of the target written (the giver's cache may hold fewer)
+    unwritten: bool = False  # not ok, and the giver never wrote: the pages are free at once
 
 
 class GiveKV(msgspec.Struct, tag=True):
@@ -337,6 +338,7 @@ class Prefilled(msgspec.Struct, tag=True):
     num_cached_tokens: int = 0
     error: str | None = None
     num_pages: int = 0  # GiveKV: pages written
+    unwritten: bool = False  # GiveKV: refused before any write (nothing can land at the target)
 
 
 FromEngine = Ready | StepOutputs | QueryReply | Reconfigured | KeySnapshot | Reserved | Prefilled

@@ -217,6 +217,8 @@ def api_servers(server: ServerConfig, engine: EngineConfig) -> int:
     the streams it holds), and one on CPU, where the engines need the cores."""
     if server.api_servers is not None:
         return server.api_servers
+    if engine.role != "both":  # a federated node's stores, key log and role live in its one front
+        return 1
     if engine.device.startswith("cuda"):
         from tokenflowd.launcher import engine_configs
 

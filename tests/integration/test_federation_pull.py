@@ -10,9 +10,14 @@ The conductor's part is to name the nodes; here the tests name them in the heade
   else: B computes it and the tokens are the same; a client that goes meanwhile calls the order
   off. No KV page stays taken on any node.
 - A node of role both, which has no transfer engine, refuses to give (409).
+- Prefill and decode trade roles (POST /federation/role, PrfaaS's long-term re-planning): D, with
+  streams under way, refuses to become a prefill node until they have ended (409 draining); none
+  is cut short. B becomes a decode node and serves a request A prefills, with the tokens D gives.
+  No KV page stays taken.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -58,8 +63,10 @@ def nodes(tmp_path_factory, sources):
     env = {"TOKENFLOWD_NODE_KEY": NODE_KEY}
     started = []
     try:
-        for name in ("a", "b"):
-            started.append(Daemon("--role", "prefill", *args, env=env, wait=False, log_path=str(tmp / f"{name}.log")))
+        started.append(Daemon("--role", "prefill", *args, env=env, wait=False, log_path=str(tmp / "a.log")))
+        # B pulls from the nodes it lists, and may become a decode node (the role test)
+        started.append(Daemon("--role", "prefill", "--federation-peers", ",".join([started[0].base_url, *sources]),
+                              *args, env=env, wait=False, log_path=str(tmp / "b.log")))
         peers = ",".join([n.base_url for n in started] + list(sources))
         started.append(Daemon("--role", "decode", "--federation-peers", peers, *args, env=env, wait=False,
                               log_path=str(tmp / "d.log")))
@@ -173,10 +180,10 @@ def test_a_prefix_node_that_is_not_a_url_is_refused_and_one_without_a_prefill_no
     r = d.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                                   "max_tokens": 2}, headers={PREFILL: b.base_url, PREFIX: "b:8000"})
     assert r.status_code == 400 and PREFIX in r.text
-    r = d.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                  "max_tokens": 2}, headers={PREFILL: b.base_url,
-                                                                             PREFIX: "http://127.0.0.1:1"})
-    assert r.status_code == 403 and r.json()["error"]["code"] == "unlisted_peer"  # not in D's --federation-peers
+    # a source not in D's --federation-peers: the pull is dropped, the request served (B computes it)
+    pulled = pulls(b, "ok") + pulls(b, "failed")
+    assert chat(d, "Hi there.", {PREFILL: b.base_url, PREFIX: "http://127.0.0.1:1"})[0] == chat(d, "Hi there.")[0]
+    assert pulls(b, "ok") + pulls(b, "failed") == pulled
     pulled = pulls(b, "ok") + pulls(b, "failed")
     prefilled = d.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok")
     assert chat(d, "Hello.", {PREFIX: b.base_url})[0] == chat(d, "Hello.")[0]  # D computes it itself
@@ -196,3 +203,53 @@ def test_give_refuses_what_it_cannot_give_with_a_reason():
         assert r.status_code == 400 and "give order" in r.json()["error"]["message"]
     finally:
         both.stop()
+
+
+def role(node: Daemon, new: str) -> httpx.Response:
+    return node.http.post("/federation/role", json={"role": new}, headers=AS_NODE)
+
+
+def test_prefill_and_decode_trade_roles_once_drained_and_no_stream_is_cut_short(nodes):
+    import concurrent.futures
+
+    a, b, d = nodes
+    system = "You are a keeper of lighthouses and you describe the sea at night in plain words. " * 3
+    want, _, _ = chat(d, system)  # D alone
+
+    def stream(i: int) -> tuple[str | None, int]:
+        messages = [{"role": "user", "content": f"Tell story number {i} about a small boat."}]
+        with d.http.stream("POST", "/v1/chat/completions", headers={PREFILL: a.base_url},
+                           json={"model": MODEL, "messages": messages, "max_tokens": 96, "stream": True,
+                                 "reading_rate": 24, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200, r.read()
+            finish, tokens = None, 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    for choice in chunk.get("choices", []):
+                        finish = choice.get("finish_reason") or finish
+            return finish, tokens
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream, i) for i in range(4)]
+        wait_for(lambda: d.metric("tokenflowd_requests_running") >= 1, 30)
+        refused = role(d, "prefill")
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "draining"
+        results = [f.result(120) for f in streams]
+    assert results == [("length", 96)] * 4, results  # every stream ran to its end
+    try:
+        r = role(d, "prefill")
+        assert r.status_code == 200 and r.json() == {"role": "prefill", "changed": True}
+        assert d.http.get("/federation/state", headers=AS_NODE).json()["role"] == "prefill"
+        # B, a prefill node, becomes a decode node: A prefills for it, and its tokens are D's
+        assert role(b, "decode").json() == {"role": "decode", "changed": True}
+        text, _, _ = chat(b, system, {PREFILL: a.base_url})
+        assert text == want
+        assert b.metric("tokenflowd_federation_prefills_total", side="decode", outcome="ok") >= 1
+        assert role(a, "decode").status_code == 409  # A has no --federation-peers: it cannot take KV
+    finally:
+        assert role(b, "prefill").status_code == 200 and role(d, "decode").status_code == 200
+    for node in nodes:
+        assert_no_pages_held(node)

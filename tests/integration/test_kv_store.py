@@ -123,3 +123,19 @@ def test_a_reservation_takes_at_most_a_quarter_of_the_cache(tiny):
     assert held == 0 and len(pages) == b.pool.num_pages // 4
     keeper.poll(float("inf"))  # never reported: freed at the horizon
     assert b.pool.num_used == 0
+
+
+def test_a_store_the_giver_refused_before_writing_frees_its_pages_at_once_and_one_that_failed_does_not(tiny):
+    b = core(tiny)
+    keys = chain_page_keys(PROMPT, PAGE, [])
+    keeper = Keeper(b.pool, b.runner.kv_layers, b.runner.attn.page_axis)
+    free = b.pool.num_free
+    _, pages = keeper.reserve("refused", keys, until=100.0)
+    assert pages and b.pool.num_free == free - len(pages)
+    keeper.done("refused", False, now=0.0, unwritten=True)  # e.g. the giver no longer held the pages
+    assert not keeper.kept and b.pool.num_free == free
+    _, pages = keeper.reserve("failed", keys, until=100.0)
+    keeper.done("failed", False, now=0.0)  # a write that failed may still land: held to the horizon
+    assert keeper.poll(50.0) == 0 and b.pool.num_free == free - len(pages)
+    keeper.poll(100.0)
+    assert not keeper.kept and b.pool.num_free == free

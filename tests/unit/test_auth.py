@@ -96,9 +96,11 @@ def test_the_api_key_stays_in_the_front(monkeypatch):
     from tokenflowd.launcher import engine_environment
 
     monkeypatch.setenv("TOKENFLOWD_API_KEY", "sk-secret")
+    monkeypatch.setenv("TOKENFLOWD_NODE_KEY", "sk-node-secret")  # the cluster's own key, too
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
     env = engine_environment({"CUDA_VISIBLE_DEVICES": "3"})
     assert "TOKENFLOWD_API_KEY" not in env and "sk-secret" not in env.values()
+    assert "TOKENFLOWD_NODE_KEY" not in env and "sk-node-secret" not in env.values()
     assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
     assert env["PATH"] == os.environ["PATH"]
 

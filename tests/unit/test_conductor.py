@@ -206,3 +206,13 @@ def test_a_prefill_or_decode_role_without_the_federation_extra_says_how_to_insta
     why = federation_missing("prefill")
     assert "pip install 'tokenflowd[federation]'" in why and "libibverbs1" in why
     assert federation_missing("both") is None
+
+
+def test_a_prefill_or_decode_node_runs_one_front_process(capsys):
+    from tokenflowd.cli import main
+    from tokenflowd.config import EngineConfig, ServerConfig
+    from tokenflowd.serve import api_servers
+
+    assert api_servers(ServerConfig(), EngineConfig(role="prefill", device="cuda")) == 1
+    code = main(["serve", "--role", "prefill", "--api-servers", "2", "--port", "8123"])
+    assert code == 2 and "one front process" in capsys.readouterr().err

@@ -72,6 +72,8 @@ def test_requests_still_to_arrive_count_at_the_rate_decodes_started_after_the_sh
     # Arrivals from 20 on can reach decode from 21 (the shortest prefill queue is 1 s): 10 s × 0.4.
     assert load.arriving(31.0, now=20.0, earliest=21.0) == pytest.approx(4.0)
     assert load.arriving(31.0, now=20.0, earliest=35.0) == 0.0  # every queue is longer: none overtakes
+    # one that reaches decode more than T_d before t has ended by t: never more than T_d × the rate
+    assert load.arriving(80.0, now=20.0, earliest=21.0) == pytest.approx(4.0)
     gate, uniform = EarlyRejection(load), EarlyRejection(load, predict="uniform")
     load.capacity = 2
     assert uniform.admit(20.0, 31.0, earliest=21.0)  # the paper's count sees an empty pool at 31

@@ -398,6 +398,8 @@ class Front:
             self.open_counts.close(caller.identity)
             raise
         self.live[chunks.rid] = _Live(gen, prep.rate, caller.identity)
+        if prefill_node is not None:
+            self.federation.decoding.add(chunks.rid)
         try:
             if prep.stream:
                 return await self._stream(request, gen, prep, chunks)
@@ -411,6 +413,7 @@ class Front:
                 # (the last token's KV was never computed: its page is not whole here)
                 self.federation.give_back(gen.stream.engine, (prep.prompt_ids + gen.output_ids)[:-1], prefill_node)
             del self.live[chunks.rid]
+            self.federation.decoding.discard(chunks.rid)
             self.open_counts.close(caller.identity)
             if gen.finish_reason == "shed":
                 self.metrics.rejected.labels("429").inc()
@@ -596,6 +599,7 @@ def build_app(front: Front) -> web.Application:
     app.router.add_post("/federation/keep", front.federation.keep)
     app.router.add_post("/federation/kept", front.federation.kept)
     app.router.add_post("/federation/give", front.federation.give)
+    app.router.add_post("/federation/role", front.federation.set_role)
 
     async def close_federation(_app: web.Application) -> None:
         await front.federation.close()

@@ -14,6 +14,12 @@
     POST /federation/give            a prefill or decode node: write its cached pages of them there
                                      (a store's giver); answers once the writes have settled
     POST /federation/kept            the giver's writes have settled: the keeper publishes what arrived
+    POST /federation/role            a prefill or decode node takes the other role, once it has no
+                                     work of its old role under way (PrfaaS's long-term re-planning)
+
+With API keys configured, /federation/* takes only keys of [auth] role "node" (api/auth.py), and a
+node calls its peers with its own (TOKENFLOWD_NODE_KEY). Every URL a node calls comes from its
+--federation-peers: the prefill node a decode node's request names, and the source of a pull.
 
 A decode node serves an ordinary OpenAI request that carries `X-Tokenflowd-Prefill-Node: URL` (the
 conductor adds it): its engine allocates the prompt's pages (Reserved), this front asks the prefill
@@ -34,7 +40,9 @@ two directions:
   other node give them, and publishes what arrived intact, so its prefill hits them. The copy stays
   in its prefix cache: hot prefixes replicate by use. A pull that fails, or outlasts the transfer
   timeout, leaves the prompt to compute (the order's heartbeats go on meanwhile); pages reserved for
-  it wait out their horizon.
+  it wait out their horizon, unless the giver refused before writing anything (they are free at
+  once). A source that is not among the decode node's, or the prefill node's, --federation-peers is
+  not pulled from.
 """
 from __future__ import annotations
 
@@ -101,6 +109,7 @@ class KeptReport(msgspec.Struct):
     ok: bool
     checksum: int = 0
     num_pages: int = 0
+    unwritten: bool = False  # the giver never wrote: the keeper frees the pages at once
 
 
 class GiveOrder(msgspec.Struct):
@@ -117,10 +126,15 @@ class GiveAnswer(msgspec.Struct):
     checksum: int = 0
     num_pages: int = 0
     error: str | None = None
+    unwritten: bool = False  # refused before any write: nothing can land at the target
 
 
 class _Refused(Exception):
-    """The other node answered a store's step with an error."""
+    """The other node answered a store's step with an error (`status`: a 4xx did nothing there)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class KeyLog:
@@ -175,11 +189,39 @@ class Federation:
         self.aborts: set[asyncio.Task] = set()
         self.orders: dict[str, object] = {}  # a prefill node's orders under way: request -> its stream
         self.keeping: dict[str, tuple] = {}  # a prefill node's stores under way: store -> (its engine, horizon)
-        self.pulling: dict[str, bool] = {}  # a prefill node's orders pulling a prefix first -> called off
+        self.pulling: dict[str, asyncio.Task] = {}  # a prefill node's orders pulling a prefix first
+        self.called_off: set[str] = set()  # ... whose decode node gave up meanwhile
 
-    @property
-    def role(self) -> str:
-        return self.supervisor.engine_config.role
+        self.role = self.supervisor.engine_config.role  # prefill and decode may trade (POST /federation/role)
+        self.decoding: set[str] = set()  # a decode node's streams whose prompt a prefill node computed
+
+    # -- POST /federation/role ----------------------------------------------------------------------
+    async def set_role(self, request: web.Request) -> web.Response:
+        """{"role": "prefill" | "decode"}: the node takes the other role's orders from now on (PrfaaS's
+        long-term re-planning; the conductor drains it first). Refused (409, code "draining") while
+        work of the old role is under way: prefill orders, or streams decoded from a prefill node's
+        KV. Its engines have both roles' machinery: nothing restarts, no page moves."""
+        try:
+            role = msgspec.json.decode(await self.front.read_body(request), type=dict)["role"]
+        except (msgspec.DecodeError, KeyError, TypeError):
+            raise APIError(400, 'send {"role": "prefill" | "decode"}') from None
+        if role not in ("prefill", "decode"):
+            raise APIError(400, f"role must be prefill or decode, got {role!r}", param="role")
+        if self.role == "both":
+            raise APIError(409, "a node of role both has no transfer engine: it cannot take another role",
+                           code="wrong_role")
+        if role == self.role:
+            return web.json_response({"role": role, "changed": False})
+        if role == "decode" and not self.peers.urls:
+            raise APIError(409, "a decode node takes KV only from the nodes of --federation-peers, and this node "
+                                "has none", code="no_peers")
+        busy = len(self.orders) + len(self.pulling) if self.role == "prefill" else len(self.tasks) + len(self.decoding)
+        if busy:
+            raise APIError(409, f"draining: {busy} {self.role} request(s) under way; ask again when they have ended",
+                           code="draining", headers={"Retry-After": "1"})
+        log.info("federation: role %s -> %s", self.role, role)
+        self.role = role
+        return web.json_response({"role": role, "changed": True})
 
     # -- GET /federation/state --------------------------------------------------------------------
     async def state(self, request: web.Request) -> web.Response:
@@ -252,13 +294,22 @@ class Federation:
         except APIError as e:
             return PrefillAnswer(False, error=e.message)
         slot = sup.slots[choice.engine_id]
-        if order.pull_from is not None:
-            self.pulling[order.request_id] = False
+        source = self.peers.named(order.pull_from) if order.pull_from is not None else None
+        if order.pull_from is not None and source is None:
+            log.warning("not pulling from %s: it is not among this node's --federation-peers", order.pull_from)
+        if source is not None:
+            rid = order.request_id
+            pull = self.pulling[rid] = asyncio.ensure_future(self._pull(slot, order.prompt_token_ids, source))
             try:
-                await self._pull(slot, order.prompt_token_ids, order.pull_from)
+                await asyncio.shield(pull)  # abort cancels the pull alone; this order's own cancel stops both
+            except asyncio.CancelledError:
+                if rid not in self.called_off:
+                    pull.cancel()
+                    raise
             finally:
-                called_off = self.pulling.pop(order.request_id)
-            if called_off:  # nothing was written to the decode node's pages
+                self.pulling.pop(rid, None)
+            if rid in self.called_off:  # nothing was written to the decode node's pages
+                self.called_off.discard(rid)
                 return PrefillAnswer(False, error="called off by the decode node")
         s = order.sampling
         sampling = msgspec.structs.replace(s, max_tokens=1, min_tokens=min(s.min_tokens, 1))
@@ -313,9 +364,10 @@ class Federation:
         stream = self.orders.get(rid)
         if stream is not None:
             self.supervisor.abort(stream)
-        elif rid in self.pulling:  # it has not started: it will not
-            self.pulling[rid] = True
-        return web.json_response({"aborted": stream is not None or rid in self.pulling})
+        elif rid in self.pulling:  # it has not started: it will not (its reserved pages wait out their horizon)
+            self.called_off.add(rid)
+            self.pulling[rid].cancel()
+        return web.json_response({"aborted": stream is not None or rid in self.called_off})
 
     # -- a decode node's request -----------------------------------------------------------------
     def decodes_remotely(self, request: web.Request) -> str | None:
@@ -341,10 +393,17 @@ class Federation:
 
     def pulls_from(self, request: web.Request) -> str | None:
         """The node whose longer prefix of the prompt the prefill node is to pull first (the
-        conductor's choice), for a request this node decodes remotely."""
+        conductor's choice), for a request this node decodes remotely. The pull only saves work: a
+        source not among --federation-peers is dropped (and logged), and the request is served."""
         if self.decodes_remotely(request) is None:
             return None
-        return self.peer(request, PREFIX_HEADER)
+        try:
+            return self.peer(request, PREFIX_HEADER)
+        except APIError as e:
+            if e.status != 403:
+                raise
+            log.warning("%s: no pull", e.message)
+            return None
 
     def drive(self, slot, request_id: str, order: PrefillOrder, url: str, reserved: asyncio.Future) -> None:
         """Have the prefill node at `url` fill the pages the engine reserves (its answer, Reserved;
@@ -473,6 +532,9 @@ class Federation:
         except asyncio.TimeoutError:  # the pages it reserved wait out their horizon (no write lands after it)
             log.info("the pull from %s took over %s s: computing the prompt", url, self.timeout)
             self.front.metrics.federation.labels("pull", "failed").inc()
+        except asyncio.CancelledError:  # called off, or the order's own end: a pull that did not happen
+            self.front.metrics.federation.labels("pull", "failed").inc()
+            raise
 
     async def _move(self, token_ids: list[int], keeper: _Here | _There, giver: _Here | _There, side: str) -> bool:
         """One store: the keeper reserves pages for the whole pages of `token_ids` after those it holds,
@@ -486,8 +548,15 @@ class Federation:
             kept = await keeper.keep(sid, token_ids)
             if kept.target is None:  # it holds them all, or has no room
                 return False
-            given = await giver.give(GiveOrder(sid, token_ids, kept.held, kept.target))
-            await keeper.kept(KeptReport(sid, given.ok, given.checksum, given.num_pages))
+            try:
+                given = await giver.give(GiveOrder(sid, token_ids, kept.held, kept.target))
+            except (_Refused, APIError, aiohttp.ClientConnectorError) as e:
+                # refused, or never reached: nothing was written (a 5xx or a timeout may hide writes)
+                unwritten = (isinstance(e, aiohttp.ClientConnectorError) or 400 <= getattr(e, "status", 0) < 500)
+                given = GiveAnswer(False, error=repr(e), unwritten=unwritten)
+            # the keeper frees pages nothing was written to at once, others at their horizon
+            await keeper.kept(KeptReport(sid, given.ok, given.checksum, given.num_pages,
+                                         unwritten=not given.ok and given.unwritten))
         except (_Refused, APIError, aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError, OSError) as e:
             log.info("%s of %d tokens (%s -> %s) failed: %r", side, len(token_ids), giver, keeper, e)
             given = GiveAnswer(False, error=repr(e))
@@ -527,7 +596,8 @@ class Federation:
         """The keeper's last step: the giver's writes have settled (KeptKV). -> the store was known."""
         kept = self.keeping.pop(report.store_id, None)
         if kept is not None:
-            self.supervisor.send(kept[0], p.KeptKV(report.store_id, report.ok, report.checksum, report.num_pages))
+            self.supervisor.send(kept[0], p.KeptKV(report.store_id, report.ok, report.checksum, report.num_pages,
+                                                   report.unwritten))
         return kept is not None
 
     async def _give(self, slot, order: GiveOrder) -> GiveAnswer:
@@ -542,11 +612,11 @@ class Federation:
             give = p.GiveKV(order.store_id, order.token_ids, order.held, order.target, self.supervisor.front,
                             deadline=time.monotonic() + self.timeout)
             if not self.supervisor.send(slot, give):  # nothing was written: the keeper may know at once
-                return GiveAnswer(False, error="the engine is not serving")
+                return GiveAnswer(False, error="the engine is not serving", unwritten=True)
             given: p.Prefilled = await asyncio.wait_for(answer, 2 * self.timeout + MARGIN)
         finally:
             self.supervisor.forget(order.store_id)
-        return GiveAnswer(given.ok, given.checksum, given.num_pages, given.error)
+        return GiveAnswer(given.ok, given.checksum, given.num_pages, given.error, given.unwritten)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -607,5 +677,5 @@ class _There:
                                                   timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             raw = await r.read()
             if r.status != 200:
-                raise _Refused(f"{path}: {r.status} {raw[:200]!r}")
+                raise _Refused(f"{path}: {r.status} {raw[:200]!r}", r.status)
             return raw

@@ -77,8 +77,10 @@ class EngineProcess(EngineEndpoint):
                 runner.kv_layers, self.core.pool, self.core.lock, self.config.max_num_batched_tokens)
             log.info("pool: %s mode, serving %d pages to peers", self.config.pool_mode, runner.num_pages)
             self.member.size_segments(self.config.pool_segment_tokens)
-        self.sender: Sender | None = None  # federation/: the prefill role's
-        self.receiver: Receiver | None = None  # ... and the decode role's
+        # federation/: the prefill role's, and the decode role's. A prefill or decode node's engine
+        # has both: its front's role (api/federation.py) decides which orders come, and may change.
+        self.sender: Sender | None = None
+        self.receiver: Receiver | None = None
         self.remote_outs: list[EngineCoreOutput] = []  # first tokens of requests whose KV came
         if self.config.role != "both":
             self._join_federation()
@@ -90,12 +92,10 @@ class EngineProcess(EngineEndpoint):
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(1, math.ceil(self.config.kv_transfer_timeout))))
         transport = MooncakeTransport(self.config.kv_host)
         runner, core = self.core.runner, self.core
-        if self.config.role == "prefill":
-            self.sender = Sender(transport, runner.kv_cache, runner.attn.page_axis, self.config.page_size, core.pool)
-            core.on_batch = self._plan_sends
-        else:
-            self.receiver = Receiver(transport, runner.kv_cache, runner.attn.page_axis)
-            core.kv.remote_quarantine = horizon(self.config.kv_transfer_timeout)
+        self.sender = Sender(transport, runner.kv_cache, runner.attn.page_axis, self.config.page_size, core.pool)
+        core.on_batch = self._plan_sends
+        self.receiver = Receiver(transport, runner.kv_cache, runner.attn.page_axis)
+        core.kv.remote_quarantine = horizon(self.config.kv_transfer_timeout)
         self.transport = transport
         layers, axis = runner.kv_layers, runner.attn.page_axis
         self.keeper = Keeper(core.pool, layers, axis)  # a reply's KV from a decode node (MemServe)
@@ -235,7 +235,7 @@ class EngineProcess(EngineEndpoint):
 
     def _store(self, msg: p.KeepKV | p.KeptKV | p.GiveKV) -> None:
         if isinstance(msg, p.KeptKV):
-            self.keeper.done(msg.store_id, msg.ok, msg.checksum, msg.num_pages, time.monotonic())
+            self.keeper.done(msg.store_id, msg.ok, msg.checksum, msg.num_pages, time.monotonic(), msg.unwritten)
             return
         if any(not 0 <= t < self.core.vocab_size for t in msg.token_ids):
             raise ValueError(f"token ids must be in [0, {self.core.vocab_size})")
@@ -256,13 +256,14 @@ class EngineProcess(EngineEndpoint):
         try:
             sent = self.giver.give(msg.store_id, keys[msg.held:], msg.target.endpoint, layout_of(msg.target),
                                    msg.target.pages)
-        except ValueError as e:
-            self.reply(msg.store_id, p.Prefilled(engine, incarnation, msg.store_id, False, error=str(e)), msg.front)
+        except ValueError as e:  # refused before any write
+            self.reply(msg.store_id, p.Prefilled(engine, incarnation, msg.store_id, False, error=str(e),
+                                                 unwritten=True), msg.front)
             return
         if sent:
             self.giving[msg.store_id] = msg.front
-        else:  # its cache no longer holds them
-            self.reply(msg.store_id, p.Prefilled(engine, incarnation, msg.store_id, False,
+        else:  # its cache no longer holds them: nothing written
+            self.reply(msg.store_id, p.Prefilled(engine, incarnation, msg.store_id, False, unwritten=True,
                                                  error="the pages are no longer cached here"), msg.front)
 
     def remote_arrived(self, msg: p.RemoteArrived) -> None:

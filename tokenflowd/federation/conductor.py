@@ -43,6 +43,7 @@ from tokenflowd.api import schema as s
 from tokenflowd.api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
 from tokenflowd.api.federation import PREFILL_HEADER, PREFIX_HEADER
 from tokenflowd.federation.placement import DecodeNode, Placement, PrefillNode, Rejection, place
+from tokenflowd.federation.offload import Offload
 from tokenflowd.federation.rejection import DecodeLoad, EarlyRejection
 from tokenflowd.kv.pages import chain_page_keys
 
@@ -77,6 +78,16 @@ class ConductorConfig:
     poll_interval: float = 0.25  # s between state polls of each node
     api_key: str = ""  # the nodes' API key, for their /federation/state (clients' requests carry their own)
     remote: tuple[str, ...] = ()  # nodes of [[nodes]] with remote = true: the PrfaaS prefill cluster
+    # PrfaaS (federation/offload.py): a prompt whose uncached part is longer than the threshold is
+    # prefilled on a remote node; the threshold is solved again every period from measured figures
+    prfaas_threshold: float = 8192  # tokens, until a remote node's transfer to a local one was measured
+    prfaas_period: float = 5.0  # s between solves
+    prfaas_queue_seconds: float | None = None  # a remote prefill queue beyond this raises t (None: ttft_slo / 4)
+    prfaas_output_tokens: float = 512  # the mean reply the plan assumes for decode
+    # the long term: the local prefill/decode split solved again, a node converted when it pays
+    prfaas_replan_period: float = 600.0  # s between re-plans (0: never convert a node)
+    prfaas_convert_gain: float = 0.1  # the predicted throughput gain a conversion must bring
+    prfaas_drain_timeout: float = 300.0  # s a node may take to drain before its conversion is given up
     link_gbps: float = 10.0  # Gb/s between two nodes before a transfer between them was measured (0: none)
 
     @classmethod
@@ -89,7 +100,9 @@ class ConductorConfig:
             raise ValueError(f"{path}: no [[nodes]] (each with name and url)")
         try:
             table["nodes"] = tuple((str(n["name"]), str(n["url"]).rstrip("/")) for n in nodes)
-            table["remote"] = tuple(str(n["name"]) for n in nodes if n.get("remote", False) is True)
+            if any(not isinstance(n.get("remote", False), bool) for n in nodes):
+                raise ValueError(f"{path}: a [[nodes]] remote must be true or false")
+            table["remote"] = tuple(str(n["name"]) for n in nodes if n.get("remote", False))
         except KeyError as e:
             raise ValueError(f"{path}: every [[nodes]] needs {e.args[0]}") from None
         unknown = set(table) - set(cls.__dataclass_fields__)
@@ -104,6 +117,10 @@ class ConductorConfig:
         unknown = set(self.remote) - {name for name, _ in self.nodes}
         if unknown:
             raise ValueError(f"remote names no node: {', '.join(sorted(unknown))}")
+        if not (self.prfaas_threshold >= 0 and self.prfaas_period > 0 and self.prfaas_output_tokens >= 1):
+            raise ValueError("prfaas_threshold must be >= 0, prfaas_period > 0 and prfaas_output_tokens >= 1")
+        if not (self.prfaas_replan_period >= 0 and self.prfaas_convert_gain >= 0 and self.prfaas_drain_timeout > 0):
+            raise ValueError("prfaas_replan_period and prfaas_convert_gain must be >= 0, prfaas_drain_timeout > 0")
         if not 0 <= self.link_gbps < math.inf:
             raise ValueError(f"link_gbps must be a number of Gb/s, 0 or more, got {self.link_gbps!r}")
 
@@ -125,17 +142,21 @@ class NodeView:
     links: dict[str, float] = field(default_factory=dict)  # peer transfer engine -> bytes/s its writes achieved
 
     def apply(self, state: dict) -> None:
-        self.role, self.page_size, self.engines = state["role"], state["page_size"], state["engines"]
-        self.kv_token_bytes = int(state.get("kv_token_bytes", 0))
-        self.kv_endpoints = set(state.get("kv_endpoints", ()))
-        self.links = {peer: float(bps) for peer, bps in state.get("links", {}).items()}
+        """All of it or nothing: a state with a field of the wrong kind raises before any changes."""
+        role, page_size, engines = str(state["role"]), int(state["page_size"]), list(state["engines"])
+        token_bytes = int(state.get("kv_token_bytes", 0))
+        endpoints = set(state.get("kv_endpoints", ()))
+        links = {str(peer): float(bps) for peer, bps in dict(state.get("links", {})).items()}
         keys = state["keys"]
-        if "snapshot" in keys:
-            self.keys = {bytes.fromhex(k) for k in keys["snapshot"]}
-        else:
-            for key, held in keys["changes"]:
-                (self.keys.add if held else self.keys.discard)(bytes.fromhex(key))
-        self.seq = keys["seq"]
+        seq = int(keys["seq"])
+        snapshot = {bytes.fromhex(k) for k in keys["snapshot"]} if "snapshot" in keys else None
+        changes = [] if snapshot is not None else [(bytes.fromhex(k), bool(p)) for k, p in keys["changes"]]
+        self.role, self.page_size, self.engines, self.kv_token_bytes = role, page_size, engines, token_bytes
+        self.kv_endpoints, self.links, self.seq = endpoints, links, seq
+        if snapshot is not None:
+            self.keys = snapshot
+        for key, present in changes:
+            (self.keys.add if present else self.keys.discard)(key)
 
     def prefix_tokens(self, keys: list[bytes]) -> int:
         n = 0
@@ -187,11 +208,16 @@ class Conductor:
         self._completion = msgspec.json.Decoder(s.CompletionRequest)
         self._polls: list[asyncio.Task] = []
         self._auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        queue = config.prfaas_queue_seconds if config.prfaas_queue_seconds is not None else config.ttft_slo / 4
+        self.offload = Offload(config.prfaas_threshold, config.prfaas_output_tokens, config.tbt_slo, queue)
+        self.converting: dict[str, tuple[str, float]] = {}  # node -> (the role it is to take, since when)
 
     # -- the nodes --------------------------------------------------------------------------------
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0))
         self._polls = [asyncio.create_task(self._follow(node)) for node in self.nodes.values()]
+        if self.config.remote or self.config.prfaas_replan_period:
+            self._polls.append(asyncio.create_task(self._plan()))
 
     async def stop(self) -> None:
         for task in self._polls:
@@ -221,9 +247,48 @@ class Conductor:
                 slow += 1
                 if slow >= SLOW_POLLS:
                     self._down(node, f"{slow} polls unanswered ({e!r})")
-            except (aiohttp.ClientError, OSError, KeyError, ValueError) as e:
-                self._down(node, repr(e))
+            except (aiohttp.ClientError, OSError, KeyError, ValueError, TypeError, AttributeError) as e:
+                self._down(node, repr(e))  # a state that is not one (TypeError: a field of the wrong kind)
             await asyncio.sleep(self.config.poll_interval)
+
+    async def _plan(self) -> None:
+        """PrfaaS's two timescales (federation/offload.py): every prfaas_period the threshold, every
+        prfaas_replan_period the local split; and the conversions under way, until they are done."""
+        c = self.config
+        remote = [self.nodes[name] for name in c.remote]
+        local = [n for n in self.nodes.values() if n.name not in c.remote]
+        replanned = time.monotonic()
+        while True:
+            await asyncio.sleep(c.prfaas_period)
+            if remote:
+                self.offload.update(remote, local)
+            now = time.monotonic()
+            if c.prfaas_replan_period and not self.converting and now - replanned >= c.prfaas_replan_period:
+                replanned = now
+                move = self.offload.split(remote, [n for n in local if n.name not in self.converting],
+                                          c.prfaas_convert_gain)
+                if move is not None:
+                    self.converting[move[0]] = (move[1], now)
+            for name, (role, since) in list(self.converting.items()):
+                await self._convert(self.nodes[name], role, since, now)
+
+    async def _convert(self, node: NodeView, role: str, since: float, now: float) -> None:
+        """One try at the node's new role: it takes it once it has no work of its old role left."""
+        try:
+            async with self.session.post(f"{node.url}/federation/role", json={"role": role}, headers=self._auth,
+                                         timeout=aiohttp.ClientTimeout(total=10)) as r:
+                body = await r.json(content_type=None)
+                if r.status == 200:
+                    log.info("node %s takes the %s role", node.name, role)
+                    node.role = role  # the next poll says so too
+                    del self.converting[node.name]
+                    return
+                code = (body.get("error") or {}).get("code") if isinstance(body, dict) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            code = repr(e)
+        if code != "draining" or now - since > self.config.prfaas_drain_timeout:
+            log.warning("node %s did not take the %s role (%s): it stays %s", node.name, role, code, node.role)
+            del self.converting[node.name]
 
     def _down(self, node: NodeView, why: str) -> None:
         if node.healthy:
@@ -243,12 +308,18 @@ class Conductor:
     def place(self, prompt_ids: list[int], exclude: set[str], reading_rate: float | None = None) -> Placement | Rejection:
         """`reading_rate`: the client's tokens/s; a slower reader is served by a decode node whose
         time between tokens is up to 1/rate, beyond the operator's tbt_slo (its buffer covers it)."""
-        serving = [n for n in self.nodes.values() if n.serving and n.name not in exclude]
+        # a node being converted takes no new work (it drains)
+        serving = [n for n in self.nodes.values() if n.serving and n.name not in exclude and n.name not in self.converting]
         if not serving:
             return Rejection("no node")
         keys = chain_page_keys(prompt_ids, serving[0].page_size, [])
-        prefill = [n for n in serving if n.role == "prefill"]
+        prefill = [n for n in serving if n.role == "prefill" and n.name not in self.config.remote]
         decode = [n for n in serving if n.role == "decode"]
+        far = [n for n in serving if n.role == "prefill" and n.name in self.config.remote]
+        if far and decode:  # PrfaaS: the remote nodes prefill what stays long after the local caches
+            uncached = len(prompt_ids) - max((n.prefix_tokens(keys) for n in prefill), default=0)
+            if self.offload.route(len(prompt_ids), uncached) or not prefill:
+                prefill = far
         groups = [(prefill, decode)] if prefill and decode else []
         groups += [([n], [n]) for n in serving if n.role == "both"]
         if not prefill or not decode:  # one side is gone: the other's nodes serve requests whole
@@ -370,14 +441,17 @@ class Conductor:
                 self.served[served] = decode.name
                 while len(self.served) > MAX_SERVED:
                     self.served.popitem(last=False)
-            # a stream's first bytes are its decode's start (a whole response says nothing of it)
-            streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+            # a stream's first bytes are its decode's start; a whole response decoded from when its
+            # decode was predicted to start (it says no more)
+            stream = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
-                if streaming:
-                    streaming = False
+                if stream and self.load.pending_start(rid) is not None:
                     self.load.started(rid, time.monotonic())
                 await response.write(chunk)
+            predicted = self.load.pending_start(rid)
+            if not stream and upstream.status == 200 and predicted is not None:
+                self.load.started(rid, min(predicted, time.monotonic()))
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             self.counts["failed"] += 1
             log.warning("the stream from %s broke: %s", decode.name, e)
@@ -421,8 +495,8 @@ class Conductor:
                 raise answer
             if answer is None:
                 unreachable.append(name)
-            else:
-                data += answer
+            else:  # a prefill node's order for a request is the request the decode node lists
+                data += [r for r in answer if not str(r.get("request_id", "")).startswith("prefill-")]
         if len(unreachable) == len(self.nodes):
             raise APIError(502, f"no node answered (unreachable: {', '.join(unreachable)}): retry shortly",
                            code="unavailable", headers={"Retry-After": "1"})
@@ -453,8 +527,12 @@ class Conductor:
         nodes = {n.name: {"healthy": n.healthy, "serving": n.serving, "role": n.role, "url": n.url, "keys": len(n.keys)}
                  for n in self.nodes.values()}
         ok = any(n.serving for n in self.nodes.values())
+        offload = {"threshold": None if math.isinf(self.offload.threshold) else self.offload.threshold,
+                   "offloaded": self.offload.offloaded, "egress_measured": self.offload.egress,
+                   "planned_throughput": self.offload.planned,
+                   "converting": {name: role for name, (role, _) in self.converting.items()}}
         return web.json_response({"status": "ok" if ok else "no node", "nodes": nodes, "placed": self.placed,
-                                  **self.counts},
+                                  **self.counts, "prfaas": offload},
                                  status=200 if ok else 503)
 
 

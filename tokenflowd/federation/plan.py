@@ -41,9 +41,9 @@ class NodeFigures:
 
     @classmethod
     def of(cls, state: dict) -> "NodeFigures":
-        engines = state.get("engines") or []
+        engines = [e for e in state.get("engines") or [] if e["step_per_token"] > 0 and e["step_base"] >= 0]
         if not engines:
-            raise ValueError("the node reports no serving engine")
+            raise ValueError("the node reports no engine whose step-time model is fitted yet")
         e = min(engines, key=lambda e: e["step_per_token"])
         kv_bytes = state.get("kv_token_bytes")
         if not kv_bytes:
@@ -86,7 +86,7 @@ def trace_lengths(lines: Iterable[str], block_tokens: int = 512) -> tuple[Length
         outputs.append(r["output_length"])
     if not uncached:
         raise ValueError("the trace holds no request")
-    return Lengths(uncached), sum(totals) / len(totals), sum(outputs) / len(outputs)
+    return Lengths(uncached), sum(totals) / len(totals), max(1.0, sum(outputs) / len(outputs))
 
 
 def egress(remote: Iterable[dict], local: Iterable[dict]) -> float:
@@ -109,9 +109,10 @@ class LivePlan:
 
 
 def plan_cluster(states: dict[str, dict], remote: Iterable[str], lengths: Lengths, mean_tokens: float,
-                 output_tokens: float, tbt_slo: float) -> LivePlan:
+                 output_tokens: float, tbt_slo: float, n_prefill: int | None = None) -> LivePlan:
     """The plan for nodes whose /federation/state is `states` (name -> body); `remote` names the
-    PrfaaS prefill nodes (role prefill), every other node is the local PD cluster's."""
+    PrfaaS prefill nodes (role prefill), every other node is the local PD cluster's. `n_prefill`:
+    the local split as it stands (the short term's plan: t alone), else searched too."""
     remote = tuple(n for n in states if n in set(remote))
     local = tuple(n for n in states if n not in remote)
     if not local:
@@ -133,7 +134,7 @@ def plan_cluster(states: dict[str, dict], remote: Iterable[str], lengths: Length
                       slowest(remote).prefill_profile() if remote else local_figures.prefill_profile(),
                       local_figures.prefill_profile(),
                       local_figures.decode_profile(tbt_slo, mean_tokens, output_tokens))
-    return LivePlan(search(cluster, lengths), cluster, remote, local)
+    return LivePlan(search(cluster, lengths, n_prefill=n_prefill), cluster, remote, local)
 
 
 async def fetch_states(nodes: Iterable[tuple[str, str]], api_key: str = "", timeout: float = 10.0) -> dict[str, dict]:

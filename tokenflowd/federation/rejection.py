@@ -10,9 +10,10 @@ reach decode, it does not (§7.4, system level): every decode is taken to last a
 
     the decodes running now that will not have ended by t      (started after t − T_d)
   + the accepted requests whose prefill ends by t and whose decode will not have ended by t
-  + the requests not yet arrived that will reach decode by t   (the recent rate of decode starts
-                                                                × (t − the earliest a request
-                                                                arriving now could reach decode))
+  + the requests not yet arrived that will be decoding at t   (the recent rate of decode starts
+                                                                × the time from the earliest a
+                                                                request arriving now could reach
+                                                                decode to t, at most T_d)
 
 and a request is accepted if that count, itself included, stays within the pool's capacity.
 
@@ -51,10 +52,15 @@ class DecodeLoad:
         """Accepted: its prefill is predicted to end (its decode to start) at `decode_start`."""
         self._pending[request_id] = decode_start
 
+    def pending_start(self, request_id: str) -> float | None:
+        """When its decode was predicted to start (None: not pending)."""
+        return self._pending.get(request_id)
+
     def started(self, request_id: str, now: float) -> None:
+        """Its decode started at `now` (which may be a past moment: a whole response's predicted start)."""
         self._pending.pop(request_id, None)
         self._decoding[request_id] = now
-        self._starts.append(now)
+        bisect.insort(self._starts, now)
         while self._starts and (self._starts[0] < now - 4 * self.decode_seconds or len(self._starts) > 100_000):
             self._starts.popleft()
 
@@ -77,8 +83,9 @@ class DecodeLoad:
         return (len(self._starts) - bisect.bisect_right(self._starts, now - td)) / td
 
     def arriving(self, t: float, now: float, earliest: float) -> float:
-        """Requests not yet arrived that reach decode by t: none can before `earliest`."""
-        return self.inflow(now) * max(0.0, t - earliest)
+        """Requests not yet arrived that are decoding at t: none reaches decode before `earliest`,
+        and one that reached it before t − T_d has ended by t."""
+        return self.inflow(now) * min(self.decode_seconds, max(0.0, t - earliest))
 
     def expected(self, t: float, now: float) -> float:
         """Requests the decode pool holds at time t ≥ now, in expectation over the recent decode

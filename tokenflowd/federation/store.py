@@ -78,13 +78,18 @@ class Keeper:
             self.kept[store_id] = _Kept(list(keys[len(held):len(held) + len(pages)]), pages, until)
         return len(held), pages
 
-    def done(self, store_id: str, ok: bool, crc: int = 0, num_pages: int | None = None, now: float = 0.0) -> int:
+    def done(self, store_id: str, ok: bool, crc: int = 0, num_pages: int | None = None, now: float = 0.0,
+             unwritten: bool = False) -> int:
         """The giver's writes are settled (its report): publish the first `num_pages` (all by default;
         a giver whose cache held fewer wrote fewer) once their crc32 matches, trying again for
         VERIFY_SECONDS while bytes may still land (`poll`). A failed store keeps its pages until its
-        horizon: a write said done may still be on the wire. -> pages published now."""
+        horizon: a write said done may still be on the wire; one the giver refused before any
+        write (`unwritten`) frees them at once. -> pages published now."""
         kept = self.kept.get(store_id)
         if kept is None or kept.report is not None:
+            return 0
+        if unwritten and not ok:
+            self._release(store_id, kept, 0)
             return 0
         n = len(kept.pages) if num_pages is None else max(0, min(num_pages, len(kept.pages)))
         kept.report, kept.verify_until = (ok and n > 0, crc, n), now + VERIFY_SECONDS

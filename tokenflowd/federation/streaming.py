@@ -125,6 +125,8 @@ class Sender:
     def plan(self, batch, requests: dict) -> bool:
         """Which pages each streamed request of `batch` finishes this step. -> whether any is sent."""
         self._step = []
+        if not self.out:  # nothing streamed (a decode node's steps)
+            return False
         now = time.monotonic()
         for rid, start, n, table in zip(batch.request_ids, batch.positions, batch.num_tokens, batch.block_tables):
             o = self.out.get(rid)

@@ -28,14 +28,15 @@ NIXL (UCX) can be a second implementation of the same ABC.
 from __future__ import annotations
 
 import abc
+import collections
 import math
 import os
 import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Sequence
 
 import torch
 
@@ -73,14 +74,30 @@ class Transfer:
 
 @dataclass
 class LinkStats:
+    """What writes to one peer achieved: in all, and over the last WINDOW s of transfers (a link
+    whose bandwidth drops, or that fills with other traffic, shows it within that window)."""
+
+    WINDOW: ClassVar[float] = 10.0  # s
+
     bytes: int = 0
     seconds: float = 0.0
     failures: int = 0
     peak: float = 0.0  # bytes/s of its fastest transfer: what the wire can do, small transfers aside
+    recent: collections.deque = field(default_factory=collections.deque)  # (ended, bytes, seconds)
+
+    def add(self, nbytes: int, seconds: float, ended: float) -> None:
+        self.bytes += nbytes
+        self.seconds += seconds
+        self.peak = max(self.peak, nbytes / max(seconds, 1e-9))
+        self.recent.append((ended, nbytes, seconds))
+        while self.recent and self.recent[0][0] < ended - self.WINDOW:
+            self.recent.popleft()
 
     @property
     def bandwidth(self) -> float | None:
-        return self.bytes / self.seconds if self.seconds > 0 else None
+        """Bytes/s of the transfers of the last WINDOW s before the latest (None before the first)."""
+        seconds = sum(s for _, _, s in self.recent)
+        return sum(b for _, b, _ in self.recent) / seconds if seconds > 0 else None
 
 
 class KVTransport(abc.ABC):
@@ -94,7 +111,8 @@ class KVTransport(abc.ABC):
 
     @abc.abstractmethod
     def register(self, tensor: torch.Tensor) -> Region:
-        """Make a contiguous tensor's memory writable by peers (it must outlive the registration)."""
+        """Make a contiguous tensor's memory writable by peers (it must outlive the registration); the
+        same memory registered again returns its region."""
 
     @abc.abstractmethod
     def unregister(self, region: Region) -> None: ...
@@ -146,9 +164,7 @@ class KVTransport(abc.ABC):
     def _account(self, transfer: Transfer, ended: float) -> None:
         link = self.links.setdefault(transfer.peer, LinkStats())
         if transfer.state == DONE:
-            link.bytes += transfer.nbytes
-            link.seconds += ended - transfer.started
-            link.peak = max(link.peak, transfer.nbytes / max(ended - transfer.started, 1e-9))
+            link.add(transfer.nbytes, ended - transfer.started, ended)
         else:
             link.failures += 1
 
@@ -205,6 +221,9 @@ class MooncakeTransport(KVTransport):
         if not tensor.is_contiguous():
             raise ValueError("only a contiguous tensor can be registered")
         region = Region(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        known = self._regions.get(region.address)
+        if known is not None and known[0] == region:  # both roles' machinery share the cache's one registration
+            return region
         if self._te.register_memory(region.address, region.nbytes) != 0:
             raise RuntimeError(f"Mooncake could not register {region.nbytes} bytes")
         self._regions[region.address] = (region, tensor)

@@ -1,0 +1,124 @@
+"""PrfaaS's selective offload (prfaas.txt §3.4.3, short term): the conductor sends a request's
+prefill to the remote prefill nodes (`remote = true` in [[nodes]]) if and only if its uncached
+prompt, after the longest prefix a local prefill node holds, is longer than the threshold t.
+
+Every `prfaas_period` s the conductor solves t again with the throughput model (prfaas.py) on
+what it sees now: the recent requests' uncached lengths, the nodes' step-time models, and B_out,
+the bandwidth the remote nodes' transfer engines achieved to the local nodes over their last
+transfers (transport.py LinkStats). The local prefill/decode split is taken as it stands (the
+long term changes it). A link that slows raises t: fewer, longer prompts cross it. On top, when
+the remote prefill queue surges past `prfaas_queue_seconds`, t is raised by a quarter each period
+until it eases; the next solve starts from the model again.
+
+Until a transfer from a remote node to a local one has been measured, t stays at the operator's
+`prfaas_threshold`: the model never runs on a nominal bandwidth.
+
+The long term (`split`): every `prfaas_replan_period` s the split N_p / N_d of the local nodes is
+solved too. When the best split predicts a Λ_max at least `prfaas_convert_gain` above the split as
+it stands, one node of the surplus role (the least busy) is converted: the conductor stops placing
+on it, and asks it to take the other role (POST /federation/role) until it has no work of its old
+role left; its streams end as they would have (conductor.py).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from typing import TYPE_CHECKING, Iterable
+
+from tokenflowd.federation.plan import egress, plan_cluster
+from tokenflowd.federation.prfaas import Lengths, evaluate
+
+if TYPE_CHECKING:
+    from tokenflowd.federation.conductor import NodeView
+
+log = logging.getLogger("tokenflowd.conductor")
+
+MIN_LENGTHS = 20  # requests seen before the model replaces the configured threshold
+SURGE = 1.25  # t's rise per period while the remote queue surges
+
+
+def state_of(node: "NodeView") -> dict:
+    """The node as /federation/state described it, for plan.py."""
+    return {"role": node.role, "page_size": node.page_size, "engines": node.engines,
+            "kv_token_bytes": node.kv_token_bytes, "kv_endpoints": sorted(node.kv_endpoints), "links": node.links}
+
+
+class Offload:
+    def __init__(self, threshold: float, output_tokens: float, tbt_slo: float, queue_seconds: float,
+                 window: int = 2000) -> None:
+        self.threshold = threshold  # t, uncached tokens
+        self.output_tokens, self.tbt_slo, self.queue_seconds = output_tokens, tbt_slo, queue_seconds
+        self.lengths: deque[int] = deque(maxlen=window)  # recent requests' uncached prompt lengths
+        self.prompts: deque[int] = deque(maxlen=window)  # ... and whole prompts
+        self.offloaded = 0
+        self.egress = 0.0  # B_out of the last solve, bytes/s
+        self.planned: float | None = None  # Λ_max of the last solve, req/s
+
+    def route(self, prompt: int, uncached: int) -> bool:
+        """Whether this request's prefill goes to the remote nodes (recorded for the next solve)."""
+        self.lengths.append(uncached)
+        self.prompts.append(prompt)
+        remote = uncached > self.threshold
+        self.offloaded += remote
+        return remote
+
+    def update(self, remote: Iterable["NodeView"], local: Iterable["NodeView"]) -> float:
+        """Solve t again for the nodes serving now; -> the new t."""
+        remote = [n for n in remote if n.serving]
+        local = [n for n in local if n.serving]
+        if not remote or not local or len(self.lengths) < MIN_LENGTHS:
+            return self.threshold
+        states = {n.name: state_of(n) for n in (*remote, *local)}
+        b_out = egress((states[n.name] for n in remote), (states[n.name] for n in local))
+        if b_out <= 0:  # nothing measured yet: the operator's t stands
+            return self.threshold
+        mean = sum(self.prompts) / len(self.prompts) + self.output_tokens
+        n_prefill = sum(n.role == "prefill" for n in local)
+        try:
+            live = plan_cluster(states, [n.name for n in remote], Lengths(self.lengths), mean, self.output_tokens,
+                                self.tbt_slo, n_prefill=n_prefill)
+        except ValueError as e:  # a node that does not say enough of itself
+            log.info("offload threshold kept at %s: %s", self.threshold, e)
+            return self.threshold
+        t = live.plan.threshold
+        if max(n.queue_seconds() for n in remote) > self.queue_seconds:
+            t = SURGE * min(max(t, self.threshold), max(self.lengths))  # surging: send fewer there
+        if t != self.threshold:
+            log.info("offload threshold %s -> %s tokens (egress %.3g Gb/s measured, Λ_max %.3g req/s)",
+                     _tokens(self.threshold), _tokens(t), b_out * 8 / 1e9, live.plan.throughput)
+        self.threshold, self.egress, self.planned = t, b_out, live.plan.throughput
+        return t
+
+
+    def split(self, remote: Iterable["NodeView"], local: Iterable["NodeView"], gain: float) -> tuple[str, str] | None:
+        """(node, its new role) when converting one local node improves the predicted Λ_max by `gain`
+        (a share) or more; None otherwise, or when the figures are not there yet."""
+        remote = [n for n in remote if n.serving]
+        local = [n for n in local if n.serving and n.role in ("prefill", "decode")]
+        if len(local) < 2 or len(self.lengths) < MIN_LENGTHS:
+            return None
+        states = {n.name: state_of(n) for n in (*remote, *local)}
+        mean = sum(self.prompts) / len(self.prompts) + self.output_tokens
+        try:
+            live = plan_cluster(states, [n.name for n in remote], Lengths(self.lengths), mean, self.output_tokens,
+                                self.tbt_slo)
+        except ValueError:
+            return None
+        now_p = sum(n.role == "prefill" for n in local)
+        best = live.plan
+        current = evaluate(live.cluster, Lengths(self.lengths), best.threshold, now_p).throughput
+        if best.n_prefill == now_p or best.throughput < (1 + gain) * current:
+            return None
+        old, new = ("decode", "prefill") if best.n_prefill > now_p else ("prefill", "decode")
+        candidates = [n for n in local if n.role == old]
+        if not candidates:
+            return None
+        node = min(candidates, key=lambda n: sum(e["running"] + e["waiting"] for e in n.engines))
+        log.info("re-plan: %d prefill / %d decode nodes predict %.3g req/s against %.3g now: %s %s -> %s",
+                 best.n_prefill, best.n_decode, best.throughput, current, node.name, old, new)
+        return node.name, new
+
+
+def _tokens(t: float) -> str:
+    return "none" if math.isinf(t) else f"{t:.0f}"
