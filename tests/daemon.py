@@ -135,3 +135,23 @@ class Daemon:
         if self.log:
             self.log.close()
         return self.proc.returncode
+
+
+def wait_for(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def assert_no_pages_held(node: Daemon, within: float) -> None:
+    """No KV page taken, none reserved for remote KV, no request on the node, within `within` s
+    (a federated node's quarantined pages free at timing.py's horizon)."""
+    deadline = time.monotonic() + within
+    while True:
+        held = (node.metric("tokenflowd_kv_pages_used"), node.metric("tokenflowd_kv_remote_pages"),
+                node.metric("tokenflowd_requests_running") + node.metric("tokenflowd_requests_waiting"))
+        if held == (0, 0, 0):
+            return
+        assert time.monotonic() < deadline, f"{node.base_url} still holds (pages, remote pages, requests) {held}"
+        time.sleep(0.25)

@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from daemon import Daemon, free_port, terminate  # noqa: E402
+from daemon import Daemon, free_port, terminate, wait_for  # noqa: E402
+from daemon import assert_no_pages_held as held_nothing  # noqa: E402
 from netns import Network, available  # noqa: E402
 
 pytest.importorskip("mooncake.engine", reason="the federation extra (Mooncake Transfer Engine) is not installed")
@@ -130,22 +131,8 @@ def alone(node: Daemon, messages: list[dict], max_tokens: int = 24) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def wait_for(condition, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def assert_no_pages_held(node: Daemon, within: float = 5 * TIMEOUT + 15) -> None:  # past timing.py's horizon
-    deadline = time.monotonic() + within
-    while True:
-        held = (node.metric("tokenflowd_kv_pages_used"), node.metric("tokenflowd_kv_remote_pages"),
-                node.metric("tokenflowd_requests_running") + node.metric("tokenflowd_requests_waiting"))
-        if held == (0, 0, 0):
-            return
-        assert time.monotonic() < deadline, f"{node.base_url} still holds (pages, remote pages, requests) {held}"
-        time.sleep(0.25)
+    held_nothing(node, within)
 
 
 def counts(cluster) -> tuple[int, float, float]:

@@ -21,13 +21,13 @@ import json
 import os
 import socket
 import sys
-import time
 
 import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from daemon import Daemon, free_port  # noqa: E402
+from daemon import Daemon, free_port, wait_for  # noqa: E402
+from daemon import assert_no_pages_held as held_nothing  # noqa: E402
 
 pytest.importorskip("mooncake.engine", reason="the federation extra (Mooncake Transfer Engine) is not installed")
 pytestmark = pytest.mark.slow
@@ -95,22 +95,8 @@ def pulls(node: Daemon, outcome: str) -> float:
     return node.metric("tokenflowd_federation_prefills_total", side="pull", outcome=outcome)
 
 
-def wait_for(condition, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def assert_no_pages_held(node: Daemon, within: float = 6 * TIMEOUT + 15) -> None:  # past timing.py's horizon
-    deadline = time.monotonic() + within
-    while True:
-        held = (node.metric("tokenflowd_kv_pages_used"), node.metric("tokenflowd_kv_remote_pages"),
-                node.metric("tokenflowd_requests_running") + node.metric("tokenflowd_requests_waiting"))
-        if held == (0, 0, 0):
-            return
-        assert time.monotonic() < deadline, f"{node.base_url} still holds (pages, remote pages, requests) {held}"
-        time.sleep(0.25)
+    held_nothing(node, within)
 
 
 def test_a_prefill_node_pulls_the_prefix_another_holds_hits_it_and_keeps_it(nodes):
