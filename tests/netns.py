@@ -59,6 +59,9 @@ class Network:
             _ip("netns", "add", ns)
             self._made.append(ns)
             _ip("-n", ns, "link", "set", "lo", "up")
+            # Mooncake's TCP transport opens a connection per transfer: let closed ones' ports be
+            # reused for new outgoing connections, as a federated node's operator must (README)
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"], check=True)
             a, b = f"{self.tag}{i}a", f"{self.tag}{i}b"
             _ip("link", "add", a, "type", "veth", "peer", "name", b)
             _ip("link", "set", a, "netns", ns)

@@ -121,3 +121,14 @@ def test_a_peer_that_is_gone_is_a_failed_transfer_not_a_hang(peer):
         transport.close()
 
 
+
+
+def test_a_node_is_warned_when_closed_connections_ports_are_not_reused(tmp_path):
+    from tokenflowd.federation.transport import port_reuse_warning
+
+    sysctl = tmp_path / "tcp_tw_reuse"
+    sysctl.write_text("2\n")  # the kernel's default: loopback only
+    assert "tcp_tw_reuse=1" in port_reuse_warning(str(sysctl))
+    sysctl.write_text("1\n")
+    assert port_reuse_warning(str(sysctl)) is None
+    assert port_reuse_warning(str(tmp_path / "absent")) is None

@@ -86,11 +86,14 @@ class EngineProcess(EngineEndpoint):
             self._join_federation()
 
     def _join_federation(self) -> None:
-        from tokenflowd.federation.transport import MooncakeTransport
+        from tokenflowd.federation.transport import MooncakeTransport, port_reuse_warning
 
         # the transfer engine's own timeout bounds how long a write it gave up on can still land
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(1, math.ceil(self.config.kv_transfer_timeout))))
         transport = MooncakeTransport(self.config.kv_host)
+        warning = port_reuse_warning()
+        if warning:
+            log.warning(warning)
         runner, core = self.core.runner, self.core
         self.sender = Sender(transport, runner.kv_cache, runner.attn.page_axis, self.config.page_size, core.pool)
         core.on_batch = self._plan_sends
@@ -479,7 +482,7 @@ class EngineProcess(EngineEndpoint):
         )
 
     def _links(self) -> dict[str, float]:
-        return {peer: bps for peer, link in self.transport.links.items() if (bps := link.bandwidth)}
+        return self.transport.bandwidths()
 
     def _pool_stats(self) -> dict:
         m = self.member.stats

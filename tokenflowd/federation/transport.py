@@ -103,6 +103,7 @@ class LinkStats:
 class KVTransport(abc.ABC):
     def __init__(self) -> None:
         self.links: dict[str, LinkStats] = {}
+        self._links_lock = threading.Lock()  # waiter threads account while the engine reads
 
     @property
     @abc.abstractmethod
@@ -158,15 +159,38 @@ class KVTransport(abc.ABC):
 
     def bandwidth(self, peer: str) -> float | None:
         """Bytes/s its finished writes to `peer` achieved (None before the first)."""
-        link = self.links.get(peer)
-        return link.bandwidth if link else None
+        with self._links_lock:
+            link = self.links.get(peer)
+            return link.bandwidth if link else None
+
+    def bandwidths(self) -> dict[str, float]:
+        """Each peer's `bandwidth`, for those measured."""
+        with self._links_lock:
+            return {peer: bps for peer, link in self.links.items() if (bps := link.bandwidth)}
 
     def _account(self, transfer: Transfer, ended: float) -> None:
-        link = self.links.setdefault(transfer.peer, LinkStats())
-        if transfer.state == DONE:
-            link.add(transfer.nbytes, ended - transfer.started, ended)
-        else:
-            link.failures += 1
+        with self._links_lock:
+            link = self.links.setdefault(transfer.peer, LinkStats())
+            if transfer.state == DONE:
+                link.add(transfer.nbytes, ended - transfer.started, ended)
+            else:
+                link.failures += 1
+
+
+def port_reuse_warning(path: str = "/proc/sys/net/ipv4/tcp_tw_reuse") -> str | None:
+    """Mooncake's TCP transport opens a connection per transfer, and a layer-wise prefill makes one
+    transfer per layer per step: without reuse of closed connections' ports, a busy node runs out of
+    them in minutes (measured: 27,000 in TIME_WAIT after 4 min of one prefill node's streaming, then
+    the transfer engine aborts the process on "connect: Cannot assign requested address")."""
+    try:
+        with open(path) as f:
+            value = f.read().strip()
+    except OSError:
+        return None
+    if value == "1":
+        return None
+    return (f"net.ipv4.tcp_tw_reuse is {value}: the KV transfer engine's TCP connections (one per transfer) "
+            "will exhaust the local ports under load; set it to 1 (sysctl -w net.ipv4.tcp_tw_reuse=1)")
 
 
 class MooncakeTransport(KVTransport):
@@ -193,6 +217,7 @@ class MooncakeTransport(KVTransport):
     PROBE_FRESH = 0.25  # s a probe's answer vouches for the peer
     PROBE_FIRST = 0.02  # s a first write to a peer waits for its first probe (on the step loop)
     WATCH_SECONDS = 60.0  # a peer not written to for that long is no longer probed
+    PROBE_BACKOFF = 1.0  # s: the most between probes of a peer that does not answer (each a TCP connect)
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
         super().__init__()
@@ -253,6 +278,7 @@ class MooncakeTransport(KVTransport):
         return ok and time.monotonic() - when < self.PROBE_FRESH
 
     def _probe_loop(self, peer: str) -> None:
+        pause = self.PROBE_INTERVAL
         while True:
             with self._wake:
                 if self._closed or time.monotonic() - self._watched[peer] > self.WATCH_SECONDS:
@@ -263,7 +289,9 @@ class MooncakeTransport(KVTransport):
             with self._wake:
                 self._probed[peer] = (ok, time.monotonic())
                 self._wake.notify_all()
-            time.sleep(self.PROBE_INTERVAL)
+            # a peer that does not answer (gone, or an old incarnation's port) is probed ever less often
+            pause = self.PROBE_INTERVAL if ok else min(2 * pause, self.PROBE_BACKOFF)
+            time.sleep(pause)
 
     def submit_write(self, peer: str, blocks: Sequence[Block]) -> Transfer:
         if self._closed:
