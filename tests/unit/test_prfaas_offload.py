@@ -92,8 +92,9 @@ def test_the_long_term_split_converts_a_node_of_the_surplus_role_when_it_pays():
         c.nodes[name].healthy = True
     local = list(c.nodes.values())
     assert c.offload.split([], local, gain=0.1) is None, "too few requests seen"
-    for _ in range(40):
-        c.offload.route(300, 300)
+    for _ in range(40):  # no remote node: the lengths are recorded all the same, and none offloaded
+        c.place(list(range(1, 301)), set())
+    assert list(c.offload.lengths) == [300] * 40 and c.offload.offloaded == 0
     assert c.offload.split([], local, gain=0.1) == ("p1", "decode")  # the least busy prefill node
     assert c.offload.split([], local, gain=100.0) is None, "not worth a conversion"
     # while it converts, it takes no new work

@@ -316,10 +316,12 @@ class Conductor:
         prefill = [n for n in serving if n.role == "prefill" and n.name not in self.config.remote]
         decode = [n for n in serving if n.role == "decode"]
         far = [n for n in serving if n.role == "prefill" and n.name in self.config.remote]
-        if far and decode:  # PrfaaS: the remote nodes prefill what stays long after the local caches
-            uncached = len(prompt_ids) - max((n.prefix_tokens(keys) for n in prefill), default=0)
-            if self.offload.route(len(prompt_ids), uncached) or not prefill:
-                prefill = far
+        # PrfaaS: the remote nodes prefill what stays long after the local caches (every request's
+        # length is recorded: the long-term plan needs them, remote nodes or not)
+        offloading = bool(far and decode)
+        uncached = len(prompt_ids) - max((n.prefix_tokens(keys) for n in prefill), default=0)
+        if self.offload.route(len(prompt_ids), uncached, offloading) or (offloading and not prefill):
+            prefill = far
         groups = [(prefill, decode)] if prefill and decode else []
         groups += [([n], [n]) for n in serving if n.role == "both"]
         if not prefill or not decode:  # one side is gone: the other's nodes serve requests whole

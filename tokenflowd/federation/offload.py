@@ -55,11 +55,12 @@ class Offload:
         self.egress = 0.0  # B_out of the last solve, bytes/s
         self.planned: float | None = None  # Λ_max of the last solve, req/s
 
-    def route(self, prompt: int, uncached: int) -> bool:
-        """Whether this request's prefill goes to the remote nodes (recorded for the next solve)."""
+    def route(self, prompt: int, uncached: int, remote_serving: bool = True) -> bool:
+        """Whether this request's prefill goes to the remote nodes. Every request is recorded for the
+        next solve, remote nodes serving or not: the long term plans a PD cluster without them too."""
         self.lengths.append(uncached)
         self.prompts.append(prompt)
-        remote = uncached > self.threshold
+        remote = remote_serving and uncached > self.threshold
         self.offloaded += remote
         return remote
 
