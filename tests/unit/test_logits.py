@@ -1,8 +1,6 @@
 """The lm_head through int8 candidates rescored exactly (engine/logits.py)."""
 from __future__ import annotations
 
-import time
-
 import torch
 
 from tokenflowd.engine.logits import RESCORED, FastLogits
@@ -32,25 +30,39 @@ def test_calibration_picks_a_row_count_it_timed():
     assert head.max_rows in (0, 1, 2, 4, 8, 16, 32, 64)
 
 
+class _Clock:
+    """A virtual perf_counter: only the costs the products declare pass (a loaded machine's
+    scheduling delays do not)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 class _Paced(FastLogits):
     """The products with a cost set per row count: int8 loses from `int8_loses_at` rows on."""
 
-    def __init__(self, weight: torch.Tensor, int8_loses_at: int) -> None:
-        self.int8_loses_at = int8_loses_at
+    def __init__(self, weight: torch.Tensor, int8_loses_at: int, clock: _Clock) -> None:
+        self.int8_loses_at, self.clock = int8_loses_at, clock
         super().__init__(weight)
 
-    # The margins are wide: on a loaded 2-core box a 10 ms margin was lost to scheduling delays.
     def dense(self, hidden):
-        time.sleep(0.05)
+        self.clock.now += 0.05
         return super().dense(hidden)
 
     def rescored(self, hidden):
-        time.sleep(0.25 if hidden.shape[0] >= self.int8_loses_at else 0)
+        self.clock.now += 0.25 if hidden.shape[0] >= self.int8_loses_at else 0.01
         return super().rescored(hidden)
 
 
-def test_calibration_stops_at_the_first_row_count_where_int8_loses():
+def test_calibration_stops_at_the_first_row_count_where_int8_loses(monkeypatch):
+    import tokenflowd.engine.logits as logits
+
+    clock = _Clock()
+    monkeypatch.setattr(logits, "time", clock)
     w = torch.randn(1024, 32, generator=torch.Generator().manual_seed(3))
-    assert _Paced(w, int8_loses_at=8).max_rows == 4
-    assert _Paced(w, int8_loses_at=1).max_rows == 0
-    assert _Paced(w, int8_loses_at=10**6).max_rows == 64
+    assert _Paced(w, int8_loses_at=8, clock=clock).max_rows == 4
+    assert _Paced(w, int8_loses_at=1, clock=clock).max_rows == 0
+    assert _Paced(w, int8_loses_at=10**6, clock=clock).max_rows == 64
