@@ -94,8 +94,10 @@ class Network:
             cmd = ["tc", "qdisc", "del", "dev", "eth0", "root"]
         subprocess.run(["ip", "netns", "exec", ns, *cmd], check=bool(spec), capture_output=True)
 
-    def rate(self, node: str, rate: str) -> None:
-        """Limit the node's outgoing link to `rate` (e.g. 1gbit)."""
+    def rate(self, node: str, rate: str | None) -> None:
+        """Limit the node's outgoing link to `rate` (e.g. 1gbit; None: lift the limit)."""
+        if rate is None:
+            return self.netem(node)
         subprocess.run(["ip", "netns", "exec", self.ns[node], "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
                         "rate", rate, "burst", "256kb", "latency", "50ms"], check=True, capture_output=True)
 

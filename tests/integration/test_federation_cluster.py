@@ -13,25 +13,23 @@ conductor.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 import time
 
-import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from daemon import Daemon, free_port, terminate, wait_for  # noqa: E402
+from daemon import Daemon, wait_for  # noqa: E402
 from daemon import assert_no_pages_held as held_nothing  # noqa: E402
-from netns import Network, available  # noqa: E402
+from federated import MODEL, Cluster  # noqa: E402
+from netns import available  # noqa: E402
 
 pytest.importorskip("mooncake.engine", reason="the federation extra (Mooncake Transfer Engine) is not installed")
 openai = pytest.importorskip("openai")
 _why = available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why is not None, reason=_why or "")]
 
-MODEL = "smollm2-135m"
 TIMEOUT = 4  # --kv-transfer-timeout: a transfer given up after it, its pages free 2x later
 NODE_ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--kv-transfer-timeout", str(TIMEOUT),
              "--log-level", "INFO")
@@ -49,63 +47,10 @@ CONVERSATIONS = [
 ]
 
 
-class Cluster:
-    def __init__(self, tmp) -> None:
-        self.net = Network(["prefill", "decode", "conductor"])
-        addr = self.net.addr
-        try:
-            self.prefill = Daemon("--role", "prefill", "--kv-host", addr["prefill"], *NODE_ARGS, netns=self.net.ns["prefill"],
-                                  host=addr["prefill"], wait=False, log_path=str(tmp / "prefill.log"))
-            self.decode = Daemon("--role", "decode", "--kv-host", addr["decode"], "--federation-peers",
-                                 self.prefill.base_url, *NODE_ARGS, netns=self.net.ns["decode"], host=addr["decode"],
-                                 wait=False, log_path=str(tmp / "decode.log"))
-            config = tmp / "cluster.toml"
-            config.write_text(f'[conductor]\nmodel = "{MODEL}"\nttft_slo = 600\ntbt_slo = 60\npoll_interval = 0.2\n\n'
-                              f'[[nodes]]\nname = "prefill"\nurl = "{self.prefill.base_url}"\n\n'
-                              f'[[nodes]]\nname = "decode"\nurl = "{self.decode.base_url}"\n')
-            port = free_port()
-            self.url = f"http://{addr['conductor']}:{port}"
-            self.log = open(tmp / "conductor.log", "w")
-            self.conductor = subprocess.Popen(
-                ["ip", "netns", "exec", self.net.ns["conductor"], sys.executable, "-m", "tokenflowd.cli", "conductor",
-                 "--config", str(config), "--host", addr["conductor"], "--port", str(port)],
-                stdout=self.log, stderr=subprocess.STDOUT)
-            self.prefill.wait_healthy(240)
-            self.decode.wait_healthy(240)
-            self.wait(lambda h: h["nodes"]["prefill"]["serving"] and h["nodes"]["decode"]["serving"], 60)
-        except BaseException:
-            self.close()
-            raise
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=120, max_retries=0)
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=5).json()
-
-    def wait(self, ready, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                h = self.health()
-                if ready(h):
-                    return h
-            except (httpx.TransportError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("the conductor did not reach the state awaited")
-
-    def close(self) -> None:
-        if getattr(self, "conductor", None) is not None:
-            terminate(self.conductor)
-            self.log.close()
-        for node in (getattr(self, "prefill", None), getattr(self, "decode", None)):
-            if node is not None:
-                node.stop()
-        self.net.close()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    c = Cluster(tmp_path_factory.mktemp("cluster"), NODE_ARGS)
+    c.client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", timeout=120, max_retries=0)
     yield c
     c.close()
 

@@ -33,6 +33,12 @@ def test_a_node_s_figures_give_its_prefill_and_decode_profiles():
     assert f.decode_profile(tbt_slo=0.0105, mean_tokens=2000, output_tokens=200).max_batch == 5
     with pytest.raises(ValueError, match="kv_token_bytes"):
         NodeFigures.of({**state("prefill", 1e-4, "p:1"), "kv_token_bytes": 0})
+    # a decode node that has only run batches of one: every step costs the same, seats and KV bound the batch
+    flat = NodeFigures.of(state("decode", 0.0, "d:1")).decode_profile(tbt_slo=0.02, mean_tokens=100, output_tokens=10)
+    assert (flat.max_batch, flat.step_seconds) == (64, 0.01)
+    with pytest.raises(ValueError, match="step-time model"):
+        NodeFigures.of({**state("decode", 0.0, "d:1"), "engines": [{**state("decode", 0.0, "d:1")["engines"][0],
+                                                                     "step_base": 0.0}]})
 
 
 def test_the_trace_s_lengths_are_what_earlier_requests_did_not_already_cache():
@@ -66,6 +72,19 @@ def test_the_plan_offloads_long_prompts_to_fast_remote_nodes_and_refuses_unmeasu
         plan_cluster(states, ["d0"], lengths, mean, out, tbt_slo=0.1)
     alone = plan_cluster(states, [], lengths, mean, out, tbt_slo=0.1)  # no PrfaaS: homogeneous PD
     assert alone.plan.threshold == math.inf and alone.plan.offloaded == 0
+
+
+def test_the_local_prefill_profile_is_the_prefill_nodes_and_the_decode_profile_the_decode_nodes():
+    # a decode node's step-time model is fitted on decode steps: a poor guide to its prefill speed
+    states = {"r0": state("prefill", 1e-4, "r:0", {"d:0": 1e9}), "p0": state("prefill", 1e-4, "p:0"),
+              "d0": state("decode", 1e-3, "d:0")}
+    lengths, mean, out = trace_lengths(json.dumps({"input_length": n, "output_length": 10})
+                                       for n in [500] * 50 + [600] * 50)
+    live = plan_cluster(states, ["r0"], lengths, mean, out, tbt_slo=10.0, n_prefill=1)
+    assert live.cluster.local_prefill.prefill_seconds(1000) == pytest.approx(1000 * 1e-4 + 0.01)
+    assert live.cluster.decode.step_seconds == pytest.approx(0.01 + live.cluster.decode.max_batch * 1e-3)
+    # equal prefill nodes split the work: the long prompts remote, the short ones local
+    assert 500 <= live.plan.threshold < 600 and live.plan.offloaded == 0.5
 
 
 def test_the_plan_command_asks_the_nodes_and_prints_the_plan(tmp_path, capsys):

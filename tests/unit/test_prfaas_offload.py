@@ -55,14 +55,44 @@ def test_t_is_solved_from_measured_egress_and_a_slower_link_raises_it():
     remote, local = [c.nodes["r0"]], [c.nodes[n] for n in ("p0", "d0", "d1")]
     for n in [500] * 40 + [6000] * 40:
         c.offload.route(n, n)
-    assert c.offload.update(remote, local) == 1000, "no transfer measured yet: the operator's t stands"
+    assert c.offload.update(remote, local, 0.0) == 1000, "no transfer measured yet: the operator's t stands"
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links={"d:0": 1e9, "d:1": 1e9}))
-    wide = c.offload.update(remote, local)
+    wide = c.offload.update(remote, local, 0.0)
     assert 500 <= wide < 6000 and c.offload.egress == 1e9
     # the link drops to 1 MB/s: 6000-token prompts' KV (6 MB each) can no longer cross it as fast
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links={"d:0": 1e6, "d:1": 1e6}))
-    narrow = c.offload.update(remote, local)
+    narrow = c.offload.update(remote, local, 0.0)
     assert narrow > wide and math.isinf(narrow)
+
+
+def test_a_link_that_no_longer_carries_anything_is_probed_and_its_recovery_lowers_t_again():
+    c = cluster(prfaas_threshold=1000, prfaas_probe_period=60)
+    remote, local = [c.nodes["r0"]], [c.nodes[n] for n in ("p0", "d0", "d1")]
+    for n in [500] * 40 + [6000] * 40:
+        c.offload.route(n, n)
+    c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links={"d:0": 1e6}))  # a slow link: nothing goes remote
+    assert math.isinf(c.offload.update(remote, local, 0.0))
+    assert math.isinf(c.offload.update(remote, local, 59.0)) and not c.offload.probing
+    c.offload.update(remote, local, 61.0)  # a minute with no new measurement: probe it
+    assert c.offload.probing
+    assert c.place(list(range(1, 801)), set()).prefill == "p0", "no longer than the recent median"
+    assert c.place(list(range(1, 3001)), set()).prefill == "r0"  # the probe
+    assert c.place(list(range(1, 3002)), set()).prefill == "p0" and c.offload.probes == 1
+    # the probe's transfer found the link recovered: t comes down at the next solve
+    c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links={"d:0": 1e9}))
+    assert c.offload.update(remote, local, 62.0) < 6000
+
+
+def test_an_operators_t_above_every_prompt_is_probed_below_so_the_link_gets_measured():
+    c = cluster(prfaas_threshold=100_000, prfaas_probe_period=60)
+    remote, local = [c.nodes["r0"]], [c.nodes[n] for n in ("p0", "d0", "d1")]
+    for n in [500] * 40 + [6000] * 40:
+        assert not c.offload.route(n, n)
+    assert c.offload.update(remote, local, 0.0) == 100_000 and not c.offload.probing
+    assert c.offload.update(remote, local, 61.0) == 100_000 and c.offload.probing  # nothing measured in a minute
+    assert c.place(list(range(1, 5001)), set()).prefill == "r0" and c.offload.probes == 1
+    c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links={"d:0": 1e9}))  # what the probe measured
+    assert c.offload.update(remote, local, 62.0) < 6000
 
 
 def test_a_surging_remote_queue_raises_t_until_it_eases():
@@ -72,13 +102,13 @@ def test_a_surging_remote_queue_raises_t_until_it_eases():
         c.offload.route(n, n)
     links = {"d:0": 1e9}
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links=links))
-    calm = c.offload.update(remote, local)
+    calm = c.offload.update(remote, local, 0.0)
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links=links, waiting_tokens=500_000))  # ~5 s queued
-    surged = c.offload.update(remote, local)
+    surged = c.offload.update(remote, local, 0.0)
     assert surged == 1.25 * calm
-    assert c.offload.update(remote, local) == 1.25 * surged
+    assert c.offload.update(remote, local, 0.0) == 1.25 * surged
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links=links))
-    assert c.offload.update(remote, local) == calm
+    assert c.offload.update(remote, local, 0.0) == calm
 
 
 def test_the_long_term_split_converts_a_node_of_the_surplus_role_when_it_pays():

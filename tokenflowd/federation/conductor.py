@@ -84,6 +84,7 @@ class ConductorConfig:
     prfaas_period: float = 5.0  # s between solves
     prfaas_queue_seconds: float | None = None  # a remote prefill queue beyond this raises t (None: ttft_slo / 4)
     prfaas_output_tokens: float = 512  # the mean reply the plan assumes for decode
+    prfaas_probe_period: float = 60.0  # s with nothing offloaded nor measured before one long prompt probes the link
     # the long term: the local prefill/decode split solved again, a node converted when it pays
     prfaas_replan_period: float = 600.0  # s between re-plans (0: never convert a node)
     prfaas_convert_gain: float = 0.1  # the predicted throughput gain a conversion must bring
@@ -117,8 +118,10 @@ class ConductorConfig:
         unknown = set(self.remote) - {name for name, _ in self.nodes}
         if unknown:
             raise ValueError(f"remote names no node: {', '.join(sorted(unknown))}")
-        if not (self.prfaas_threshold >= 0 and self.prfaas_period > 0 and self.prfaas_output_tokens >= 1):
-            raise ValueError("prfaas_threshold must be >= 0, prfaas_period > 0 and prfaas_output_tokens >= 1")
+        if not (self.prfaas_threshold >= 0 and self.prfaas_period > 0 and self.prfaas_output_tokens >= 1
+                and self.prfaas_probe_period > 0):
+            raise ValueError("prfaas_threshold must be >= 0, prfaas_period and prfaas_probe_period > 0, "
+                             "prfaas_output_tokens >= 1")
         if not (self.prfaas_replan_period >= 0 and self.prfaas_convert_gain >= 0 and self.prfaas_drain_timeout > 0):
             raise ValueError("prfaas_replan_period and prfaas_convert_gain must be >= 0, prfaas_drain_timeout > 0")
         if not 0 <= self.link_gbps < math.inf:
@@ -209,7 +212,8 @@ class Conductor:
         self._polls: list[asyncio.Task] = []
         self._auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         queue = config.prfaas_queue_seconds if config.prfaas_queue_seconds is not None else config.ttft_slo / 4
-        self.offload = Offload(config.prfaas_threshold, config.prfaas_output_tokens, config.tbt_slo, queue)
+        self.offload = Offload(config.prfaas_threshold, config.prfaas_output_tokens, config.tbt_slo, queue,
+                               config.prfaas_probe_period)
         self.converting: dict[str, tuple[str, float]] = {}  # node -> (the role it is to take, since when)
 
     # -- the nodes --------------------------------------------------------------------------------
@@ -260,9 +264,9 @@ class Conductor:
         replanned = time.monotonic()
         while True:
             await asyncio.sleep(c.prfaas_period)
-            if remote:
-                self.offload.update(remote, local)
             now = time.monotonic()
+            if remote:
+                self.offload.update(remote, local, now)
             if c.prfaas_replan_period and not self.converting and now - replanned >= c.prfaas_replan_period:
                 replanned = now
                 move = self.offload.split(remote, [n for n in local if n.name not in self.converting],
@@ -530,7 +534,7 @@ class Conductor:
                  for n in self.nodes.values()}
         ok = any(n.serving for n in self.nodes.values())
         offload = {"threshold": None if math.isinf(self.offload.threshold) else self.offload.threshold,
-                   "offloaded": self.offload.offloaded, "egress_measured": self.offload.egress,
+                   "offloaded": self.offload.offloaded, "probes": self.offload.probes, "egress_measured": self.offload.egress,
                    "planned_throughput": self.offload.planned,
                    "converting": {name: role for name, (role, _) in self.converting.items()}}
         return web.json_response({"status": "ok" if ok else "no node", "nodes": nodes, "placed": self.placed,

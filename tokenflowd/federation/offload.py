@@ -11,7 +11,11 @@ the remote prefill queue surges past `prfaas_queue_seconds`, t is raised by a qu
 until it eases; the next solve starts from the model again.
 
 Until a transfer from a remote node to a local one has been measured, t stays at the operator's
-`prfaas_threshold`: the model never runs on a nominal bandwidth.
+`prfaas_threshold`: the model never runs on a nominal bandwidth. A link is measured only by what
+crosses it, so when t keeps every recent prompt local (an operator's t above them all, or a slow
+link that raised it), nothing would ever measure the link, or its recovery: after
+`prfaas_probe_period` s like that with no new measurement, the next prompt longer than the recent
+median is sent remote as a probe, and the solve after it sees the link as it is now.
 
 The long term (`split`): every `prfaas_replan_period` s the split N_p / N_d of the local nodes is
 solved too. When the best split predicts a Λ_max at least `prfaas_convert_gain` above the split as
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from typing import TYPE_CHECKING, Iterable
 
@@ -46,8 +51,12 @@ def state_of(node: "NodeView") -> dict:
 
 class Offload:
     def __init__(self, threshold: float, output_tokens: float, tbt_slo: float, queue_seconds: float,
-                 window: int = 2000) -> None:
+                 probe_seconds: float = 60.0, window: int = 2000) -> None:
         self.threshold = threshold  # t, uncached tokens
+        self.probe_seconds = probe_seconds
+        self.probing = False  # the next prompt longer than the recent median goes remote, to measure the link
+        self.probes = 0
+        self._measured = (-1.0, 0.0)  # (B_out, since when it has stood)
         self.output_tokens, self.tbt_slo, self.queue_seconds = output_tokens, tbt_slo, queue_seconds
         self.lengths: deque[int] = deque(maxlen=window)  # recent requests' uncached prompt lengths
         self.prompts: deque[int] = deque(maxlen=window)  # ... and whole prompts
@@ -58,20 +67,28 @@ class Offload:
     def route(self, prompt: int, uncached: int, remote_serving: bool = True) -> bool:
         """Whether this request's prefill goes to the remote nodes. Every request is recorded for the
         next solve, remote nodes serving or not: the long term plans a PD cluster without them too."""
+        remote = remote_serving and uncached > self.threshold
+        if remote_serving and self.probing and not remote and uncached > statistics.median(self.lengths or [0]):
+            remote, self.probing = True, False
+            self.probes += 1
+            log.info("offload probe: a %d-token prompt goes remote to measure the link", uncached)
         self.lengths.append(uncached)
         self.prompts.append(prompt)
-        remote = remote_serving and uncached > self.threshold
         self.offloaded += remote
         return remote
 
-    def update(self, remote: Iterable["NodeView"], local: Iterable["NodeView"]) -> float:
-        """Solve t again for the nodes serving now; -> the new t."""
+    def update(self, remote: Iterable["NodeView"], local: Iterable["NodeView"], now: float) -> float:
+        """Solve t again for the nodes serving now (`now`: monotonic s); -> the new t."""
         remote = [n for n in remote if n.serving]
         local = [n for n in local if n.serving]
         if not remote or not local or len(self.lengths) < MIN_LENGTHS:
             return self.threshold
         states = {n.name: state_of(n) for n in (*remote, *local)}
         b_out = egress((states[n.name] for n in remote), (states[n.name] for n in local))
+        if b_out != self._measured[0]:
+            self._measured = (b_out, now)
+        elif now - self._measured[1] >= self.probe_seconds and self.threshold >= max(self.lengths):
+            self.probing = True  # t keeps everything local, and nothing measures the link: probe it
         if b_out <= 0:  # nothing measured yet: the operator's t stands
             return self.threshold
         mean = sum(self.prompts) / len(self.prompts) + self.output_tokens

@@ -41,10 +41,13 @@ class NodeFigures:
 
     @classmethod
     def of(cls, state: dict) -> "NodeFigures":
-        engines = [e for e in state.get("engines") or [] if e["step_per_token"] > 0 and e["step_base"] >= 0]
+        # a per-token cost of 0 is a fit too: a decode node that has only run batches of one request
+        # sees every step cost the same (its batch size is then bounded by seats and KV alone)
+        engines = [e for e in state.get("engines") or []
+                   if e["step_per_token"] >= 0 and e["step_base"] >= 0 and e["step_per_token"] + e["step_base"] > 0]
         if not engines:
-            raise ValueError("the node reports no engine whose step-time model is fitted yet")
-        e = min(engines, key=lambda e: e["step_per_token"])
+            raise ValueError("the node reports no engine with a step-time model")
+        e = min(engines, key=lambda e: (e["step_per_token"], e["step_base"]))
         kv_bytes = state.get("kv_token_bytes")
         if not kv_bytes:
             raise ValueError("the node does not publish kv_token_bytes (an older tokenflowd?)")
@@ -129,11 +132,13 @@ def plan_cluster(states: dict[str, dict], remote: Iterable[str], lengths: Length
     def slowest(names: tuple[str, ...]) -> NodeFigures:  # a plan the whole group can keep
         return max((figures[n] for n in names), key=lambda f: f.step_per_token)
 
-    local_figures = slowest(local)
+    # each side's figures from the nodes that do that work now: a decode node's step-time model is
+    # fitted on decode steps, and says little of how fast it prefills
+    prefilling = slowest(tuple(n for n in local if states[n].get("role") == "prefill") or local)
+    decoding = slowest(tuple(n for n in local if states[n].get("role") == "decode") or local)
     cluster = Cluster(len(remote), len(local), b_out,
-                      slowest(remote).prefill_profile() if remote else local_figures.prefill_profile(),
-                      local_figures.prefill_profile(),
-                      local_figures.decode_profile(tbt_slo, mean_tokens, output_tokens))
+                      (slowest(remote) if remote else prefilling).prefill_profile(), prefilling.prefill_profile(),
+                      decoding.decode_profile(tbt_slo, mean_tokens, output_tokens))
     return LivePlan(search(cluster, lengths, n_prefill=n_prefill), cluster, remote, local)
 
 

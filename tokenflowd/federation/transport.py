@@ -74,30 +74,42 @@ class Transfer:
 
 @dataclass
 class LinkStats:
-    """What writes to one peer achieved: in all, and over the last WINDOW s of transfers (a link
-    whose bandwidth drops, or that fills with other traffic, shows it within that window)."""
+    """What writes to one peer achieved: in all, and over the transfers that ended in the last
+    WINDOW s before the latest (a link whose bandwidth drops, or that fills with other traffic,
+    shows it within that window).
 
-    WINDOW: ClassVar[float] = 10.0  # s
+    The recent figure is their bytes over the time the link was busy with them: the union of their
+    [started, ended] intervals. A layer-wise prefill has many writes in flight at once, so summing
+    each write's own duration would count the same second many times over."""
+
+    WINDOW: ClassVar[float] = 3.0  # s
 
     bytes: int = 0
     seconds: float = 0.0
     failures: int = 0
     peak: float = 0.0  # bytes/s of its fastest transfer: what the wire can do, small transfers aside
-    recent: collections.deque = field(default_factory=collections.deque)  # (ended, bytes, seconds)
+    recent: collections.deque = field(default_factory=collections.deque)  # (started, ended, bytes)
 
-    def add(self, nbytes: int, seconds: float, ended: float) -> None:
+    def add(self, nbytes: int, started: float, ended: float) -> None:
+        seconds = max(ended - started, 0.0)
         self.bytes += nbytes
         self.seconds += seconds
         self.peak = max(self.peak, nbytes / max(seconds, 1e-9))
-        self.recent.append((ended, nbytes, seconds))
-        while self.recent and self.recent[0][0] < ended - self.WINDOW:
+        self.recent.append((started, ended, nbytes))
+        latest = max(e for _, e, _ in self.recent)
+        while self.recent and self.recent[0][1] < latest - self.WINDOW:
             self.recent.popleft()
 
     @property
     def bandwidth(self) -> float | None:
-        """Bytes/s of the transfers of the last WINDOW s before the latest (None before the first)."""
-        seconds = sum(s for _, _, s in self.recent)
-        return sum(b for _, b, _ in self.recent) / seconds if seconds > 0 else None
+        """Bytes/s of the recent transfers over the time the link was busy with them (None before
+        the first)."""
+        busy, reach = 0.0, -math.inf
+        for started, ended, _ in sorted(self.recent):
+            if ended > reach:
+                busy += ended - max(started, reach)
+                reach = ended
+        return sum(b for _, _, b in self.recent) / busy if busy > 0 else None
 
 
 class KVTransport(abc.ABC):
@@ -172,7 +184,7 @@ class KVTransport(abc.ABC):
         with self._links_lock:
             link = self.links.setdefault(transfer.peer, LinkStats())
             if transfer.state == DONE:
-                link.add(transfer.nbytes, ended - transfer.started, ended)
+                link.add(transfer.nbytes, transfer.started, ended)
             else:
                 link.failures += 1
 

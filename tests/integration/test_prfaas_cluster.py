@@ -1,0 +1,150 @@
+"""PrfaaS on one machine: a local prefill node, a decode node, a remote prefill node (`remote = true`)
+and the conductor, each a real `tokenflowd` in its own network namespace; the remote node's KV
+crosses its own link, which `tc tbf` limits mid-run.
+
+- Only requests whose uncached prompt is longer than the conductor's threshold t go to the remote
+  node, and greedy outputs through the cluster equal the decode node's own, computed alone.
+- Once the remote node's transfers to the decode node have been measured, t is solved from them;
+  lowering the remote link's bandwidth raises t at the first solve after a transfer over the slow
+  link has been measured (one short-term period); once the link is fast again, t comes down.
+- No KV page stays taken on any node.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from daemon import Daemon, assert_no_pages_held  # noqa: E402
+from federated import MODEL, Cluster  # noqa: E402
+from netns import available  # noqa: E402
+
+pytest.importorskip("mooncake.engine", reason="the federation extra (Mooncake Transfer Engine) is not installed")
+openai = pytest.importorskip("openai")
+_why = available()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why is not None, reason=_why or "")]
+
+PERIOD = 2.0  # prfaas_period: s between solves of t
+PROBE = 4.0  # prfaas_probe_period: s with nothing measured before a long prompt probes the link
+START_T = 150  # prfaas_threshold: t until a remote transfer was measured
+NODE_ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--kv-transfer-timeout", "30",
+             "--log-level", "INFO")
+CONDUCTOR = (f'ttft_slo = 600\ntbt_slo = 60\nrejection = "off"\nprfaas_threshold = {START_T}\n'
+             f"prfaas_period = {PERIOD}\nprfaas_probe_period = {PROBE}\nprfaas_replan_period = 0\nprfaas_output_tokens = 8\n")
+LONGEST = 9  # paragraphs: prompts of about 20 to 380 tokens
+PARAGRAPH = ("The harbour town wakes before dawn: fishing boats slip their moorings, gulls circle the market, "
+             "and the baker on the hill sets out the first loaves while the lighthouse keeper climbs down. ")
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
+             "What does a compiler do?", "Name a planet with rings.", "What is photosynthesis?"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("prfaas"), NODE_ARGS, remote=("remote",), conductor=CONDUCTOR)
+    c.client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", timeout=120, max_retries=0)
+    yield c
+    c.close()
+
+
+def prompt(tag: str, i: int, paragraphs: int) -> str:
+    """About 20 + 40 × `paragraphs` tokens, distinct from its first page on (the tag), so that no
+    node holds a prefix of it."""
+    return f"Note {tag}-{i}. " + PARAGRAPH * paragraphs + QUESTIONS[i % len(QUESTIONS)]
+
+
+def complete(cluster: Cluster, text: str) -> dict:
+    """A streamed greedy completion through the conductor, with t before and after, and where it went."""
+    before = cluster.health()
+    out, usage = [], None
+    for chunk in cluster.client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0, stream=True,
+                                                   stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].text:
+            out.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    after = cluster.health()
+    moved = {k: v - before["placed"].get(k, 0) for k, v in after["placed"].items() if v != before["placed"].get(k, 0)}
+    assert len(moved) == 1 and sum(moved.values()) == 1, (before["placed"], after["placed"])
+    return {"prompt": text, "text": "".join(out), "tokens": usage.prompt_tokens, "prefill": next(iter(moved)).split("->")[0],
+            "t": (threshold(before), threshold(after)), "done": time.monotonic()}
+
+
+def threshold(health: dict) -> float:
+    t = health["prfaas"]["threshold"]
+    return float("inf") if t is None else t
+
+
+def alone(node: Daemon, text: str) -> str:
+    r = node.http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def solved(cluster: Cluster, tag: str) -> float:
+    """Serve short and long prompts until t has been solved from a measured remote link; -> t."""
+    for i in range(60):
+        h = cluster.health()["prfaas"]
+        if h["egress_measured"] > 0 and h["planned_throughput"] is not None:
+            return threshold(cluster.health())
+        complete(cluster, prompt(tag, i, paragraphs=i % 10))
+        time.sleep(0.1)
+    raise AssertionError(f"t was never solved from measured figures: {cluster.health()['prfaas']}")
+
+
+def test_only_prompts_whose_uncached_part_is_longer_than_t_go_remote_and_outputs_equal_one_nodes(cluster):
+    tag = uuid.uuid4().hex[:8]
+    served = [complete(cluster, prompt(tag, i, paragraphs=i * 7 % 10)) for i in range(24)]
+    decided = [s for s in served if s["t"][0] == s["t"][1]]  # t did not move while it was placed
+    assert len(decided) >= 12, [s["t"] for s in served]
+    for s in decided:
+        assert (s["prefill"] == "remote") == (s["tokens"] > s["t"][0]), s
+    assert {s["prefill"] for s in served} == {"remote", "prefill"}, served
+    for s in [*[s for s in served if s["prefill"] == "remote"][:2], *[s for s in served if s["prefill"] == "prefill"][:2]]:
+        assert s["text"] == alone(cluster.decode, s["prompt"]), s
+    for node in cluster.nodes.values():
+        assert_no_pages_held(node, 30)
+
+
+def test_a_slower_remote_link_raises_t_within_one_period(cluster):
+    tag = uuid.uuid4().hex[:8]
+    wide = solved(cluster, tag)
+    first = complete(cluster, prompt(tag, 1001, LONGEST))
+    assert first["prefill"] == "remote" and first["tokens"] > wide, \
+        f"the model should send long prompts remote over a fast link: t {wide}, {first}"
+    fast = cluster.health()["prfaas"]["egress_measured"]
+    cluster.net.rate("remote", "50mbit")  # a long prompt's KV (~17 MB in fp32) now takes ~3 s to cross
+    try:
+        slow = complete(cluster, prompt(tag, 1002, LONGEST))
+        assert slow["prefill"] == "remote"  # placed before the slow link was measured
+        # the transfer's figures reach the conductor with the node's next state, and t is solved
+        # again with them at the next period (a loaded machine's slack on top)
+        seen = []
+        while time.monotonic() - slow["done"] < PERIOD + 5:
+            h = cluster.health()
+            seen.append((round(time.monotonic() - slow["done"], 1), threshold(h), h["prfaas"]["egress_measured"]))
+            if h["prfaas"]["egress_measured"] < fast / 2:
+                break
+            time.sleep(0.2)
+        assert h["prfaas"]["egress_measured"] < fast / 2, (fast, seen)
+        assert threshold(h) > wide, (wide, seen)
+        waited = time.monotonic() - slow["done"]
+    finally:
+        cluster.net.rate("remote", None)
+    print(f"t {wide:.0f} -> {threshold(h):.0f} tokens {waited:.1f} s after the slow transfer; egress "
+          f"{fast * 8 / 1e9:.2f} -> {h['prfaas']['egress_measured'] * 8 / 1e9:.3f} Gb/s")
+    # the link is fast again: what crosses it next (the longest prompts, or a probe when t keeps
+    # every prompt local) measures it so, and t comes down (the same mix of lengths as before)
+    raised = threshold(h)
+    for i in range(30):
+        complete(cluster, prompt(tag, 2000 + i, paragraphs=i * 7 % 10))
+        h = cluster.health()
+        if h["prfaas"]["egress_measured"] > fast / 2 and threshold(h) < raised:
+            break
+        time.sleep(0.5)
+    assert h["prfaas"]["egress_measured"] > fast / 2 and threshold(h) < raised, (fast, raised, h["prfaas"])
+    for node in cluster.nodes.values():
+        assert_no_pages_held(node, 30)
