@@ -10,6 +10,7 @@ remote ones too. `remote` nodes are prefill nodes marked `remote = true` in the 
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from daemon import Daemon, free_port, terminate
 from netns import Network
 
 MODEL = "smollm2-135m"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Cluster:
@@ -49,7 +51,7 @@ class Cluster:
             self.conductor = subprocess.Popen(
                 ["ip", "netns", "exec", self.net.ns["conductor"], sys.executable, "-m", "tokenflowd.cli", "conductor",
                  "--config", str(config), "--host", addr["conductor"], "--port", str(port)],
-                stdout=self.log, stderr=subprocess.STDOUT)
+                stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT})  # this checkout's
             for node in self.nodes.values():
                 node.wait_healthy(start_timeout)
             self.wait(lambda h: all(h["nodes"][n]["serving"] for n in names), 60)
