@@ -87,10 +87,13 @@ def test_sim_prfaas_prints_the_three_deployments_and_a_narrower_link_raises_t(tm
     from tokenflowd.cli import main
 
     out = tmp_path / "case.json"
-    assert main(["sim-prfaas", "--samples", "20000", "--out", str(out)]) == 0
+    assert main(["sim-prfaas", "--samples", "20000", "--requests", "2000", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert all(name in text for name in ("prfaas", "homogeneous", "naive")) and "3.24" in text
-    wide = json.loads(out.read_text())["prfaas"]
-    assert main(["sim-prfaas", "--samples", "20000", "--egress-gbps", "10", "--out", str(out)]) == 0
+    assert "sustained" in text and "2.22 / 3.51" in text  # the simulated runs, against the paper's TTFT
+    doc = json.loads(out.read_text())
+    wide = doc["prfaas"]
+    assert set(doc["simulated"]) == {"prfaas", "homogeneous", "naive"}
+    assert main(["sim-prfaas", "--samples", "20000", "--egress-gbps", "10", "--requests", "0", "--out", str(out)]) == 0
     narrow = json.loads(out.read_text())["prfaas"]
     assert narrow["threshold"] > wide["threshold"] and narrow["egress"] <= 10e9 / 8 * 1.001

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 
@@ -136,7 +137,11 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                         description=prfaas_case.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("--egress-gbps", type=float, default=100.0, help="the PrfaaS cluster's egress (default 100)")
     sp.add_argument("--samples", type=int, default=200_000, help="prompt lengths drawn (default 200000)")
-    sp.add_argument("--out", help="write the three plans as JSON here")
+    sp.add_argument("--requests", type=int, default=20_000,
+                    help="requests per simulated run of each deployment (sim/prfaas_cluster.py; 0: the model only)")
+    sp.add_argument("--ttft-rates", default="0.2,2.0",
+                    help="offered req/s at which to simulate each deployment's TTFT (default 0.2,2.0)")
+    sp.add_argument("--out", help="write the three plans and the simulated runs as JSON here")
     sp.set_defaults(func=cmd_sim_prfaas)
 
     c = sub.add_parser("calibrate", parents=[common], help="time our engine's steps and fit a cost model for `sim`")
@@ -270,9 +275,10 @@ def cmd_sim_prfaas(a: argparse.Namespace) -> int:
     from tokenflowd.sim.prfaas_case import PAPER, case_study, lognormal_lengths
     from tokenflowd.sim.result import json_safe
 
-    if not a.egress_gbps > 0 or a.samples < 1:
-        raise ValueError("--egress-gbps must be above 0 and --samples at least 1")
-    study = case_study(lognormal_lengths(a.samples), egress=a.egress_gbps * 1e9 / 8)
+    if not a.egress_gbps > 0 or a.samples < 1 or a.requests < 0:
+        raise ValueError("--egress-gbps must be above 0, --samples at least 1 and --requests at least 0")
+    lengths = lognormal_lengths(a.samples)
+    study = case_study(lengths, egress=a.egress_gbps * 1e9 / 8)
     print(f"{'deployment':>12} {'t':>9} {'N_prfaas/N_p/N_d':>17} {'offloaded':>9} {'Θ_prfaas':>9} {'Θ_pd-p':>8} "
           f"{'Θ_pd-d':>8} {'Λ_max':>7} {'egress Gb/s':>11} {'paper Λ':>8}")
     for name, plan, remote in (("prfaas", study.prfaas, 4), ("homogeneous", study.homogeneous, 0),
@@ -283,11 +289,44 @@ def cmd_sim_prfaas(a: argparse.Namespace) -> int:
               f"{plan.egress * 8 / 1e9:>11.1f} {PAPER[name]:>8.2f}")
     print(f"paper: t = {PAPER['threshold'] / 1000:.1f}K, {PAPER['offloaded']:.1%} offloaded, "
           f"~{PAPER['egress_gbps']:g} Gb/s egress")
+    simulated = simulate_case(study, lengths, a.requests, _floats(a.ttft_rates, "--ttft-rates")) if a.requests else {}
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(json_safe({"egress_gbps": a.egress_gbps, "samples": a.samples, **study.to_dict()}), f, indent=1)
+            json.dump(json_safe({"egress_gbps": a.egress_gbps, "samples": a.samples, **study.to_dict(),
+                                 "simulated": simulated, "requests": a.requests}), f, indent=1)
         print("wrote", a.out)
     return 0
+
+
+def simulate_case(study, lengths, requests: int, rates: tuple[float, ...]) -> dict:
+    """The three deployments on a virtual clock (sim/prfaas_cluster.py): the largest rate each
+    sustains, against the model's Λ_max, and TTFT at the offered rates."""
+    from tokenflowd.sim.prfaas_case import PAPER
+    from tokenflowd.sim.prfaas_cluster import simulate, sustainable
+
+    out = {}
+    print(f"\nsimulated (sim/prfaas_cluster.py), {requests} Poisson arrivals a run; TTFT mean / P90 s")
+    print(f"{'deployment':>12} {'Λ_max model':>11} {'sustained':>9}"
+          + "".join(f" {f'TTFT @{r:g}/s':>16}" for r in rates) + f" {'paper TTFT':>12}")
+    for d in study.deployments():
+        model = getattr(study, d.name).throughput
+        sustained = sustainable(d, lengths, 2 * model, requests)
+        runs = [simulate(d, lengths, r, requests) for r in rates]
+        out[d.name] = {"model": model, "sustained": sustained, "runs": [r.to_dict() for r in runs]}
+        mean, p90 = PAPER["ttft"][d.name]
+        print(f"{d.name:>12} {model:>11.2f} {sustained:>9.2f}"
+              + "".join(f" {f'{r.ttft_mean:.2f} / {r.ttft_p90:.2f}':>16}" for r in runs) + f" {f'{mean} / {p90}':>12}")
+    return out
+
+
+def _floats(text: str, what: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not all(0 < v < math.inf for v in values):
+        raise ValueError(f"{what} must be above 0, got {text!r}")
+    return values
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ import random
 from dataclasses import dataclass
 
 from tokenflowd.federation.prfaas import Cluster, DecodeProfile, Lengths, Plan, PrefillProfile, naive, search
+from tokenflowd.sim.prfaas_cluster import Deployment
 
 MiB = 1 << 20
 H200_1T = PrefillProfile((1024, 8192, 32768, 131072), (0.44, 0.72, 1.84, 7.40),
@@ -36,7 +37,8 @@ EGRESS = 100e9 / 8  # bytes/s
 
 # Table 6: Λ_max (req/s), and PrfaaS-PD's operating point
 PAPER = {"prfaas": 3.24, "homogeneous": 2.11, "naive": 2.45, "threshold": 19_400, "offloaded": 0.496,
-         "egress_gbps": 13.0, "split": {"prfaas": (3, 5), "homogeneous": (9, 3), "naive": (0, 8)}}
+         "egress_gbps": 13.0, "split": {"prfaas": (3, 5), "homogeneous": (9, 3), "naive": (0, 8)},
+         "ttft": {"prfaas": (2.22, 3.51), "homogeneous": (4.44, 9.73), "naive": (1.74, 3.51)}}  # mean, P90 s
 
 
 def lognormal_lengths(n: int = 200_000, mu: float = 9.90, sigma: float = 1.00, low: int = 128,
@@ -55,6 +57,14 @@ class CaseStudy:
     prfaas: Plan
     homogeneous: Plan
     naive: Plan
+    hetero: Cluster  # PrfaaS-PD's and naive's
+    homogeneous_cluster: Cluster
+
+    def deployments(self) -> list[Deployment]:
+        """The three columns as deployments for the simulator (sim/prfaas_cluster.py)."""
+        return [Deployment.of("prfaas", self.hetero, self.prfaas),
+                Deployment.of("homogeneous", self.homogeneous_cluster, self.homogeneous),
+                Deployment.of("naive", self.hetero, self.naive)]
 
     def to_dict(self) -> dict:
         return {"prfaas": self.prfaas.to_dict(), "homogeneous": self.homogeneous.to_dict(),
@@ -67,4 +77,5 @@ def case_study(lengths: Lengths | None = None, egress: float = EGRESS) -> CaseSt
                      decode=H20_DECODE)
     homogeneous = Cluster(remote=0, local=12, egress=0.0, remote_prefill=H200_1T, local_prefill=H20_1T,
                           decode=H20_DECODE)
-    return CaseStudy(search(hetero, lengths), search(homogeneous, lengths), naive(hetero, lengths))
+    return CaseStudy(search(hetero, lengths), search(homogeneous, lengths), naive(hetero, lengths), hetero,
+                     homogeneous)
