@@ -228,6 +228,7 @@ class EngineStats(msgspec.Struct):
     waiting_tokens: int = 0  # prompt tokens queued here and not yet computed
     pool_share: float = 0.0  # of the engine's time, the share serving its peers took lately (its step model's)
     kv_links: dict[str, float] = {}  # federation: peer transfer engine -> bytes/s its writes there achieved
+    kv_egress: float = 0.0  # ... and bytes/s of its writes to all peers together (transport.egress_bandwidth)
 
 
 class Ready(msgspec.Struct, tag=True):

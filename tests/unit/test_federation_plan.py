@@ -54,6 +54,11 @@ def test_egress_is_what_the_remote_nodes_measured_to_the_local_ones():
     remote = [state("prefill", 1e-5, "r:1", {"d:1": 100.0, "p:1": 300.0, "elsewhere:1": 5000.0}),
               state("prefill", 1e-5, "r:2")]  # nothing measured yet
     assert egress(remote, local) == 200.0
+    # a node that says what its writes to every peer achieved together: that figure (writes to two
+    # decode nodes at once share its link, so each peer's alone is a part of it)
+    both = {**state("prefill", 1e-5, "r:1", {"d:1": 100.0, "p:1": 100.0}), "egress": 190.0}
+    assert egress([both], local) == 190.0
+    assert egress([{**state("prefill", 1e-5, "r:1", {"elsewhere:1": 100.0}), "egress": 190.0}], local) == 0.0
 
 
 def test_the_plan_offloads_long_prompts_to_fast_remote_nodes_and_refuses_unmeasured_links():

@@ -60,6 +60,7 @@ from aiohttp import web
 from tokenflowd import protocol as p
 from tokenflowd.api.auth import node_key
 from tokenflowd.api.errors import APIError
+from tokenflowd.federation.congestion import Retransmits
 from tokenflowd.federation.peers import Peers, normal_url
 from tokenflowd.federation.timing import MARGIN, horizon, send_window
 from tokenflowd.prefix_index import PrefixIndex
@@ -193,6 +194,7 @@ class Federation:
         self.called_off: set[str] = set()  # ... whose decode node gave up meanwhile
 
         self.role = self.supervisor.engine_config.role  # prefill and decode may trade (POST /federation/role)
+        self.retransmits = Retransmits()  # TCP's congestion signal on this node's egress
         self.decoding: set[str] = set()  # a decode node's streams whose prompt a prefill node computed
 
     # -- POST /federation/role ----------------------------------------------------------------------
@@ -229,7 +231,7 @@ class Federation:
             since = int(request.query.get("since", "-1"))
         except ValueError:
             raise APIError(400, "since must be an integer", param="since") from None
-        engines, endpoints, links = [], [], {}
+        engines, endpoints, links, egress = [], [], {}, []
         for slot in self.supervisor.slots:
             if not slot.ready or slot.stats is None or slot.info is None:
                 continue
@@ -238,6 +240,8 @@ class Federation:
                 endpoints.append(slot.info.kv_endpoint)
             for peer, bps in st.kv_links.items():
                 links.setdefault(peer, []).append(bps)
+            if st.kv_egress > 0:
+                egress.append(st.kv_egress)
             engines.append({"engine": slot.engine_id, "running": st.num_running, "waiting": st.num_waiting,
                             "waiting_tokens": st.waiting_tokens, "step_base": st.step_base,
                             "step_per_token": st.step_per_token, "kv_pages_used": st.kv_pages_used,
@@ -251,7 +255,10 @@ class Federation:
                 # what a prefix fetch between nodes costs: a token's KV, and the bandwidth each peer
                 # transfer engine got from this node's engines (the mean over those that wrote there)
                 "kv_token_bytes": max((s.info.kv_token_bytes for s in self.supervisor.slots if s.info), default=0),
-                "kv_endpoints": endpoints, "links": {peer: sum(b) / len(b) for peer, b in links.items()}}
+                "kv_endpoints": endpoints, "links": {peer: sum(b) / len(b) for peer, b in links.items()},
+                # what its writes to every peer together achieved (the mean of its engines'; 0: none yet)
+                "egress": sum(egress) / len(egress) if egress else 0.0,
+                "tcp_retransmits": self.retransmits.share()}  # federation/congestion.py; None: not measured
         return web.json_response(body)
 
     # -- POST /federation/prefill (a prefill node) ---------------------------------------------

@@ -478,6 +478,7 @@ class EngineProcess(EngineEndpoint):
             step_base=cost.base, step_per_token=cost.per_token,
             waiting_tokens=sum(r.num_prompt_tokens - r.num_computed_tokens for r in queued),
             kv_links=self._links() if self.config.role != "both" else {},
+            kv_egress=self.transport.egress_bandwidth() if self.config.role != "both" else 0.0,
             **(self._pool_stats() if self.member is not None else {}),
         )
 

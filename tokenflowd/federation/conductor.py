@@ -83,6 +83,7 @@ class ConductorConfig:
     prfaas_threshold: float = 8192  # tokens, until a remote node's transfer to a local one was measured
     prfaas_period: float = 5.0  # s between solves
     prfaas_queue_seconds: float | None = None  # a remote prefill queue beyond this raises t (None: ttft_slo / 4)
+    prfaas_retransmit_share: float = 0.02  # a remote node resending more of its TCP segments than this raises t
     prfaas_output_tokens: float = 512  # the mean reply the plan assumes for decode
     prfaas_probe_period: float = 60.0  # s with nothing offloaded nor measured before one long prompt probes the link
     # the long term: the local prefill/decode split solved again, a node converted when it pays
@@ -119,9 +120,9 @@ class ConductorConfig:
         if unknown:
             raise ValueError(f"remote names no node: {', '.join(sorted(unknown))}")
         if not (self.prfaas_threshold >= 0 and self.prfaas_period > 0 and self.prfaas_output_tokens >= 1
-                and self.prfaas_probe_period > 0):
+                and self.prfaas_probe_period > 0 and 0 < self.prfaas_retransmit_share <= 1):
             raise ValueError("prfaas_threshold must be >= 0, prfaas_period and prfaas_probe_period > 0, "
-                             "prfaas_output_tokens >= 1")
+                             "prfaas_output_tokens >= 1, prfaas_retransmit_share in (0, 1]")
         if not (self.prfaas_replan_period >= 0 and self.prfaas_convert_gain >= 0 and self.prfaas_drain_timeout > 0):
             raise ValueError("prfaas_replan_period and prfaas_convert_gain must be >= 0, prfaas_drain_timeout > 0")
         if not 0 <= self.link_gbps < math.inf:
@@ -143,6 +144,8 @@ class NodeView:
     kv_token_bytes: int = 0  # a token's KV, all layers (0: not said)
     kv_endpoints: set[str] = field(default_factory=set)  # its engines' transfer engines
     links: dict[str, float] = field(default_factory=dict)  # peer transfer engine -> bytes/s its writes achieved
+    retransmits: float | None = None  # share of its TCP segments sent again lately (None: not measured)
+    egress: float = 0.0  # bytes/s its writes to all peers together achieved (0: not measured)
 
     def apply(self, state: dict) -> None:
         """All of it or nothing: a state with a field of the wrong kind raises before any changes."""
@@ -150,12 +153,15 @@ class NodeView:
         token_bytes = int(state.get("kv_token_bytes", 0))
         endpoints = set(state.get("kv_endpoints", ()))
         links = {str(peer): float(bps) for peer, bps in dict(state.get("links", {})).items()}
+        retransmits = state.get("tcp_retransmits")
+        retransmits = None if retransmits is None else float(retransmits)
+        egress = float(state.get("egress", 0.0))
         keys = state["keys"]
         seq = int(keys["seq"])
         snapshot = {bytes.fromhex(k) for k in keys["snapshot"]} if "snapshot" in keys else None
         changes = [] if snapshot is not None else [(bytes.fromhex(k), bool(p)) for k, p in keys["changes"]]
         self.role, self.page_size, self.engines, self.kv_token_bytes = role, page_size, engines, token_bytes
-        self.kv_endpoints, self.links, self.seq = endpoints, links, seq
+        self.kv_endpoints, self.links, self.seq, self.retransmits, self.egress = endpoints, links, seq, retransmits, egress
         if snapshot is not None:
             self.keys = snapshot
         for key, present in changes:
@@ -213,7 +219,7 @@ class Conductor:
         self._auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         queue = config.prfaas_queue_seconds if config.prfaas_queue_seconds is not None else config.ttft_slo / 4
         self.offload = Offload(config.prfaas_threshold, config.prfaas_output_tokens, config.tbt_slo, queue,
-                               config.prfaas_probe_period)
+                               config.prfaas_probe_period, config.prfaas_retransmit_share)
         self.converting: dict[str, tuple[str, float]] = {}  # node -> (the role it is to take, since when)
 
     # -- the nodes --------------------------------------------------------------------------------
@@ -534,7 +540,8 @@ class Conductor:
                  for n in self.nodes.values()}
         ok = any(n.serving for n in self.nodes.values())
         offload = {"threshold": None if math.isinf(self.offload.threshold) else self.offload.threshold,
-                   "offloaded": self.offload.offloaded, "probes": self.offload.probes, "egress_measured": self.offload.egress,
+                   "offloaded": self.offload.offloaded, "probes": self.offload.probes,
+                   "congested": self.offload.congested, "egress_measured": self.offload.egress,
                    "planned_throughput": self.offload.planned,
                    "converting": {name: role for name, (role, _) in self.converting.items()}}
         return web.json_response({"status": "ok" if ok else "no node", "nodes": nodes, "placed": self.placed,

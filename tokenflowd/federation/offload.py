@@ -6,16 +6,17 @@ Every `prfaas_period` s the conductor solves t again with the throughput model (
 what it sees now: the recent requests' uncached lengths, the nodes' step-time models, and B_out,
 the bandwidth the remote nodes' transfer engines achieved to the local nodes over their last
 transfers (transport.py LinkStats). The local prefill/decode split is taken as it stands (the
-long term changes it). A link that slows raises t: fewer, longer prompts cross it. On top, when
-the remote prefill queue surges past `prfaas_queue_seconds`, t is raised by a quarter each period
-until it eases; the next solve starts from the model again.
+long term changes it). A link that slows raises t: fewer, longer prompts cross it. On top, while
+the remote prefill queue surges past `prfaas_queue_seconds`, or TCP on a remote node resends more
+than `prfaas_retransmit_share` of its segments (congestion.py: the egress nearing its ceiling),
+t is raised by a quarter each period; once they ease, the next solve starts from the model again.
 
 Until a transfer from a remote node to a local one has been measured, t stays at the operator's
 `prfaas_threshold`: the model never runs on a nominal bandwidth. A link is measured only by what
-crosses it, so when t keeps every recent prompt local (an operator's t above them all, or a slow
-link that raised it), nothing would ever measure the link, or its recovery: after
-`prfaas_probe_period` s like that with no new measurement, the next prompt longer than the recent
-median is sent remote as a probe, and the solve after it sees the link as it is now.
+crosses it, so when t keeps every prompt local (an operator's t above them all, or a slow link
+that raised it), nothing would ever measure the link, or its recovery: after `prfaas_probe_period`
+s with no new figure and nothing offloaded, the next prompt at least as long as the recent 90th
+percentile is sent remote as a probe, and the solve after it sees the link as it is now.
 
 The long term (`split`): every `prfaas_replan_period` s the split N_p / N_d of the local nodes is
 solved too. When the best split predicts a Λ_max at least `prfaas_convert_gain` above the split as
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 from collections import deque
 from typing import TYPE_CHECKING, Iterable
 
@@ -46,17 +46,19 @@ SURGE = 1.25  # t's rise per period while the remote queue surges
 def state_of(node: "NodeView") -> dict:
     """The node as /federation/state described it, for plan.py."""
     return {"role": node.role, "page_size": node.page_size, "engines": node.engines,
-            "kv_token_bytes": node.kv_token_bytes, "kv_endpoints": sorted(node.kv_endpoints), "links": node.links}
+            "kv_token_bytes": node.kv_token_bytes, "kv_endpoints": sorted(node.kv_endpoints), "links": node.links,
+            "egress": node.egress}
 
 
 class Offload:
     def __init__(self, threshold: float, output_tokens: float, tbt_slo: float, queue_seconds: float,
-                 probe_seconds: float = 60.0, window: int = 2000) -> None:
+                 probe_seconds: float = 60.0, retransmit_share: float = 0.02, window: int = 2000) -> None:
         self.threshold = threshold  # t, uncached tokens
-        self.probe_seconds = probe_seconds
-        self.probing = False  # the next prompt longer than the recent median goes remote, to measure the link
+        self.probe_seconds, self.retransmit_share = probe_seconds, retransmit_share
+        self.congested = False  # at the last solve, a remote node's TCP resent more than retransmit_share
+        self.probe_floor: float | None = None  # set: the next prompt at least this long goes remote (a probe)
         self.probes = 0
-        self._measured = (-1.0, 0.0)  # (B_out, since when it has stood)
+        self._measured = (-1.0, 0.0, 0)  # (B_out, since when it has stood, requests offloaded then)
         self.output_tokens, self.tbt_slo, self.queue_seconds = output_tokens, tbt_slo, queue_seconds
         self.lengths: deque[int] = deque(maxlen=window)  # recent requests' uncached prompt lengths
         self.prompts: deque[int] = deque(maxlen=window)  # ... and whole prompts
@@ -68,8 +70,8 @@ class Offload:
         """Whether this request's prefill goes to the remote nodes. Every request is recorded for the
         next solve, remote nodes serving or not: the long term plans a PD cluster without them too."""
         remote = remote_serving and uncached > self.threshold
-        if remote_serving and self.probing and not remote and uncached > statistics.median(self.lengths or [0]):
-            remote, self.probing = True, False
+        if remote_serving and self.probe_floor is not None and not remote and uncached >= self.probe_floor:
+            remote, self.probe_floor = True, None
             self.probes += 1
             log.info("offload probe: a %d-token prompt goes remote to measure the link", uncached)
         self.lengths.append(uncached)
@@ -85,10 +87,8 @@ class Offload:
             return self.threshold
         states = {n.name: state_of(n) for n in (*remote, *local)}
         b_out = egress((states[n.name] for n in remote), (states[n.name] for n in local))
-        if b_out != self._measured[0]:
-            self._measured = (b_out, now)
-        elif now - self._measured[1] >= self.probe_seconds and self.threshold >= max(self.lengths):
-            self.probing = True  # t keeps everything local, and nothing measures the link: probe it
+        self.congested = any((n.retransmits or 0.0) > self.retransmit_share for n in remote)
+        self._probe(b_out, now)
         if b_out <= 0:  # nothing measured yet: the operator's t stands
             return self.threshold
         mean = sum(self.prompts) / len(self.prompts) + self.output_tokens
@@ -100,7 +100,7 @@ class Offload:
             log.info("offload threshold kept at %s: %s", self.threshold, e)
             return self.threshold
         t = live.plan.threshold
-        if max(n.queue_seconds() for n in remote) > self.queue_seconds:
+        if self.congested or max(n.queue_seconds() for n in remote) > self.queue_seconds:
             t = SURGE * min(max(t, self.threshold), max(self.lengths))  # surging: send fewer there
         if t != self.threshold:
             log.info("offload threshold %s -> %s tokens (egress %.3g Gb/s measured, Λ_max %.3g req/s)",
@@ -108,6 +108,18 @@ class Offload:
         self.threshold, self.egress, self.planned = t, b_out, live.plan.throughput
         return t
 
+
+    def _probe(self, b_out: float, now: float) -> None:
+        """A link is measured only by what crosses it: after probe_seconds with no new figure and
+        nothing offloaded, the next prompt at least as long as the recent 90th percentile goes
+        remote. At most one probe a probe period, whether or not its transfer measures anything."""
+        figure, since, offloaded = self._measured
+        if b_out != figure or self.offloaded != offloaded:  # measured anew, or prompts cross the link
+            self._measured = (b_out, now, self.offloaded)
+        elif now - since >= self.probe_seconds:
+            ordered = sorted(self.lengths)
+            self.probe_floor = ordered[int(0.9 * (len(ordered) - 1))]
+            self._measured = (b_out, now, self.offloaded)
 
     def split(self, remote: Iterable["NodeView"], local: Iterable["NodeView"], gain: float) -> tuple[str, str] | None:
         """(node, its new role) when converting one local node improves the predicted Λ_max by `gain`

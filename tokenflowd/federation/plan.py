@@ -9,7 +9,8 @@ with nominal figures.
     TBT SLO, no larger than max_num_seqs nor than the requests of the workload's mean size its KV
     pages hold. L_out: the workload's mean output.
   - B_out: the sum over the remote prefill nodes of the bandwidth their transfer engines measured
-    to the local nodes (federation/transport.py LinkStats). A link not measured yet counts as none.
+    on their way out, all peers' writes together (federation/transport.py LinkStats), once they
+    have written to a local node. A link not measured yet counts as none.
   - The lengths: each request's uncached prompt, after the longest prefix of its 512-token blocks
     that an earlier request of the trace already had (an unbounded cache: the most a cluster's
     caches could hold back).
@@ -93,13 +94,16 @@ def trace_lengths(lines: Iterable[str], block_tokens: int = 512) -> tuple[Length
 
 
 def egress(remote: Iterable[dict], local: Iterable[dict]) -> float:
-    """B_out: Σ over the remote nodes of the mean bandwidth (bytes/s) their transfer engines
-    measured to the local nodes' endpoints; 0 when none was measured."""
+    """B_out: Σ over the remote nodes of what their transfer engines measured on their way out (to
+    every peer together: writes to two decode nodes at once share the link), or, from a node that
+    does not publish that, the mean of its figures to the local nodes' endpoints; 0 when a remote
+    node has written to no local node yet."""
     endpoints = {e for state in local for e in state.get("kv_endpoints", [])}
     total = 0.0
     for state in remote:
         measured = [bps for peer, bps in state.get("links", {}).items() if peer in endpoints]
-        total += sum(measured) / len(measured) if measured else 0.0
+        if measured:
+            total += state.get("egress") or sum(measured) / len(measured)
     return total
 
 
@@ -129,16 +133,22 @@ def plan_cluster(states: dict[str, dict], remote: Iterable[str], lengths: Length
         raise ValueError("no transfer from the remote prefill nodes to the local nodes has been measured yet: "
                          "the plan uses measured bandwidth only (serve some traffic through them first)")
 
-    def slowest(names: tuple[str, ...]) -> NodeFigures:  # a plan the whole group can keep
-        return max((figures[n] for n in names), key=lambda f: f.step_per_token)
+    def slowest(names: tuple[str, ...], step) -> NodeFigures:  # a plan the whole group can keep
+        return max((figures[n] for n in names), key=step)
+
+    def full_prefill_step(f: NodeFigures) -> float:
+        return f.step_base + f.budget * f.step_per_token
+
+    def full_decode_step(f: NodeFigures) -> float:
+        return f.step_base + f.max_num_seqs * f.step_per_token
 
     # each side's figures from the nodes that do that work now: a decode node's step-time model is
     # fitted on decode steps, and says little of how fast it prefills
-    prefilling = slowest(tuple(n for n in local if states[n].get("role") == "prefill") or local)
-    decoding = slowest(tuple(n for n in local if states[n].get("role") == "decode") or local)
+    prefilling = slowest(tuple(n for n in local if states[n].get("role") == "prefill") or local, full_prefill_step)
+    decoding = slowest(tuple(n for n in local if states[n].get("role") == "decode") or local, full_decode_step)
     cluster = Cluster(len(remote), len(local), b_out,
-                      (slowest(remote) if remote else prefilling).prefill_profile(), prefilling.prefill_profile(),
-                      decoding.decode_profile(tbt_slo, mean_tokens, output_tokens))
+                      (slowest(remote, full_prefill_step) if remote else prefilling).prefill_profile(),
+                      prefilling.prefill_profile(), decoding.decode_profile(tbt_slo, mean_tokens, output_tokens))
     return LivePlan(search(cluster, lengths, n_prefill=n_prefill), cluster, remote, local)
 
 

@@ -80,7 +80,12 @@ class LinkStats:
 
     The recent figure is their bytes over the time the link was busy with them: the union of their
     [started, ended] intervals. A layer-wise prefill has many writes in flight at once, so summing
-    each write's own duration would count the same second many times over."""
+    each write's own duration would count the same second many times over.
+
+    NOTE: over TCP a write ends once the kernel holds its bytes (DONE above), and each of the
+    transfer engine's connections buffers megabytes, so on a slow link the figure runs ahead of the
+    wire: 200 Mb/s measured for 49 MB transfers over a 100 Mb/s link (tc tbf). A lower
+    tcp_notsent_lowat did not change it; a figure from the receiver's side would."""
 
     WINDOW: ClassVar[float] = 3.0  # s
 
@@ -90,14 +95,17 @@ class LinkStats:
     peak: float = 0.0  # bytes/s of its fastest transfer: what the wire can do, small transfers aside
     recent: collections.deque = field(default_factory=collections.deque)  # (started, ended, bytes)
 
+    latest: float = -math.inf  # when the latest transfer ended
+
     def add(self, nbytes: int, started: float, ended: float) -> None:
-        seconds = max(ended - started, 0.0)
+        started = min(started, ended)
+        seconds = ended - started
         self.bytes += nbytes
         self.seconds += seconds
         self.peak = max(self.peak, nbytes / max(seconds, 1e-9))
         self.recent.append((started, ended, nbytes))
-        latest = max(e for _, e, _ in self.recent)
-        while self.recent and self.recent[0][1] < latest - self.WINDOW:
+        self.latest = max(self.latest, ended)
+        while self.recent and self.recent[0][1] < self.latest - self.WINDOW:
             self.recent.popleft()
 
     @property
@@ -115,6 +123,7 @@ class LinkStats:
 class KVTransport(abc.ABC):
     def __init__(self) -> None:
         self.links: dict[str, LinkStats] = {}
+        self.egress = LinkStats()  # every peer's writes together: the node's way out, busy time counted once
         self._links_lock = threading.Lock()  # waiter threads account while the engine reads
 
     @property
@@ -175,6 +184,12 @@ class KVTransport(abc.ABC):
             link = self.links.get(peer)
             return link.bandwidth if link else None
 
+    def egress_bandwidth(self) -> float:
+        """Bytes/s of the recent writes to all peers over the time any was under way (0: none yet).
+        Writes to two peers at once share the link: each peer's figure alone is half of it."""
+        with self._links_lock:
+            return self.egress.bandwidth or 0.0
+
     def bandwidths(self) -> dict[str, float]:
         """Each peer's `bandwidth`, for those measured."""
         with self._links_lock:
@@ -185,6 +200,7 @@ class KVTransport(abc.ABC):
             link = self.links.setdefault(transfer.peer, LinkStats())
             if transfer.state == DONE:
                 link.add(transfer.nbytes, transfer.started, ended)
+                self.egress.add(transfer.nbytes, transfer.started, ended)
             else:
                 link.failures += 1
 

@@ -275,8 +275,9 @@ def cmd_sim_prfaas(a: argparse.Namespace) -> int:
     from tokenflowd.sim.prfaas_case import PAPER, case_study, lognormal_lengths
     from tokenflowd.sim.result import json_safe
 
-    if not a.egress_gbps > 0 or a.samples < 1 or a.requests < 0:
-        raise ValueError("--egress-gbps must be above 0, --samples at least 1 and --requests at least 0")
+    if not a.egress_gbps > 0 or a.samples < 1 or not (a.requests == 0 or a.requests >= 1000):
+        raise ValueError("--egress-gbps must be above 0, --samples at least 1 and --requests 0 or at least 1000 "
+                         "(fewer: the last arrivals' TTFT alone reads as a backlog)")
     lengths = lognormal_lengths(a.samples)
     study = case_study(lengths, egress=a.egress_gbps * 1e9 / 8)
     print(f"{'deployment':>12} {'t':>9} {'N_prfaas/N_p/N_d':>17} {'offloaded':>9} {'Θ_prfaas':>9} {'Θ_pd-p':>8} "
