@@ -479,6 +479,7 @@ class EngineProcess(EngineEndpoint):
             waiting_tokens=sum(r.num_prompt_tokens - r.num_computed_tokens for r in queued),
             kv_links=self._links() if self.config.role != "both" else {},
             kv_egress=self.transport.egress_bandwidth() if self.config.role != "both" else 0.0,
+            kv_inbound=self.receiver.inbound_bandwidths() if self.receiver is not None else {},
             **(self._pool_stats() if self.member is not None else {}),
         )
 

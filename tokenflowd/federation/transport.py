@@ -36,7 +36,7 @@ import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import ClassVar, Iterable, Sequence
 
 import torch
 
@@ -70,6 +70,7 @@ class Transfer:
     state: str = PENDING
     # The implementation's completion: its result is (ok, monotonic time the engine said so).
     done: Future | None = None
+    ended: float | None = None  # when the implementation said it was done (DONE or FAILED)
 
 
 @dataclass
@@ -82,10 +83,12 @@ class LinkStats:
     [started, ended] intervals. A layer-wise prefill has many writes in flight at once, so summing
     each write's own duration would count the same second many times over.
 
-    NOTE: over TCP a write ends once the kernel holds its bytes (DONE above), and each of the
-    transfer engine's connections buffers megabytes, so on a slow link the figure runs ahead of the
-    wire: 200 Mb/s measured for 49 MB transfers over a 100 Mb/s link (tc tbf). A lower
-    tcp_notsent_lowat did not change it; a figure from the receiver's side would."""
+    NOTE: on a slow link this figure runs ahead of the wire: 160-225 Mb/s for 49 MB requests over
+    a 100 Mb/s tc tbf link that iperf3 measures at 96 Mb/s, with tcp_notsent_lowat or tcp_wmem
+    capped at 128 KB too. Over TCP a write ends once the kernel holds its bytes (DONE above), but
+    that alone does not explain a factor of two; the cause is not found. The receiver's figure
+    (streaming.py Receiver.inbound) adds the time the last bytes took to land after the sender's
+    word, and the PrfaaS plan takes the lower of the two; it read 150-195 Mb/s there."""
 
     WINDOW: ClassVar[float] = 3.0  # s
 
@@ -112,12 +115,18 @@ class LinkStats:
     def bandwidth(self) -> float | None:
         """Bytes/s of the recent transfers over the time the link was busy with them (None before
         the first)."""
-        busy, reach = 0.0, -math.inf
-        for started, ended, _ in sorted(self.recent):
-            if ended > reach:
-                busy += ended - max(started, reach)
-                reach = ended
+        busy = busy_seconds((started, ended) for started, ended, _ in self.recent)
         return sum(b for _, _, b in self.recent) / busy if busy > 0 else None
+
+
+def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of [started, ended] intervals."""
+    busy, reach = 0.0, -math.inf
+    for started, ended in sorted(intervals):
+        if ended > reach:
+            busy += ended - max(started, reach)
+            reach = ended
+    return busy
 
 
 class KVTransport(abc.ABC):
@@ -154,7 +163,7 @@ class KVTransport(abc.ABC):
         """PENDING, DONE or FAILED, without blocking (a step loop polls it)."""
         if transfer.state == PENDING and transfer.done is not None and transfer.done.done():
             ok, ended = transfer.done.result() if transfer.done.exception() is None else (False, time.monotonic())
-            transfer.state = DONE if ok else FAILED
+            transfer.state, transfer.ended = (DONE if ok else FAILED), ended
             self._account(transfer, ended)
         return transfer.state
 
