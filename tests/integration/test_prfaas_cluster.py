@@ -98,9 +98,9 @@ def solved(cluster: Cluster, tag: str) -> float:
 
 def test_only_prompts_whose_uncached_part_is_longer_than_t_go_remote_and_outputs_equal_one_nodes(cluster):
     tag = uuid.uuid4().hex[:8]
-    served = [complete(cluster, prompt(tag, i, paragraphs=i * 7 % 10)) for i in range(24)]
+    served = [complete(cluster, prompt(tag, i, paragraphs=i * 7 % 10)) for i in range(16)]
     decided = [s for s in served if s["t"][0] == s["t"][1] and not s["probe"]]  # t did not move while it was placed
-    assert len(decided) >= 12, [s["t"] for s in served]
+    assert len(decided) >= 8, [s["t"] for s in served]
     for s in decided:
         assert (s["prefill"] == "remote") == (s["tokens"] > s["t"][0]), s
     assert {s["prefill"] for s in served} == {"remote", "prefill"}, served
