@@ -35,7 +35,7 @@ NODE_ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--kv-transfer
              "--log-level", "INFO")
 CONDUCTOR = (f'ttft_slo = 600\ntbt_slo = 60\nrejection = "off"\nprfaas_threshold = {START_T}\n'
              f"prfaas_period = {PERIOD}\nprfaas_probe_period = {PROBE}\nprfaas_replan_period = 0\nprfaas_output_tokens = 8\n")
-LONGEST = 9  # paragraphs: prompts of about 20 to 380 tokens
+LONGEST = 12  # paragraphs (about 500 tokens): longer than the mix of 0 to 9 (about 20 to 380) t is solved on
 PARAGRAPH = ("The harbour town wakes before dawn: fishing boats slip their moorings, gulls circle the market, "
              "and the baker on the hill sets out the first loaves while the lighthouse keeper climbs down. ")
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
@@ -99,10 +99,13 @@ def solved(cluster: Cluster, tag: str) -> float:
 def test_only_prompts_whose_uncached_part_is_longer_than_t_go_remote_and_outputs_equal_one_nodes(cluster):
     tag = uuid.uuid4().hex[:8]
     served = [complete(cluster, prompt(tag, i, paragraphs=i * 7 % 10)) for i in range(16)]
-    decided = [s for s in served if s["t"][0] == s["t"][1] and not s["probe"]]  # t did not move while it was placed
-    assert len(decided) >= 8, [s["t"] for s in served]
+    # t may be solved again while a request is served (on a slower machine, during most of them):
+    # a request is placed by the t of either side of it, so one longer than both went remote and
+    # one no longer than both stayed local; probes aside
+    decided = [s for s in served if not s["probe"] and not min(s["t"]) < s["tokens"] <= max(s["t"])]
+    assert len(decided) >= 8, [(s["tokens"], s["t"]) for s in served]
     for s in decided:
-        assert (s["prefill"] == "remote") == (s["tokens"] > s["t"][0]), s
+        assert (s["prefill"] == "remote") == (s["tokens"] > max(s["t"])), s
     assert {s["prefill"] for s in served} == {"remote", "prefill"}, served
     for s in [*[s for s in served if s["prefill"] == "remote"][:2], *[s for s in served if s["prefill"] == "prefill"][:2]]:
         assert s["text"] == alone(cluster.decode, s["prompt"]), s
@@ -117,7 +120,7 @@ def test_a_slower_remote_link_raises_t_within_one_period(cluster):
     assert first["prefill"] == "remote" and first["tokens"] > wide, \
         f"the model should send long prompts remote over a fast link: t {wide}, {first}"
     fast = cluster.health()["prfaas"]["egress_measured"]
-    cluster.net.rate("remote", "50mbit")  # a long prompt's KV (~17 MB in fp32) now takes ~3 s to cross
+    cluster.net.rate("remote", "50mbit")  # a long prompt's KV (~23 MB in fp32) now takes ~4 s to cross
     try:
         slow = complete(cluster, prompt(tag, 1002, LONGEST))
         assert slow["prefill"] == "remote"  # placed before the slow link was measured

@@ -80,6 +80,7 @@ class EngineProcess(EngineEndpoint):
         # federation/: the prefill role's, and the decode role's. A prefill or decode node's engine
         # has both: its front's role (api/federation.py) decides which orders come, and may change.
         self.sender: Sender | None = None
+        self._links_at, self._links = -math.inf, {}  # the link figures last put in the stats (_link_figures)
         self.receiver: Receiver | None = None
         self.remote_outs: list[EngineCoreOutput] = []  # first tokens of requests whose KV came
         if self.config.role != "both":
@@ -477,14 +478,24 @@ class EngineProcess(EngineEndpoint):
             peer_tokens=self.peer_tokens, kv_remote_pages=kv.num_remote_pending,
             step_base=cost.base, step_per_token=cost.per_token,
             waiting_tokens=sum(r.num_prompt_tokens - r.num_computed_tokens for r in queued),
-            kv_links=self._links() if self.config.role != "both" else {},
-            kv_egress=self.transport.egress_bandwidth() if self.config.role != "both" else 0.0,
-            kv_inbound=self.receiver.inbound_bandwidths() if self.receiver is not None else {},
+            **self._link_figures(),
             **(self._pool_stats() if self.member is not None else {}),
         )
 
-    def _links(self) -> dict[str, float]:
-        return self.transport.bandwidths()
+    LINK_REFRESH = 0.25  # s: the link figures sort their recent transfers; the conductor polls this often
+
+    def _link_figures(self) -> dict:
+        """kv_links, kv_egress and kv_inbound for the stats, computed at most every LINK_REFRESH s:
+        the stats go out with nearly every step, and a layer-wise prefill ends dozens of writes a
+        step, so computing them each time would sort hundreds of intervals on the step loop."""
+        if self.receiver is None:
+            return {}
+        now = time.monotonic()
+        if now - self._links_at >= self.LINK_REFRESH:
+            self._links_at = now
+            self._links = dict(kv_links=self.transport.bandwidths(), kv_egress=self.transport.egress_bandwidth(),
+                               kv_inbound=self.receiver.inbound_bandwidths())
+        return self._links
 
     def _pool_stats(self) -> dict:
         m = self.member.stats

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenflowd.conductor")
 
 MIN_LENGTHS = 20  # requests seen before the model replaces the configured threshold
-SURGE = 1.25  # t's rise per period while the remote queue surges
+SURGE = 1.25  # t's rise per period while the remote queue surges or its TCP resends
 
 
 def state_of(node: "NodeView") -> dict:
@@ -107,7 +107,6 @@ class Offload:
                      _tokens(self.threshold), _tokens(t), b_out * 8 / 1e9, live.plan.throughput)
         self.threshold, self.egress, self.planned = t, b_out, live.plan.throughput
         return t
-
 
     def _probe(self, b_out: float, now: float) -> None:
         """A link is measured only by what crosses it: after probe_seconds with no new figure and
