@@ -89,11 +89,6 @@ class RemoteArrived(msgspec.Struct, tag=True):
     checksum: int = 0
     settled: bool = True
     num_cached_tokens: int = 0  # of the prompt, the prefill node's prefix cache held
-    # what crossed: its bytes, the time the sender's writes were under way, and from which endpoint
-    # (the receiver adds the time the last bytes took to land: Receiver.inbound)
-    nbytes: int = 0
-    busy_seconds: float = 0.0
-    endpoint: str = ""
 
 
 class KeepKV(msgspec.Struct, tag=True):
@@ -234,7 +229,6 @@ class EngineStats(msgspec.Struct):
     pool_share: float = 0.0  # of the engine's time, the share serving its peers took lately (its step model's)
     kv_links: dict[str, float] = {}  # federation: peer transfer engine -> bytes/s its writes there achieved
     kv_egress: float = 0.0  # ... and bytes/s of its writes to all peers together (transport.egress_bandwidth)
-    kv_inbound: dict[str, float] = {}  # sender transfer engine -> bytes/s its KV took to land here
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -346,9 +340,6 @@ class Prefilled(msgspec.Struct, tag=True):
     error: str | None = None
     num_pages: int = 0  # GiveKV: pages written
     unwritten: bool = False  # GiveKV: refused before any write (nothing can land at the target)
-    nbytes: int = 0  # bytes written, over `busy_seconds` of writes under way, from `endpoint`
-    busy_seconds: float = 0.0
-    endpoint: str = ""
 
 
 FromEngine = Ready | StepOutputs | QueryReply | Reconfigured | KeySnapshot | Reserved | Prefilled

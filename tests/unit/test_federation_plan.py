@@ -59,10 +59,6 @@ def test_egress_is_what_the_remote_nodes_measured_to_the_local_ones():
     both = {**state("prefill", 1e-5, "r:1", {"d:1": 100.0, "p:1": 100.0}), "egress": 190.0}
     assert egress([both], local) == 190.0
     assert egress([{**state("prefill", 1e-5, "r:1", {"elsewhere:1": 100.0}), "egress": 190.0}], local) == 0.0
-    # the local nodes measured its KV landing slower than it saw it leave (a TCP write ends early)
-    landed = [{**local[0], "inbound": {"r:1": 60.0, "r:9": 1000.0}}, {**local[1], "inbound": {"r:1": 20.0}}]
-    assert egress([both], landed) == 80.0
-    assert egress([{**both, "egress": 50.0}], landed) == 50.0  # never more than the sender saw leave
 
 
 def test_the_plan_offloads_long_prompts_to_fast_remote_nodes_and_refuses_unmeasured_links():

@@ -3,7 +3,9 @@ busy, so that writes in flight together are not counted as many seconds, and a l
 shows it once its recent transfers are the slow ones."""
 from __future__ import annotations
 
-from tokenflowd.federation.transport import LinkStats
+import pytest
+
+from tokenflowd.federation.transport import DeliverySamples, KVTransport, LinkStats
 
 
 def test_overlapping_writes_count_the_busy_time_once():
@@ -23,3 +25,40 @@ def test_a_slower_link_shows_once_its_recent_transfers_are_the_slow_ones():
     link.add(10_000_000, 20.0, 21.0)  # 10 MB/s: the earlier fast ones mostly left the window
     assert link.bandwidth < 50e6
     assert link.peak >= 0.99e9 and link.bytes == 210_000_000
+
+
+class _Transport(KVTransport):
+    """Only the bookkeeping: the figures a transport reports from its writes and TCP's samples."""
+
+    endpoint = "me:1"
+    register = unregister = submit_write = close = None
+
+
+def test_what_tcp_delivered_stands_for_the_link_while_it_samples_the_latest_writes():
+    t = _Transport()
+    with t._links_lock:
+        t.links["peer:1"] = LinkStats()
+        for i in range(10):  # writes the kernel took in 5 ms each: 160 MB/s by their own time
+            t.links["peer:1"].add(800_000, i * 0.07, i * 0.07 + 0.005)
+            t.egress.add(800_000, i * 0.07, i * 0.07 + 0.005)
+    assert t.bandwidth("peer:1") > 100e6
+    hosts = {"peer:1": "10.0.0.2", "peer:3": "10.0.0.2", "peer:2": "10.0.0.3"}
+    for i, nbytes in enumerate([250_000, 240_000, 260_000, 250_000]):  # 20 ms intervals: 12.5 MB/s
+        t._delivering({"peer:1": (nbytes, 0.02), "peer:3": (nbytes, 0.02), "peer:2": (20_000, 0.02)}, hosts, 0.1 * i)
+    assert t.bandwidth("peer:1") == pytest.approx(12.5e6)
+    assert t.bandwidths() == pytest.approx({"peer:1": 12.5e6, "peer:3": 12.5e6, "peer:2": 1e6})
+    assert t.egress_bandwidth() == pytest.approx(13.5e6)  # two peers on one host share its sockets: counted once
+
+
+def test_the_writes_figure_returns_when_tcp_no_longer_samples_the_link():
+    t = _Transport()
+    t._delivering({"peer:1": (120_000, 0.02)}, {"peer:1": "10.0.0.2"}, 1.0)  # a slow link, measured by TCP
+    with t._links_lock:
+        t.links["peer:1"] = LinkStats()
+        t.links["peer:1"].add(1_000_000, 0.5, 1.0)
+    assert t.bandwidth("peer:1") == pytest.approx(6e6)
+    with t._links_lock:  # the link became fast: the kernel drains each write between two samples
+        for i in range(5):
+            t.links["peer:1"].add(10_000_000, 5.0 + i, 5.01 + i)
+    assert t.bandwidth("peer:1") == pytest.approx(1e9)
+    assert DeliverySamples.WINDOW == LinkStats.WINDOW

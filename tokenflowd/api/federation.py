@@ -93,9 +93,6 @@ class PrefillAnswer(msgspec.Struct):
     num_cached_tokens: int = 0
     error: str | None = None
     settled: bool = True  # its writes are over (the decode node still gives their last bytes a grace)
-    nbytes: int = 0  # what its writes carried, over how long they were under way, from which endpoint
-    busy_seconds: float = 0.0
-    endpoint: str = ""
 
 
 class KeepOrder(msgspec.Struct):
@@ -234,7 +231,7 @@ class Federation:
             since = int(request.query.get("since", "-1"))
         except ValueError:
             raise APIError(400, "since must be an integer", param="since") from None
-        engines, endpoints, links, egress, inbound = [], [], {}, [], {}
+        engines, endpoints, links, egress = [], [], {}, []
         for slot in self.supervisor.slots:
             if not slot.ready or slot.stats is None or slot.info is None:
                 continue
@@ -245,8 +242,6 @@ class Federation:
                 links.setdefault(peer, []).append(bps)
             if st.kv_egress > 0:
                 egress.append(st.kv_egress)
-            for peer, bps in st.kv_inbound.items():
-                inbound.setdefault(peer, []).append(bps)
             engines.append({"engine": slot.engine_id, "running": st.num_running, "waiting": st.num_waiting,
                             "waiting_tokens": st.waiting_tokens, "step_base": st.step_base,
                             "step_per_token": st.step_per_token, "kv_pages_used": st.kv_pages_used,
@@ -263,8 +258,6 @@ class Federation:
                 "kv_endpoints": endpoints, "links": {peer: sum(b) / len(b) for peer, b in links.items()},
                 # what its writes to every peer together achieved (the mean of its engines'; 0: none yet)
                 "egress": sum(egress) / len(egress) if egress else 0.0,
-                # and what senders' KV achieved landing here (a TCP write ends before its bytes land)
-                "inbound": {peer: sum(b) / len(b) for peer, b in inbound.items()},
                 "tcp_retransmits": self.retransmits.share()}  # federation/congestion.py; None: not measured
         return web.json_response(body)
 
@@ -356,8 +349,7 @@ class Federation:
                 await asyncio.wait([answer], timeout=self.timeout + MARGIN if slot.ready else 0.0)
             if answer.done():
                 msg: p.Prefilled = answer.result()
-                return PrefillAnswer(msg.ok, msg.first_token, msg.checksum, msg.num_cached_tokens, msg.error,
-                                     nbytes=msg.nbytes, busy_seconds=msg.busy_seconds, endpoint=msg.endpoint)
+                return PrefillAnswer(msg.ok, msg.first_token, msg.checksum, msg.num_cached_tokens, msg.error)
             delta = ended.result()
             refused = delta.finish_reason in ("rejected", "shed")  # it never started
             return PrefillAnswer(False, error=delta.error or f"no answer after {delta.finish_reason}", settled=refused)
@@ -477,8 +469,7 @@ class Federation:
             log.warning("prefill of %s at %s failed (%s): computing it here", rid, url, answer.error)
         self.asked.pop(rid, None)
         self.supervisor.send(slot, p.RemoteArrived(rid, answer.first_token if answer.ok else None,
-                                                   answer.checksum, answer.settled, answer.num_cached_tokens,
-                                                   answer.nbytes, answer.busy_seconds, answer.endpoint))
+                                                   answer.checksum, answer.settled, answer.num_cached_tokens))
 
     # -- whole pages into another node's prefix cache (federation/store.py) ----------------------
     # Two moves share one sequence (`_move`), each side either this node's engine (_Here) or another

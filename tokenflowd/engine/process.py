@@ -485,7 +485,7 @@ class EngineProcess(EngineEndpoint):
     LINK_REFRESH = 0.25  # s: the link figures sort their recent transfers; the conductor polls this often
 
     def _link_figures(self) -> dict:
-        """kv_links, kv_egress and kv_inbound for the stats, computed at most every LINK_REFRESH s:
+        """kv_links and kv_egress for the stats, computed at most every LINK_REFRESH s:
         the stats go out with nearly every step, and a layer-wise prefill ends dozens of writes a
         step, so computing them each time would sort hundreds of intervals on the step loop."""
         if self.receiver is None:
@@ -493,8 +493,7 @@ class EngineProcess(EngineEndpoint):
         now = time.monotonic()
         if now - self._links_at >= self.LINK_REFRESH:
             self._links_at = now
-            self._links = dict(kv_links=self.transport.bandwidths(), kv_egress=self.transport.egress_bandwidth(),
-                               kv_inbound=self.receiver.inbound_bandwidths())
+            self._links = dict(kv_links=self.transport.bandwidths(), kv_egress=self.transport.egress_bandwidth())
         return self._links
 
     def _pool_stats(self) -> dict:

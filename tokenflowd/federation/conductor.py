@@ -146,7 +146,6 @@ class NodeView:
     links: dict[str, float] = field(default_factory=dict)  # peer transfer engine -> bytes/s its writes achieved
     retransmits: float | None = None  # share of its TCP segments sent again lately (None: not measured)
     egress: float = 0.0  # bytes/s its writes to all peers together achieved (0: not measured)
-    inbound: dict[str, float] = field(default_factory=dict)  # sender transfer engine -> bytes/s its KV landed here
 
     def apply(self, state: dict) -> None:
         """All of it or nothing: a state with a field of the wrong kind raises before any changes."""
@@ -157,14 +156,12 @@ class NodeView:
         retransmits = state.get("tcp_retransmits")
         retransmits = None if retransmits is None else float(retransmits)
         egress = float(state.get("egress", 0.0))
-        inbound = {str(peer): float(bps) for peer, bps in dict(state.get("inbound", {})).items()}
         keys = state["keys"]
         seq = int(keys["seq"])
         snapshot = {bytes.fromhex(k) for k in keys["snapshot"]} if "snapshot" in keys else None
         changes = [] if snapshot is not None else [(bytes.fromhex(k), bool(p)) for k, p in keys["changes"]]
         self.role, self.page_size, self.engines, self.kv_token_bytes = role, page_size, engines, token_bytes
-        self.kv_endpoints, self.links, self.seq, self.retransmits = endpoints, links, seq, retransmits
-        self.egress, self.inbound = egress, inbound
+        self.kv_endpoints, self.links, self.seq, self.retransmits, self.egress = endpoints, links, seq, retransmits, egress
         if snapshot is not None:
             self.keys = snapshot
         for key, present in changes:

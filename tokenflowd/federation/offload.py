@@ -47,7 +47,7 @@ def state_of(node: "NodeView") -> dict:
     """The node as /federation/state described it, for plan.py."""
     return {"role": node.role, "page_size": node.page_size, "engines": node.engines,
             "kv_token_bytes": node.kv_token_bytes, "kv_endpoints": sorted(node.kv_endpoints), "links": node.links,
-            "egress": node.egress, "inbound": node.inbound}
+            "egress": node.egress}
 
 
 class Offload:

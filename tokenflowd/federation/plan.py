@@ -10,8 +10,7 @@ with nominal figures.
     pages hold. L_out: the workload's mean output.
   - B_out: the sum over the remote prefill nodes of the bandwidth their transfer engines measured
     on their way out, all peers' writes together (federation/transport.py LinkStats), once they
-    have written to a local node, and no more than the local nodes measured their KV landing. A
-    link not measured yet counts as none.
+    have written to a local node. A link not measured yet counts as none.
   - The lengths: each request's uncached prompt, after the longest prefix of its 512-token blocks
     that an earlier request of the trace already had (an unbounded cache: the most a cluster's
     caches could hold back).
@@ -98,22 +97,13 @@ def egress(remote: Iterable[dict], local: Iterable[dict]) -> float:
     """B_out: Σ over the remote nodes of what their transfer engines measured on their way out (to
     every peer together: writes to two decode nodes at once share the link), or, from a node that
     does not publish that, the mean of its figures to the local nodes' endpoints; 0 when a remote
-    node has written to no local node yet.
-
-    The sender's figure runs ahead of a slow TCP link (transport.py LinkStats: a write ends when
-    its kernel holds the bytes), so where the local nodes measured the remote node's KV landing
-    (`inbound`), the remote node's share is at most the sum of those figures."""
-    local = list(local)
+    node has written to no local node yet."""
     endpoints = {e for state in local for e in state.get("kv_endpoints", [])}
     total = 0.0
     for state in remote:
         measured = [bps for peer, bps in state.get("links", {}).items() if peer in endpoints]
-        if not measured:
-            continue
-        sent = state.get("egress") or sum(measured) / len(measured)
-        ours = set(state.get("kv_endpoints", []))
-        landed = sum(bps for node in local for peer, bps in node.get("inbound", {}).items() if peer in ours)
-        total += min(sent, landed) if landed > 0 else sent
+        if measured:
+            total += state.get("egress") or sum(measured) / len(measured)
     return total
 
 

@@ -31,8 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from tokenflowd import protocol as p
-from tokenflowd.federation.transport import (DONE, FAILED, KVLayout, KVTransport, LinkStats, Transfer, busy_seconds,
-                                             gather_pages, kv_blocks)
+from tokenflowd.federation.transport import DONE, FAILED, KVLayout, KVTransport, Transfer, gather_pages, kv_blocks
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +196,8 @@ class Sender:
             for page in reversed(o.pinned):
                 self.pool.decref(page)
             del self.out[rid]
-            busy = busy_seconds((t.started, t.ended if t.ended is not None else t.started) for t in o.transfers)
             answers.append((o.front, p.Prefilled(engine_id, incarnation, rid, ok, o.first_token if ok else None,
-                                                 crc, o.num_cached_tokens, error, nbytes=sum(t.nbytes for t in o.transfers),
-                                                 busy_seconds=busy, endpoint=self.transport.endpoint)))
+                                                 crc, o.num_cached_tokens, error)))
         return answers
 
 
@@ -213,10 +210,6 @@ class _Incoming:
     verify_until: float = 0.0  # answered: the bytes must match by then
     next_check: float = 0.0
     num_cached_tokens: int = 0  # the prefill node's prefix hit
-    answered: float = 0.0  # when the sender's word came, with what crossed (RemoteArrived)
-    nbytes: int = 0
-    busy_seconds: float = 0.0
-    endpoint: str = ""
 
 
 class Receiver:
@@ -232,13 +225,6 @@ class Receiver:
         self.layers = list(kv_cache.unbind(0))
         self.layout = KVLayout.of(self.layers, page_axis)
         self.incoming: dict[str, _Incoming] = {}
-        # what senders' KV achieved landing here: the sender's writes under way, plus the time the
-        # last bytes took after its word (over TCP a write ends when the sender's kernel holds it)
-        self.inbound: dict[str, LinkStats] = {}
-
-    def inbound_bandwidths(self) -> dict[str, float]:
-        """Sender transfer engine -> bytes/s of its recent KV, as it landed here."""
-        return {peer: bps for peer, link in self.inbound.items() if (bps := link.bandwidth)}
 
     def reserve(self, core, req) -> p.KVTarget | None:
         pages = core.add_remote(req, req.num_prompt_tokens)
@@ -261,7 +247,6 @@ class Receiver:
             return None
         inc.first_token, inc.checksum, inc.verify_until = msg.first_token, msg.checksum, now + VERIFY_SECONDS
         inc.num_cached_tokens = msg.num_cached_tokens
-        inc.answered, inc.nbytes, inc.busy_seconds, inc.endpoint = now, msg.nbytes, msg.busy_seconds, msg.endpoint
         return self._verify(core, msg.request_id, inc, now)
 
     def poll(self, core, now: float) -> list:
@@ -279,9 +264,6 @@ class Receiver:
     def _verify(self, core, rid: str, inc: _Incoming, now: float):
         if checksum(self.layers, inc.pages, self.layout.page_axis) == inc.checksum:
             del self.incoming[rid]
-            if inc.endpoint and inc.nbytes:  # it took the sender's writes and then this long to land
-                seconds = inc.busy_seconds + max(0.0, now - inc.answered)
-                self.inbound.setdefault(inc.endpoint, LinkStats()).add(inc.nbytes, now - seconds, now)
             return core.remote_arrived(rid, inc.first_token, num_cached_tokens=inc.num_cached_tokens)
         inc.next_check = now + 0.1
         if now >= inc.verify_until:  # some bytes may yet land: the pages wait out the sender's horizon

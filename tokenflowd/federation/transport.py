@@ -4,7 +4,9 @@ A transport registers memory (a node's KV cache) and writes runs of bytes from l
 memory into a peer's registered memory, one request's runs as one aggregated batch (MemServe §4:
 not one call per block). Peers name each other by `endpoint` (host:port of the transfer engine's
 handshake). Each transport measures what its writes achieved per peer (`bandwidth`): the federation's
-plans use measured bandwidth, never a nominal one.
+plans use measured bandwidth, never a nominal one: over TCP, what the kernel delivered on the
+sockets to the peer while the link set the pace (`DeliverySamples`), else the writes' bytes over
+their time (`LinkStats`).
 
     transport = MooncakeTransport("10.0.0.2")          # P2P handshake: no etcd
     region = transport.register(kv_cache)              # the peer learns (endpoint, region.address)
@@ -29,16 +31,22 @@ from __future__ import annotations
 
 import abc
 import collections
+import logging
 import math
 import os
+import socket
 import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterable, Sequence
+from typing import ClassVar, Sequence
 
 import torch
+
+from tokenflowd.federation.delivery import DeliveryMeter
+
+log = logging.getLogger(__name__)
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
 
@@ -70,7 +78,6 @@ class Transfer:
     state: str = PENDING
     # The implementation's completion: its result is (ok, monotonic time the engine said so).
     done: Future | None = None
-    ended: float | None = None  # when the implementation said it was done (DONE or FAILED)
 
 
 @dataclass
@@ -83,12 +90,12 @@ class LinkStats:
     [started, ended] intervals. A layer-wise prefill has many writes in flight at once, so summing
     each write's own duration would count the same second many times over.
 
-    NOTE: on a slow link this figure runs ahead of the wire: 160-225 Mb/s for 49 MB requests over
-    a 100 Mb/s tc tbf link that iperf3 measures at 96 Mb/s, with tcp_notsent_lowat or tcp_wmem
-    capped at 128 KB too. Over TCP a write ends once the kernel holds its bytes (DONE above), but
-    that alone does not explain a factor of two; the cause is not found. The receiver's figure
-    (streaming.py Receiver.inbound) adds the time the last bytes took to land after the sender's
-    word, and the PrfaaS plan takes the lower of the two; it read 150-195 Mb/s there."""
+    Over TCP this runs ahead of a slow link: a write ends once the kernel holds its bytes (DONE
+    above), in socket buffers and the bottleneck's queue, and a prefill node's layer-by-layer
+    writes each meet those queues empty and end long before the wire has carried them (225 Mb/s
+    measured over a 100 Mb/s link: delivery.py). The transport's figure is then TCP's own
+    (`DeliverySamples`); this one stands where TCP has none (RDMA, where a write ends once it
+    landed, or a link too fast to show a sample that the writer's pace does not limit)."""
 
     WINDOW: ClassVar[float] = 3.0  # s
 
@@ -99,6 +106,7 @@ class LinkStats:
     recent: collections.deque = field(default_factory=collections.deque)  # (started, ended, bytes)
 
     latest: float = -math.inf  # when the latest transfer ended
+    last_start: float = -math.inf  # when the latest transfer started
 
     def add(self, nbytes: int, started: float, ended: float) -> None:
         started = min(started, ended)
@@ -108,6 +116,7 @@ class LinkStats:
         self.peak = max(self.peak, nbytes / max(seconds, 1e-9))
         self.recent.append((started, ended, nbytes))
         self.latest = max(self.latest, ended)
+        self.last_start = max(self.last_start, started)
         while self.recent and self.recent[0][1] < self.latest - self.WINDOW:
             self.recent.popleft()
 
@@ -115,24 +124,51 @@ class LinkStats:
     def bandwidth(self) -> float | None:
         """Bytes/s of the recent transfers over the time the link was busy with them (None before
         the first)."""
-        busy = busy_seconds((started, ended) for started, ended, _ in self.recent)
+        busy, reach = 0.0, -math.inf
+        for started, ended, _ in sorted(self.recent):
+            if ended > reach:
+                busy += ended - max(started, reach)
+                reach = ended
         return sum(b for _, _, b in self.recent) / busy if busy > 0 else None
 
 
-def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
-    """The length of the union of [started, ended] intervals."""
-    busy, reach = 0.0, -math.inf
-    for started, ended in sorted(intervals):
-        if ended > reach:
-            busy += ended - max(started, reach)
-            reach = ended
-    return busy
+@dataclass
+class DeliverySamples:
+    """What TCP delivered on a link in the intervals the link set the pace (delivery.py): the
+    figure is their bytes over their seconds, of those in the last WINDOW s before the latest."""
+
+    WINDOW: ClassVar[float] = LinkStats.WINDOW
+
+    recent: collections.deque = field(default_factory=collections.deque)  # (when it ended, bytes, seconds)
+    latest: float = -math.inf
+
+    def add(self, nbytes: int, seconds: float, now: float) -> None:
+        self.recent.append((now, nbytes, seconds))
+        self.latest = now
+        while self.recent[0][0] < now - self.WINDOW:
+            self.recent.popleft()
+
+    @property
+    def bandwidth(self) -> float | None:
+        seconds = sum(s for _, _, s in self.recent)
+        return sum(b for _, b, _ in self.recent) / seconds if seconds > 0 else None
+
+
+def _figure(written: LinkStats | None, delivered: DeliverySamples | None) -> float | None:
+    """TCP's figure where it sampled the link within a window of the latest write's start, else the
+    writes' (a link that became fast may show TCP no sample its writer's pace does not limit)."""
+    if delivered is not None and delivered.recent and (
+            written is None or delivered.latest >= written.last_start - LinkStats.WINDOW):
+        return delivered.bandwidth
+    return written.bandwidth if written is not None else None
 
 
 class KVTransport(abc.ABC):
     def __init__(self) -> None:
         self.links: dict[str, LinkStats] = {}
         self.egress = LinkStats()  # every peer's writes together: the node's way out, busy time counted once
+        self.delivered: dict[str, DeliverySamples] = {}  # per peer, where TCP measured the link
+        self.delivered_egress = DeliverySamples()  # ... and all peers' hosts together
         self._links_lock = threading.Lock()  # waiter threads account while the engine reads
 
     @property
@@ -163,7 +199,7 @@ class KVTransport(abc.ABC):
         """PENDING, DONE or FAILED, without blocking (a step loop polls it)."""
         if transfer.state == PENDING and transfer.done is not None and transfer.done.done():
             ok, ended = transfer.done.result() if transfer.done.exception() is None else (False, time.monotonic())
-            transfer.state, transfer.ended = (DONE if ok else FAILED), ended
+            transfer.state = DONE if ok else FAILED
             self._account(transfer, ended)
         return transfer.state
 
@@ -188,21 +224,31 @@ class KVTransport(abc.ABC):
         self.wait(self.submit_write(peer, blocks), timeout)
 
     def bandwidth(self, peer: str) -> float | None:
-        """Bytes/s its finished writes to `peer` achieved (None before the first)."""
+        """Bytes/s the link to `peer` delivered lately (None before the first write)."""
         with self._links_lock:
-            link = self.links.get(peer)
-            return link.bandwidth if link else None
+            return _figure(self.links.get(peer), self.delivered.get(peer))
 
     def egress_bandwidth(self) -> float:
-        """Bytes/s of the recent writes to all peers over the time any was under way (0: none yet).
-        Writes to two peers at once share the link: each peer's figure alone is half of it."""
+        """Bytes/s the writes to all peers together achieved lately (0: none yet). Writes to two
+        peers at once share the link: each peer's figure alone is half of it."""
         with self._links_lock:
-            return self.egress.bandwidth or 0.0
+            return _figure(self.egress, self.delivered_egress) or 0.0
 
     def bandwidths(self) -> dict[str, float]:
         """Each peer's `bandwidth`, for those measured."""
         with self._links_lock:
-            return {peer: bps for peer, link in self.links.items() if (bps := link.bandwidth)}
+            return {peer: bps for peer in self.links.keys() | self.delivered.keys()
+                    if (bps := _figure(self.links.get(peer), self.delivered.get(peer)))}
+
+    def _delivering(self, busy: dict[str, tuple[int, float]], hosts: dict[str, str], now: float) -> None:
+        """What TCP delivered to peers in an interval the link set the pace of: peer -> (bytes,
+        seconds); `hosts`: peer -> its address (peers on one host share its sockets, and count once
+        in the egress)."""
+        with self._links_lock:
+            for peer, (nbytes, seconds) in busy.items():
+                self.delivered.setdefault(peer, DeliverySamples()).add(nbytes, seconds, now)
+            by_host = {hosts[peer]: interval for peer, interval in busy.items()}
+            self.delivered_egress.add(sum(b for b, _ in by_host.values()), max(s for _, s in by_host.values()), now)
 
     def _account(self, transfer: Transfer, ended: float) -> None:
         with self._links_lock:
@@ -246,7 +292,11 @@ class MooncakeTransport(KVTransport):
     of a peer behind a dead link blocks until the link returns. So a thread for each peer written
     to lately probes it (`send_probe`, GIL released) every PROBE_INTERVAL s, and a batch goes
     only to a peer whose last probe answered within PROBE_FRESH s; otherwise the transfer is
-    FAILED at once. What is left is a peer that dies within a probe interval before a submit."""
+    FAILED at once. What is left is a peer that dies within a probe interval before a submit.
+
+    While writes to a peer are in the engine, and after, until the kernel has delivered their bytes,
+    a meter thread samples what the kernel delivered on the sockets to the peer's host every
+    METER_INTERVAL s (delivery.py; one netlink query of a few sockets, well under a millisecond)."""
 
     _INVALID = (0, 2**64 - 1, -1)  # batch ids of a batch the engine could not submit (no such peer)
     WAITERS = 4
@@ -255,6 +305,8 @@ class MooncakeTransport(KVTransport):
     PROBE_FIRST = 0.02  # s a first write to a peer waits for its first probe (on the step loop)
     WATCH_SECONDS = 60.0  # a peer not written to for that long is no longer probed
     PROBE_BACKOFF = 1.0  # s: the most between probes of a peer that does not answer (each a TCP connect)
+    METER_INTERVAL = 0.02  # s between samples of what TCP delivered while KV is on its way
+    METER_LONGEST = 1.0  # s: a longer interval between two samples of a host is not counted
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
         super().__init__()
@@ -274,6 +326,8 @@ class MooncakeTransport(KVTransport):
         self._watched: dict[str, float] = {}  # peer -> last written to
         self._wake = threading.Condition()
         self._probers: dict[str, threading.Thread] = {}
+        self._pending: collections.Counter[str] = collections.Counter()  # peer -> its writes in the engine
+        self._meter: threading.Thread | None = None
 
     @property
     def endpoint(self) -> str:
@@ -349,17 +403,59 @@ class MooncakeTransport(KVTransport):
             return transfer
         link = self.links.get(peer)
         expected = transfer.nbytes / (link.peak if link and link.peak else 1e9)  # at the wire's best
+        with self._wake:
+            self._pending[peer] += 1
+            if self._meter is None:
+                self._meter = threading.Thread(target=self._meter_loop, daemon=True, name="mooncake-meter")
+                self._meter.start()
+            self._wake.notify_all()
 
         def settle() -> tuple[bool, float]:
-            time.sleep(min(expected * 0.8, 1.0))  # most of the batch's time asleep, not spinning
-            ok = self._te.get_batch_transfer_status([batch]) == 0
-            return ok, time.monotonic()
+            try:
+                time.sleep(min(expected * 0.8, 1.0))  # most of the batch's time asleep, not spinning
+                ok = self._te.get_batch_transfer_status([batch]) == 0
+                return ok, time.monotonic()
+            finally:
+                with self._wake:
+                    self._pending[peer] -= 1
 
         waiter = self._waiters.get(peer)
         if waiter is None:
             waiter = self._waiters[peer] = ThreadPoolExecutor(self.WAITERS, thread_name_prefix=f"mooncake-wait-{peer}")
         transfer.done = waiter.submit(settle)
         return transfer
+
+    def _meter_loop(self) -> None:
+        """Samples what TCP delivered to the peers written to, from their first write until the
+        kernel delivered their last bytes (the engine says a write is done well before that)."""
+        meter = DeliveryMeter.open()
+        if meter is None:
+            return
+        hosts: dict[str, str | None] = {}  # peer -> its IP address
+        draining: set[str] = set()  # peers the last sample saw bytes still on their way to
+        try:
+            while True:
+                with self._wake:
+                    self._wake.wait_for(lambda: self._closed or draining or any(n > 0 for n in self._pending.values()))
+                    if self._closed:
+                        return
+                    peers = draining | {peer for peer, n in self._pending.items() if n > 0}
+                for peer in peers - hosts.keys():
+                    hosts[peer] = _address(peer)
+                try:
+                    seen = meter.sample({hosts[peer] for peer in peers if hosts[peer]})
+                except OSError as e:
+                    log.warning("TCP's delivery cannot be read (%s): KV links are measured by their writes", e)
+                    return
+                now = time.monotonic()
+                busy = {peer: (d.nbytes, d.seconds) for peer in peers
+                        if (d := seen.get(hosts[peer])) and d.busy and 0 < d.seconds <= self.METER_LONGEST}
+                if busy:
+                    self._delivering(busy, {peer: hosts[peer] for peer in busy}, now)
+                draining = {peer for peer in peers if hosts[peer] in seen and seen[hosts[peer]].sending}
+                time.sleep(self.METER_INTERVAL)
+        finally:
+            meter.close()
 
     def close(self) -> None:
         """Waits for the transfers still in the engine (each ends by MC_TRANSFER_TIMEOUT at most)."""
@@ -370,6 +466,15 @@ class MooncakeTransport(KVTransport):
             waiter.shutdown(wait=True)
         for region, _ in list(self._regions.values()):
             self.unregister(region)
+
+
+def _address(endpoint: str) -> str | None:
+    """The IP address of a transfer engine's `host:port` endpoint (None: it does not resolve)."""
+    host = endpoint.rsplit(":", 1)[0].strip("[]").split("%")[0]
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)

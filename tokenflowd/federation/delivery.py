@@ -1,0 +1,191 @@
+"""What a TCP link delivers, as the kernel counts it: the bytes the peer acknowledged on the sockets
+to its host, over time in which the link, not the writer, set the pace.
+
+Why not time the writes. Over TCP, a transfer engine's write ends once the sender's kernel holds its
+bytes: in the socket's buffer, and in flight up to the bottleneck's queue. A prefill node writes each
+layer's KV as it is computed, so each write meets empty queues, ends in a few milliseconds, and the
+link drains it in the gap before the next: measured over a 100 Mb/s `tc tbf` link, 786 KB writes
+every 67 ms ended in 5-15 ms each (the wire needs 63 ms), and the writes' busy time put the link at
+225 Mb/s while it was sending flat out.
+
+Why not the kernel's per-ACK delivery rate (`tcpi_delivery_rate`): a token bucket, or any buffer
+before the bottleneck, lets the first part of a write through at line rate, and those samples are
+not marked app-limited: over a 1 Gb/s tbf link their median read 7 Gb/s.
+
+So `DeliveryMeter.sample` reads, for each socket to a host, the bytes acknowledged so far
+(`tcpi_bytes_acked`) and the bytes still on their way (sent and not acknowledged, plus not yet
+sent). Between two samples, the bytes delivered are the growth of the first (a socket gone since
+delivered all it had on its way: it left the states that still hold data). The interval is *busy*
+when, of the bytes that were on their way at its start, more than a delayed ACK holds back
+(MIN_OWED) were still not delivered at its end: the link was never idle for want of data, and
+delivered / seconds is what it carries. A write that the link
+drains between two samples (a fast link) makes no busy interval, and the transport keeps its own
+figure then.
+
+Read through NETLINK_SOCK_DIAG, as `ss -ti` reads it, in the process's own network namespace, the
+kernel filtering the sockets to the peers' addresses: a node's thousands of client connections are
+never copied out. A few fields of `struct tcp_info` at their fixed offsets (a stable kernel ABI;
+`tcpi_bytes_sent` since Linux 4.19). Off Linux, or where the kernel refuses, `DeliveryMeter.open()`
+is None.
+
+    meter = DeliveryMeter.open()
+    meter.sample(["10.0.0.2"])  # {"10.0.0.2": Delivery(nbytes, seconds, busy, sending)} since the last
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+INET_DIAG_REQ_BYTECODE = 1
+INET_DIAG_INFO = 2  # the reply's tcp_info attribute, asked for by bit 1 << (INET_DIAG_INFO - 1)
+INET_DIAG_BC_JMP, INET_DIAG_BC_D_COND = 1, 8
+# the states in which a socket may still have bytes to deliver: ESTABLISHED, FIN_WAIT1, FIN_WAIT2,
+# CLOSE_WAIT, LAST_ACK, CLOSING (a transfer engine closes its connection once the kernel holds its
+# last bytes); one that leaves them has delivered all it had on its way
+SENDING_STATES = (1 << 1) | (1 << 4) | (1 << 5) | (1 << 8) | (1 << 9) | (1 << 11)
+
+# bytes: what must stay owed, of those on their way at an interval's start, for the link to have
+# set its pace; fewer may be a delayed ACK's last segments, the link long idle
+MIN_OWED = 8192
+
+_NLMSG = struct.Struct("=IHHII")
+_DIAG_MSG = 72  # struct inet_diag_msg: family, state, timer, retrans, the 48-byte sockid, five u32
+_RTA = struct.Struct("=HH")
+# struct tcp_info offsets
+_NOTSENT, _BYTES_ACKED, _BYTES_SENT, _BYTES_RETRANS = 144, 120, 200, 208
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What the sockets to one host did since the previous sample of it."""
+
+    nbytes: int  # the bytes the host acknowledged
+    seconds: float
+    busy: bool  # the bytes on their way at the previous sample were not all delivered: the link set the pace
+    sending: bool  # bytes are on their way now
+
+
+class DeliveryMeter:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._seq = 0
+        self._sockets: dict[bytes, tuple[str, int, int]] = {}  # socket cookie -> (host, acked, on its way)
+        self._at: dict[str, float] = {}  # host -> when last sampled
+
+    @classmethod
+    def open(cls) -> "DeliveryMeter | None":
+        if not sys.platform.startswith("linux"):
+            return None
+        try:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
+        except OSError:
+            return None
+        sock.settimeout(1.0)  # a kernel that does not answer never holds the caller
+        return cls(sock)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def sample(self, hosts: Iterable[str], now: float | None = None) -> dict[str, Delivery]:
+        """host (an IP address) -> what its sockets delivered since its previous sample, for hosts
+        sampled before; OSError if the kernel refuses the query. By address, not port: a transfer
+        engine's data connections go to a port of its own, not to the endpoint peers name it by."""
+        now = time.monotonic() if now is None else now
+        hosts = set(hosts)
+        current: dict[bytes, tuple[str, int, int]] = {}
+        for family in (socket.AF_INET, socket.AF_INET6):
+            wanted = {socket.inet_pton(family, host): host for host in hosts if _family(host) == family}
+            if wanted:
+                for dst, cookie, info in self._dump(family, list(wanted)):
+                    if dst in wanted and len(info) >= _BYTES_RETRANS + 8:
+                        acked, sent, resent = (struct.unpack_from("=Q", info, at)[0]
+                                               for at in (_BYTES_ACKED, _BYTES_SENT, _BYTES_RETRANS))
+                        notsent, = struct.unpack_from("=I", info, _NOTSENT)
+                        current[cookie] = (wanted[dst], acked, max(0, sent - resent - acked) + notsent)
+        delivered = dict.fromkeys(hosts, 0)
+        owed = dict.fromkeys(hosts, 0)  # of the bytes on their way at the last sample, those not delivered since
+        for cookie, (host, acked, on_way) in self._sockets.items():
+            if host in hosts:
+                now_acked = current[cookie][1] if cookie in current else acked + on_way
+                delivered[host] += now_acked - acked
+                owed[host] += max(0, on_way - (now_acked - acked))
+        sending = dict.fromkeys(hosts, False)
+        for cookie, (host, acked, on_way) in current.items():
+            if cookie not in self._sockets:
+                delivered[host] += acked
+            sending[host] = sending[host] or on_way > 0
+        out = {host: Delivery(delivered[host], now - self._at[host], owed[host] >= MIN_OWED, sending[host])
+               for host in hosts if host in self._at}
+        self._sockets = {c: v for c, v in self._sockets.items() if v[0] not in hosts} | current
+        self._at.update(dict.fromkeys(hosts, now))
+        return out
+
+    def _dump(self, family: int, addresses: list[bytes]):
+        """The destination address, cookie and tcp_info of each socket of `family` to one of `addresses`."""
+        self._seq += 1
+        bytecode = _bytecode(family, addresses)
+        attr = _RTA.pack(_RTA.size + len(bytecode), INET_DIAG_REQ_BYTECODE) + bytecode
+        req = struct.pack("=BBBxI", family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), SENDING_STATES)
+        req += bytes(48) + attr  # the sockid: a dump is filtered by the bytecode, not by it
+        self._sock.send(_NLMSG.pack(_NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP,
+                                    self._seq, 0) + req)
+        addr_len = 4 if family == socket.AF_INET else 16
+        while True:
+            data = self._sock.recv(1 << 16)
+            at = 0
+            while at + _NLMSG.size <= len(data):
+                length, kind, _, seq, _ = _NLMSG.unpack_from(data, at)
+                if length < _NLMSG.size:
+                    return
+                body = data[at + _NLMSG.size: at + length]
+                at += (length + 3) & ~3
+                if seq != self._seq:
+                    continue
+                if kind == NLMSG_DONE:
+                    return
+                if kind == NLMSG_ERROR:
+                    error, = struct.unpack_from("=i", body)
+                    if error:
+                        raise OSError(-error, "sock_diag refused the query")
+                    continue
+                info = _attr(body, _DIAG_MSG, INET_DIAG_INFO)
+                if info is not None:  # the sockid's destination address and cookie
+                    yield body[24: 24 + addr_len], body[44:52], info
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _attr(body: bytes, at: int, wanted: int) -> bytes | None:
+    while at + _RTA.size <= len(body):
+        length, kind = _RTA.unpack_from(body, at)
+        if length < _RTA.size:
+            return None
+        if kind == wanted:
+            return body[at + _RTA.size: at + length]
+        at += (length + 3) & ~3
+    return None
+
+
+def _bytecode(family: int, addresses: list[bytes]) -> bytes:
+    """The kernel's socket filter for "destination is one of addresses" (any port): each condition's
+    yes goes on to a jump to the end (accept), its no skips that jump to the next condition, and the last
+    condition's no jumps past the end (reject); the layout `ss` compiles an "or" to."""
+    ops = [struct.pack("=BBxxi", family, 8 * len(addr), -1) + addr for addr in addresses]
+    out = b""
+    for i, cond in enumerate(ops):
+        size = 4 + len(cond)
+        out += struct.pack("=BBH", INET_DIAG_BC_D_COND, size, size + 4) + cond
+        rest = sum(4 + len(c) + 4 for c in ops[i + 1:]) - 4  # the conditions after this one, their jumps between
+        if i < len(ops) - 1:
+            out += struct.pack("=BBH", INET_DIAG_BC_JMP, 4, 4 + rest)
+    return out
