@@ -1,8 +1,8 @@
 """What TCP delivered as the link's measure (federation/delivery.py), over a real `tc tbf` link
 between network namespaces: a writer that hands the kernel a chunk, then waits, as a prefill node
-writes each layer's KV, sees each write end at once, while the bytes acknowledged in the intervals
-the link set the pace read the link's rate. The meter counts only the sockets to the addresses
-asked for."""
+writes each layer's KV, a little faster than the link carries, sees each write end at once, while
+the bytes acknowledged in the intervals the link set the pace read the link's rate. The meter counts
+only the sockets to the addresses asked for."""
 from __future__ import annotations
 
 import json
@@ -35,28 +35,32 @@ import json, socket, sys, threading, time
 from tokenflowd.federation.delivery import DeliveryMeter
 recv, other = sys.argv[1], sys.argv[2]
 meter = DeliveryMeter.open()
-stop, asked, all3 = threading.Event(), [], []
+stop, samples, listed = threading.Event(), [], set()
 def sample():
     while not stop.is_set():
-        asked.append(meter.sample([recv, "10.255.255.1"]))  # not the other host
-        all3.append(meter.sample([other, "10.255.255.1", recv]))
+        samples.append(meter.sample([other, "10.255.255.1", recv]))
+        listed.update(socket.inet_ntop(socket.AF_INET, dst) for dst, _, _ in
+                      meter._dump(socket.AF_INET, [socket.inet_pton(socket.AF_INET, recv)]))
         time.sleep(0.02)
 threading.Thread(target=sample, daemon=True).start()
+time.sleep(0.1)
 a, b = socket.create_connection((recv, 9100)), socket.create_connection((other, 9100))
-chunk, took, sent, t0 = bytes(200_000), 0.0, 0, time.monotonic()
-while time.monotonic() - t0 < 3.0:  # 200 KB every 80 ms: the link's pace, in bursts
+chunk, took, sent, small, t0 = bytes(400_000), 0.0, 0, 0, time.monotonic()
+while time.monotonic() - t0 < 3.0:  # 400 KB every 120 ms: a third more than the link carries, in bursts
     w = time.monotonic()
     a.sendall(chunk)
     took, sent = took + time.monotonic() - w, sent + len(chunk)
-    b.sendall(bytes(1000))
-    time.sleep(0.08)
+    small += b.send(bytes(1000))
+    time.sleep(0.12)
 time.sleep(0.5)
 stop.set()
-busy = [s[recv] for s in asked if recv in s and s[recv].busy]
+time.sleep(0.1)
+busy = [s[recv] for s in samples if s[recv].busy]
 print(json.dumps({"rate": sum(d.nbytes for d in busy) / sum(d.seconds for d in busy), "busy": len(busy),
-                  "writes": sent / took, "asked": sorted({h for s in asked for h in s}),
-                  "all": sorted({h for s in all3 for h in s}),
-                  "other_busy": sum(s[other].busy for s in all3 if other in s)}))
+                  "writes": sent / took, "listed": sorted(listed), "sent": sent, "small": small,
+                  "recv_bytes": sum(s[recv].nbytes for s in samples),
+                  "other_bytes": sum(s[other].nbytes for s in samples),
+                  "other_busy": sum(s[other].busy for s in samples)}))
 """
 
 
@@ -66,8 +70,8 @@ def test_what_the_kernel_delivered_reads_the_link_where_the_writes_own_time_does
         net.rate("send", "20mbit")
         (tmp_path / "sink.py").write_text(SINK)
         (tmp_path / "writer.py").write_text(WRITER)
-        sinks = [subprocess.Popen(["ip", "netns", "exec", net.ns[n], sys.executable, str(tmp_path / "sink.py"), net.addr[n]],
-                                  stdout=subprocess.PIPE, text=True) for n in ("recv", "other")]
+        sinks = [subprocess.Popen(["ip", "netns", "exec", net.ns[n], sys.executable, str(tmp_path / "sink.py"),
+                                   net.addr[n]], stdout=subprocess.PIPE, text=True) for n in ("recv", "other")]
         try:
             for s in sinks:
                 assert s.stdout.readline().strip() == "ready"
@@ -81,11 +85,12 @@ def test_what_the_kernel_delivered_reads_the_link_where_the_writes_own_time_does
         assert out.returncode == 0, out.stderr
         got = json.loads(out.stdout)
         assert got["busy"] >= 10
-        assert 0.8 * RATE < got["rate"] < 1.1 * RATE, got
+        assert 0.75 * RATE < got["rate"] < 1.1 * RATE, got
         assert got["writes"] > 1.5 * RATE, got  # the writes' own time: the kernel took each at once
-        # no socket to an address not asked for is read; the 1 KB writes to the other host are the
-        # writer's pace, never the link's
-        assert net.addr["other"] not in got["asked"] and net.addr["other"] in got["all"], got
-        assert got["other_busy"] == 0, got
+        # every byte counted once, to its host; the 1 KB writes to the other host are the writer's
+        # pace, never the link's; the kernel lists only the sockets to the addresses asked for
+        # (the kernel counts the SYN among the bytes a peer acknowledged)
+        assert got["recv_bytes"] - got["sent"] in (0, 1) and got["other_bytes"] - got["small"] in (0, 1), got
+        assert got["other_busy"] == 0 and got["listed"] == [net.addr["recv"]], got
     finally:
         net.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tokenflowd.federation.delivery import Delivery
 from tokenflowd.federation.transport import DeliverySamples, KVTransport, LinkStats
 
 
@@ -34,7 +35,7 @@ class _Transport(KVTransport):
     register = unregister = submit_write = close = None
 
 
-def test_what_tcp_delivered_stands_for_the_link_while_it_samples_the_latest_writes():
+def test_what_tcp_delivered_stands_for_the_link_once_it_measured_it():
     t = _Transport()
     with t._links_lock:
         t.links["peer:1"] = LinkStats()
@@ -43,22 +44,27 @@ def test_what_tcp_delivered_stands_for_the_link_while_it_samples_the_latest_writ
             t.egress.add(800_000, i * 0.07, i * 0.07 + 0.005)
     assert t.bandwidth("peer:1") > 100e6
     hosts = {"peer:1": "10.0.0.2", "peer:3": "10.0.0.2", "peer:2": "10.0.0.3"}
-    for i, nbytes in enumerate([250_000, 240_000, 260_000, 250_000]):  # 20 ms intervals: 12.5 MB/s
-        t._delivering({"peer:1": (nbytes, 0.02), "peer:3": (nbytes, 0.02), "peer:2": (20_000, 0.02)}, hosts, 0.1 * i)
+    for i, nbytes in enumerate([250_000, 240_000, 260_000, 250_000]):  # 20 ms busy intervals: 12.5 MB/s
+        slow, other = Delivery(nbytes, 0.02, True, True), Delivery(20_000, 0.02, False, True)
+        t._delivering({"peer:1": slow, "peer:3": slow, "peer:2": other}, hosts, 0.1 * i)
+    t._delivering({"peer:1": Delivery(100_000, 0.02, False, False)}, hosts, 0.5)  # the tail: not busy
     assert t.bandwidth("peer:1") == pytest.approx(12.5e6)
     assert t.bandwidths() == pytest.approx({"peer:1": 12.5e6, "peer:3": 12.5e6, "peer:2": 1e6})
-    assert t.egress_bandwidth() == pytest.approx(13.5e6)  # two peers on one host share its sockets: counted once
+    # two peers on one host share its sockets and count once; the other host's bytes count too
+    assert t.egress_bandwidth() == pytest.approx(13.5e6)
 
 
-def test_the_writes_figure_returns_when_tcp_no_longer_samples_the_link():
+def test_without_a_busy_interval_the_figure_is_the_fastest_intervals_a_lower_bound():
     t = _Transport()
-    t._delivering({"peer:1": (120_000, 0.02)}, {"peer:1": "10.0.0.2"}, 1.0)  # a slow link, measured by TCP
     with t._links_lock:
         t.links["peer:1"] = LinkStats()
-        t.links["peer:1"].add(1_000_000, 0.5, 1.0)
+        t.links["peer:1"].add(10_000_000, 0.0, 0.001)  # 10 GB/s by the write's own time
+    assert t.bandwidth("peer:1") == pytest.approx(1e10)
+    hosts = {"peer:1": "10.0.0.2"}
+    t._delivering({"peer:1": Delivery(120_000, 0.02, True, True)}, hosts, 1.0)  # a slow link
     assert t.bandwidth("peer:1") == pytest.approx(6e6)
-    with t._links_lock:  # the link became fast: the kernel drains each write between two samples
-        for i in range(5):
-            t.links["peer:1"].add(10_000_000, 5.0 + i, 5.01 + i)
-    assert t.bandwidth("peer:1") == pytest.approx(1e9)
+    for i in range(3):  # it became fast: each write drained between two samples, never busy
+        t._delivering({"peer:1": Delivery(2_000_000, 0.02, False, False)}, hosts, 5.0 + i)
+        t._delivering({"peer:1": Delivery(500_000, 0.02, False, False)}, hosts, 5.5 + i)
+    assert t.bandwidth("peer:1") == pytest.approx(1e8)
     assert DeliverySamples.WINDOW == LinkStats.WINDOW

@@ -256,7 +256,9 @@ class Federation:
                 # transfer engine got from this node's engines (the mean over those that wrote there)
                 "kv_token_bytes": max((s.info.kv_token_bytes for s in self.supervisor.slots if s.info), default=0),
                 "kv_endpoints": endpoints, "links": {peer: sum(b) / len(b) for peer, b in links.items()},
-                # what its writes to every peer together achieved (the mean of its engines'; 0: none yet)
+                # what its writes to every peer together achieved (0: none yet): the mean of its engines',
+                # each of which, over TCP, counts every socket of the node to the peers' hosts, its
+                # other engines' too (federation/delivery.py), so that a shared NIC is counted once
                 "egress": sum(egress) / len(egress) if egress else 0.0,
                 "tcp_retransmits": self.retransmits.share()}  # federation/congestion.py; None: not measured
         return web.json_response(body)

@@ -61,7 +61,7 @@ class ConductorConfig:
     """The [conductor] table of cluster.toml, and its [[nodes]] (name, url).
 
     `link_gbps` is the bandwidth placement assumes between two nodes until any has been measured:
-    a prefill node's transfer engine measures what each of its writes achieved, and the conductor
+    a prefill node's transfer engine measures what its writes achieved (delivery.py), and the conductor
     prices a prefix fetch from node A to node B at A's measured bandwidth to B, else at A's mean
     measured egress to any peer, else at link_gbps (10 Gb/s, low for RDMA, so that an unmeasured
     link is not oversold). 0: no fetch before a link has been measured."""

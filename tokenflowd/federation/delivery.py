@@ -13,14 +13,19 @@ before the bottleneck, lets the first part of a write through at line rate, and 
 not marked app-limited: over a 1 Gb/s tbf link their median read 7 Gb/s.
 
 So `DeliveryMeter.sample` reads, for each socket to a host, the bytes acknowledged so far
-(`tcpi_bytes_acked`) and the bytes still on their way (sent and not acknowledged, plus not yet
-sent). Between two samples, the bytes delivered are the growth of the first (a socket gone since
-delivered all it had on its way: it left the states that still hold data). The interval is *busy*
-when, of the bytes that were on their way at its start, more than a delayed ACK holds back
-(MIN_OWED) were still not delivered at its end: the link was never idle for want of data, and
-delivered / seconds is what it carries. A write that the link
-drains between two samples (a fast link) makes no busy interval, and the transport keeps its own
-figure then.
+(`tcpi_bytes_acked`) and the bytes it still owes (sent and not acknowledged, plus not yet sent).
+Between two samples, the bytes delivered are the growth of the first; a socket gone from the states
+that still hold data delivered all it owed (one that comes back within GONE_SECONDS, because a list
+missed it, counts on from what it was credited); one that came and went between two samples is not
+seen (a short transfer on a fast link). The interval is *busy* when a socket still owes, of what it
+owed at the start, more than a delayed ACK holds back (two segments), and the interval spans at
+least two of the path's round trips (`tcpi_min_rtt`: a queue filling on a busy link lengthens the
+others): the link was never idle for want of data, and delivered / seconds is what it carries. On a
+path whose round trip is longer than half the sampling interval no interval is busy.
+
+Every interval's delivered / seconds is also a lower bound on what the link can carry, which the
+transport falls back to where no interval was busy (a fast link that drains each write between two
+samples: not near its ceiling, which is when the figure matters).
 
 Read through NETLINK_SOCK_DIAG, as `ss -ti` reads it, in the process's own network namespace, the
 kernel filtering the sockets to the peers' addresses: a node's thousands of client connections are
@@ -33,11 +38,12 @@ is None.
 """
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 NETLINK_SOCK_DIAG = 4
@@ -52,32 +58,40 @@ INET_DIAG_BC_JMP, INET_DIAG_BC_D_COND = 1, 8
 # last bytes); one that leaves them has delivered all it had on its way
 SENDING_STATES = (1 << 1) | (1 << 4) | (1 << 5) | (1 << 8) | (1 << 9) | (1 << 11)
 
-# bytes: what must stay owed, of those on their way at an interval's start, for the link to have
-# set its pace; fewer may be a delayed ACK's last segments, the link long idle
-MIN_OWED = 8192
-
 _NLMSG = struct.Struct("=IHHII")
 _DIAG_MSG = 72  # struct inet_diag_msg: family, state, timer, retrans, the 48-byte sockid, five u32
 _RTA = struct.Struct("=HH")
 # struct tcp_info offsets
-_NOTSENT, _BYTES_ACKED, _BYTES_SENT, _BYTES_RETRANS = 144, 120, 200, 208
+_SND_MSS, _BYTES_ACKED, _NOTSENT, _MIN_RTT, _BYTES_SENT, _BYTES_RETRANS = 16, 120, 144, 148, 200, 208
+NLM_F_DUMP_INTR = 0x10  # the sockets changed while the kernel listed them: the list may miss some
+GONE_SECONDS = 1.0  # how long a socket missing from a list is remembered, should it come back
 
 
 @dataclass(frozen=True)
 class Delivery:
-    """What the sockets to one host did since the previous sample of it."""
+    """What the sockets to one host did since the previous sample of it (seconds 0: the first)."""
 
     nbytes: int  # the bytes the host acknowledged
     seconds: float
-    busy: bool  # the bytes on their way at the previous sample were not all delivered: the link set the pace
+    busy: bool  # a socket still owed more than a delayed ACK holds back of what it owed at the start
     sending: bool  # bytes are on their way now
+
+
+@dataclass(frozen=True)
+class _Socket:
+    host: str
+    acked: int  # bytes acknowledged so far
+    owed: int  # bytes sent and not acknowledged, or not sent yet
+    mss: int  # bytes a segment carries
+    rtt: float  # s, the least seen: the path's own, without the queues that a busy link fills
 
 
 class DeliveryMeter:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._seq = 0
-        self._sockets: dict[bytes, tuple[str, int, int]] = {}  # socket cookie -> (host, acked, on its way)
+        self._sockets: dict[bytes, _Socket] = {}  # by the kernel's socket cookie
+        self._gone: dict[bytes, tuple[float, _Socket]] = {}  # missing from the last list: credited all it owed
         self._at: dict[str, float] = {}  # host -> when last sampled
 
     @classmethod
@@ -94,38 +108,60 @@ class DeliveryMeter:
     def close(self) -> None:
         self._sock.close()
 
-    def sample(self, hosts: Iterable[str], now: float | None = None) -> dict[str, Delivery]:
-        """host (an IP address) -> what its sockets delivered since its previous sample, for hosts
-        sampled before; OSError if the kernel refuses the query. By address, not port: a transfer
-        engine's data connections go to a port of its own, not to the endpoint peers name it by."""
-        now = time.monotonic() if now is None else now
+    def sample(self, hosts: Iterable[str]) -> dict[str, Delivery]:
+        """host (an IP address) -> what its sockets delivered since its previous sample; OSError if
+        the kernel refuses the query (TimeoutError if it does not answer). By address, not port: a
+        transfer engine's data connections go to a port of its own, not to the endpoint peers name
+        it by."""
         hosts = set(hosts)
-        current: dict[bytes, tuple[str, int, int]] = {}
+        current = self._list(hosts)
+        now = time.monotonic()
+        delivered = dict.fromkeys(hosts, 0)
+        busy = dict.fromkeys(hosts, False)
+        sending = dict.fromkeys(hosts, False)
+        for cookie, sock in current.items():
+            before = self._sockets.get(cookie)
+            if before is None and cookie in self._gone:  # back in the list: what it was credited stands
+                before = self._gone.pop(cookie)[1]
+            if before is None:  # new since the last sample: what it delivered so far
+                delivered[sock.host] += sock.acked
+            else:
+                got = max(0, sock.acked - before.acked)
+                current[cookie] = replace(sock, acked=max(sock.acked, before.acked))  # counted up to there
+                delivered[sock.host] += got
+                seconds = now - self._at.get(sock.host, now)
+                # of what it owed at the start, more than two segments (a delayed ACK) still owed at
+                # the end, over at least two of the path's round trips (in one, even an idle link
+                # still owes them; queued behind a busy one, they take longer)
+                if before.owed - got > 2 * sock.mss and seconds >= 2 * sock.rtt:
+                    busy[sock.host] = True
+            sending[sock.host] = sending[sock.host] or sock.owed > 0
+        for cookie, sock in self._sockets.items():
+            if cookie not in current and sock.host in hosts:  # gone from the sending states: all delivered
+                delivered[sock.host] += sock.owed
+                self._gone[cookie] = (now, _Socket(sock.host, sock.acked + sock.owed, 0, sock.mss, sock.rtt))
+        self._gone = {c: g for c, g in self._gone.items() if now - g[0] < GONE_SECONDS}
+        out = {host: Delivery(delivered[host], now - self._at[host] if host in self._at else 0.0,
+                              busy[host], sending[host]) for host in hosts}
+        self._sockets = {c: s for c, s in self._sockets.items() if s.host not in hosts} | current
+        self._at.update(dict.fromkeys(hosts, now))
+        return out
+
+    def _list(self, hosts: set[str]) -> dict[bytes, _Socket]:
+        """The sockets to `hosts` in a sending state, by cookie."""
+        out: dict[bytes, _Socket] = {}
         for family in (socket.AF_INET, socket.AF_INET6):
             wanted = {socket.inet_pton(family, host): host for host in hosts if _family(host) == family}
-            if wanted:
-                for dst, cookie, info in self._dump(family, list(wanted)):
-                    if dst in wanted and len(info) >= _BYTES_RETRANS + 8:
-                        acked, sent, resent = (struct.unpack_from("=Q", info, at)[0]
-                                               for at in (_BYTES_ACKED, _BYTES_SENT, _BYTES_RETRANS))
-                        notsent, = struct.unpack_from("=I", info, _NOTSENT)
-                        current[cookie] = (wanted[dst], acked, max(0, sent - resent - acked) + notsent)
-        delivered = dict.fromkeys(hosts, 0)
-        owed = dict.fromkeys(hosts, 0)  # of the bytes on their way at the last sample, those not delivered since
-        for cookie, (host, acked, on_way) in self._sockets.items():
-            if host in hosts:
-                now_acked = current[cookie][1] if cookie in current else acked + on_way
-                delivered[host] += now_acked - acked
-                owed[host] += max(0, on_way - (now_acked - acked))
-        sending = dict.fromkeys(hosts, False)
-        for cookie, (host, acked, on_way) in current.items():
-            if cookie not in self._sockets:
-                delivered[host] += acked
-            sending[host] = sending[host] or on_way > 0
-        out = {host: Delivery(delivered[host], now - self._at[host], owed[host] >= MIN_OWED, sending[host])
-               for host in hosts if host in self._at}
-        self._sockets = {c: v for c, v in self._sockets.items() if v[0] not in hosts} | current
-        self._at.update(dict.fromkeys(hosts, now))
+            if not wanted:
+                continue
+            for dst, cookie, info in self._dump(family, list(wanted)):
+                if dst not in wanted or len(info) < _BYTES_RETRANS + 8:
+                    continue
+                mss, rtt = struct.unpack_from("=I", info, _SND_MSS)[0], struct.unpack_from("=I", info, _MIN_RTT)[0]
+                acked, sent, resent = (struct.unpack_from("=Q", info, at)[0]
+                                       for at in (_BYTES_ACKED, _BYTES_SENT, _BYTES_RETRANS))
+                notsent, = struct.unpack_from("=I", info, _NOTSENT)
+                out[cookie] = _Socket(wanted[dst], acked, max(0, sent - resent - acked) + notsent, mss, rtt / 1e6)
         return out
 
     def _dump(self, family: int, addresses: list[bytes]):
@@ -142,19 +178,21 @@ class DeliveryMeter:
             data = self._sock.recv(1 << 16)
             at = 0
             while at + _NLMSG.size <= len(data):
-                length, kind, _, seq, _ = _NLMSG.unpack_from(data, at)
+                length, kind, flags, seq, _ = _NLMSG.unpack_from(data, at)
                 if length < _NLMSG.size:
-                    return
+                    raise OSError(errno.EPROTO, "sock_diag sent a malformed message")
                 body = data[at + _NLMSG.size: at + length]
                 at += (length + 3) & ~3
                 if seq != self._seq:
                     continue
-                if kind == NLMSG_DONE:
-                    return
-                if kind == NLMSG_ERROR:
-                    error, = struct.unpack_from("=i", body)
+                if flags & NLM_F_DUMP_INTR:
+                    raise OSError(errno.EAGAIN, "the sockets changed while the kernel listed them")
+                if kind in (NLMSG_DONE, NLMSG_ERROR):
+                    error = struct.unpack_from("=i", body)[0] if len(body) >= 4 else 0
                     if error:
                         raise OSError(-error, "sock_diag refused the query")
+                    if kind == NLMSG_DONE:
+                        return
                     continue
                 info = _attr(body, _DIAG_MSG, INET_DIAG_INFO)
                 if info is not None:  # the sockid's destination address and cookie

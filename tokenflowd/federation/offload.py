@@ -2,14 +2,15 @@
 prefill to the remote prefill nodes (`remote = true` in [[nodes]]) if and only if its uncached
 prompt, after the longest prefix a local prefill node holds, is longer than the threshold t.
 
-Every `prfaas_period` s the conductor solves t again with the throughput model (prfaas.py) on
-what it sees now: the recent requests' uncached lengths, the nodes' step-time models, and B_out,
-the bandwidth the remote nodes' transfer engines achieved to the local nodes over their last
-transfers (transport.py LinkStats). The local prefill/decode split is taken as it stands (the
-long term changes it). A link that slows raises t: fewer, longer prompts cross it. On top, while
-the remote prefill queue surges past `prfaas_queue_seconds`, or TCP on a remote node resends more
-than `prfaas_retransmit_share` of its segments (congestion.py: the egress nearing its ceiling),
-t is raised by a quarter each period; once they ease, the next solve starts from the model again.
+Every `prfaas_period` s the conductor solves t again with the throughput model (prfaas.py) on what
+it sees now: the recent requests' uncached lengths, the nodes' step-time models, and B_out, the
+bandwidth the remote nodes' links achieved to the local nodes over their last transfers (delivery.py
+over TCP, else the writes' own time: transport.py). The local prefill/decode split is taken as it
+stands (the long term changes it). A link that slows raises t: fewer, longer prompts cross it. On
+top, while the remote prefill queue surges past `prfaas_queue_seconds`, or TCP on a remote node
+resends more than `prfaas_retransmit_share` of its segments (congestion.py: the egress nearing its
+ceiling), t is raised by a quarter each period; once they ease, the next solve starts from the model
+again.
 
 Until a transfer from a remote node to a local one has been measured, t stays at the operator's
 `prfaas_threshold`: the model never runs on a nominal bandwidth. A link is measured only by what

@@ -15,8 +15,8 @@ reading rates of its clients decide that figure; the conductor asks for it). If 
 TBT breaks its SLO, the request is rejected before any prefill is spent. When p fetches a remote
 prefix, the copy stays on p (hot prefixes replicate by use, as in Mooncake).
 
-Transfer times use each link's measured bandwidth (the transport's LinkStats, as the nodes publish
-it); the conductor falls back to a configured nominal one only before anything was measured.
+Transfer times use each link's measured bandwidth (the transport's figure: delivery.py over TCP,
+as the nodes publish it); the conductor falls back to a configured nominal one only before anything was measured.
 Everything here is torch-free: the conductor is a front process.
 """
 from __future__ import annotations

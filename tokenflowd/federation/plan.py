@@ -9,8 +9,9 @@ with nominal figures.
     TBT SLO, no larger than max_num_seqs nor than the requests of the workload's mean size its KV
     pages hold. L_out: the workload's mean output.
   - B_out: the sum over the remote prefill nodes of the bandwidth their transfer engines measured
-    on their way out, all peers' writes together (federation/transport.py LinkStats), once they
-    have written to a local node. A link not measured yet counts as none.
+    on their way out, all peers' writes together (over TCP what the kernel delivered while the
+    link set the pace, federation/delivery.py; else the writes' own time, transport.py), once
+    they have written to a local node. A link not measured yet counts as none.
   - The lengths: each request's uncached prompt, after the longest prefix of its 512-token blocks
     that an earlier request of the trace already had (an unbounded cache: the most a cluster's
     caches could hold back).

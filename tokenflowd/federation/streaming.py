@@ -201,7 +201,6 @@ class Sender:
         return answers
 
 
-
 @dataclass
 class _Incoming:
     pages: list[int]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import errno
 import logging
 import math
 import os
@@ -44,7 +45,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from tokenflowd.federation.delivery import DeliveryMeter
+from tokenflowd.federation.delivery import Delivery, DeliveryMeter
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class LinkStats:
     writes each meet those queues empty and end long before the wire has carried them (225 Mb/s
     measured over a 100 Mb/s link: delivery.py). The transport's figure is then TCP's own
     (`DeliverySamples`); this one stands where TCP has none (RDMA, where a write ends once it
-    landed, or a link too fast to show a sample that the writer's pace does not limit)."""
+    landed, or where the kernel's socket lists cannot be read)."""
 
     WINDOW: ClassVar[float] = 3.0  # s
 
@@ -106,7 +107,6 @@ class LinkStats:
     recent: collections.deque = field(default_factory=collections.deque)  # (started, ended, bytes)
 
     latest: float = -math.inf  # when the latest transfer ended
-    last_start: float = -math.inf  # when the latest transfer started
 
     def add(self, nbytes: int, started: float, ended: float) -> None:
         started = min(started, ended)
@@ -116,7 +116,6 @@ class LinkStats:
         self.peak = max(self.peak, nbytes / max(seconds, 1e-9))
         self.recent.append((started, ended, nbytes))
         self.latest = max(self.latest, ended)
-        self.last_start = max(self.last_start, started)
         while self.recent and self.recent[0][1] < self.latest - self.WINDOW:
             self.recent.popleft()
 
@@ -134,31 +133,33 @@ class LinkStats:
 
 @dataclass
 class DeliverySamples:
-    """What TCP delivered on a link in the intervals the link set the pace (delivery.py): the
-    figure is their bytes over their seconds, of those in the last WINDOW s before the latest."""
+    """What TCP delivered on a link, interval by interval (delivery.py), those of the last WINDOW s
+    before the latest. The figure is the busy intervals' bytes over their seconds, the link's rate;
+    where none was busy (a fast link, each write drained between two samples), the fastest
+    interval's, a lower bound on it."""
 
     WINDOW: ClassVar[float] = LinkStats.WINDOW
 
-    recent: collections.deque = field(default_factory=collections.deque)  # (when it ended, bytes, seconds)
+    recent: collections.deque = field(default_factory=collections.deque)  # (when it ended, bytes, seconds, busy)
     latest: float = -math.inf
 
-    def add(self, nbytes: int, seconds: float, now: float) -> None:
-        self.recent.append((now, nbytes, seconds))
+    def add(self, nbytes: int, seconds: float, busy: bool, now: float) -> None:
+        self.recent.append((now, nbytes, seconds, busy))
         self.latest = now
         while self.recent[0][0] < now - self.WINDOW:
             self.recent.popleft()
 
     @property
     def bandwidth(self) -> float | None:
-        seconds = sum(s for _, _, s in self.recent)
-        return sum(b for _, b, _ in self.recent) / seconds if seconds > 0 else None
+        busy = [(b, s) for _, b, s, is_busy in self.recent if is_busy]
+        if busy:
+            return sum(b for b, _ in busy) / sum(s for _, s in busy)
+        return max((b / s for _, b, s, _ in self.recent), default=None)
 
 
 def _figure(written: LinkStats | None, delivered: DeliverySamples | None) -> float | None:
-    """TCP's figure where it sampled the link within a window of the latest write's start, else the
-    writes' (a link that became fast may show TCP no sample its writer's pace does not limit)."""
-    if delivered is not None and delivered.recent and (
-            written is None or delivered.latest >= written.last_start - LinkStats.WINDOW):
+    """TCP's figure where it measured the link, else the writes' (RDMA: a write ends once landed)."""
+    if delivered is not None and delivered.recent:
         return delivered.bandwidth
     return written.bandwidth if written is not None else None
 
@@ -240,15 +241,16 @@ class KVTransport(abc.ABC):
             return {peer: bps for peer in self.links.keys() | self.delivered.keys()
                     if (bps := _figure(self.links.get(peer), self.delivered.get(peer)))}
 
-    def _delivering(self, busy: dict[str, tuple[int, float]], hosts: dict[str, str], now: float) -> None:
-        """What TCP delivered to peers in an interval the link set the pace of: peer -> (bytes,
-        seconds); `hosts`: peer -> its address (peers on one host share its sockets, and count once
-        in the egress)."""
+    def _delivering(self, seen: dict[str, Delivery], hosts: dict[str, str], now: float) -> None:
+        """What TCP delivered to peers in one interval: peer -> its host's Delivery; `hosts`: peer ->
+        its address (peers on one host share its sockets, and count once in the egress, which is
+        busy when any host was)."""
         with self._links_lock:
-            for peer, (nbytes, seconds) in busy.items():
-                self.delivered.setdefault(peer, DeliverySamples()).add(nbytes, seconds, now)
-            by_host = {hosts[peer]: interval for peer, interval in busy.items()}
-            self.delivered_egress.add(sum(b for b, _ in by_host.values()), max(s for _, s in by_host.values()), now)
+            for peer, d in seen.items():
+                self.delivered.setdefault(peer, DeliverySamples()).add(d.nbytes, d.seconds, d.busy, now)
+            by_host = {hosts[peer]: d for peer, d in seen.items()}
+            self.delivered_egress.add(sum(d.nbytes for d in by_host.values()), max(d.seconds for d in by_host.values()),
+                                      any(d.busy for d in by_host.values()), now)
 
     def _account(self, transfer: Transfer, ended: float) -> None:
         with self._links_lock:
@@ -306,7 +308,7 @@ class MooncakeTransport(KVTransport):
     WATCH_SECONDS = 60.0  # a peer not written to for that long is no longer probed
     PROBE_BACKOFF = 1.0  # s: the most between probes of a peer that does not answer (each a TCP connect)
     METER_INTERVAL = 0.02  # s between samples of what TCP delivered while KV is on its way
-    METER_LONGEST = 1.0  # s: a longer interval between two samples of a host is not counted
+    METER_LONGEST = 1.0  # s: a longer interval between two samples of a host (an idle spell) is not counted
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
         super().__init__()
@@ -319,6 +321,7 @@ class MooncakeTransport(KVTransport):
         if rc != 0:
             raise RuntimeError(f"Mooncake transfer engine did not start on {host} over {protocol} (code {rc})")
         self._endpoint = f"{host}:{self._te.get_rpc_port()}"
+        self._tcp = protocol == "tcp"  # what its writes achieved is then TCP's to tell (delivery.py)
         self._regions: dict[int, tuple[Region, torch.Tensor]] = {}  # the tensor is kept: peers write into it
         self._waiters: dict[str, ThreadPoolExecutor] = {}  # per peer: a stalled one holds up only its own
         self._closed = False
@@ -405,7 +408,7 @@ class MooncakeTransport(KVTransport):
         expected = transfer.nbytes / (link.peak if link and link.peak else 1e9)  # at the wire's best
         with self._wake:
             self._pending[peer] += 1
-            if self._meter is None:
+            if self._meter is None and self._tcp:
                 self._meter = threading.Thread(target=self._meter_loop, daemon=True, name="mooncake-meter")
                 self._meter.start()
             self._wake.notify_all()
@@ -422,7 +425,12 @@ class MooncakeTransport(KVTransport):
         waiter = self._waiters.get(peer)
         if waiter is None:
             waiter = self._waiters[peer] = ThreadPoolExecutor(self.WAITERS, thread_name_prefix=f"mooncake-wait-{peer}")
-        transfer.done = waiter.submit(settle)
+        try:
+            transfer.done = waiter.submit(settle)
+        except RuntimeError:  # closed meanwhile
+            with self._wake:
+                self._pending[peer] -= 1
+            raise
         return transfer
 
     def _meter_loop(self) -> None:
@@ -431,7 +439,7 @@ class MooncakeTransport(KVTransport):
         meter = DeliveryMeter.open()
         if meter is None:
             return
-        hosts: dict[str, str | None] = {}  # peer -> its IP address
+        hosts: dict[str, str] = {}  # peer -> its IP address
         draining: set[str] = set()  # peers the last sample saw bytes still on their way to
         try:
             while True:
@@ -441,19 +449,26 @@ class MooncakeTransport(KVTransport):
                         return
                     peers = draining | {peer for peer, n in self._pending.items() if n > 0}
                 for peer in peers - hosts.keys():
-                    hosts[peer] = _address(peer)
+                    if (address := _address(peer)) is not None:  # not resolved: tried again next time
+                        hosts[peer] = address
+                peers &= hosts.keys()
                 try:
-                    seen = meter.sample({hosts[peer] for peer in peers if hosts[peer]})
+                    seen = meter.sample({hosts[peer] for peer in peers})
+                except TimeoutError:  # a loaded kernel: the next sample spans the gap
+                    continue
                 except OSError as e:
-                    log.warning("TCP's delivery cannot be read (%s): KV links are measured by their writes", e)
-                    return
-                now = time.monotonic()
-                busy = {peer: (d.nbytes, d.seconds) for peer in peers
-                        if (d := seen.get(hosts[peer])) and d.busy and 0 < d.seconds <= self.METER_LONGEST}
-                if busy:
-                    self._delivering(busy, {peer: hosts[peer] for peer in busy}, now)
-                draining = {peer for peer in peers if hosts[peer] in seen and seen[hosts[peer]].sending}
+                    if e.errno not in (errno.EAGAIN, errno.EINTR):  # refused for good: no point asking again
+                        log.warning("TCP's delivery cannot be read (%s): KV links are measured by their writes", e)
+                        return
+                    seen = {}
+                counted = {peer: d for peer in peers if (d := seen.get(hosts[peer])) and
+                           0 < d.seconds <= self.METER_LONGEST}
+                if counted:
+                    self._delivering(counted, hosts, time.monotonic())
+                draining = {peer for peer in peers if (d := seen.get(hosts[peer])) and d.sending}
                 time.sleep(self.METER_INTERVAL)
+        except Exception:  # a bug here must not pass silently, nor take the transport down
+            log.exception("the KV link meter stopped: KV links are measured by their writes")
         finally:
             meter.close()
 
