@@ -23,9 +23,8 @@ least two of the path's round trips (`tcpi_min_rtt`: a queue filling on a busy l
 others): the link was never idle for want of data, and delivered / seconds is what it carries. On a
 path whose round trip is longer than half the sampling interval no interval is busy.
 
-Every interval's delivered / seconds is also a lower bound on what the link can carry, which the
-transport falls back to where no interval was busy (a fast link that drains each write between two
-samples: not near its ceiling, which is when the figure matters).
+A link that its writes do not fill (a fast one, draining each write between two samples) makes no
+busy interval, and the transport keeps the writes' own figure there (transport.py `_figure`).
 
 Read through NETLINK_SOCK_DIAG, as `ss -ti` reads it, in the process's own network namespace, the
 kernel filtering the sockets to the peers' addresses: a node's thousands of client connections are

@@ -95,8 +95,8 @@ class LinkStats:
     above), in socket buffers and the bottleneck's queue, and a prefill node's layer-by-layer
     writes each meet those queues empty and end long before the wire has carried them (225 Mb/s
     measured over a 100 Mb/s link: delivery.py). The transport's figure is then TCP's own
-    (`DeliverySamples`); this one stands where TCP has none (RDMA, where a write ends once it
-    landed, or where the kernel's socket lists cannot be read)."""
+    (`DeliverySamples`) where the link set the pace lately; this one stands elsewhere (RDMA, where
+    a write ends once it landed; a TCP link its writes do not fill: see `_figure`)."""
 
     WINDOW: ClassVar[float] = 3.0  # s
 
@@ -107,6 +107,7 @@ class LinkStats:
     recent: collections.deque = field(default_factory=collections.deque)  # (started, ended, bytes)
 
     latest: float = -math.inf  # when the latest transfer ended
+    last_start: float = -math.inf  # when the latest transfer started
 
     def add(self, nbytes: int, started: float, ended: float) -> None:
         started = min(started, ended)
@@ -116,6 +117,7 @@ class LinkStats:
         self.peak = max(self.peak, nbytes / max(seconds, 1e-9))
         self.recent.append((started, ended, nbytes))
         self.latest = max(self.latest, ended)
+        self.last_start = max(self.last_start, started)
         while self.recent and self.recent[0][1] < self.latest - self.WINDOW:
             self.recent.popleft()
 
@@ -133,33 +135,37 @@ class LinkStats:
 
 @dataclass
 class DeliverySamples:
-    """What TCP delivered on a link, interval by interval (delivery.py), those of the last WINDOW s
-    before the latest. The figure is the busy intervals' bytes over their seconds, the link's rate;
-    where none was busy (a fast link, each write drained between two samples), the fastest
-    interval's, a lower bound on it."""
+    """What TCP delivered on a link in the intervals the link set the pace of (delivery.py): the
+    figure is their bytes over their seconds, of those in the last WINDOW s before the latest."""
 
     WINDOW: ClassVar[float] = LinkStats.WINDOW
 
-    recent: collections.deque = field(default_factory=collections.deque)  # (when it ended, bytes, seconds, busy)
+    recent: collections.deque = field(default_factory=collections.deque)  # (when it ended, bytes, seconds)
     latest: float = -math.inf
 
-    def add(self, nbytes: int, seconds: float, busy: bool, now: float) -> None:
-        self.recent.append((now, nbytes, seconds, busy))
+    def add(self, nbytes: int, seconds: float, now: float) -> None:
+        self.recent.append((now, nbytes, seconds))
         self.latest = now
         while self.recent[0][0] < now - self.WINDOW:
             self.recent.popleft()
 
     @property
     def bandwidth(self) -> float | None:
-        busy = [(b, s) for _, b, s, is_busy in self.recent if is_busy]
-        if busy:
-            return sum(b for b, _ in busy) / sum(s for _, s in busy)
-        return max((b / s for _, b, s, _ in self.recent), default=None)
+        seconds = sum(s for _, _, s in self.recent)
+        return sum(b for _, b, _ in self.recent) / seconds if seconds > 0 else None
 
 
 def _figure(written: LinkStats | None, delivered: DeliverySamples | None) -> float | None:
-    """TCP's figure where it measured the link, else the writes' (RDMA: a write ends once landed)."""
-    if delivered is not None and delivered.recent:
+    """TCP's figure where the link set the pace within a window of the latest write's start, else
+    the writes' own.
+
+    The writes' figure runs ahead of a TCP link that does not set the pace (its kernel takes each
+    write at once), and a link that does shows in TCP's figure within a write or two: a plan that
+    sends more over the link than it carries corrects itself. A lower bound (the fastest interval's
+    bytes) does not: on a fast link the sockets of short transfers come and go between two samples,
+    it read 37 Mb/s on a 1 Gb/s link, and a plan that sends less for it never learns otherwise."""
+    if delivered is not None and delivered.recent and (
+            written is None or delivered.latest >= written.last_start - LinkStats.WINDOW):
         return delivered.bandwidth
     return written.bandwidth if written is not None else None
 
@@ -243,14 +249,16 @@ class KVTransport(abc.ABC):
 
     def _delivering(self, seen: dict[str, Delivery], hosts: dict[str, str], now: float) -> None:
         """What TCP delivered to peers in one interval: peer -> its host's Delivery; `hosts`: peer ->
-        its address (peers on one host share its sockets, and count once in the egress, which is
-        busy when any host was)."""
+        its address. A peer's busy interval counts for it; for the egress, an interval in which any
+        host was busy counts with every host's bytes (peers on one host share its sockets: once)."""
         with self._links_lock:
             for peer, d in seen.items():
-                self.delivered.setdefault(peer, DeliverySamples()).add(d.nbytes, d.seconds, d.busy, now)
+                if d.busy:
+                    self.delivered.setdefault(peer, DeliverySamples()).add(d.nbytes, d.seconds, now)
             by_host = {hosts[peer]: d for peer, d in seen.items()}
-            self.delivered_egress.add(sum(d.nbytes for d in by_host.values()), max(d.seconds for d in by_host.values()),
-                                      any(d.busy for d in by_host.values()), now)
+            if any(d.busy for d in by_host.values()):
+                self.delivered_egress.add(sum(d.nbytes for d in by_host.values()),
+                                          max(d.seconds for d in by_host.values()), now)
 
     def _account(self, transfer: Transfer, ended: float) -> None:
         with self._links_lock:
