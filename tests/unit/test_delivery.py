@@ -15,27 +15,25 @@ HOST, OTHER = "10.0.0.2", "10.0.0.3"
 MSS = 1448
 
 
-def info(acked: int, sent: int, notsent: int = 0, rtt_us: int = 200) -> bytes:
-    """A tcp_info with the fields the meter reads."""
+def info(acked: int, sent: int, notsent: int = 0, rtt_us: int = 200) -> tuple[int, bytes]:
+    """The bytes not yet acknowledged, and a tcp_info with the fields the meter reads."""
     b = bytearray(232)
     struct.pack_into("=I", b, 16, MSS)
     struct.pack_into("=I", b, 148, rtt_us)
     struct.pack_into("=Q", b, 120, acked)
-    struct.pack_into("=I", b, 144, notsent)
-    struct.pack_into("=Q", b, 200, sent)
-    return bytes(b)
+    return sent + notsent - acked, bytes(b)
 
 
 class FakeMeter(DeliveryMeter):
     def __init__(self) -> None:
         super().__init__(sock=None)
-        self.listed: dict[bytes, tuple[str, bytes]] = {}  # cookie -> (host, tcp_info)
+        self.listed: dict[bytes, tuple[str, tuple[int, bytes]]] = {}  # cookie -> (host, (owed, tcp_info))
 
     def _dump(self, family, addresses):
-        for cookie, (host, tcp) in self.listed.items():
+        for cookie, (host, (owed, tcp)) in self.listed.items():
             addr = socket.inet_pton(socket.AF_INET, host)
             if addr in addresses:
-                yield addr, cookie, tcp
+                yield addr, cookie, owed, tcp
 
 
 @pytest.fixture

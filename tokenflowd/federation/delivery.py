@@ -13,7 +13,8 @@ before the bottleneck, lets the first part of a write through at line rate, and 
 not marked app-limited: over a 1 Gb/s tbf link their median read 7 Gb/s.
 
 So `DeliveryMeter.sample` reads, for each socket to a host, the bytes acknowledged so far
-(`tcpi_bytes_acked`) and the bytes it still owes (sent and not acknowledged, plus not yet sent).
+(`tcpi_bytes_acked`) and the bytes it still owes (written and not acknowledged: the list's
+`idiag_wqueue`).
 Between two samples, the bytes delivered are the growth of the first; a socket gone from the states
 that still hold data delivered all it owed (one that comes back within GONE_SECONDS, because a list
 missed it, counts on from what it was credited); one that came and went between two samples is not
@@ -29,7 +30,7 @@ busy interval, and the transport keeps the writes' own figure there (transport.p
 Read through NETLINK_SOCK_DIAG, as `ss -ti` reads it, in the process's own network namespace, the
 kernel filtering the sockets to the peers' addresses: a node's thousands of client connections are
 never copied out. A few fields of `struct tcp_info` at their fixed offsets (a stable kernel ABI;
-`tcpi_bytes_sent` since Linux 4.19). Off Linux, or where the kernel refuses, `DeliveryMeter.open()`
+`tcpi_bytes_acked` since Linux 4.1, `tcpi_min_rtt` since 4.6). Off Linux, or where the kernel refuses, `DeliveryMeter.open()`
 is None.
 
     meter = DeliveryMeter.open()
@@ -61,7 +62,8 @@ _NLMSG = struct.Struct("=IHHII")
 _DIAG_MSG = 72  # struct inet_diag_msg: family, state, timer, retrans, the 48-byte sockid, five u32
 _RTA = struct.Struct("=HH")
 # struct tcp_info offsets
-_SND_MSS, _BYTES_ACKED, _NOTSENT, _MIN_RTT, _BYTES_SENT, _BYTES_RETRANS = 16, 120, 144, 148, 200, 208
+_SND_MSS, _BYTES_ACKED, _MIN_RTT = 16, 120, 148
+_WQUEUE = 60  # inet_diag_msg's idiag_wqueue: for TCP, write_seq - snd_una, the bytes not yet acknowledged
 NLM_F_DUMP_INTR = 0x10  # the sockets changed while the kernel listed them: the list may miss some
 GONE_SECONDS = 1.0  # how long a socket missing from a list is remembered, should it come back
 
@@ -153,18 +155,17 @@ class DeliveryMeter:
             wanted = {socket.inet_pton(family, host): host for host in hosts if _family(host) == family}
             if not wanted:
                 continue
-            for dst, cookie, info in self._dump(family, list(wanted)):
-                if dst not in wanted or len(info) < _BYTES_RETRANS + 8:
+            for dst, cookie, owed, info in self._dump(family, list(wanted)):
+                if dst not in wanted or len(info) < _MIN_RTT + 4:
                     continue
                 mss, rtt = struct.unpack_from("=I", info, _SND_MSS)[0], struct.unpack_from("=I", info, _MIN_RTT)[0]
-                acked, sent, resent = (struct.unpack_from("=Q", info, at)[0]
-                                       for at in (_BYTES_ACKED, _BYTES_SENT, _BYTES_RETRANS))
-                notsent, = struct.unpack_from("=I", info, _NOTSENT)
-                out[cookie] = _Socket(wanted[dst], acked, max(0, sent - resent - acked) + notsent, mss, rtt / 1e6)
+                acked, = struct.unpack_from("=Q", info, _BYTES_ACKED)
+                out[cookie] = _Socket(wanted[dst], acked, owed, mss, rtt / 1e6)
         return out
 
     def _dump(self, family: int, addresses: list[bytes]):
-        """The destination address, cookie and tcp_info of each socket of `family` to one of `addresses`."""
+        """The destination address, cookie, bytes not yet acknowledged and tcp_info of each socket of
+        `family` to one of `addresses`."""
         self._seq += 1
         bytecode = _bytecode(family, addresses)
         attr = _RTA.pack(_RTA.size + len(bytecode), INET_DIAG_REQ_BYTECODE) + bytecode
@@ -195,7 +196,7 @@ class DeliveryMeter:
                     continue
                 info = _attr(body, _DIAG_MSG, INET_DIAG_INFO)
                 if info is not None:  # the sockid's destination address and cookie
-                    yield body[24: 24 + addr_len], body[44:52], info
+                    yield body[24: 24 + addr_len], body[44:52], struct.unpack_from("=I", body, _WQUEUE)[0], info
 
 
 def _family(host: str) -> int:
