@@ -46,11 +46,14 @@ threading.Thread(target=sample, daemon=True).start()
 time.sleep(0.1)
 a, b = socket.create_connection((recv, 9100)), socket.create_connection((other, 9100))
 chunk, took, sent, small, t0 = bytes(400_000), 0.0, 0, 0, time.monotonic()
+i = 0
 while time.monotonic() - t0 < 3.0:  # 400 KB every 120 ms: a third more than the link carries, in bursts
     w = time.monotonic()
     a.sendall(chunk)
     took, sent = took + time.monotonic() - w, sent + len(chunk)
-    small += b.send(bytes(1000))
+    if i % 4 == 0:
+        small += b.send(bytes(1000))
+    i += 1
     time.sleep(0.12)
 a.close(), b.close()
 time.sleep(0.1)

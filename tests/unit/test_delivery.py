@@ -15,9 +15,10 @@ HOST, OTHER = "10.0.0.2", "10.0.0.3"
 MSS = 1448
 
 
-def info(acked: int, sent: int, notsent: int = 0, rtt_us: int = 200) -> tuple[int, bytes]:
+def info(acked: int, sent: int, notsent: int = 0, rtt_us: int = 200, loss: bool = False) -> tuple[int, bytes]:
     """The bytes not yet acknowledged, and a tcp_info with the fields the meter reads."""
     b = bytearray(232)
+    b[1] = delivery.TCP_CA_LOSS if loss else 0
     struct.pack_into("=I", b, 16, MSS)
     struct.pack_into("=I", b, 148, rtt_us)
     struct.pack_into("=Q", b, 120, acked)
@@ -69,7 +70,19 @@ def test_a_delayed_acks_last_segments_or_an_idle_link_are_not_busy(clock):
     m.sample([HOST])
     clock[0] += 0.02
     m.listed[b"b"] = (HOST, info(acked=50_000, sent=100_000, rtt_us=30_000))  # owed, but within two round trips
+    assert not m.sample([HOST])[HOST].busy and m.rtt == pytest.approx(0.03)
+
+
+def test_a_socket_that_delivers_nothing_or_recovers_a_loss_by_timeout_is_not_a_busy_link(clock):
+    m = FakeMeter()
+    m.listed[b"a"] = (HOST, info(acked=0, sent=100_000))
+    m.sample([HOST])
+    clock[0] += 0.02  # a dead peer, or one whose window is shut: nothing delivered
     assert not m.sample([HOST])[HOST].busy
+    clock[0] += 0.02
+    m.listed[b"a"] = (HOST, info(acked=10_000, sent=100_000, loss=True))
+    d = m.sample([HOST])[HOST]
+    assert d.nbytes == 10_000 and not d.busy
 
 
 def test_a_new_socket_counts_what_it_delivered_and_another_hosts_sockets_do_not(clock):
@@ -92,13 +105,20 @@ def test_a_socket_one_list_missed_is_not_counted_twice(clock):
     assert m.sample([HOST])[HOST].nbytes == 200_000
     clock[0] += 0.02
     m.listed[b"a"] = (HOST, info(acked=180_000, sent=300_000))  # back: only 80 KB had been delivered
-    assert missed and m.sample([HOST])[HOST].nbytes == 0
+    d = m.sample([HOST])[HOST]
+    assert missed and d.nbytes == 0 and not d.busy
     clock[0] += 0.02
     m.listed[b"a"] = (HOST, info(acked=300_000, sent=400_000))
     assert m.sample([HOST])[HOST].nbytes == 0  # what it was credited ahead of time
     clock[0] += 0.02
     m.listed[b"a"] = (HOST, info(acked=350_000, sent=400_000))
     assert m.sample([HOST])[HOST].nbytes == 50_000
+    clock[0] += 0.02
+    m.listed[b"a"] = (HOST, info(acked=360_000, sent=400_000))
+    m.sample([HOST])
+    clock[0] += 0.02  # missed again, then gone: all it wrote counted once in all
+    del m.listed[b"a"]
+    assert m.sample([HOST])[HOST].nbytes == 40_000
 
 
 def test_the_kernel_filter_is_an_or_of_addresses_that_accepts_at_its_end_and_rejects_past_it():
@@ -116,3 +136,18 @@ def test_the_kernel_filter_is_an_or_of_addresses_that_accepts_at_its_end_and_rej
         assert at + no == len(code)  # a condition that held jumps to the end: accept
     at, _, yes, no = conds[-1]
     assert at + yes == len(code) and at + no == len(code) + 4  # the last one failing: past the end, reject
+
+
+def test_a_socket_missed_then_gone_for_good_is_credited_once(clock):
+    m = FakeMeter()
+    m.listed[b"a"] = (HOST, info(acked=100_000, sent=300_000))
+    m.sample([HOST])
+    total = 0
+    for listed in (None, info(acked=180_000, sent=300_000), None):  # missed, back, gone
+        clock[0] += 0.02
+        if listed is None:
+            m.listed.pop(b"a", None)
+        else:
+            m.listed[b"a"] = (HOST, listed)
+        total += m.sample([HOST])[HOST].nbytes
+    assert total == 200_000

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenflowd.federation.delivery import Delivery
-from tokenflowd.federation.transport import DeliverySamples, KVTransport, LinkStats
+from tokenflowd.federation.transport import KVTransport, LinkStats
 
 
 def test_overlapping_writes_count_the_busy_time_once():
@@ -68,4 +68,3 @@ def test_the_writes_figure_stands_where_tcp_saw_no_busy_interval_lately():
         for i in range(5):
             t.links["peer:1"].add(10_000_000, 5.0 + i, 5.01 + i)
     assert t.bandwidth("peer:1") == pytest.approx(1e9)
-    assert DeliverySamples.WINDOW == LinkStats.WINDOW

@@ -14,15 +14,15 @@ not marked app-limited: over a 1 Gb/s tbf link their median read 7 Gb/s.
 
 So `DeliveryMeter.sample` reads, for each socket to a host, the bytes acknowledged so far
 (`tcpi_bytes_acked`) and the bytes it still owes (written and not acknowledged: the list's
-`idiag_wqueue`).
-Between two samples, the bytes delivered are the growth of the first; a socket gone from the states
-that still hold data delivered all it owed (one that comes back within GONE_SECONDS, because a list
-missed it, counts on from what it was credited); one that came and went between two samples is not
-seen (a short transfer on a fast link). The interval is *busy* when a socket still owes, of what it
-owed at the start, more than a delayed ACK holds back (two segments), and the interval spans at
-least two of the path's round trips (`tcpi_min_rtt`: a queue filling on a busy link lengthens the
-others): the link was never idle for want of data, and delivered / seconds is what it carries. On a
-path whose round trip is longer than half the sampling interval no interval is busy.
+`idiag_wqueue`). Between two samples, the bytes delivered are the growth of the first; a socket gone
+from the states that still hold data delivered all it owed (one that comes back within GONE_SECONDS,
+because a list missed it, counts on from what it was credited); one that came and went between two
+samples is not seen (a short transfer on a fast link). The interval is *busy* when a socket
+delivered some and still owes, of what it owed at the start, more than a delayed ACK holds back (two
+segments), neither backing off nor recovering a loss by timeout, and the interval spans at least two
+of the path's round trips (`tcpi_min_rtt`: a queue filling on a busy link lengthens the others; the
+transport samples no more often than that): the link was never idle for want of data, and delivered
+/ seconds is what it carries.
 
 A link that its writes do not fill (a fast one, draining each write between two samples) makes no
 busy interval, and the transport keeps the writes' own figure there (transport.py `_figure`).
@@ -62,7 +62,8 @@ _NLMSG = struct.Struct("=IHHII")
 _DIAG_MSG = 72  # struct inet_diag_msg: family, state, timer, retrans, the 48-byte sockid, five u32
 _RTA = struct.Struct("=HH")
 # struct tcp_info offsets
-_SND_MSS, _BYTES_ACKED, _MIN_RTT = 16, 120, 148
+_CA_STATE, _BACKOFF, _SND_MSS, _BYTES_ACKED, _MIN_RTT = 1, 4, 16, 120, 148
+TCP_CA_LOSS = 4  # tcpi_ca_state: recovering by retransmission timeout
 _WQUEUE = 60  # inet_diag_msg's idiag_wqueue: for TCP, write_seq - snd_una, the bytes not yet acknowledged
 NLM_F_DUMP_INTR = 0x10  # the sockets changed while the kernel listed them: the list may miss some
 GONE_SECONDS = 1.0  # how long a socket missing from a list is remembered, should it come back
@@ -85,6 +86,7 @@ class _Socket:
     owed: int  # bytes sent and not acknowledged, or not sent yet
     mss: int  # bytes a segment carries
     rtt: float  # s, the least seen: the path's own, without the queues that a busy link fills
+    stalled: bool = False  # recovering a loss by timeout, or backing off: no pace of the link's
 
 
 class DeliveryMeter:
@@ -94,6 +96,7 @@ class DeliveryMeter:
         self._sockets: dict[bytes, _Socket] = {}  # by the kernel's socket cookie
         self._gone: dict[bytes, tuple[float, _Socket]] = {}  # missing from the last list: credited all it owed
         self._at: dict[str, float] = {}  # host -> when last sampled
+        self.rtt = 0.0  # s: the longest path round trip the last sample saw (sample at least twice that apart)
 
     @classmethod
     def open(cls) -> "DeliveryMeter | None":
@@ -128,13 +131,15 @@ class DeliveryMeter:
                 delivered[sock.host] += sock.acked
             else:
                 got = max(0, sock.acked - before.acked)
-                current[cookie] = replace(sock, acked=max(sock.acked, before.acked))  # counted up to there
+                top = max(sock.acked, before.acked)  # counted up to there (a list missed it, it was credited)
+                current[cookie] = replace(sock, acked=top, owed=max(0, sock.acked + sock.owed - top))
                 delivered[sock.host] += got
                 seconds = now - self._at.get(sock.host, now)
-                # of what it owed at the start, more than two segments (a delayed ACK) still owed at
-                # the end, over at least two of the path's round trips (in one, even an idle link
-                # still owes them; queued behind a busy one, they take longer)
-                if before.owed - got > 2 * sock.mss and seconds >= 2 * sock.rtt:
+                # it delivered, and of what it owed at the start more than two segments (a delayed
+                # ACK) are still owed at the end, over at least two of the path's round trips (in
+                # one, even an idle link still owes them; queued behind a busy one, they take longer)
+                if (got > 0 and not sock.stalled and before.owed - got > 2 * sock.mss
+                        and seconds >= 2 * sock.rtt):
                     busy[sock.host] = True
             sending[sock.host] = sending[sock.host] or sock.owed > 0
         for cookie, sock in self._sockets.items():
@@ -146,6 +151,7 @@ class DeliveryMeter:
                               busy[host], sending[host]) for host in hosts}
         self._sockets = {c: s for c, s in self._sockets.items() if s.host not in hosts} | current
         self._at.update(dict.fromkeys(hosts, now))
+        self.rtt = max((s.rtt for s in current.values()), default=0.0)
         return out
 
     def _list(self, hosts: set[str]) -> dict[bytes, _Socket]:
@@ -160,7 +166,8 @@ class DeliveryMeter:
                     continue
                 mss, rtt = struct.unpack_from("=I", info, _SND_MSS)[0], struct.unpack_from("=I", info, _MIN_RTT)[0]
                 acked, = struct.unpack_from("=Q", info, _BYTES_ACKED)
-                out[cookie] = _Socket(wanted[dst], acked, owed, mss, rtt / 1e6)
+                stalled = info[_CA_STATE] == TCP_CA_LOSS or info[_BACKOFF] > 0
+                out[cookie] = _Socket(wanted[dst], acked, owed, mss, rtt / 1e6, stalled)
         return out
 
     def _dump(self, family: int, addresses: list[bytes]):
