@@ -53,10 +53,10 @@ NLMSG_ERROR, NLMSG_DONE = 2, 3
 INET_DIAG_REQ_BYTECODE = 1
 INET_DIAG_INFO = 2  # the reply's tcp_info attribute, asked for by bit 1 << (INET_DIAG_INFO - 1)
 INET_DIAG_BC_JMP, INET_DIAG_BC_D_COND = 1, 8
-# the states in which a socket may still have bytes to deliver: ESTABLISHED, FIN_WAIT1, FIN_WAIT2,
-# CLOSE_WAIT, LAST_ACK, CLOSING (a transfer engine closes its connection once the kernel holds its
-# last bytes); one that leaves them has delivered all it had on its way
-SENDING_STATES = (1 << 1) | (1 << 4) | (1 << 5) | (1 << 8) | (1 << 9) | (1 << 11)
+# the states in which a socket may still have bytes to deliver: ESTABLISHED, FIN_WAIT1, CLOSE_WAIT,
+# LAST_ACK, CLOSING (a transfer engine closes its connection once the kernel holds its last bytes);
+# one that leaves them has delivered all it had on its way
+SENDING_STATES = (1 << 1) | (1 << 4) | (1 << 8) | (1 << 9) | (1 << 11)
 
 _NLMSG = struct.Struct("=IHHII")
 _DIAG_MSG = 72  # struct inet_diag_msg: family, state, timer, retrans, the 48-byte sockid, five u32
@@ -113,10 +113,10 @@ class DeliveryMeter:
         self._sock.close()
 
     def sample(self, hosts: Iterable[str]) -> dict[str, Delivery]:
-        """host (an IP address) -> what its sockets delivered since its previous sample; OSError if
-        the kernel refuses the query (TimeoutError if it does not answer). By address, not port: a
-        transfer engine's data connections go to a port of its own, not to the endpoint peers name
-        it by."""
+        """host (an IP address) -> what its sockets delivered since the previous call, if that call
+        asked for it too (else seconds 0: its first sample); OSError if the kernel refuses the query
+        (TimeoutError if it does not answer). By address, not port: a transfer engine's data
+        connections go to a port of its own, not to the endpoint peers name it by."""
         hosts = set(hosts)
         current = self._list(hosts)
         now = time.monotonic()
@@ -149,8 +149,7 @@ class DeliveryMeter:
         self._gone = {c: g for c, g in self._gone.items() if now - g[0] < GONE_SECONDS}
         out = {host: Delivery(delivered[host], now - self._at[host] if host in self._at else 0.0,
                               busy[host], sending[host]) for host in hosts}
-        self._sockets = {c: s for c, s in self._sockets.items() if s.host not in hosts} | current
-        self._at.update(dict.fromkeys(hosts, now))
+        self._sockets, self._at = current, dict.fromkeys(hosts, now)  # a host not asked for is forgotten
         self.rtt = max((s.rtt for s in current.values()), default=0.0)
         return out
 

@@ -460,6 +460,9 @@ class MooncakeTransport(KVTransport):
                     if self._closed:
                         return
                     peers = draining | {peer for peer, n in self._pending.items() if n > 0}
+                    now = time.monotonic()  # a peer not written to for WATCH_SECONDS is sampled no more
+                    hosts = {p: a for p, a in hosts.items()
+                             if p in peers or now - self._watched.get(p, -math.inf) <= self.WATCH_SECONDS}
                 for peer in peers - hosts.keys():
                     if time.monotonic() - unresolved.get(peer, -math.inf) < self.RESOLVE_RETRY:
                         continue
