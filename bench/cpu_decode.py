@@ -18,8 +18,8 @@ import time
 import torch
 
 from tokenflowd.config import EngineConfig
-from tokenflowd.engine.engine import Engine
-from tokenflowd.engine.loader import load_model_source
+from tokenflowd.engine.offline import Engine
+from tokenflowd.engine.model.loader import load_model_source
 from tokenflowd.engine.request import SamplingParams
 
 TEXT = (

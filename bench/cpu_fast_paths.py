@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_decode import decode_rate  # noqa: E402
 from machine import cpu_info  # noqa: E402
 
-import tokenflowd.engine.packed as packed  # noqa: E402
+import tokenflowd.engine.model.packed as packed  # noqa: E402
 from tokenflowd.config import EngineConfig  # noqa: E402
-from tokenflowd.engine.engine import Engine  # noqa: E402
-from tokenflowd.engine.loader import load_model_source  # noqa: E402
+from tokenflowd.engine.offline import Engine  # noqa: E402
+from tokenflowd.engine.model.loader import load_model_source  # noqa: E402
 
 NEW = 48
 CASES = {"paged": [(1, 128), (16, 128), (32, 128), (16, 512)], "packed": [(1, 128), (16, 128), (32, 128)]}

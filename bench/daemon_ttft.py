@@ -44,7 +44,7 @@ def daemon_ttfts(d: Daemon, runs: int, offset: int) -> list[float]:
 
 def inprocess_ttfts(dtype: str, runs: int, offset: int) -> list[float]:
     from tokenflowd.config import EngineConfig
-    from tokenflowd.engine.engine import Engine
+    from tokenflowd.engine.offline import Engine
     from tokenflowd.engine.request import SamplingParams
 
     engine = Engine(EngineConfig.resolve(dtype=dtype, kv_cache_memory="256MiB"))

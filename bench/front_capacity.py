@@ -8,7 +8,7 @@ front's rate-aware SSE coalescing on or off.
 The model is replaced by bench/null_engine.py (same zmq/msgspec protocol as the real engine
 process, no model): every request gets one token per 1/rate s from its arrival at the engine, up to
 max_tokens, and the engine logs the time it sent each token. The front is built by
-tokenflowd.serve.run_server itself, with a Supervisor whose engine_command starts the null engine.
+tokenflowd.daemon.serve.run_server itself, with a Supervisor whose engine_command starts the null engine.
 
 Three processes per N, on a 2-core machine pinned as: the front alone on one CPU; the load client
 and the null engine share the other (--no-pin leaves placement to the kernel).
@@ -124,9 +124,9 @@ def front_main(a: argparse.Namespace) -> int:
 
     from tokenflowd import protocol as p
     from tokenflowd.config import EngineConfig, ServerConfig
-    from tokenflowd.fronts import run_fronts
-    from tokenflowd.serve import run_server
-    from tokenflowd.supervisor import Supervisor
+    from tokenflowd.daemon.fronts import run_fronts
+    from tokenflowd.daemon.serve import run_server
+    from tokenflowd.daemon.supervisor import Supervisor
 
     class NullSupervisor(Supervisor):
         def engine_command(self, spec: p.EngineSpec) -> list[str]:

@@ -1,9 +1,9 @@
-"""A model-free engine process: the protocol of tokenflowd/engine/process.py, tokens at a fixed rate.
+"""A model-free engine process: the protocol of tokenflowd/engine/process/loop.py, tokens at a fixed rate.
 
     python bench/null_engine.py '<EngineSpec as JSON>'     (what bench/front_capacity.py's supervisor runs)
 
 For benchmarks of the HTTP front only. It is an EngineEndpoint like the real engine process (the
-same sockets, structs and message handling, tokenflowd/engine/endpoint.py): Ready first; then one StepOutputs per loop iteration that has
+same sockets, structs and message handling, tokenflowd/engine/process/endpoint.py): Ready first; then one StepOutputs per loop iteration that has
 anything to report, carrying one Delta per request that got a token and the EngineStats; an idle
 StepOutputs every heartbeat interval; AddRequest / AbortRequests / SetReadingRate / QueryRequests /
 Shutdown handled through the same endpoint. It imports no torch and loads no model.
@@ -23,7 +23,7 @@ Environment:
     NULL_ENGINE_CPUS      CPUs to run on, e.g. "1" (sched_setaffinity)
 
 The send time of a token is taken just before its StepOutputs is handed to zmq; for a token the
-endpoint's pacing holds (engine/pacing.py), when it would have been sent unheld: the hold is part
+endpoint's pacing holds (engine/process/pacing.py), when it would have been sent unheld: the hold is part
 of what the front adds to its latency.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ import time
 import msgspec
 
 from tokenflowd import protocol as p
-from tokenflowd.engine.endpoint import EngineEndpoint, die_with_parent
+from tokenflowd.engine.process.endpoint import EngineEndpoint, die_with_parent
 
 log = logging.getLogger("tokenflowd.null_engine")
 DEFAULT_TOKEN_ID = 260  # " the" (tokenflowd.text.source.load_tokenizer("smollm2-135m").encode(" the"))

@@ -23,7 +23,7 @@ import torch
 from policies_cpu import decode_rate, run, workload
 from tokenflowd.config import EngineConfig, PolicyConfig
 from tokenflowd.engine.core import EngineCore
-from tokenflowd.engine.loader import load_model_source
+from tokenflowd.engine.model.loader import load_model_source
 
 CONFIGS = {  # name -> (offload, load_evict_overlap)
     "a_recompute": ("none", True),

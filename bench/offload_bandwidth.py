@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tokenflowd.engine.loader_dummy import DUMMY_PRESETS
+from tokenflowd.engine.model.dummy import DUMMY_PRESETS
 from tokenflowd.kv.copier import LOAD, WRITE, CopyJob, make_copier
 
 

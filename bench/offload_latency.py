@@ -25,7 +25,7 @@ from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import Plan, SchedulerView, SchedulingPolicy
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
-from tokenflowd.engine.loader import load_model_source
+from tokenflowd.engine.model.loader import load_model_source
 from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch
 

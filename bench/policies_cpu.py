@@ -23,7 +23,7 @@ import torch
 from tokenflowd.buffer.qos import Timeline, summarize
 from tokenflowd.config import EngineConfig, PolicyConfig
 from tokenflowd.engine.core import EngineCore
-from tokenflowd.engine.loader import load_model_source
+from tokenflowd.engine.model.loader import load_model_source
 from tokenflowd.engine.request import Request, SamplingParams
 
 TEXT = ("Streaming chat sends each token as soon as it exists, but people read at their own pace; "

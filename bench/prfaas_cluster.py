@@ -9,7 +9,7 @@ embedded model (fp32) in its own namespace, the conductor in another:
   pd      a local prefill node and a decode node: the cluster without PrfaaS
   prfaas  the same, and a remote prefill node (`remote = true`) whose outgoing link `tc tbf` limits
           to RATE: the conductor sends it the prompts whose uncached part is longer than t, and
-          solves t from what crosses the link (federation/offload.py)
+          solves t from what crosses the link (federation/conductor/remote_prefill.py)
   naive   the same three nodes, the third a plain prefill node behind the same limited link: the
           conductor places every prompt on either prefill node by their queues, blind to the link
 

@@ -85,7 +85,7 @@ _EMBEDDED: dict[str, object] = {}
 def embedded_model(dtype: str):
     """The embedded model's LoadedModel in `dtype`, loaded once per test session. Engines copy its
     weight dict and share the tensors."""
-    from tokenflowd.engine.loader import load_model_source
+    from tokenflowd.engine.model.loader import load_model_source
 
     if dtype not in _EMBEDDED:
         _EMBEDDED[dtype] = load_model_source("smollm2-135m", getattr(torch, dtype), "cpu")

@@ -15,8 +15,8 @@ import uvloop
 
 from tokenflowd import protocol as p
 from tokenflowd.cli import build_parser, serve_configs
-from tokenflowd.serve import run
-from tokenflowd.supervisor import Supervisor
+from tokenflowd.daemon.serve import run
+from tokenflowd.daemon.supervisor import Supervisor
 
 NULL_ENGINE = Path(__file__).resolve().parent.parent / "bench" / "null_engine.py"
 

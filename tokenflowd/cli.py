@@ -7,12 +7,12 @@ import sys
 import time
 
 from tokenflowd.engine.request import InvalidRequestError, SamplingParams
-from tokenflowd.flags import engine_args, engine_config
+from tokenflowd.config.flags import engine_args, engine_config
 from tokenflowd.text.source import ModelLoadError
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from tokenflowd.engine.engine import Engine
+    from tokenflowd.engine.offline import Engine
 
     params = SamplingParams(
         max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
@@ -78,7 +78,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if missing:
         print(f"tokenflowd: {missing}", file=sys.stderr)
         return 2
-    from tokenflowd.serve import serve
+    from tokenflowd.daemon.serve import serve
 
     logging.getLogger().setLevel(server.log_level.upper())  # the flag's, else the environment's or file's
     return serve(server, engine, reload=lambda: serve_configs(a))
@@ -99,7 +99,7 @@ def federation_missing(role: str) -> str | None:
 def cmd_conductor(a: argparse.Namespace) -> int:
     import dataclasses
 
-    from tokenflowd.federation.conductor import ConductorConfig, run
+    from tokenflowd.federation.conductor.app import ConductorConfig, run
 
     try:
         config = ConductorConfig.load(a.config)
@@ -114,7 +114,7 @@ def cmd_federation_plan(a: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from tokenflowd.federation.conductor import ConductorConfig
+    from tokenflowd.federation.conductor.app import ConductorConfig
     from tokenflowd.federation.plan import fetch_states, plan_cluster, trace_lengths
 
     try:

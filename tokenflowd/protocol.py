@@ -25,7 +25,7 @@ class Sampling(msgspec.Struct, frozen=True):
 
 # -- supervisor → engine ---------------------------------------------------------------------
 class Coalesce(msgspec.Struct, frozen=True):
-    """Rate-aware coalescing of a streamed request's deltas (engine/pacing.py): while the client's
+    """Rate-aware coalescing of a streamed request's deltas (engine/process/pacing.py): while the client's
     modelled buffer holds at least `buffer` s of reading, its tokens are held and go out together
     `interval` s after the first of them."""
 

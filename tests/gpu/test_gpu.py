@@ -149,8 +149,8 @@ def test_unseeded_rows_draw_on_the_device():
 
 
 def test_dummy_llama3_8b_on_gpu() -> None:
-    from tokenflowd.engine.loader import load_model_source
-    from tokenflowd.engine.weights import expected_weight_shapes
+    from tokenflowd.engine.model.loader import load_model_source
+    from tokenflowd.engine.model.weights import expected_weight_shapes
 
     free_before = torch.cuda.mem_get_info()[0]
     loaded = load_model_source("dummy:llama3-8b", dtype=torch.bfloat16, device="cuda")

@@ -17,7 +17,7 @@ MODEL = "smollm2-135m"
 
 def fronts(d: Daemon) -> list[psutil.Process]:
     return [c for c in psutil.Process(d.proc.pid).children()
-            if "tokenflowd.front_process" in " ".join(c.cmdline())]
+            if "tokenflowd.daemon.front_process" in " ".join(c.cmdline())]
 
 
 def idle_pages(d: Daemon, timeout: float = 60) -> float:
@@ -84,7 +84,7 @@ def test_fifty_streams_through_two_fronts_finish_once_and_in_order():
 
 
 def test_a_keys_bound_and_max_streams_hold_across_the_fronts(tmp_path):
-    """Counted by both fronts together (api/open_counts.py): the kernel spreads a key's connections over
+    """Counted by both fronts together (daemon/api/open_counts.py): the kernel spreads a key's connections over
     the fronts, and a bound split or repeated per front would let it open more, or refuse it too soon."""
     config = tmp_path / "tokenflowd.toml"
     config.write_text('[auth]\n[auth.keys."k-three"]\nmax_concurrent = 3\n[auth.keys."k-free"]\n')

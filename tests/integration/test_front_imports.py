@@ -7,11 +7,11 @@ import sys
 
 FRONT = """
 import sys
-from tokenflowd.api.app import Front, build_app
+from tokenflowd.daemon.api.app import Front, build_app
 from tokenflowd.cli import build_parser
-from tokenflowd.flags import engine_config
+from tokenflowd.config.flags import engine_config
 from tokenflowd.config import ServerConfig
-from tokenflowd.supervisor import Supervisor
+from tokenflowd.daemon.supervisor import Supervisor
 from tokenflowd.text.source import load_tokenizer
 
 args = build_parser().parse_args(["serve", "--model", {model!r}])

@@ -14,7 +14,7 @@ import pytest
 
 from daemon import Daemon
 
-from tokenflowd.procstats import process_figures
+from tokenflowd.daemon.procstats import process_figures
 
 MODEL = "smollm2-135m"
 

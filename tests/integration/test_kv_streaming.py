@@ -27,7 +27,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def tiny(hf_dirs):
-    from tokenflowd.engine.loader import load_model_source
+    from tokenflowd.engine.model.loader import load_model_source
 
     return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
 

@@ -103,7 +103,7 @@ def test_max_queue_delay_from_flag_file_and_environment(tmp_path):
 def tiny(hf_dirs):
     import torch
 
-    from tokenflowd.engine.loader import load_model_source
+    from tokenflowd.engine.model.loader import load_model_source
 
     return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
 

@@ -16,10 +16,10 @@ import pytest
 from daemon import Daemon
 
 from tokenflowd.config import EngineConfig
-from tokenflowd.engine.engine import Engine
+from tokenflowd.engine.offline import Engine
 from tokenflowd.engine.request import SamplingParams
 from tokenflowd.kv.pages import chain_page_keys
-from tokenflowd.pool.placement import rendezvous_home
+from tokenflowd.pool.homes import rendezvous_home
 
 MODEL = "smollm2-135m"
 SEGMENT_PAGES = 16

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from daemon import Daemon
 
-from tokenflowd.api.auth import key_matches, load_api_keys
-from tokenflowd.notify import Notifier
+from tokenflowd.daemon.api.auth import key_matches, load_api_keys
+from tokenflowd.daemon.notify import Notifier
 
 MODEL = "smollm2-135m"
 KEYS = {"env": "k-env-1", "file": "k-file"}

@@ -9,7 +9,7 @@ from daemon import exited
 
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, ServerConfig
-from tokenflowd.supervisor import Supervisor
+from tokenflowd.daemon.supervisor import Supervisor
 
 
 class Hanging(Supervisor):

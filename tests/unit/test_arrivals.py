@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from tokenflowd.api.arrivals import Arrivals
+from tokenflowd.daemon.api.arrivals import Arrivals
 
 
 def test_arrivals_of_one_turn_are_placed_together_and_a_later_one_alone():

@@ -1,10 +1,10 @@
-"""Who may set a priority: the [auth] table, the keys it names and the decision (api/auth.py)."""
+"""Who may set a priority: the [auth] table, the keys it names and the decision (daemon/api/auth.py)."""
 import os
 import re
 
 import pytest
 
-from tokenflowd.api.auth import KeyTable, exposure_warning, priority_refusal
+from tokenflowd.daemon.api.auth import KeyTable, exposure_warning, priority_refusal
 from tokenflowd.config import AuthConfig, EngineConfig, KeyGrant, ServerConfig, config_toml, load_config_file
 
 AUTH = """
@@ -93,7 +93,7 @@ def test_an_open_daemon_beyond_loopback_is_warned_of():
 
 
 def test_the_api_key_stays_in_the_front(monkeypatch):
-    from tokenflowd.launcher import engine_environment
+    from tokenflowd.daemon.launcher import engine_environment
 
     monkeypatch.setenv("TOKENFLOWD_API_KEY", "sk-secret")
     monkeypatch.setenv("TOKENFLOWD_NODE_KEY", "sk-node-secret")  # the cluster's own key, too
@@ -111,7 +111,7 @@ def test_federation_routes_take_only_node_keys_and_v1_takes_every_key():
     import aiohttp
     from aiohttp import web
 
-    from tokenflowd.api.auth import auth_middleware, node_key
+    from tokenflowd.daemon.api.auth import auth_middleware, node_key
 
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})

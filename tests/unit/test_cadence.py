@@ -1,7 +1,7 @@
-"""Reading rates learned from a conversation's cadence (api/cadence.py), on synthetic timelines."""
+"""Reading rates learned from a conversation's cadence (daemon/api/cadence.py), on synthetic timelines."""
 import pytest
 
-from tokenflowd.api.cadence import CadenceEstimator, ConversationKeys, ExpiringLRU
+from tokenflowd.daemon.api.cadence import CadenceEstimator, ConversationKeys, ExpiringLRU
 
 
 def converse(est: CadenceEstimator, user: str | None, turns: list[tuple[float, float, float, int]],

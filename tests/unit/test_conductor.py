@@ -1,16 +1,16 @@
-"""The conductor's view of its nodes and its choices (federation/conductor.py), and the node's key log
-it follows (api/federation.py), without processes: what a node's /federation/state says, which
+"""The conductor's view of its nodes and its choices (federation/conductor/app.py), and the node's key log
+it follows (daemon/api/federation.py), without processes: what a node's /federation/state says, which
 (prefill, decode) pair a request gets, and how nodes that are gone leave placement."""
 from __future__ import annotations
 
 import pytest
 
-from tokenflowd.api.federation import KeyLog
+from tokenflowd.daemon.api.federation import KeyLog
 from tokenflowd.cli import federation_missing
-from tokenflowd.federation.conductor import Conductor, ConductorConfig, NodeView
-from tokenflowd.federation.placement import Placement, Rejection
+from tokenflowd.federation.conductor.app import Conductor, ConductorConfig, NodeView
+from tokenflowd.federation.conductor.placement import Placement, Rejection
 from tokenflowd.kv.pages import chain_page_keys
-from tokenflowd.prefix_index import PrefixIndex
+from tokenflowd.daemon.prefix_index import PrefixIndex
 
 PAGE = 16
 
@@ -211,7 +211,7 @@ def test_a_prefill_or_decode_role_without_the_federation_extra_says_how_to_insta
 def test_a_prefill_or_decode_node_runs_one_front_process(capsys):
     from tokenflowd.cli import main
     from tokenflowd.config import EngineConfig, ServerConfig
-    from tokenflowd.serve import api_servers
+    from tokenflowd.daemon.serve import api_servers
 
     assert api_servers(ServerConfig(), EngineConfig(role="prefill", device="cuda")) == 1
     code = main(["serve", "--role", "prefill", "--api-servers", "2", "--port", "8123"])

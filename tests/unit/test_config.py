@@ -77,7 +77,7 @@ def test_print_config_round_trips_through_config_check(tmp_path, capsys, monkeyp
 
 
 def test_engines_beyond_the_gpus_share_them_round_robin_with_a_share_of_the_memory(monkeypatch):
-    from tokenflowd import launcher
+    from tokenflowd.daemon import launcher
     from tokenflowd.config import EngineConfig
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")

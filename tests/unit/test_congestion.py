@@ -1,6 +1,6 @@
 """TCP's congestion signal on a node's egress (federation/congestion.py): the share of segments
 resent over a window, read from /proc/net/snmp, published in /federation/state, and PrfaaS's t
-raised while a remote node's share is high (federation/offload.py)."""
+raised while a remote node's share is high (federation/conductor/remote_prefill.py)."""
 from __future__ import annotations
 
 import pytest

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tokenflowd.config import EngineConfig
-from tokenflowd.engine.engine import Engine
+from tokenflowd.engine.offline import Engine
 from tokenflowd.engine.request import FinishReason, InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -48,7 +48,7 @@ def answers_to_asked(embedded_fp32, quantization: str) -> list[str]:
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_quantized_weights_answer_as_the_dense_ones(embedded_fp32, quantization):
-    """int4: the Q4_1 file's own numbers (engine/quant.py); int8: the projections requantized per row.
+    """int4: the Q4_1 file's own numbers (engine/model/quant.py); int8: the projections requantized per row.
     Both take bf16 activations, the only other difference from the dense fp32 path. Measured over these
     10 answers of 24 tokens: int4 repeats 100 % of the dense answers' characters (8 of 10 whole answers
     with the gathering attention path, 10 of 10 with the paged kernel), int8 75-78 % (5-6 whole); a

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tokenflowd import protocol as p
-from tokenflowd.engine.endpoint import EngineEndpoint, SupervisorUnreachable
+from tokenflowd.engine.process.endpoint import EngineEndpoint, SupervisorUnreachable
 
 
 class Idle(EngineEndpoint):

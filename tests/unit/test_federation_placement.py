@@ -1,11 +1,11 @@
-"""The conductor's placement (federation/placement.py): Mooncake's Algorithm 1 on hand-computed cases."""
+"""The conductor's placement (federation/conductor/placement.py): Mooncake's Algorithm 1 on hand-computed cases."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from tokenflowd.federation.placement import DecodeNode, Placement, PrefillNode, Rejection, place
+from tokenflowd.federation.conductor.placement import DecodeNode, Placement, PrefillNode, Rejection, place
 
 KV = 1000  # bytes per token
 

@@ -1,11 +1,11 @@
-"""Early rejection (federation/rejection.py) on hand-computed decode pools: the load predicted for
+"""Early rejection (federation/conductor/rejection.py) on hand-computed decode pools: the load predicted for
 when a request would reach decode (Mooncake §7.4), against the current one (§7.2). The comparison
 in a cluster is tests/unit/test_cluster_sim.py's."""
 from __future__ import annotations
 
 import pytest
 
-from tokenflowd.federation.rejection import DecodeLoad, EarlyRejection
+from tokenflowd.federation.conductor.rejection import DecodeLoad, EarlyRejection
 
 
 def pool(capacity: int = 2) -> DecodeLoad:

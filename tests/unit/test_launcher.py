@@ -7,8 +7,8 @@ import sys
 import zmq
 
 from tokenflowd.config import EngineConfig, ServerConfig
-from tokenflowd.engine_handle import EngineHandle
-from tokenflowd.launcher import LocalLauncher
+from tokenflowd.daemon.engine_handle import EngineHandle
+from tokenflowd.daemon.launcher import LocalLauncher
 
 
 def test_watching_an_engine_keeps_no_task_per_check(tmp_path):

@@ -12,11 +12,11 @@ import pytest
 import torch
 from tokenizers import pre_tokenizers
 
-from tokenflowd.engine.loader import ModelLoadError, embedded_gguf_path, load_model_source
-from tokenflowd.engine.weights import LoadedModel, expected_weight_shapes
-from tokenflowd.engine.loader_dummy import DUMMY_PRESETS, random_weights
-from tokenflowd.engine.loader_gguf import llama3_rope_factors, rope_scaling_from_factors, unpermute_qk
-from tokenflowd.engine.model_config import ModelConfig, RopeScaling
+from tokenflowd.engine.model.loader import ModelLoadError, embedded_gguf_path, load_model_source
+from tokenflowd.engine.model.weights import LoadedModel, expected_weight_shapes
+from tokenflowd.engine.model.dummy import DUMMY_PRESETS, random_weights
+from tokenflowd.engine.model.gguf import llama3_rope_factors, rope_scaling_from_factors, unpermute_qk
+from tokenflowd.engine.model.config import ModelConfig, RopeScaling
 
 transformers = pytest.importorskip("transformers")
 
@@ -196,7 +196,7 @@ def test_tiny_gguf_round_trip(tmp_path: Path, arch: str) -> None:
 
 def test_a_q4_1_gguf_loads_as_its_own_int4_numbers_q8_0_is_int8_and_q5_0_falls_back(tmp_path: Path, caplog) -> None:
     from tokenflowd.config import resolve_quantization
-    from tokenflowd.engine.quant import Int4Codes
+    from tokenflowd.engine.model.quant import Int4Codes
 
     cfg = dataclasses.replace(TINY, intermediate_size=64)  # every matrix row a whole number of 32-blocks
     weights = random_weights(cfg, torch.float32, torch.device("cpu"), seed=2)
@@ -318,7 +318,7 @@ def test_directory_without_config(tmp_path: Path) -> None:
 
 
 def test_the_tokenizer_of_an_unknown_model_is_refused_without_loading_weights(tmp_path: Path, monkeypatch) -> None:
-    import tokenflowd.engine.loader as loader
+    import tokenflowd.engine.model.loader as loader
     from tokenflowd.text import source
 
     def no_load(*a, **kw):

@@ -1,9 +1,9 @@
-"""The lm_head through int8 candidates rescored exactly (engine/logits.py)."""
+"""The lm_head through int8 candidates rescored exactly (engine/model/logits.py)."""
 from __future__ import annotations
 
 import torch
 
-from tokenflowd.engine.logits import RESCORED, FastLogits
+from tokenflowd.engine.model.logits import RESCORED, FastLogits
 
 
 def test_rescored_logits_are_the_dense_ones_at_the_top_and_close_elsewhere(embedded_fp32):
@@ -58,7 +58,7 @@ class _Paced(FastLogits):
 
 
 def test_calibration_stops_at_the_first_row_count_where_int8_loses(monkeypatch):
-    import tokenflowd.engine.logits as logits
+    import tokenflowd.engine.model.logits as logits
 
     clock = _Clock()
     monkeypatch.setattr(logits, "time", clock)

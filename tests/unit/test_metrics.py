@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from tokenflowd.api.metrics import BatchHistogram
+from tokenflowd.daemon.api.metrics import BatchHistogram
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
 

@@ -16,7 +16,7 @@ from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import Plan, SchedulerView, SchedulingPolicy
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
-from tokenflowd.engine.loader import load_model_source
+from tokenflowd.engine.model.loader import load_model_source
 from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch
 from tokenflowd.kv.copier import LOAD, WRITE, CopyJob, ThreadCopier
@@ -485,7 +485,7 @@ def test_random_preemption_keeps_every_clients_text_stream(tiny):
     equals a run without preemption."""
     import random
 
-    from tokenflowd.engine.engine import Engine
+    from tokenflowd.engine.offline import Engine
 
     def texts(engine: Engine) -> dict[str, str]:
         prompts = {f"c{i}": FAMILIES[i % 2][: 20 + i] if i < 4 else FAMILIES[2][i:] for i in range(8)}

@@ -1,9 +1,9 @@
-"""Open requests counted across front processes (api/open_counts.py)."""
+"""Open requests counted across front processes (daemon/api/open_counts.py)."""
 from __future__ import annotations
 
 import multiprocessing
 
-from tokenflowd.api.open_counts import OpenCounts, SharedOpenCounts
+from tokenflowd.daemon.api.open_counts import OpenCounts, SharedOpenCounts
 
 KEY_A, KEY_B = "00000000000000a1", "00000000000000b2"
 

@@ -1,8 +1,8 @@
-"""Rate-aware coalescing at the engine's output (engine/pacing.py), on a simulated clock."""
+"""Rate-aware coalescing at the engine's output (engine/process/pacing.py), on a simulated clock."""
 from __future__ import annotations
 
 from tokenflowd.buffer.tracker import TokenBuffer
-from tokenflowd.engine.pacing import DeltaPacer
+from tokenflowd.engine.process.pacing import DeltaPacer
 from tokenflowd.protocol import Coalesce, Delta
 
 C = Coalesce(buffer=2.0, interval=0.25)

@@ -89,7 +89,7 @@ def test_key_events_report_publication_and_eviction_once_drained():
 
 
 def test_a_key_published_and_removed_between_drains_reads_as_removed():
-    from tokenflowd.prefix_index import PrefixIndex
+    from tokenflowd.daemon.prefix_index import PrefixIndex
 
     pool, index = PagePool(3), PrefixIndex()
     pool.drain_key_events()

@@ -12,7 +12,7 @@ import pytest
 from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.pool.dispatch import BatchTraffic, dispatch
 from tokenflowd.pool.index import Hardware, PoolIndex, PoolRequest
-from tokenflowd.pool.placement import Placement, rendezvous_home
+from tokenflowd.pool.homes import Placement, rendezvous_home
 from tokenflowd.pool.segments import SegmentCosts, pages_per_segment, query_payload, segment_keys
 from tokenflowd.sim.pool import PoolSimConfig, coefficient_of_variation, replay
 from tokenflowd.sim.workload import DEFAULT_TRACE, WorkloadSpec, build_workload

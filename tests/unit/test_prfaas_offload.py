@@ -1,12 +1,12 @@
-"""PrfaaS's selective offload in the conductor (federation/offload.py): only prompts whose uncached
+"""PrfaaS's selective offload in the conductor (federation/conductor/remote_prefill.py): only prompts whose uncached
 part is longer than t go to the remote prefill nodes, and t is solved again from measured egress
 and queues, without processes."""
 from __future__ import annotations
 
 import math
 
-from tokenflowd.federation.conductor import Conductor, ConductorConfig
-from tokenflowd.federation.placement import Placement
+from tokenflowd.federation.conductor.app import Conductor, ConductorConfig
+from tokenflowd.federation.conductor.placement import Placement
 from tokenflowd.kv.pages import chain_page_keys
 
 PAGE = 16

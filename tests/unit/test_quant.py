@@ -1,4 +1,4 @@
-"""int4 weights at run time (engine/quant.py): the same products as the dequantized fp32 weights."""
+"""int4 weights at run time (engine/model/quant.py): the same products as the dequantized fp32 weights."""
 from __future__ import annotations
 
 import gguf
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenflowd.config import EngineConfig, resolve_quantization
-from tokenflowd.engine.quant import Int4Codes, Int8Rows, from_q4_0, from_q4_1, quantize
+from tokenflowd.engine.model.quant import Int4Codes, Int8Rows, from_q4_0, from_q4_1, quantize
 from tokenflowd.text.source import embedded_gguf_path, open_gguf
 
 

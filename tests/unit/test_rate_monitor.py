@@ -1,9 +1,9 @@
 """The client's real reading rate: send-side backpressure and the read cursor, in both directions
-(api/rates.py), and the rate a request starts with."""
+(daemon/api/rates.py), and the rate a request starts with."""
 import pytest
 
-from tokenflowd.api.generation import RateMonitor
-from tokenflowd.api.rates import choose_rate
+from tokenflowd.daemon.api.generation import RateMonitor
+from tokenflowd.daemon.api.rates import choose_rate
 
 
 def test_a_blocked_slow_reader_gets_its_measured_rate():

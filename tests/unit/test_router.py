@@ -2,8 +2,8 @@
 from dataclasses import dataclass
 
 from tokenflowd.kv.pages import chain_page_keys
-from tokenflowd.prefix_index import PrefixIndex
-from tokenflowd.router import Router
+from tokenflowd.daemon.prefix_index import PrefixIndex
+from tokenflowd.daemon.router import Router
 
 PS = 4
 
@@ -136,7 +136,7 @@ def test_a_hot_segment_on_busy_holders_only_is_computed_by_the_chosen_engine_a_c
 
 
 def test_pooled_pick_places_each_new_segment_at_its_home_by_hash():
-    from tokenflowd.pool.placement import rendezvous_home
+    from tokenflowd.pool.homes import rendezvous_home
 
     tokens = list(range(33))  # 8 full pages before the last token: 4 segments of 2
     k = keys_of(tokens)
@@ -171,7 +171,7 @@ def test_pooled_pick_places_nothing_held_anywhere_and_nothing_of_a_hot_replica()
     assert (c.engine_id, c.runs, c.places) == (1, [], []), "a replica stays where it is computed"
     assert r.pick_pooled([FakeEngine(0)], tokens, segment_pages=4).places == []
     # a trailing part of a segment (pages 4-6 of a 4-page segment) is no segment: kept where computed
-    from tokenflowd.pool.placement import rendezvous_home
+    from tokenflowd.pool.homes import rendezvous_home
 
     home = rendezvous_home(k[3], [0, 1])
     c = router_with({}).pick_pooled([FakeEngine(0), FakeEngine(1)], tokens[:28], segment_pages=4)
@@ -183,7 +183,7 @@ def test_dispatch_of_arrivals_balances_load_then_moves_the_fewest_bytes():
     import random
 
     from tokenflowd.pool.dispatch import balanced_slots
-    from tokenflowd.router import Arrival, TrafficCost
+    from tokenflowd.daemon.router import Arrival, TrafficCost
 
     cost = TrafficCost(query_row_bytes=100, kv_token_bytes=30)
     rng = random.Random(3)
@@ -218,7 +218,7 @@ def test_dispatch_of_arrivals_balances_load_then_moves_the_fewest_bytes():
 
 
 def test_dispatch_runs_each_arrival_beside_the_segments_it_reads():
-    from tokenflowd.router import Arrival, TrafficCost
+    from tokenflowd.daemon.router import Arrival, TrafficCost
 
     a, b = list(range(100, 117)), list(range(200, 217))  # 4 full pages each before the last token
     r = router_with({0: keys_of(a[:-1]), 1: keys_of(b[:-1])})
@@ -262,8 +262,8 @@ def test_the_node_wide_index_agrees_with_per_engine_key_sets_under_random_events
 
 
 def test_the_traffic_dispatch_weighs_is_query_rows_to_other_holders_and_new_segments_to_other_homes():
-    from tokenflowd.pool.placement import rendezvous_home
-    from tokenflowd.router import Arrival, TrafficCost
+    from tokenflowd.pool.homes import rendezvous_home
+    from tokenflowd.daemon.router import Arrival, TrafficCost
 
     cost = TrafficCost(query_row_bytes=100, kv_token_bytes=30)
     a = list(range(100, 117))  # 4 full pages before the last token: 2 segments of 2 pages

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
-from tokenflowd.engine.loader import load_model_source
-from tokenflowd.engine.model import LlamaModel
+from tokenflowd.engine.model.loader import load_model_source
+from tokenflowd.engine.model.llama import LlamaModel
 from tokenflowd.engine.self_check import check_attention, logits_differ, self_check
 
 

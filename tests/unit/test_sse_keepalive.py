@@ -7,7 +7,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from tokenflowd.api.app import _KEEP_ALIVE, Front, _SSEConnection
+from tokenflowd.daemon.api.app import _KEEP_ALIVE, Front, _SSEConnection
 from tokenflowd.config import ServerConfig
 
 

@@ -22,7 +22,7 @@ from tokenflowd.buffer import make_policy
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.admission import AdmissionControl
 from tokenflowd.engine.executor import Executor
-from tokenflowd.engine.loader import LoadedModel, load_model_source
+from tokenflowd.engine.model.loader import LoadedModel, load_model_source
 from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from tokenflowd.engine.runner import ModelRunner
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler

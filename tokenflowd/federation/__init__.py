@@ -9,4 +9,4 @@
     rejection.py   early rejection on the current or the predicted decode load (Mooncake §7)
     conductor.py   `tokenflowd conductor`: follows the nodes, places, rejects, proxies the stream
 
-A node's side of the HTTP exchanges is in api/federation.py."""
+A node's side of the HTTP exchanges is in daemon/api/federation.py."""

@@ -3,7 +3,7 @@ send again (RetransSegs over OutSegs in /proc/net/snmp, for the node's network n
 last WINDOW s. A link that drops or overflows its queue (a policer, a full switch port) shows here
 while transfers still run, before their achieved bandwidth has fallen far: the conductor raises
 PrfaaS's t while a remote prefill node's share is above `prfaas_retransmit_share`
-(federation/offload.py).
+(federation/conductor/remote_prefill.py).
 
 The counters are the namespace's, every TCP connection included; on a prefill node nearly all the
 bytes it sends are KV. Where there is no /proc/net/snmp (not Linux) the share is None: not

@@ -3,7 +3,7 @@ federation moves:
 
 - a decode node, when a request ends, gives the prefill node the pages of the reply, so the next
   turn of the conversation hits there (the prompt's pages it already holds): wired, through the
-  fronts (api/federation.py `give_back`, /federation/keep and /federation/kept);
+  fronts (daemon/api/federation.py `give_back`, /federation/keep and /federation/kept);
 - a prefill node pulls a longer prefix that another prefill node holds (Algorithm 1's transfer
   branch), and keeps it, so hot prefixes replicate by use: wired through the fronts too (the
   prefill node's own engine keeps, the other node's /federation/give gives).

@@ -12,7 +12,7 @@
                                                               flight: retried until a deadline), then
                                                               the request decodes with the token
 
-The fronts carry Reserved/Prefilled/RemoteArrived between the nodes (api/federation.py). A page is
+The fronts carry Reserved/Prefilled/RemoteArrived between the nodes (daemon/api/federation.py). A page is
 sent once, when it is full (the prompt's last page when the prompt ends), so no two writes of a
 transfer touch the same bytes. The sender holds a reference on the pages it sends until the
 transport has settled their writes: a page freed early could be handed to another request while
@@ -213,7 +213,7 @@ class _Incoming:
 
 class Receiver:
     """The decode node's half: reserve pages, then check what arrived before the request decodes.
-    The front answers for every reservation (RemoteArrived, api/federation.py): with the prefill
+    The front answers for every reservation (RemoteArrived, daemon/api/federation.py): with the prefill
     node's word, or a failure once that node has been silent for the transfer timeout, or has not
     answered in its own bounded wait. Pages given up on wait out the sender's horizon in the KV
     manager (federation/timing.py)."""

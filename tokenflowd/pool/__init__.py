@@ -13,7 +13,7 @@ In the daemon (`--pool-mode query|read`):
     dispatch.py    arrivals (or batches) to engines by minimum-cost bipartite matching (scipy)
     placement.py   homes by rendezvous hash (the front's router places new segments by it)
 
-The front's side is router.py (`pick_pooled`, `dispatch`) and api/arrivals.py. Beside them, the
+The front's side is router.py (`pick_pooled`, `dispatch`) and daemon/api/arrivals.py. Beside them, the
 segment-level model of the same policies drives the simulator (sim/pool.py):
 
     tree.py        the node-wide prefix tree of segments and where each has replicas

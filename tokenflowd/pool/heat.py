@@ -3,7 +3,7 @@
 The front counts each segment a request reads (its key: the chained key of its last page). Counts
 halve every `half_life` seconds, so a prefix that stops being used cools down. The heavy hitters
 are the ⌈N ln N⌉ + N hottest segments for N engines, the number the paper's balls-into-bins bound
-asks for (pool/placement.py uses the same), among those read at least twice per engine (with
+asks for (pool/homes.py uses the same), among those read at least twice per engine (with
 fewer segments than that, every segment would otherwise be a hitter from its first read).
 Torch-free: the front process runs it.
 """

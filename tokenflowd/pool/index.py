@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from tokenflowd.pool.dispatch import BatchTraffic, dispatch
-from tokenflowd.pool.placement import Placement
+from tokenflowd.pool.homes import Placement
 from tokenflowd.pool.segments import segment_keys
 from tokenflowd.pool.tree import PrefixTree
 

@@ -18,7 +18,7 @@ from tokenflowd.config import PolicyConfig, parse_size
 
 
 def add_commands(sub, common: argparse.ArgumentParser) -> None:
-    from tokenflowd.flags import engine_args, policy_args
+    from tokenflowd.config.flags import engine_args, policy_args
     from tokenflowd.sim import pool as pool_sim
     from tokenflowd.sim.cost import PRESETS
     from tokenflowd.sim.scenarios import SCENARIOS
@@ -338,7 +338,7 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    from tokenflowd.flags import engine_config
+    from tokenflowd.config.flags import engine_config
     from tokenflowd.sim.calibrate import CalibrationPlan, calibrate
     from tokenflowd.sim.cost import save_cost_model
 
@@ -353,7 +353,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def _policy_params(a: argparse.Namespace, base: PolicyConfig) -> PolicyConfig:
-    from tokenflowd.flags import POLICY_FLAGS
+    from tokenflowd.config.flags import POLICY_FLAGS
 
     given = {f: getattr(a, f) for f in POLICY_FLAGS if getattr(a, f, None) is not None}
     return dataclasses.replace(base, **given)

@@ -1,7 +1,7 @@
 """A disaggregated cluster on a virtual clock: N prefill nodes, M decode nodes and the conductor in
 front of them, the Mooncake trace replayed, to compare early-rejection gates (Mooncake §7, §8.2).
 
-    arrival ──► conductor: place() (federation/placement.py, Algorithm 1) picks the prefill node of
+    arrival ──► conductor: place() (federation/conductor/placement.py, Algorithm 1) picks the prefill node of
                 least predicted TTFT (its queue + the prefill of what its cache lacks, or a fetch of
                 a longer prefix from another prefill node first) and the decode node of least
                 predicted TBT, and rejects a TTFT over its SLO; then the gate (rejection.py's
@@ -54,8 +54,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from tokenflowd.federation.placement import DecodeNode, PrefillNode, Rejection, place
-from tokenflowd.federation.rejection import GATES, DecodeLoad, EarlyRejection
+from tokenflowd.federation.conductor.placement import DecodeNode, PrefillNode, Rejection, place
+from tokenflowd.federation.conductor.rejection import GATES, DecodeLoad, EarlyRejection
 from tokenflowd.sim.cost import CostModel, StepWork
 from tokenflowd.sim.workload import BLOCK_TOKENS, WorkloadRequest
 

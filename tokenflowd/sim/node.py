@@ -36,8 +36,8 @@ from tokenflowd.engine.request import Request, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool
-from tokenflowd.prefix_index import PrefixIndex
-from tokenflowd.router import Router
+from tokenflowd.daemon.prefix_index import PrefixIndex
+from tokenflowd.daemon.router import Router
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.cost import CostModel
 from tokenflowd.sim.executor import CostModelExecutor

