@@ -16,17 +16,14 @@ Flags shared with `vllm bench serve` have its names: --base-url, --model, --num-
 from __future__ import annotations
 
 import argparse
-import asyncio
-import math
 import sys
-from collections import Counter
 from pathlib import Path
 
-from tokenflowd.sim.workload import parse_lengths, parse_reading_rates
-
-from loadgen.client import ClientConfig, RequestRecord, RunResult, run_blocking, served_model
+from loadgen.compare import cmd_compare
+from loadgen.measure import client_config, measure, report_failures, requests_for, resolve_model, run_config, \
+    workload_from_args
 from loadgen.report import SLO, document, dumps, format_table
-from loadgen.workload import DATASETS, ENDPOINTS, BodyFormat, LoadRequest, LoadWorkload, describe, load_requests
+from loadgen.workload import DATASETS, ENDPOINTS
 
 COMMANDS = ("run", "compare")
 
@@ -112,61 +109,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def workload_from_args(a: argparse.Namespace) -> LoadWorkload:
-    num = a.num_prompts if a.num_prompts is not None else (a.burst_size or 100)
-    return LoadWorkload(dataset=a.dataset_name, num_prompts=num, request_rate=a.request_rate,
-                        burstiness=a.burstiness, burst_size=a.burst_size, burst_period=a.burst_period,
-                        lengths=parse_lengths(a.lengths), reading_rates=parse_reading_rates(a.reading_rate),
-                        seed=a.seed, dataset_path=a.dataset_path, time_scale=a.time_scale,
-                        max_prompt_len=a.max_prompt_len, output_scale=a.output_scale, block_tokens=a.block_tokens,
-                        abandon_fraction=a.abandon_fraction)
-
-
-def _headers(a: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    return (("Authorization", f"Bearer {a.api_key}"),) if a.api_key else ()
-
-
-def client_config(a: argparse.Namespace, base_url: str) -> ClientConfig:
-    timeout = None if math.isinf(a.timeout) else a.timeout
-    return ClientConfig(base_url.rstrip("/") + a.endpoint, timeout, a.max_concurrency, _headers(a))
-
-
-def resolve_model(a: argparse.Namespace, base_url: str, model: str | None) -> str:
-    return model or asyncio.run(served_model(base_url, dict(_headers(a))))
-
-
-def requests_for(a: argparse.Namespace, w: LoadWorkload, model: str) -> list[LoadRequest]:
-    fmt = BodyFormat(a.endpoint, model, a.vocab_size, not a.no_reading_rate_field)
-    return load_requests(w, fmt)
-
-
-def measure(loads: list[LoadRequest], cfg: ClientConfig, label: str, quiet: bool) -> RunResult:
-    """One run, with a progress bar on stderr (when it is a terminal and not --quiet)."""
-    from tqdm import tqdm
-
-    counts: Counter[str] = Counter()
-    with tqdm(total=len(loads), desc=label, unit="req", file=sys.stderr,
-              disable=quiet or not sys.stderr.isatty()) as bar:
-        def on_done(rec: RequestRecord) -> None:
-            counts[rec.outcome] += 1
-            bar.set_postfix(counts, refresh=False)
-            bar.update(1)
-
-        return run_blocking(loads, cfg, on_done)
-
-
-def run_config(a: argparse.Namespace, w: LoadWorkload, **extra) -> dict:
-    args = {k: v for k, v in vars(a).items() if k not in ("api_key",)}
-    return {"args": args, "workload": describe(w), **extra}
-
-
-def report_failures(result: RunResult) -> None:
-    bad = [r for r in result.records if r.outcome in ("error", "timeout")]
-    if bad:
-        print(f"[loadgen] {len(bad)} of {len(result.records)} requests failed; first: {bad[0].request_id}: "
-              f"{bad[0].error}", file=sys.stderr)
-
-
 def cmd_run(a: argparse.Namespace) -> int:
     w = workload_from_args(a)
     slo = SLO(a.slo_ttft, a.slo_rebuffer)
@@ -191,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
         if a.command == "compare":
-            from loadgen.compare import cmd_compare
-
             return cmd_compare(a)
         return cmd_run(a)
     except (ValueError, OSError) as e:

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from loadgen.cli import (client_config, measure, report_failures, requests_for, resolve_model, run_config,
+from loadgen.measure import (client_config, measure, report_failures, requests_for, resolve_model, run_config,
                          workload_from_args)
 from loadgen.report import SLO, document, dumps, format_table, ratios
 

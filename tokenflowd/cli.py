@@ -99,7 +99,8 @@ def federation_missing(role: str) -> str | None:
 def cmd_conductor(a: argparse.Namespace) -> int:
     import dataclasses
 
-    from tokenflowd.federation.conductor.app import ConductorConfig, run
+    from tokenflowd.federation.conductor.app import run
+    from tokenflowd.federation.conductor.config import ConductorConfig
 
     try:
         config = ConductorConfig.load(a.config)
@@ -114,7 +115,7 @@ def cmd_federation_plan(a: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from tokenflowd.federation.conductor.app import ConductorConfig
+    from tokenflowd.federation.conductor.config import ConductorConfig
     from tokenflowd.federation.plan import fetch_states, plan_cluster, trace_lengths
 
     try:

@@ -7,7 +7,9 @@ import pytest
 
 from tokenflowd.daemon.api.federation import KeyLog
 from tokenflowd.cli import federation_missing
-from tokenflowd.federation.conductor.app import Conductor, ConductorConfig, NodeView
+from tokenflowd.federation.conductor.config import ConductorConfig
+from tokenflowd.federation.conductor.core import Conductor
+from tokenflowd.federation.conductor.nodes import NodeView
 from tokenflowd.federation.conductor.placement import Placement, Rejection
 from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.daemon.prefix_index import PrefixIndex

@@ -11,7 +11,9 @@ import contextlib
 import aiohttp
 from aiohttp import web
 
-from tokenflowd.federation.conductor.app import Conductor, ConductorConfig, build_app
+from tokenflowd.federation.conductor.app import build_app
+from tokenflowd.federation.conductor.config import ConductorConfig
+from tokenflowd.federation.conductor.core import Conductor
 from tokenflowd.kv.pages import chain_page_keys
 
 SSE = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n', b"data: [DONE]\n\n"]

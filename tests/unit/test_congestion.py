@@ -49,12 +49,12 @@ def test_a_remote_node_resending_many_segments_raises_t_until_it_eases():
     c = cluster(prfaas_threshold=1000, prfaas_retransmit_share=0.02)
     remote, local = [c.nodes["r0"]], [c.nodes[n] for n in ("p0", "d0", "d1")]
     for n in [500] * 40 + [6000] * 40:
-        c.offload.route(n, n)
+        c.remote_prefill.route(n, n)
     calm_state = state("prefill", 1e-5, "r:0", links={"d:0": 1e9})
     c.nodes["r0"].apply({**calm_state, "tcp_retransmits": 0.001})
-    calm = c.offload.update(remote, local, 0.0)
-    assert not c.offload.congested
+    calm = c.remote_prefill.update(remote, local, 0.0)
+    assert not c.remote_prefill.congested
     c.nodes["r0"].apply({**calm_state, "tcp_retransmits": 0.05})
-    assert c.offload.update(remote, local, 5.0) == 1.25 * calm and c.offload.congested
+    assert c.remote_prefill.update(remote, local, 5.0) == 1.25 * calm and c.remote_prefill.congested
     c.nodes["r0"].apply({**calm_state, "tcp_retransmits": None})  # not measured: no signal
-    assert c.offload.update(remote, local, 10.0) == calm and not c.offload.congested
+    assert c.remote_prefill.update(remote, local, 10.0) == calm and not c.remote_prefill.congested

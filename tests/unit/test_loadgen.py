@@ -12,7 +12,8 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from loadgen.cli import main, parse_args, workload_from_args
+from loadgen.cli import main, parse_args
+from loadgen.measure import workload_from_args
 from loadgen.client import ClientConfig, RequestRecord, run_blocking
 from loadgen.report import SLO, record_dict, summary
 from loadgen.workload import (BodyFormat, LoadRequest, LoadWorkload, abandon_points, build_requests, load_requests,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from tokenflowd.federation.conductor.app import Conductor, ConductorConfig
+from tokenflowd.federation.conductor.config import ConductorConfig
+from tokenflowd.federation.conductor.core import Conductor
 from tokenflowd.federation.conductor.placement import Placement
 from tokenflowd.kv.pages import chain_page_keys
 
@@ -44,7 +45,7 @@ def test_only_prompts_whose_uncached_part_is_longer_than_t_go_to_the_remote_pref
     keys = chain_page_keys(long, PAGE, [])[:150]
     c.nodes["p0"].apply(state("prefill", 1e-4, "p:0", keys=keys))
     assert c.place(long, set()).prefill == "p0"
-    assert c.offload.offloaded == 1 and list(c.offload.lengths) == [800, 3000, 600]
+    assert c.remote_prefill.offloaded == 1 and list(c.remote_prefill.lengths) == [800, 3000, 600]
     # no remote node serving: everything local
     c.nodes["r0"].healthy = False
     assert c.place(list(range(1, 5001)), set()).prefill == "p0"
@@ -54,14 +55,14 @@ def test_t_is_solved_from_measured_egress_and_a_slower_link_raises_it():
     c = cluster(prfaas_threshold=1000)
     remote, local = [c.nodes["r0"]], [c.nodes[n] for n in ("p0", "d0", "d1")]
     for n in [500] * 40 + [6000] * 40:
-        c.offload.route(n, n)
-    assert c.offload.update(remote, local, 0.0) == 1000, "no transfer measured yet: the operator's t stands"
+        c.remote_prefill.route(n, n)
+    assert c.remote_prefill.update(remote, local, 0.0) == 1000, "no transfer measured yet: the operator's t stands"
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links={"d:0": 1e9, "d:1": 1e9}))
-    wide = c.offload.update(remote, local, 0.0)
-    assert 500 <= wide < 6000 and c.offload.egress == 1e9
+    wide = c.remote_prefill.update(remote, local, 0.0)
+    assert 500 <= wide < 6000 and c.remote_prefill.egress == 1e9
     # the link drops to 1 MB/s: 6000-token prompts' KV (6 MB each) can no longer cross it as fast
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links={"d:0": 1e6, "d:1": 1e6}))
-    narrow = c.offload.update(remote, local, 0.0)
+    narrow = c.remote_prefill.update(remote, local, 0.0)
     assert narrow > wide and math.isinf(narrow)
 
 
@@ -69,52 +70,52 @@ def test_a_link_that_no_longer_carries_anything_is_probed_and_its_recovery_lower
     c = cluster(prfaas_threshold=1000, prfaas_probe_period=60)
     remote, local = [c.nodes["r0"]], [c.nodes[n] for n in ("p0", "d0", "d1")]
     for n in [500] * 40 + [6000] * 40:
-        c.offload.route(n, n)
+        c.remote_prefill.route(n, n)
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links={"d:0": 1e6}))  # a slow link: nothing goes remote
-    assert math.isinf(c.offload.update(remote, local, 0.0))
-    assert math.isinf(c.offload.update(remote, local, 59.0)) and c.offload.probe_floor is None
-    c.offload.update(remote, local, 61.0)  # a minute with no new measurement: probe it
-    assert c.offload.probe_floor == 6000
+    assert math.isinf(c.remote_prefill.update(remote, local, 0.0))
+    assert math.isinf(c.remote_prefill.update(remote, local, 59.0)) and c.remote_prefill.probe_floor is None
+    c.remote_prefill.update(remote, local, 61.0)  # a minute with no new measurement: probe it
+    assert c.remote_prefill.probe_floor == 6000
     assert c.place(list(range(1, 3001)), set()).prefill == "p0", "shorter than the recent 90th percentile"
     assert c.place(list(range(1, 6001)), set()).prefill == "r0"  # the probe
-    assert c.place(list(range(1, 6002)), set()).prefill == "p0" and c.offload.probes == 1
+    assert c.place(list(range(1, 6002)), set()).prefill == "p0" and c.remote_prefill.probes == 1
     # its transfer measured nothing (it failed): no second probe before another minute
     for now in (66.0, 71.0, 120.0):
-        c.offload.update(remote, local, now)
-        assert c.offload.probe_floor is None, now
-    c.offload.update(remote, local, 127.0)
-    assert c.offload.probe_floor == 6000
+        c.remote_prefill.update(remote, local, now)
+        assert c.remote_prefill.probe_floor is None, now
+    c.remote_prefill.update(remote, local, 127.0)
+    assert c.remote_prefill.probe_floor == 6000
     # the probe's transfer found the link recovered: t comes down at the next solve
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links={"d:0": 1e9}))
-    assert c.offload.update(remote, local, 130.0) < 6000
+    assert c.remote_prefill.update(remote, local, 130.0) < 6000
 
 
 def test_an_operators_t_above_every_prompt_is_probed_below_so_the_link_gets_measured():
     c = cluster(prfaas_threshold=100_000, prfaas_probe_period=60)
     remote, local = [c.nodes["r0"]], [c.nodes[n] for n in ("p0", "d0", "d1")]
     for n in [500] * 40 + [6000] * 40:
-        assert not c.offload.route(n, n)
-    assert c.offload.update(remote, local, 0.0) == 100_000 and c.offload.probe_floor is None
-    assert c.offload.update(remote, local, 61.0) == 100_000 and c.offload.probe_floor  # nothing measured in a minute
-    assert c.place(list(range(1, 6001)), set()).prefill == "r0" and c.offload.probes == 1
+        assert not c.remote_prefill.route(n, n)
+    assert c.remote_prefill.update(remote, local, 0.0) == 100_000 and c.remote_prefill.probe_floor is None
+    assert c.remote_prefill.update(remote, local, 61.0) == 100_000 and c.remote_prefill.probe_floor  # nothing measured in a minute
+    assert c.place(list(range(1, 6001)), set()).prefill == "r0" and c.remote_prefill.probes == 1
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links={"d:0": 1e9}))  # what the probe measured
-    assert c.offload.update(remote, local, 62.0) < 6000
+    assert c.remote_prefill.update(remote, local, 62.0) < 6000
 
 
 def test_a_surging_remote_queue_raises_t_until_it_eases():
     c = cluster(prfaas_threshold=1000, prfaas_queue_seconds=1.0)
     remote, local = [c.nodes["r0"]], [c.nodes[n] for n in ("p0", "d0", "d1")]
     for n in [500] * 40 + [6000] * 40:
-        c.offload.route(n, n)
+        c.remote_prefill.route(n, n)
     links = {"d:0": 1e9}
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links=links))
-    calm = c.offload.update(remote, local, 0.0)
+    calm = c.remote_prefill.update(remote, local, 0.0)
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links=links, waiting_tokens=500_000))  # ~5 s queued
-    surged = c.offload.update(remote, local, 0.0)
+    surged = c.remote_prefill.update(remote, local, 0.0)
     assert surged == 1.25 * calm
-    assert c.offload.update(remote, local, 0.0) == 1.25 * surged
+    assert c.remote_prefill.update(remote, local, 0.0) == 1.25 * surged
     c.nodes["r0"].apply(state("prefill", 1e-5, "r:0", links=links))
-    assert c.offload.update(remote, local, 0.0) == calm
+    assert c.remote_prefill.update(remote, local, 0.0) == calm
 
 
 def test_the_long_term_split_converts_a_node_of_the_surplus_role_when_it_pays():
@@ -127,12 +128,12 @@ def test_the_long_term_split_converts_a_node_of_the_surplus_role_when_it_pays():
         c.nodes[name].apply(st)
         c.nodes[name].healthy = True
     local = list(c.nodes.values())
-    assert c.offload.split([], local, gain=0.1) is None, "too few requests seen"
+    assert c.remote_prefill.split([], local, gain=0.1) is None, "too few requests seen"
     for _ in range(40):  # no remote node: the lengths are recorded all the same, and none offloaded
         c.place(list(range(1, 301)), set())
-    assert list(c.offload.lengths) == [300] * 40 and c.offload.offloaded == 0
-    assert c.offload.split([], local, gain=0.1) == ("p1", "decode")  # the least busy prefill node
-    assert c.offload.split([], local, gain=100.0) is None, "not worth a conversion"
+    assert list(c.remote_prefill.lengths) == [300] * 40 and c.remote_prefill.offloaded == 0
+    assert c.remote_prefill.split([], local, gain=0.1) == ("p1", "decode")  # the least busy prefill node
+    assert c.remote_prefill.split([], local, gain=100.0) is None, "not worth a conversion"
     # while it converts, it takes no new work
     c.converting["p1"] = ("decode", 0.0)
     assert all(c.place(list(range(1, 301)), set()).prefill != "p1" for _ in range(3))

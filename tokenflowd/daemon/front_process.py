@@ -179,7 +179,7 @@ class CursorRelay:
 async def run_front(spec: p.FrontSpec) -> None:
     from tokenflowd.daemon.api.app import Front
     from tokenflowd.daemon.api.open_counts import OPEN_COUNTS, SharedOpenCounts
-    from tokenflowd.daemon.serve import HttpFront, freeze_startup_objects
+    from tokenflowd.daemon.lifecycle import HttpFront, freeze_startup_objects
     from tokenflowd.text.source import load_tokenizer
 
     server = msgspec.convert(spec.server, ServerConfig)

@@ -34,6 +34,7 @@ from tokenflowd import protocol as p
 from tokenflowd.daemon.api.open_counts import OPEN_COUNTS, SharedOpenCounts
 from tokenflowd.config import EngineConfig, ServerConfig
 from tokenflowd.daemon.engine_handle import EngineHandle
+from tokenflowd.daemon.lifecycle import reload_live, report_status
 from tokenflowd.daemon.notify import Notifier
 from tokenflowd.daemon.supervisor import Supervisor
 
@@ -184,8 +185,6 @@ class Fronts:
 async def run_fronts(server: ServerConfig, engine: EngineConfig, n: int, reload=None,
                      supervisor_factory=Supervisor) -> None:
     """The supervisor of N front processes: engines, fronts, systemd notification, signals."""
-    from tokenflowd.daemon.serve import reload_live, report_status
-
     supervisor = supervisor_factory(server, engine, num_fronts=n)
     notifier = Notifier()
     notifier.status(f"starting {len(supervisor.slots)} engine(s) and {n} front processes")

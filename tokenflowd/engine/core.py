@@ -21,6 +21,7 @@ import torch
 from tokenflowd.buffer import make_policy
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.admission import AdmissionControl
+from tokenflowd.engine.errors import EngineFailed, ForeignPrefixLost, device_lost
 from tokenflowd.engine.executor import Executor
 from tokenflowd.engine.model.loader import LoadedModel, load_model_source
 from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
@@ -33,26 +34,6 @@ log = logging.getLogger(__name__)
 
 WARM_UP_PROMPT_LEN = 64  # tokens, at most, of the warm-up request's prompt (engine start-up)
 MAX_FAILED_STEPS = 3  # consecutive steps that raise before the engine gives up (EngineFailed)
-
-
-class ForeignPrefixLost(RuntimeError):
-    """A peer engine holding the leading KV of some requests is gone (pool/member.py): the step
-    that needed it did not happen; those requests recompute their prefix here, the rest go on."""
-
-    def __init__(self, request_ids: list[str], why: str) -> None:
-        super().__init__(why)
-        self.request_ids = request_ids
-
-
-class EngineFailed(RuntimeError):
-    """The engine cannot go on (steps keep failing, the device is lost): its process exits non-zero
-    and the supervisor starts a fresh one, instead of failing every request forever."""
-
-
-def device_lost(e: BaseException) -> bool:
-    """A CUDA error is sticky: once one is raised, no later kernel on that context can succeed."""
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    return (accelerator_error is not None and isinstance(e, accelerator_error)) or "CUDA error" in str(e)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -34,6 +34,27 @@ def activation_bytes(cfg: ModelConfig, num_tokens: int, num_seqs: int, dtype: to
     return 2 * num_tokens * per_token * el + 3 * num_seqs * cfg.vocab_size * 4
 
 
+class StepAttention(Protocol):
+    """Wraps the attention the model's layers call (`forward(layer, q, k, v, kv_cache, meta)`) for one
+    step, or returns None to leave it as it is. `query_start`: the batch's query offsets."""
+
+    def __call__(self, attn: Any, batch: ScheduledBatch, query_start: list[int]) -> Any | None: ...
+
+
+class LayerHook:
+    """The attention the model's layers call, with `after(layer)` called once each layer's KV is in
+    the cache (llama.py calls only `forward`)."""
+
+    def __init__(self, inner, after: Callable[[int], None]) -> None:
+        self.inner = inner
+        self.after = after
+
+    def forward(self, layer: int, q, k, v, kv_cache, meta):
+        o = self.inner.forward(layer, q, k, v, kv_cache, meta)
+        self.after(layer)
+        return o
+
+
 class ModelRunner(Executor):
     cold_start = True
 
@@ -43,7 +64,10 @@ class ModelRunner(Executor):
         puts it in shared memory); None: the device's memory."""
         self.config = config
         self.kv_memory = kv_memory
-        self.pool = None  # the engine's PoolMember (pool/member.py), set once the engine joins the pool
+        # Wrappers the engine's optional features put around the attention for a step (the engine
+        # process adds them: pool/engine_hooks.py reads prefixes that peers hold); each returns None
+        # where it has nothing to do in that step, and a step with no wrapper may replay a graph.
+        self.step_attention: list[StepAttention] = []
         # called with each layer's index once its KV is in the cache, for the step about to run
         # (federation/streaming.py: a prefill node sends each layer as it ends); None: no hook
         self.layer_hook: Callable[[int], None] | None = None
@@ -164,18 +188,12 @@ class ModelRunner(Executor):
         indices in the batch (a request samples when its chunk reaches its last known token)."""
         input_ids, positions, attn_inputs, sample_rows, sampling = self._prepare(batch)
         T = input_ids.shape[0]
-        pooled = self.pool is not None and any(batch.offsets)
-        holders = self.pool.holders(batch, attn_inputs.query_start) if pooled else []
-        if holders or self.layer_hook is not None:
-            attn = self.attn
-            if holders:  # some requests read prefix pages held elsewhere in the pool
-                from tokenflowd.pool.attention import PooledAttention
-
-                attn = PooledAttention(attn, holders)
-            if self.layer_hook is not None:
-                from tokenflowd.federation.streaming import LayerHook
-
-                attn = LayerHook(attn, self.layer_hook)
+        attn = self.attn
+        for wrap in self.step_attention:
+            attn = wrap(attn, batch, attn_inputs.query_start) or attn
+        if self.layer_hook is not None:
+            attn = LayerHook(attn, self.layer_hook)
+        if attn is not self.attn:
             hidden = self.model(input_ids, positions, self.kv_layers, attn, self.attn.prepare(attn_inputs))
         elif self.graphs is not None and T == len(batch) and T <= self.graphs.max_batch:
             hidden = self.graphs.run(input_ids, positions, attn_inputs)  # pure decode: replay a graph

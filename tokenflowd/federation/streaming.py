@@ -26,7 +26,7 @@ import math
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -58,20 +58,6 @@ def target_of(endpoint: str, layout: KVLayout, pages: list[int]) -> p.KVTarget:
 
 def layout_of(target: p.KVTarget) -> KVLayout:
     return KVLayout(tuple(target.bases), tuple(target.shape), target.itemsize, target.page_axis)
-
-
-class LayerHook:
-    """The attention the model's layers call, with `after(layer)` called once each layer's KV is in
-    the cache (model.py calls only `forward`)."""
-
-    def __init__(self, inner, after: Callable[[int], None]) -> None:
-        self.inner = inner
-        self.after = after
-
-    def forward(self, layer: int, q, k, v, kv_cache, meta):
-        o = self.inner.forward(layer, q, k, v, kv_cache, meta)
-        self.after(layer)
-        return o
 
 
 @dataclass

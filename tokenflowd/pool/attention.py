@@ -19,7 +19,7 @@ import torch
 
 from tokenflowd.engine.attention.base import PageQuery
 from tokenflowd.engine.attention.partial import merge_states
-from tokenflowd.engine.core import ForeignPrefixLost
+from tokenflowd.engine.errors import ForeignPrefixLost
 from tokenflowd.pool.query import PeerGone
 
 

@@ -32,11 +32,11 @@ import torch
 import zmq
 
 from tokenflowd import protocol as p
-from tokenflowd.engine.core import ForeignPrefixLost
+from tokenflowd.engine.errors import ForeignPrefixLost
 from tokenflowd.engine.scheduler import ScheduledBatch
 from tokenflowd.federation.transport import gather_pages, scatter_pages
 from tokenflowd.kv.pages import OutOfPages, PagePool
-from tokenflowd.pool.attention import HolderRows, PeerCache, QueriedHolder
+from tokenflowd.pool.attention import HolderRows, PeerCache, PooledAttention, QueriedHolder
 from tokenflowd.pool.names import cache_name, service_address
 from tokenflowd.pool.query import PeerGone, QueryClient, QueryService
 from tokenflowd.pool.segments import (SegmentCosts, attend_probe, measure_k_comp, measure_link, pages_per_segment,
@@ -340,6 +340,14 @@ class PoolMember:
             self.release(rid)
 
     # -- a step -------------------------------------------------------------------------------
+    def step_attention(self, attn, batch: ScheduledBatch, query_start: list[int]) -> PooledAttention | None:
+        """The step's attention with the partial attention of foreign prefixes merged in, where some
+        of its requests read pages held elsewhere in the pool (runner.py StepAttention); else None."""
+        if not any(batch.offsets):
+            return None
+        holders = self.holders(batch, query_start)
+        return PooledAttention(attn, holders) if holders else None
+
     def holders(self, batch: ScheduledBatch, query_start: list[int]) -> list:
         """This step's sources of foreign attention, one per engine holding pages of its requests
         (attention.py), or raises ForeignPrefixLost for requests whose holder is gone."""

@@ -34,7 +34,8 @@ from tokenflowd.daemon.api.auth import CALLER, Caller, KeyTable, auth_middleware
 from tokenflowd.daemon.api.cadence import CadenceEstimator, ConversationKeys, Lookup
 from tokenflowd.daemon.api.connections import head_middleware, writable
 from tokenflowd.openai_api.errors import MAX_BODY_SIZE, APIError, error_event, error_middleware
-from tokenflowd.daemon.api.federation import Federation, PrefillOrder
+from tokenflowd.daemon.api.federation import Federation
+from tokenflowd.federation.wire import PrefillOrder
 from tokenflowd.daemon.api.generation import Generation, Piece
 from tokenflowd.daemon.api.metrics import Metrics
 from tokenflowd.daemon.api.open_counts import OpenCounts
@@ -213,7 +214,7 @@ class Front:
 
     def _prepare(self, body: s.ChatCompletionRequest | s.CompletionRequest, prompt_ids: list[int],
                  max_tokens: int | None, request: web.Request, cadence: _Cadence | None = None) -> _Prepared:
-        max_len = self._max_model_len()
+        max_len = self.max_model_len()
         n = len(prompt_ids)
         if n == 0:
             raise APIError(400, "the prompt is empty once tokenized: send some text", param="prompt",
@@ -271,7 +272,7 @@ class Front:
                            param="X-Reading-Rate")
         return rate
 
-    def _max_model_len(self) -> int:
+    def max_model_len(self) -> int:
         lens = [slot.info.max_model_len for slot in self.supervisor.slots if slot.ready and slot.info]
         if not lens:
             raise self._unavailable()
@@ -284,28 +285,28 @@ class Front:
     async def _pick(self, prep: _Prepared) -> Choice:
         """The engine (and, with the pool on, where its prefix is read and its new segments go):
         refusals first (draining, the waiting bound, no engine ready)."""
-        self._admissible()
+        self.admissible()
         if self.supervisor.engine_config.pool_mode == "off":
-            return self.router.pick(self._ready_slots(), prep.prompt_ids)
+            return self.router.pick(self.ready_slots(), prep.prompt_ids)
         output = prep.sampling.max_tokens or DEFAULT_EXPECTED_OUTPUT
         return await self.arrivals.add(Arrival(prep.prompt_ids, min(output, DEFAULT_EXPECTED_OUTPUT)))
 
     def _place(self, arrivals: Sequence[Arrival]) -> list[Choice]:
         """A group of arrivals with the pool on (daemon/api/arrivals.py)."""
-        slots = self._ready_slots()
+        slots = self.ready_slots()
         infos = [slot.info for slot in slots if slot.info is not None]
         segment = min(i.pool_segment_pages for i in infos) or 1
         cost = TrafficCost(max(i.pool_query_row_bytes for i in infos), max(i.pool_kv_token_bytes for i in infos))
         place = self.supervisor.engine_config.pool_placement == "home"
         return self.router.dispatch(slots, arrivals, segment, cost, place=place)
 
-    def _ready_slots(self) -> list:
+    def ready_slots(self) -> list:
         slots = [slot for slot in self.supervisor.slots if slot.ready]
         if not slots:
             raise self._unavailable()
         return slots
 
-    def _admissible(self) -> None:
+    def admissible(self) -> None:
         if self.draining:
             raise self._unavailable()
         if self.supervisor.num_waiting >= self.config.max_waiting_requests:
@@ -318,7 +319,7 @@ class Front:
                prefill_node: str | None = None, pull_from: str | None = None) -> Generation:
         """`prefill_node`: a federated decode node's request, whose prompt that node computes, having
         first pulled a longer prefix from `pull_from`."""
-        self._admissible()  # again: the requests placed with this one may have filled the queue
+        self.admissible()  # again: the requests placed with this one may have filled the queue
         slot = self.supervisor.slots[choice.engine_id]
         coalesce = self.coalescing if prep.stream and prep.coalesce else None
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,

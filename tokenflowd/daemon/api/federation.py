@@ -51,84 +51,29 @@ import logging
 import time
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
 from tokenflowd import protocol as p
+from tokenflowd.config import ServerConfig
 from tokenflowd.daemon.api.auth import node_key
+from tokenflowd.daemon.api.metrics import Metrics
 from tokenflowd.openai_api.errors import APIError
 from tokenflowd.federation.congestion import Retransmits
 from tokenflowd.federation.peers import Peers, normal_url
 from tokenflowd.federation.timing import MARGIN, horizon, send_window
+from tokenflowd.federation.wire import (HEARTBEAT, PREFILL_HEADER, PREFIX_HEADER, GiveAnswer, GiveOrder, KeepAnswer, KeepOrder, KeptReport,
+                                         PrefillAnswer, PrefillOrder)
 from tokenflowd.daemon.prefix_index import PrefixIndex
+from tokenflowd.daemon.router import Router
+from tokenflowd.daemon.supervisor import Supervisor
+from tokenflowd.text.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from tokenflowd.daemon.api.app import Front
 
 log = logging.getLogger("tokenflowd.federation")
-
-PREFILL_HEADER = "X-Tokenflowd-Prefill-Node"
-PREFIX_HEADER = "X-Tokenflowd-Prefix-Node"  # the prefill node first pulls the prompt's longer prefix from there
-HEARTBEAT = 1.0  # s between a prefill node's signs of life while it computes a prompt
-
-
-class PrefillOrder(msgspec.Struct):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: p.Sampling
-    target: p.KVTarget | None
-    send_window: float  # s from now in which writes may start (federation/timing.py)
-    priority: int = 0  # the client's, for the prefill node's queue
-    reading_rate: float | None = None
-    pull_from: str | None = None  # another prefill node holding a longer prefix: pull it first (PREFIX_HEADER)
-
-
-class PrefillAnswer(msgspec.Struct):
-    ok: bool
-    first_token: int | None = None
-    checksum: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
-    settled: bool = True  # its writes are over (the decode node still gives their last bytes a grace)
-
-
-class KeepOrder(msgspec.Struct):
-    store_id: str
-    token_ids: list[int]
-
-
-class KeepAnswer(msgspec.Struct):
-    held: int
-    target: p.KVTarget | None = None
-
-
-class KeptReport(msgspec.Struct):
-    store_id: str
-    ok: bool
-    checksum: int = 0
-    num_pages: int = 0
-    unwritten: bool = False  # the giver never wrote: the keeper frees the pages at once
-
-
-class GiveOrder(msgspec.Struct):
-    store_id: str
-    token_ids: list[int]
-    held: int  # leading whole pages the keeper holds already: the giver writes those after them
-    target: p.KVTarget
-
-
-class GiveAnswer(msgspec.Struct):
-    """Once the giver's writes have settled: ok, and the crc32 of the pages it wrote."""
-
-    ok: bool
-    checksum: int = 0
-    num_pages: int = 0
-    error: str | None = None
-    unwritten: bool = False  # refused before any write: nothing can land at the target
-
 
 class _Refused(Exception):
     """The other node answered a store's step with an error (`status`: a 4xx did nothing there)."""
@@ -173,8 +118,26 @@ class KeyLog:
         return {"seq": self.seq, "changes": [[k.hex(), held] for _, k, held in list(self.changes)[start:]]}
 
 
+class NodeFront(Protocol):
+    """What the federation endpoints use of the node's front (app.py's Front is one)."""
+
+    config: ServerConfig
+    metrics: Metrics
+    router: Router
+    supervisor: Supervisor
+    tokenizer: Tokenizer
+
+    async def read_body(self, request: web.Request) -> bytes: ...
+
+    def admissible(self) -> None: ...  # raises APIError (503, 429) when no request can be taken now
+
+    def max_model_len(self) -> int: ...
+
+    def ready_slots(self) -> list: ...
+
+
 class Federation:
-    def __init__(self, front: Front) -> None:
+    def __init__(self, front: NodeFront) -> None:
         self.front = front
         self.supervisor = front.supervisor
         self.keys = KeyLog(self.supervisor.index)
@@ -298,8 +261,8 @@ class Federation:
         front, sup = self.front, self.supervisor
         received = time.monotonic()  # the send window runs from here, a pull's time included
         try:
-            front._admissible()
-            choice = front.router.pick(front._ready_slots(), order.prompt_token_ids)
+            front.admissible()
+            choice = front.router.pick(front.ready_slots(), order.prompt_token_ids)
         except APIError as e:
             return PrefillAnswer(False, error=e.message)
         slot = sup.slots[choice.engine_id]
@@ -489,7 +452,7 @@ class Federation:
         if self.role != "prefill":
             raise APIError(409, "only a prefill node keeps others' KV", code="wrong_role")
         self._check_token_ids(body.token_ids)
-        slot = self.supervisor.slots[self.front.router.pick(self.front._ready_slots(), body.token_ids).engine_id]
+        slot = self.supervisor.slots[self.front.router.pick(self.front.ready_slots(), body.token_ids).engine_id]
         answer = await self._reserve(slot, body)
         return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
 
@@ -506,7 +469,7 @@ class Federation:
         self._check_token_ids(body.token_ids)
         if body.held < 0:
             raise APIError(400, "held must be 0 or more", param="held")
-        slot = self.supervisor.slots[self.front.router.pick(self.front._ready_slots(), body.token_ids).engine_id]
+        slot = self.supervisor.slots[self.front.router.pick(self.front.ready_slots(), body.token_ids).engine_id]
         try:
             answer = await self._give(slot, body)
         except asyncio.TimeoutError:  # its writes may still be under way: the keeper holds its pages to their horizon
@@ -574,8 +537,8 @@ class Federation:
 
     def _check_token_ids(self, token_ids: list[int]) -> None:
         vocab = self.front.tokenizer.vocab_size
-        if not 0 < len(token_ids) <= self.front._max_model_len() or any(not 0 <= t < vocab for t in token_ids):
-            raise APIError(400, f"token_ids must be 1 to {self.front._max_model_len()} ids in [0, {vocab})")
+        if not 0 < len(token_ids) <= self.front.max_model_len() or any(not 0 <= t < vocab for t in token_ids):
+            raise APIError(400, f"token_ids must be 1 to {self.front.max_model_len()} ids in [0, {vocab})")
 
     async def _reserve(self, slot, order: KeepOrder) -> KeepAnswer:
         """The keeper's step on engine `slot`: pages for the whole pages of the order's tokens after

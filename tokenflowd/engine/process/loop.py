@@ -35,7 +35,8 @@ import torch
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, PolicyConfig
 from tokenflowd.engine.admission import QueueDelayExceeded
-from tokenflowd.engine.core import EngineCore, EngineCoreOutput, EngineFailed
+from tokenflowd.engine.core import EngineCore, EngineCoreOutput
+from tokenflowd.engine.errors import EngineFailed
 from tokenflowd.engine.process.endpoint import EngineEndpoint, SupervisorUnreachable, die_with_parent
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
 from tokenflowd.federation.store import Giver, Keeper
@@ -72,11 +73,12 @@ class EngineProcess(EngineEndpoint):
         if pooled:
             self.core.lock = threading.Lock()
             runner = self.core.runner
-            self.member = runner.pool = PoolMember(
+            self.member = PoolMember(
                 spec.engine_id, spec.incarnation, self.config.pool_mode, spec.runtime_dir, runner.attn,
                 runner.kv_layers, self.core.pool, self.core.lock, self.config.max_num_batched_tokens)
             log.info("pool: %s mode, serving %d pages to peers", self.config.pool_mode, runner.num_pages)
             self.member.size_segments(self.config.pool_segment_tokens)
+            runner.step_attention.append(self.member.step_attention)
         # federation/: the prefill role's, and the decode role's. A prefill or decode node's engine
         # has both: its front's role (daemon/api/federation.py) decides which orders come, and may change.
         self.sender: Sender | None = None

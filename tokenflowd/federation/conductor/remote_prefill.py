@@ -30,13 +30,12 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from tokenflowd.federation.plan import egress, plan_cluster
 from tokenflowd.federation.prfaas import Lengths, evaluate
 
-if TYPE_CHECKING:
-    from tokenflowd.federation.conductor.app import NodeView
+from tokenflowd.federation.conductor.nodes import NodeView
 
 log = logging.getLogger("tokenflowd.conductor")
 
@@ -44,14 +43,14 @@ MIN_LENGTHS = 20  # requests seen before the model replaces the configured thres
 SURGE = 1.25  # t's rise per period while the remote queue surges or its TCP resends
 
 
-def state_of(node: "NodeView") -> dict:
+def state_of(node: NodeView) -> dict:
     """The node as /federation/state described it, for plan.py."""
     return {"role": node.role, "page_size": node.page_size, "engines": node.engines,
             "kv_token_bytes": node.kv_token_bytes, "kv_endpoints": sorted(node.kv_endpoints), "links": node.links,
             "egress": node.egress}
 
 
-class Offload:
+class RemotePrefill:
     def __init__(self, threshold: float, output_tokens: float, tbt_slo: float, queue_seconds: float,
                  probe_seconds: float = 60.0, retransmit_share: float = 0.02, window: int = 2000) -> None:
         self.threshold = threshold  # t, uncached tokens
@@ -80,7 +79,7 @@ class Offload:
         self.offloaded += remote
         return remote
 
-    def update(self, remote: Iterable["NodeView"], local: Iterable["NodeView"], now: float) -> float:
+    def update(self, remote: Iterable[NodeView], local: Iterable[NodeView], now: float) -> float:
         """Solve t again for the nodes serving now (`now`: monotonic s); -> the new t."""
         remote = [n for n in remote if n.serving]
         local = [n for n in local if n.serving]
@@ -121,7 +120,7 @@ class Offload:
             self.probe_floor = ordered[int(0.9 * (len(ordered) - 1))]
             self._measured = (b_out, now, self.offloaded)
 
-    def split(self, remote: Iterable["NodeView"], local: Iterable["NodeView"], gain: float) -> tuple[str, str] | None:
+    def split(self, remote: Iterable[NodeView], local: Iterable[NodeView], gain: float) -> tuple[str, str] | None:
         """(node, its new role) when converting one local node improves the predicted Λ_max by `gain`
         (a share) or more; None otherwise, or when the figures are not there yet."""
         remote = [n for n in remote if n.serving]
