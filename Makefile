@@ -33,6 +33,7 @@ generate: $(VENV)/.base
 	$(VENV)/bin/tokenflowd generate $(ARGS) "$(PROMPT)"
 
 test: $(VENV)/.test
+	$(VENV)/bin/lint-imports  # the layers and no import circles (pyproject.toml [tool.importlinter])
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(VENV)/.test

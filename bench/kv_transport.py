@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import federation_peer  # noqa: E402  (the receiver, shared with the transport's tests)
 from machine import cpu_info  # noqa: E402
 
-from tokenflowd.federation.transport import Block, KVLayout, MooncakeTransport, gather_pages, kv_blocks  # noqa: E402
+from tokenflowd.federation.transport import Block, KVLayout, MooncakeTransport, kv_blocks  # noqa: E402
+from tokenflowd.kv.staging import gather_pages  # noqa: E402
 
 LAYERS, KV_HEADS, PAGE, HEAD_DIM = 30, 3, 16, 64
 HERE = Path(__file__).resolve().parent

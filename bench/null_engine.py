@@ -38,7 +38,8 @@ import time
 import msgspec
 
 from tokenflowd import protocol as p
-from tokenflowd.engine.process.endpoint import EngineEndpoint, die_with_parent
+from tokenflowd.config.platform import die_with_parent
+from tokenflowd.engine.process.endpoint import EngineEndpoint
 
 log = logging.getLogger("tokenflowd.null_engine")
 DEFAULT_TOKEN_ID = 260  # " the" (tokenflowd.text.source.load_tokenizer("smollm2-135m").encode(" the"))

@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from tokenflowd.federation.transport import KVLayout, MooncakeTransport, scatter_pages
+from tokenflowd.federation.transport import KVLayout, MooncakeTransport
+from tokenflowd.kv.staging import scatter_pages
 
 LAYERS, KV_HEADS, PAGE, HEAD_DIM = 3, 2, 4, 8  # the tests' shape; bench/kv_transport.py passes its own
 

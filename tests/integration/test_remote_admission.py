@@ -10,7 +10,7 @@ import torch
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, SamplingParams
-from tokenflowd.federation.transport import gather_pages, scatter_pages
+from tokenflowd.kv.staging import gather_pages, scatter_pages
 
 PROMPT = list(range(5, 23))  # 18 tokens: 4 full pages of 4 and a partial one
 MAX_TOKENS = 12

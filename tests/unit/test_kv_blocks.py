@@ -36,7 +36,7 @@ def test_caches_of_other_shapes_pages_out_of_range_and_repeated_destinations_are
 def test_pages_gathered_into_a_staging_run_and_scattered_land_as_a_direct_copy_would():
     import torch
 
-    from tokenflowd.federation.transport import gather_pages, scatter_pages
+    from tokenflowd.kv.staging import gather_pages, scatter_pages
 
     g = torch.Generator().manual_seed(0)
     src = [torch.randn(2, 3, 10, 4, 8, generator=g) for _ in range(2)]
@@ -57,7 +57,7 @@ def test_runs_and_staged_pages_carry_pages_between_caches_of_different_layouts()
 
     import torch
 
-    from tokenflowd.federation.transport import gather_pages, scatter_pages
+    from tokenflowd.kv.staging import gather_pages, scatter_pages
 
     g = torch.Generator().manual_seed(1)
     src = [torch.randn(2, 3, 10, 4, 8, generator=g) for _ in range(2)]  # torch layout

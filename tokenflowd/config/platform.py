@@ -1,4 +1,5 @@
-"""What this machine offers: CUDA devices, fast bf16 on the CPU, flashinfer.
+"""What this machine offers: CUDA devices, fast bf16 on the CPU, flashinfer; and a child process's
+death with its parent (the supervisor's engines and front processes).
 
 Asked without importing torch into the calling process: the front resolves the engine config
 (how many engines, which device) but never computes, and torch costs it ~300 MB of RSS. Where
@@ -7,10 +8,13 @@ torch and exits.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import glob
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 
@@ -25,9 +29,8 @@ def pick_device() -> str:
 @functools.cache
 def cuda_device_count() -> int:
     """CUDA devices torch can use here (0 without a driver, a device node or a CUDA build)."""
-    if "torch" in sys.modules:  # an engine or the in-process API: torch is here already
-        import torch
-
+    torch = sys.modules.get("torch")
+    if torch is not None:  # an engine or the in-process API: torch is here already (never imported here)
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or not glob.glob("/dev/nvidia[0-9]*"):
         return 0
@@ -53,3 +56,22 @@ def cpu_has_fast_bf16() -> bool:
 @functools.cache
 def has_flashinfer() -> bool:
     return cuda_device_count() > 0 and importlib.util.find_spec("flashinfer") is not None
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux prctl PR_SET_PDEATHSIG):
+    an engine must not outlive a supervisor killed with SIGKILL, holding its GPU and memory. The
+    signal follows the parent's *thread* that spawned it; the supervisor spawns engines from its
+    event loop's thread, which lives as long as the supervisor. Called first thing in an engine
+    process's main(), never in a library (it would bind the caller's process). Elsewhere than
+    Linux a no-op (the loop's orphan check still ends the engine)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, ServerConfig
-from tokenflowd.engine.process.endpoint import die_with_parent
+from tokenflowd.config.platform import die_with_parent
 from tokenflowd.daemon.engine_handle import EngineHandle
 from tokenflowd.daemon.launcher import engine_input_address
 from tokenflowd.daemon.supervisor import Supervisor

@@ -31,7 +31,8 @@ from typing import Sequence
 import torch
 
 from tokenflowd import protocol as p
-from tokenflowd.federation.transport import DONE, FAILED, KVLayout, KVTransport, Transfer, gather_pages, kv_blocks
+from tokenflowd.federation.transport import DONE, FAILED, KVLayout, KVTransport, Transfer, kv_blocks
+from tokenflowd.kv.staging import gather_pages
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import zmq
 from tokenflowd import protocol as p
 from tokenflowd.engine.errors import ForeignPrefixLost
 from tokenflowd.engine.scheduler import ScheduledBatch
-from tokenflowd.federation.transport import gather_pages, scatter_pages
+from tokenflowd.kv.staging import gather_pages, scatter_pages
 from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.pool.attention import HolderRows, PeerCache, PooledAttention, QueriedHolder
 from tokenflowd.pool.names import cache_name, service_address

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tokenflowd.buffer.qos import Timeline, summarize
-from tokenflowd.sim.simulator import RequestRecord, SimResult
+
+if TYPE_CHECKING:  # types only: the load generator formats its results here without the engine
+    from tokenflowd.sim.simulator import RequestRecord, SimResult
 
 TIME_DECIMALS = 6  # virtual microseconds
 

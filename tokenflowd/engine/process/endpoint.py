@@ -17,12 +17,8 @@ no torch, so a model-free engine stays light.
 from __future__ import annotations
 
 import abc
-import ctypes
-import ctypes.util
 import logging
 import os
-import signal
-import sys
 
 import msgspec
 import zmq
@@ -258,22 +254,3 @@ class EngineEndpoint(abc.ABC):
 
     def close(self) -> None:
         self.ctx.destroy(linger=1000)
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux prctl PR_SET_PDEATHSIG):
-    an engine must not outlive a supervisor killed with SIGKILL, holding its GPU and memory. The
-    signal follows the parent's *thread* that spawned it; the supervisor spawns engines from its
-    event loop's thread, which lives as long as the supervisor. Called first thing in an engine
-    process's main(), never in a library (it would bind the caller's process). Elsewhere than
-    Linux a no-op (the loop's orphan check still ends the engine)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return

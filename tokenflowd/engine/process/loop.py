@@ -37,7 +37,8 @@ from tokenflowd.config import EngineConfig, PolicyConfig
 from tokenflowd.engine.admission import QueueDelayExceeded
 from tokenflowd.engine.core import EngineCore, EngineCoreOutput
 from tokenflowd.engine.errors import EngineFailed
-from tokenflowd.engine.process.endpoint import EngineEndpoint, SupervisorUnreachable, die_with_parent
+from tokenflowd.config.platform import die_with_parent
+from tokenflowd.engine.process.endpoint import EngineEndpoint, SupervisorUnreachable
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
 from tokenflowd.federation.store import Giver, Keeper
 from tokenflowd.federation.transport import KVLayout
