@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("mooncake.engine", reason="the federation extra (Mooncake Transfer Engine) is not installed")
 
-from tokenflowd.federation.transport import (Block, KVLayout, MooncakeTransport, TransferFailed,  # noqa: E402
-                                             gather_pages, kv_blocks)
+from tokenflowd.federation.transport import Block, KVLayout, MooncakeTransport, TransferFailed, kv_blocks  # noqa: E402
+from tokenflowd.kv.staging import gather_pages  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import federation_peer as peer_script  # noqa: E402
