@@ -32,10 +32,8 @@ log = logging.getLogger("tokenflowd.daemon.supervisor")
 # Engine environment unless the operator's says otherwise.
 # NOTE: oneDNN (torch's CPU matmuls) caches a JIT-compiled primitive per GEMM shape, 1,024 of
 # them by default, and a step's token count changes the shape: under bursts a CPU engine keeps
-# adding shapes it sees once. Two minutes of repeated bursts on the embedded model, engine RSS
-# (single runs, noisy): +6.3% at 1,024, +7.4% at 256, +2.0% and +4.0% at 64, +2.2% at 16;
-# no slower steps at 64 (mean inter-token latency 67.5 ms vs 73.9 ms at 1,024; 0, no cache,
-# was 2.6x slower).
+# adding shapes it sees once, and its RSS grows. At 64 it grew least, with no slower steps; with
+# no cache at all the steps were much slower (bench/results/code_figures.md).
 ENGINE_ENV_DEFAULTS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
 FRONT_SECRETS = ("TOKENFLOWD_API_KEY", "TOKENFLOWD_NODE_KEY")  # the front's alone: an engine never sees a key
 

@@ -38,8 +38,8 @@ async def run_server(server: ServerConfig, engine: EngineConfig, reload: Reload 
     supervisor = supervisor_factory(server, engine)
     notifier = Notifier()
     notifier.status(f"starting {len(supervisor.slots)} engine(s)")
-    # The engines load the model while the front reads its tokenizer (GGUF metadata: 2.6 s for the
-    # embedded model on a 2-core AMD EPYC); a bad --model fails here, and the engines are stopped.
+    # The engines load the model while the front reads its tokenizer (the GGUF's metadata takes
+    # seconds); a bad --model fails here, and the engines are stopped.
     reading = asyncio.create_task(asyncio.to_thread(load_tokenizer, engine.model))
     try:
         await supervisor.start()

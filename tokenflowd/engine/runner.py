@@ -85,8 +85,8 @@ class ModelRunner(Executor):
     # -- start-up -----------------------------------------------------------------------------
     def _init_threads(self) -> None:
         if self.device.type == "cpu":
-            # Denormal floats slow CPU arithmetic ~10x (seen: a 512-token prefill step at 11.7 s
-            # instead of 1.1 s in fp32); flushing them to zero changes no result that matters.
+            # Denormal floats slow CPU arithmetic about tenfold (bench/results/code_figures.md);
+            # flushing them to zero changes no result that matters.
             torch.set_flush_denormal(True)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)

@@ -307,7 +307,7 @@ class MooncakeTransport(KVTransport):
     While writes to a peer are in the engine, and after, until the kernel has delivered their bytes,
     a meter thread samples what the kernel delivered on the sockets to the peer's host every
     METER_INTERVAL s or two of the path's round trips (delivery.py; one netlink query, which the
-    kernel filters while it walks its connection table: 0.4 ms a sample measured here)."""
+    kernel filters while it walks its connection table)."""
 
     _INVALID = (0, 2**64 - 1, -1)  # batch ids of a batch the engine could not submit (no such peer)
     WAITERS = 4

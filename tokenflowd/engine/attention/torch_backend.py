@@ -179,8 +179,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMeta) -> torch.Tensor:
         # q: [B, heads, d] -> [B, heads, d]; one query per request over its gathered pages.
-        # NOTE: explicit matmuls, not SDPA: for one query per sequence torch's CPU SDPA kernel took
-        # 4.7 ms a layer at batch 32 in bf16 where these two bmms take 0.5 ms (measured with 2 threads).
+        # NOTE: explicit matmuls, not SDPA: for one query per sequence torch's CPU SDPA kernel is
+        # several times slower than these two bmms (bench/results/code_figures.md).
         B = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
         L = meta.decode_pages.numel() // B * self.page_size

@@ -1,8 +1,8 @@
 """The lm_head product, with int8 candidates rescored exactly where that is faster.
 
 A small model's lm_head is a large share of a decode step on a CPU: the embedded model's is
-49152 x 576, 113 MB in fp32, read whole for every step (9 ms of a 32 ms int4 step at batch 1 on a
-2-core AVX2 EPYC). Int8 rows read a quarter of the bytes, but int8 logits change greedy answers
+49152 x 576, 113 MB in fp32, read whole for every step (its share of a step: bench/results/
+code_figures.md). Int8 rows read a quarter of the bytes, but int8 logits change greedy answers
 (9 of 20 on the embedded model). So the int8 product only picks candidates: the `RESCORED` highest
 int8 logits of each row are recomputed from the dense weight and replace their int8 values. The
 greedy token is then the dense weight's own unless the dense argmax falls outside the int8 top 32,

@@ -1,10 +1,9 @@
 """Dense fp32 projections on a CPU, packed once into oneDNN's blocked layout.
 
 `F.linear` on an fp32 weight (MKL) packs the weight's panels again on every call. A decode step's
-products are skinny (one row per running request), so that packing is a large share of each call:
-on 2-core AVX2 a fused gate|up projection (3072 x 576) took 0.69 / 1.00 ms at 16 / 32 rows with
-F.linear and 0.45 / 0.75 ms packed, and 2.3x less at 2-8 rows; from 64 rows (prefill) the two
-are even. The packed product is also batch-invariant: a row's output does not depend on the rows
+products are skinny (one row per running request), so that packing is a large share of each call
+at a few dozen rows and less; from 64 rows (prefill) the two are even (bench/results/
+code_figures.md, bench/cpu_fast_paths.py). The packed product is also batch-invariant: a row's output does not depend on the rows
 beside it (MKL's does, in the last bits). `PackedDense.make` returns None where the oneDNN ops are
 missing, and the model keeps the plain tensor.
 """

@@ -1,0 +1,173 @@
+"""The pool's part of an engine process (engine/process/loop.py calls it where --pool-mode is on).
+
+    before the core:  kv_memory          read mode: the KV cache in shared memory, for peers to map
+    after the core:   join(core)         the member: its query service, its step-attention wrapper
+    each request:     take_prefix        pin the prompt's leading pages where the pool holds them
+                      added              count the tokens peers (or this cache) hold; note its new
+                                         segments that belong on other engines
+    each iteration:   before_step        the engine's share of the node's traffic, for the scheduler
+                      after_step         unpin ended requests' foreign prefixes; put new segments
+                                         at their homes; stop caching what the homes took
+    messages:         set_peers          a peer gone: its readers recompute their prefix here
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import torch
+
+from tokenflowd import protocol as p
+from tokenflowd.config import EngineConfig
+from tokenflowd.engine.core import EngineCore
+from tokenflowd.engine.request import Request
+from tokenflowd.pool.member import PoolMember
+from tokenflowd.pool.names import cache_name
+from tokenflowd.pool.shared_kv import SharedKV
+
+log = logging.getLogger("tokenflowd.engine")
+
+
+class PoolHooks:
+    def __init__(self, spec: p.EngineSpec, config: EngineConfig) -> None:
+        self.spec = spec
+        self.config = config
+        self.shared_cache: SharedKV | None = None
+        self.member: PoolMember | None = None
+        self.core: EngineCore | None = None
+        self.places: dict[str, list[p.PrefixRun]] = {}  # request -> its new segments that belong on peers
+        # (when, keys): segments their homes took, cached here until the homes have told the front
+        self.placed: deque[tuple[float, list[bytes]]] = deque()
+        self.peer_tokens = self.own_tokens = 0  # prompt tokens read where peers hold them, or from this cache
+
+    @property
+    def kv_memory(self):
+        """What EngineCore.from_config takes as `kv_memory`: shared memory in read mode, else None."""
+        return self._shared_cache if self.config.pool_mode == "read" else None
+
+    def _shared_cache(self, shape: tuple[int, ...], dtype) -> torch.Tensor:
+        """The KV cache in shared memory, where the pool's peers can map it (read mode)."""
+        if self.shared_cache is not None:  # a runner built again (engine/self_check.py's fallback)
+            self.shared_cache.close()
+        name = cache_name(self.spec.runtime_dir, self.spec.engine_id, self.spec.incarnation)
+        self.shared_cache = SharedKV.create(name, shape[0], shape[1:], dtype)
+        return self.shared_cache.whole()
+
+    def join(self, core: EngineCore) -> None:
+        """Serve this engine's pages to its peers, and let its steps read theirs."""
+        self.core, self.config = core, core.config  # (as it runs: a fast path that failed may be replaced)
+        core.lock = threading.Lock()  # the query service reads the cache between steps (core.py `unlocked`)
+        runner, config = core.runner, self.config
+        self.member = PoolMember(
+            self.spec.engine_id, self.spec.incarnation, config.pool_mode, self.spec.runtime_dir, runner.attn,
+            runner.kv_layers, core.pool, core.lock, config.max_num_batched_tokens)
+        log.info("pool: %s mode, serving %d pages to peers", config.pool_mode, runner.num_pages)
+        self.member.size_segments(config.pool_segment_tokens)
+        runner.step_attention.append(self.member.step_attention)
+
+    def ready_fields(self) -> tuple[int, int, int]:
+        """Ready's pool fields: the segment size and what dispatch weighs."""
+        return self.member.segment_pages, *self.member.traffic_bytes()
+
+    def take_prefix(self, req: Request, runs: list[p.PrefixRun]) -> bool:
+        """Pin the prompt's leading pages where the pool holds them; the request keeps the rest.
+        -> whether it pinned any (for this request: what a failed add releases)."""
+        if not runs:
+            return False
+        ps = self.config.page_size
+        with self.core.unlocked():
+            pages = self.member.pin(req.request_id, runs)
+        if not pages:
+            return False
+        if pages * ps > req.num_prompt_tokens - 1:  # the last prompt token is always computed here
+            self.release_pins(req.request_id, True)
+            return False
+        keys = [k for run in runs for k in run.keys]
+        req.set_foreign_prefix(pages * ps, keys[pages - 1])
+        return True
+
+    def release_pins(self, request_id: str, pinned: bool) -> None:
+        if pinned:
+            with self.core.unlocked():
+                self.member.release(request_id)
+
+    def added(self, msg: p.AddRequest, pinned: bool) -> None:
+        """The engine took `msg`'s request."""
+        if msg.place:
+            self.places[msg.request_id] = msg.place
+        if pinned:
+            peer, own = self.member.count(msg.request_id)
+            self.peer_tokens += peer * self.config.page_size
+            self.own_tokens += own * self.config.page_size
+
+    def before_step(self) -> None:
+        self.core.scheduler.pool_share = self.member.measure_share(time.monotonic())
+
+    def after_step(self, now: float) -> None:
+        self._sweep_pins()
+        if self.places:
+            self._place()
+        while self.placed and self.placed[0][0] <= now:
+            self.core.pool.unpublish(self.placed.popleft()[1])
+
+    def _sweep_pins(self) -> None:
+        """Unpin the foreign prefixes of requests that ended or recompute theirs."""
+        member, reqs = self.member, self.core.scheduler.requests
+        if any(rid not in reqs or not reqs[rid].foreign_token_ids for rid in member.foreign):
+            reading = {rid for rid, r in reqs.items() if r.foreign_token_ids}
+            with self.core.unlocked():
+                member.sweep(reading)
+
+    def _place(self) -> None:
+        """Put the new segments of requests whose prompts are computed at their homes; what a home
+        took stops being cached here once the home's report has reached the front (two heartbeats:
+        until then the front would find it nowhere). The rest stays: a home gone or full."""
+        reqs = self.core.scheduler.requests
+        for rid in list(self.places):
+            req = reqs.get(rid)
+            if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                continue  # (a request gone has published what it computed)
+            for run in self.places.pop(rid):
+                try:
+                    self._put(run)
+                except Exception:  # a placement that fails costs a copy, never the engine
+                    log.exception("pool: placing a segment on engine %d failed; it stays here", run.engine)
+
+    def _put(self, run: p.PrefixRun) -> None:
+        pages = self.core.pool.lookup(run.keys)
+        if not pages:
+            return
+        keys = run.keys[: len(pages)]
+        kv = self.member.stage(pages)
+        with self.core.unlocked():
+            held = self.member.put(run.engine, keys, kv)
+        if held:
+            self.placed.append((time.monotonic() + 2 * self.spec.heartbeat_interval, keys[:held]))
+
+    def set_peers(self, msg: p.PoolPeers) -> None:
+        with self.core.unlocked():
+            lost = self.member.set_peers(msg.peers)
+        for rid in lost:
+            req = self.core.scheduler.requests.get(rid)
+            if req is not None:
+                self.core.scheduler.take_foreign_prefix(req)
+        if lost:
+            log.warning("pool: a peer is gone; %d requests recompute their prefix here", len(lost))
+
+    def stats(self) -> dict:
+        m = self.member.stats
+        return dict(pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
+                    pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages,
+                    pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
+                    pool_share=self.member.share)
+
+    def close(self) -> None:
+        if self.member is not None:
+            self.member.close()
+
+    def release_memory(self) -> None:
+        """After the core has closed: the shared cache goes last (peers may have mapped it)."""
+        if self.shared_cache is not None:
+            self.shared_cache.close()
