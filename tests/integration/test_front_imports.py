@@ -7,7 +7,8 @@ import sys
 
 FRONT = """
 import sys
-from tokenflowd.daemon.api.app import Front, build_app
+from tokenflowd.daemon.api.app import build_app
+from tokenflowd.daemon.api.front import Front
 from tokenflowd.cli import build_parser
 from tokenflowd.config.flags import engine_config
 from tokenflowd.config import ServerConfig

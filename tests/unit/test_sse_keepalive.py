@@ -7,7 +7,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from tokenflowd.daemon.api.app import _KEEP_ALIVE, Front, _SSEConnection
+from tokenflowd.daemon.api.front import Front
+from tokenflowd.daemon.api.sse import KEEP_ALIVE as _KEEP_ALIVE, SSEConnection as _SSEConnection
 from tokenflowd.config import ServerConfig
 
 

@@ -151,7 +151,7 @@ class CursorRelay:
         return f"{runtime_dir}/front-{front}.sock"
 
     async def __call__(self, request_id: str, request: web.Request) -> web.Response | None:
-        from tokenflowd.daemon.api.app import RELAYED
+        from tokenflowd.daemon.api.routes import RELAYED
 
         infos = await self.supervisor.query([request_id])
         owner = next((i.front for i in infos if i.request_id == request_id), 0)
@@ -177,7 +177,7 @@ class CursorRelay:
 
 
 async def run_front(spec: p.FrontSpec) -> None:
-    from tokenflowd.daemon.api.app import Front
+    from tokenflowd.daemon.api.front import Front
     from tokenflowd.daemon.api.open_counts import OPEN_COUNTS, SharedOpenCounts
     from tokenflowd.daemon.lifecycle import HttpFront, freeze_startup_objects
     from tokenflowd.text.source import load_tokenizer

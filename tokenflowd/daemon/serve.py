@@ -18,7 +18,7 @@ from typing import Callable
 import uvloop
 
 from tokenflowd.config import EngineConfig, ServerConfig
-from tokenflowd.daemon.api.app import Front
+from tokenflowd.daemon.api.front import Front
 from tokenflowd.daemon.fronts import run_fronts
 from tokenflowd.daemon.launcher import engine_configs
 from tokenflowd.daemon.lifecycle import HttpFront, Reload, freeze_startup_objects, reload_live, report_status

@@ -61,17 +61,26 @@ from tokenflowd import protocol as p
 from tokenflowd.config import ServerConfig
 from tokenflowd.daemon.api.auth import node_key
 from tokenflowd.daemon.api.metrics import Metrics
-from tokenflowd.openai_api.errors import APIError
-from tokenflowd.federation.congestion import Retransmits
-from tokenflowd.federation.peers import Peers, normal_url
-from tokenflowd.federation.timing import MARGIN, horizon, send_window
-from tokenflowd.federation.wire import (HEARTBEAT, PREFILL_HEADER, PREFIX_HEADER, GiveAnswer, GiveOrder, KeepAnswer, KeepOrder, KeptReport,
-                                         PrefillAnswer, PrefillOrder)
 from tokenflowd.daemon.prefix_index import PrefixIndex
 from tokenflowd.daemon.router import Router
 from tokenflowd.daemon.supervisor import Supervisor
+from tokenflowd.federation.congestion import Retransmits
+from tokenflowd.federation.peers import Peers, normal_url
+from tokenflowd.federation.timing import MARGIN, horizon, send_window
+from tokenflowd.federation.wire import (
+    HEARTBEAT,
+    PREFILL_HEADER,
+    PREFIX_HEADER,
+    GiveAnswer,
+    GiveOrder,
+    KeepAnswer,
+    KeepOrder,
+    KeptReport,
+    PrefillAnswer,
+    PrefillOrder,
+)
+from tokenflowd.openai_api.errors import APIError
 from tokenflowd.text.tokenizer import Tokenizer
-
 
 log = logging.getLogger("tokenflowd.federation")
 

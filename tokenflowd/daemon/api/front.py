@@ -1,0 +1,354 @@
+"""The node's HTTP front: its state (supervisor, tokenizer, router, live requests, open counts)
+and a request's preparation, which routes.py drives: decode and validate the body (schema.py) →
+the caller's rights (priority: auth.py) → tokens → its reading rate (stated, learned from its
+conversation, or the default: rates.py, cadence.py) → admission checks (context, queue bound) →
+the router picks an engine → the engine is sent the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence
+
+import msgspec
+from aiohttp import web
+
+from tokenflowd.config import ServerConfig
+from tokenflowd.daemon.api.arrivals import Arrivals
+from tokenflowd.daemon.api.auth import CALLER, priority_refusal
+from tokenflowd.daemon.api.cadence import CadenceEstimator, ConversationKeys, Lookup
+from tokenflowd.daemon.api.federation import Federation
+from tokenflowd.daemon.api.generation import Generation
+from tokenflowd.daemon.api.metrics import Metrics
+from tokenflowd.daemon.api.open_counts import OpenCounts
+from tokenflowd.daemon.api.rates import RateChoice, RateMonitor, choose_rate
+from tokenflowd.daemon.api.sse import SSEConnection
+from tokenflowd.daemon.router import Arrival, Choice, Router, TrafficCost
+from tokenflowd.daemon.supervisor import NoEngineReady, Supervisor
+from tokenflowd.federation.wire import PrefillOrder
+from tokenflowd.openai_api import schema as s
+from tokenflowd.openai_api.errors import APIError
+from tokenflowd.protocol import AddRequest, Coalesce, PrefixRun, Sampling
+from tokenflowd.text.tokenizer import Tokenizer
+
+log = logging.getLogger("tokenflowd.api")
+
+# Why a value was refused, for the fields declared only to refuse anything but their default.
+_UNSUPPORTED = {
+    "n": "n must be 1: tokenflowd returns one choice per request (send n requests instead)",
+    "best_of": "best_of must be 1 or absent: tokenflowd returns one choice per request",
+    "frequency_penalty": "frequency_penalty is not supported: leave it out or send 0",
+    "presence_penalty": "presence_penalty is not supported: leave it out or send 0",
+    "logit_bias": "logit_bias is not supported: leave it out or send {}",
+    "logprobs": "logprobs are not supported: leave them out",
+    "top_logprobs": "top_logprobs are not supported: leave them out",
+    "echo": "echo is not supported: leave it out",
+    "suffix": "suffix is not supported: leave it out",
+    "tools": "tools are not supported: leave them out",
+    "tool_choice": "tool_choice must be 'none' or 'auto' (tools are not supported)",
+    "response_format": "response_format must be {\"type\": \"text\"}: structured output is not supported",
+}
+
+# dispatch's guess of a request's output tokens (max_tokens caps it): a chat reply's length
+DEFAULT_EXPECTED_OUTPUT = 256
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_ids: list[int]
+    sampling: Sampling
+    stop: tuple[str, ...]
+    reading_rate: float
+    priority: int
+    stream: bool
+    include_usage: bool
+    rate: RateChoice  # reading_rate and where it came from
+    cadence: _Cadence | None = None  # chat turns and requests with `user`: the reply feeds the cadence
+    coalesce: bool = True  # stream_options.coalesce: false asks for one event per token
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far in every event
+
+
+@dataclass(frozen=True)
+class _Cadence:
+    lookup: Lookup
+    user: str | None  # scoped to the caller
+    keys: ConversationKeys | None  # chat requests
+
+
+@dataclass(frozen=True)
+class Live:
+    """A request the front is serving, for /v1/requests and the read cursor."""
+
+    gen: Generation
+    rate: RateChoice
+    caller: str  # the identity of its API key: only it may move the cursor
+
+
+class Front:
+    def __init__(self, supervisor: Supervisor, tokenizer: Tokenizer, config: ServerConfig, model_name: str,
+                 open_counts: OpenCounts | None = None) -> None:
+        self.supervisor = supervisor
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = model_name
+        self.metrics = Metrics(supervisor)
+        self.router = Router(supervisor.engine_config.page_size, supervisor.index)
+        self.arrivals: Arrivals[Arrival, Choice] = Arrivals(self._place)  # the pool's dispatch groups
+        self.draining = False
+        self.created = int(time.time())
+        self.chat_decoder = msgspec.json.Decoder(s.ChatCompletionRequest)
+        self.completion_decoder = msgspec.json.Decoder(s.CompletionRequest)
+        self.cursor_decoder = msgspec.json.Decoder(s.ReadCursor)
+        self.cadence = CadenceEstimator(max_rate=config.max_reading_rate)
+        self.live: dict[str, Live] = {}
+        # open requests, in total and per API key (its identity): this front's, or all fronts' (--api-servers)
+        self.open_counts = open_counts or OpenCounts()
+        # rate-aware coalescing of streamed requests, done by the engine's endpoint (engine/process/pacing.py)
+        self.coalescing = (Coalesce(config.coalesce_buffer, config.coalesce_interval)
+                           if config.coalesce_interval > 0 else None)
+        self.streams: set[SSEConnection] = set()  # open SSE responses, for the keep-alive sweep
+        # --api-servers N > 1: passes a read cursor for a request this front does not serve to the one
+        # that does (front_process.py); None answers 404 as before
+        self.relay: Callable[[str, web.Request], Awaitable[web.Response | None]] | None = None
+        self.federation = Federation(self)  # /federation/*, and a decode node's requests (daemon/api/federation.py)
+
+    async def keep_alive(self) -> None:
+        """Every half keep-alive interval, an SSE comment to each stream silent for the interval.
+
+        A buffer-aware engine leaves a stream silent while its reader has plenty in hand: tens of
+        seconds for a slow reader far ahead. Proxies and clients drop a connection after 60 s
+        without a byte (nginx's proxy_read_timeout, SDK read timeouts), which would cut off a
+        reader the engine is deliberately pausing. A comment line is ignored by every SSE client."""
+        while True:
+            await asyncio.sleep(self.config.sse_keepalive / 2)
+            self.sweep_keep_alive(time.monotonic())
+
+    def sweep_keep_alive(self, now: float) -> None:
+        """A comment line to each open stream that has written nothing for sse_keepalive s."""
+        quiet_since = now - self.config.sse_keepalive
+        for conn in list(self.streams):
+            if conn.last_write < quiet_since:
+                try:
+                    conn.keep_alive()
+                except Exception:  # one broken connection must not end the sweep for every stream
+                    log.exception("SSE keep-alive failed on one stream; the others go on")
+
+    # -- request preparation ------------------------------------------------------------------
+    async def read_body(self, request: web.Request) -> bytes:
+        """The body, within --body-timeout (else 408); over client_max_size aiohttp raises → 413."""
+        try:
+            async with asyncio.timeout(self.config.body_timeout):
+                return await request.read()
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.config.body_timeout:g} s: send it "
+                                "at once", code="body_timeout", headers={"Connection": "close"}) from None
+
+    async def decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
+        body = await self.read_body(request)
+        try:
+            try:
+                return decoder.decode(body)
+            except msgspec.ValidationError as e:  # a subclass of DecodeError: first
+                if "got `float`" not in str(e):
+                    raise
+                # 3.0 is an integer to JSON Schema (and to the published schema). The typed decoder
+                # stops at the first error, so the body may still not be JSON further on.
+                return msgspec.convert(_integral_floats_as_ints(msgspec.json.decode(body)), decoder.type)
+        except msgspec.ValidationError as e:
+            raise _validation_error(e) from None
+        except msgspec.DecodeError as e:
+            raise APIError(400, f"the body is not valid JSON ({e}): send a JSON object") from None
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"model {model!r} is not served here; this server serves {self.model_name!r} "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+
+    def check_priority(self, priority: int, request: web.Request) -> None:
+        why = priority_refusal(request[CALLER], priority)
+        if why is not None:
+            raise APIError(403, why, param="priority", code="priority_not_allowed")
+
+    def conversation_cadence(self, request: web.Request, user: str | None, messages: list[tuple[str, str]] | None,
+                 now: float) -> _Cadence | None:
+        """Match the request with the reply it follows (by `user`, or by conversation for a chat)."""
+        scope = request[CALLER].identity
+        user_key = f"user:{scope}:{user}" if user else None
+        keys = ConversationKeys.of(scope, messages) if messages else None
+        if user_key is None and keys is None:
+            return None
+        return _Cadence(self.cadence.on_request(now, user_key, keys), user_key, keys)
+
+    def file_reply(self, prep: Prepared, gen: Generation) -> None:
+        """A reply that ended normally is what the next turn of its conversation follows."""
+        c = prep.cadence
+        if c is None or gen.finish_reason not in ("stop", "length") or gen.last_sent is None:
+            return
+        # A whole (non-streamed) reply reaches the reader at once: reading starts when it ends.
+        t_first = gen.first_sent if prep.stream and gen.first_sent is not None else gen.last_sent
+        reply_key = c.keys.reply("".join(gen.text_parts or ())) if c.keys is not None else None
+        self.cadence.on_reply(c.lookup.owner, t_first, gen.last_sent, gen.num_delivered, user=c.user,
+                              reply_key=reply_key)
+
+    def prepare(self, body: s.ChatCompletionRequest | s.CompletionRequest, prompt_ids: list[int],
+                 max_tokens: int | None, request: web.Request, cadence: _Cadence | None = None) -> Prepared:
+        max_len = self.max_model_len()
+        n = len(prompt_ids)
+        if n == 0:
+            raise APIError(400, "the prompt is empty once tokenized: send some text", param="prompt",
+                           code="empty_prompt")
+        if n >= max_len:
+            raise APIError(400, f"the prompt has {n} tokens but the context holds {max_len} (prompt plus at least "
+                                "one new token): shorten the prompt", param="messages", code="context_length_exceeded")
+        if max_tokens is not None and n + max_tokens > max_len:
+            raise APIError(400, f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context length "
+                                f"{max_len}: lower max_tokens to at most {max_len - n}", param="max_tokens",
+                           code="context_length_exceeded")
+        if n + body.min_tokens > max_len:
+            raise APIError(400, f"prompt ({n} tokens) plus min_tokens ({body.min_tokens}) exceeds the context length "
+                                f"{max_len}: lower min_tokens to at most {max_len - n}", param="min_tokens",
+                           code="context_length_exceeded")
+        if body.min_tokens and max_tokens is not None and body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens",
+                           code="min_tokens_above_max_tokens")
+        vocab = self.tokenizer.vocab_size
+        if body.stop_token_ids and any(t >= vocab for t in body.stop_token_ids):
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(0, body.top_k or 0),
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+        )
+        learned = cadence.lookup.reading_rate if cadence is not None else None
+        rate = choose_rate(self._stated_rate(body, request), learned, self.config.default_reading_rate,
+                           self.config.max_reading_rate)
+        options = body.stream_options
+        return Prepared(prompt_ids, sampling, stop, rate.reading_rate, body.priority, body.stream,
+                         bool(options and options.include_usage), rate, cadence,
+                         coalesce=options is None or options.coalesce,
+                         continuous_usage=bool(options and options.continuous_usage_stats))
+
+    def _stated_rate(self, body: s.ChatCompletionRequest | s.CompletionRequest, request: web.Request) -> float | None:
+        """The client's own rate (the body's, else the X-Reading-Rate header's), before the clamp."""
+        if body.reading_rate is not None:
+            return body.reading_rate
+        header = request.headers.get("X-Reading-Rate")
+        if header is None:
+            return None
+        try:
+            rate = float(header)
+        except ValueError:
+            rate = math.nan
+        if not 0 < rate <= 1e6:
+            raise APIError(400, f"X-Reading-Rate must be a number of tokens/s in (0, 1e6], got {header!r}",
+                           param="X-Reading-Rate")
+        return rate
+
+    def max_model_len(self) -> int:
+        lens = [slot.info.max_model_len for slot in self.supervisor.slots if slot.ready and slot.info]
+        if not lens:
+            raise self._unavailable()
+        return min(lens)
+
+    def _unavailable(self) -> APIError:
+        why = "draining for shutdown" if self.draining else "starting or restarting its engines"
+        return APIError(503, f"the server is {why}: retry shortly", code="unavailable", headers={"Retry-After": "1"})
+
+    async def pick(self, prep: Prepared) -> Choice:
+        """The engine (and, with the pool on, where its prefix is read and its new segments go):
+        refusals first (draining, the waiting bound, no engine ready)."""
+        self.admissible()
+        if self.supervisor.engine_config.pool_mode == "off":
+            return self.router.pick(self.ready_slots(), prep.prompt_ids)
+        output = prep.sampling.max_tokens or DEFAULT_EXPECTED_OUTPUT
+        return await self.arrivals.add(Arrival(prep.prompt_ids, min(output, DEFAULT_EXPECTED_OUTPUT)))
+
+    def _place(self, arrivals: Sequence[Arrival]) -> list[Choice]:
+        """A group of arrivals with the pool on (daemon/api/arrivals.py)."""
+        slots = self.ready_slots()
+        infos = [slot.info for slot in slots if slot.info is not None]
+        segment = min(i.pool_segment_pages for i in infos) or 1
+        cost = TrafficCost(max(i.pool_query_row_bytes for i in infos), max(i.pool_kv_token_bytes for i in infos))
+        place = self.supervisor.engine_config.pool_placement == "home"
+        return self.router.dispatch(slots, arrivals, segment, cost, place=place)
+
+    def ready_slots(self) -> list:
+        slots = [slot for slot in self.supervisor.slots if slot.ready]
+        if not slots:
+            raise self._unavailable()
+        return slots
+
+    def admissible(self) -> None:
+        if self.draining:
+            raise self._unavailable()
+        if self.supervisor.num_waiting >= self.config.max_waiting_requests:
+            self.metrics.rejected.labels("429").inc()
+            raise APIError(429, f"{self.supervisor.num_waiting} requests are already waiting for an engine "
+                                f"(the bound is {self.config.max_waiting_requests}): retry after a second",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    def start(self, prep: Prepared, request_id: str, arrival: float, choice: Choice,
+               prefill_node: str | None = None, pull_from: str | None = None) -> Generation:
+        """`prefill_node`: a federated decode node's request, whose prompt that node computes, having
+        first pulled a longer prefix from `pull_from`."""
+        self.admissible()  # again: the requests placed with this one may have filled the queue
+        slot = self.supervisor.slots[choice.engine_id]
+        coalesce = self.coalescing if prep.stream and prep.coalesce else None
+        add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,
+                         front=self.supervisor.front, front_epoch=self.supervisor.front_epoch, coalesce=coalesce,
+                         prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
+                         place=[PrefixRun(e, keys) for e, keys in choice.places], remote_kv=prefill_node is not None)
+        try:
+            reserved = self.supervisor.expect(request_id) if prefill_node is not None else None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        try:
+            gen = Generation(self.supervisor, slot, add, self.tokenizer, prep.stop,
+                             self.metrics.engine(slot.engine_id), arrival,
+                             rate=RateMonitor(prep.reading_rate, max_rate=self.config.max_reading_rate,
+                                              initial_source=prep.rate.source),
+                             keep_text=prep.cadence is not None and prep.cadence.keys is not None,
+                             keep_ids=prefill_node is not None)
+        except NoEngineReady:
+            self.supervisor.forget(request_id)
+            raise self._unavailable() from None
+        if reserved is not None:
+            order = PrefillOrder(request_id, prep.prompt_ids, prep.sampling, None, 0.0, prep.priority,
+                                 prep.reading_rate, pull_from)
+            self.federation.drive(slot, request_id, order, prefill_node, reserved)
+        return gen
+
+
+def _integral_floats_as_ints(value: Any) -> Any:
+    """Integral floats (3.0) as ints, anywhere in a decoded JSON value: an integer field takes them,
+    a float field takes an int as well."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
+    return value
+
+
+def _validation_error(e: msgspec.ValidationError) -> APIError:
+    message = str(e)
+    param = message.rsplit("`$.", 1)[1].rstrip("`") if "`$." in message else None
+    if "unknown field" in message:
+        field = message.split("`")[1] if "`" in message else "?"
+        where = f" in {param}" if param else ""
+        return APIError(400, f"unknown field {field!r}{where}: remove it (see /openapi.json for the accepted "
+                             "fields)", param=field)
+    top = param.split(".")[0].split("[")[0] if param else None
+    if top in _UNSUPPORTED:
+        return APIError(400, _UNSUPPORTED[top], param=top)
+    return APIError(400, f"invalid request: {message}", param=param)
