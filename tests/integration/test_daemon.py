@@ -337,12 +337,17 @@ def test_after_the_fuzz_nothing_is_left_behind(daemon):
 
 
 def test_a_client_reading_slower_than_it_said_gets_its_real_rate(daemon):
-    """A raw socket with a tiny receive buffer that reads ~400 bytes/s (about 2 SSE events/s)
-    while claiming 50 tokens/s: writes block, and the engine is told the measured rate."""
+    """A raw socket with a tiny receive buffer that reads ~200 bytes/s while claiming 100 tokens/s
+    (the most a client may): writes block, and the engine is told the measured rate.
+
+    NOTE: a blocked stream's tokens go out together in its next event, so a byte rate carries more
+    tokens as the events grow: ~200 bytes/s, at 4 bytes or more of text a token, carry at most ~50
+    tokens/s, and an engine that generates fewer is the bound itself (400 bytes/s against a claim
+    of 50 measured the engine's own 27 tokens/s on a 2-core AMD EPYC: no slower than claimed)."""
     import socket as so
 
     body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1200, "ignore_eos": True,
-                       "stream": True, "reading_rate": 50, "temperature": 0}).encode()
+                       "stream": True, "reading_rate": 100, "temperature": 0}).encode()
     s = so.socket()
     s.setsockopt(so.SOL_SOCKET, so.SO_RCVBUF, 2048)
     s.connect(("127.0.0.1", daemon.port))
@@ -350,18 +355,18 @@ def test_a_client_reading_slower_than_it_said_gets_its_real_rate(daemon):
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     head = s.recv(2048).decode(errors="replace")
     rid = head.split("X-Request-Id: ")[1].split("\r\n")[0]
-    rate = 50.0
+    rate = 100.0
     deadline = time.monotonic() + 60
     try:
-        while time.monotonic() < deadline and rate > 25:
-            s.recv(40)
+        while time.monotonic() < deadline and rate > 70:
+            s.recv(20)
             time.sleep(0.1)
             r = daemon.http.get(f"/v1/requests/{rid}")
             if r.status_code == 200:
                 rate = r.json()["reading_rate"]
     finally:
         s.close()
-    assert rate < 25, f"the engine still assumes {rate} tokens/s"
+    assert rate < 70, f"the engine still assumes {rate} tokens/s"
     deadline = time.monotonic() + 10
     while daemon.http.get(f"/v1/requests/{rid}").status_code == 200 and time.monotonic() < deadline:
         time.sleep(0.05)
