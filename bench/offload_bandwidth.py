@@ -19,7 +19,8 @@ import time
 import torch
 
 from tokenflowd.engine.model.dummy import DUMMY_PRESETS
-from tokenflowd.kv.copier import LOAD, WRITE, CopyJob, make_copier
+from tokenflowd.kv.copier import LOAD, WRITE, CopyJob
+from tokenflowd.offload.copier import make_copier
 
 
 def kv_cache(preset: str, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

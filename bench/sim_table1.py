@@ -21,7 +21,7 @@ import math
 import time
 
 from tokenflowd.config import parse_size
-from tokenflowd.kv.build import HOST_POOLS_PER_DEVICE_POOL
+from tokenflowd.offload.build import HOST_POOLS_PER_DEVICE_POOL
 from tokenflowd.sim.run import run_simulation
 from tokenflowd.sim.scenarios import TABLE1, scenario
 

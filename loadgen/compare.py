@@ -12,8 +12,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from loadgen.measure import (client_config, measure, report_failures, requests_for, resolve_model, run_config,
-                         workload_from_args)
+from loadgen.measure import (
+    client_config,
+    measure,
+    report_failures,
+    requests_for,
+    resolve_model,
+    run_config,
+    workload_from_args,
+)
 from loadgen.report import SLO, document, dumps, format_table, ratios
 
 

@@ -9,10 +9,9 @@ import math
 import sys
 from collections import Counter
 
-from tokenflowd.sim.workload import parse_lengths, parse_reading_rates
-
 from loadgen.client import ClientConfig, RequestRecord, RunResult, run_blocking, served_model
 from loadgen.workload import BodyFormat, LoadRequest, LoadWorkload, describe, load_requests
+from tokenflowd.sim.workload import parse_lengths, parse_reading_rates
 
 
 def workload_from_args(a: argparse.Namespace) -> LoadWorkload:

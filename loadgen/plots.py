@@ -13,9 +13,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from tokenflowd.buffer.tracker import TokenBuffer
-
 from loadgen.client import RequestRecord
+from tokenflowd.buffer.tracker import TokenBuffer
 
 MAX_LINES = 40
 GRID_POINTS = 400

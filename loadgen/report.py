@@ -23,11 +23,10 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from loadgen.client import RequestRecord, RunResult
 from tokenflowd.buffer.qos import RequestQoS, Timeline, percentile, request_qos, summarize
 from tokenflowd.sim.result import format_table as sim_table
 from tokenflowd.sim.result import json_safe
-
-from loadgen.client import RequestRecord, RunResult
 
 TIME_DECIMALS = 6  # µs
 TABLE_KEYS = ("requests", "completed", "abandoned", "aborted", "errors", "output_tokens", "span", "throughput",

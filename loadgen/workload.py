@@ -25,9 +25,18 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from tokenflowd.sim.workload import (BLOCK_TOKENS, DEFAULT_TRACE, LENGTH_PRESETS, LengthDist, WorkloadRequest,
-                                     WorkloadSpec, arrival_times, assign_reading_rates, build_workload,
-                                     prompt_token_ids)
+from tokenflowd.sim.workload import (
+    BLOCK_TOKENS,
+    DEFAULT_TRACE,
+    LENGTH_PRESETS,
+    LengthDist,
+    WorkloadRequest,
+    WorkloadSpec,
+    arrival_times,
+    assign_reading_rates,
+    build_workload,
+    prompt_token_ids,
+)
 
 DATASETS = ("random", "mooncake", "burstgpt")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")

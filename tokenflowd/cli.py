@@ -6,8 +6,8 @@ import logging
 import sys
 import time
 
-from tokenflowd.engine.request import InvalidRequestError, SamplingParams
 from tokenflowd.config.flags import engine_args, engine_config
+from tokenflowd.engine.request import InvalidRequestError, SamplingParams
 from tokenflowd.text.source import ModelLoadError
 
 

@@ -135,7 +135,7 @@ def test_engines_exit_within_5_s_of_a_sigkilled_supervisor():
 FAULT_SITE = '''
 import os, sys
 if "tokenflowd.engine.process" in sys.orig_argv:  # engine processes only
-    from tokenflowd.kv import copier
+    from tokenflowd.offload import copier
 
     _run = copier.ThreadCopier._run
 

@@ -19,9 +19,10 @@ from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.model.loader import load_model_source
 from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch
-from tokenflowd.kv.copier import LOAD, WRITE, CopyJob, ThreadCopier
+from tokenflowd.kv.copier import LOAD, WRITE, CopyJob
+from tokenflowd.offload.copier import ThreadCopier
 from tokenflowd.kv.pages import chain_page_keys
-from tokenflowd.kv.tiers import DiskTier
+from tokenflowd.offload.tiers import DiskTier
 
 PAGE = 4
 FAMILIES = [[5 + 7 * f + i for i in range(48)] for f in range(3)]  # shared prefixes: prefix hits in every tier

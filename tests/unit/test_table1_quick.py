@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tokenflowd.config import PolicyConfig
-from tokenflowd.kv.build import HOST_POOLS_PER_DEVICE_POOL
+from tokenflowd.offload.build import HOST_POOLS_PER_DEVICE_POOL
 from tokenflowd.sim.run import run_simulation
 from tokenflowd.sim.scenarios import scenario
 

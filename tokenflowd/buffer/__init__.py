@@ -7,7 +7,6 @@ from tokenflowd.buffer.andes import AndesPolicy
 from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import SchedulingPolicy
 from tokenflowd.buffer.tokenflow import TokenFlowPolicy
-
 from tokenflowd.config import POLICY_NAMES
 
 if TYPE_CHECKING:

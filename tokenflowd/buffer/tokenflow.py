@@ -50,7 +50,12 @@ import numpy as np
 from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import Plan, RequestView, SchedulerView, SchedulingPolicy, cdiv
 from tokenflowd.buffer.working_set import (
-    IDLE_RUNNING, URGENT, WorkingSet, buffer_utility, build_working_set, swap_tiers,
+    IDLE_RUNNING,
+    URGENT,
+    WorkingSet,
+    buffer_utility,
+    build_working_set,
+    swap_tiers,
 )
 
 if TYPE_CHECKING:

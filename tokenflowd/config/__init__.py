@@ -7,11 +7,23 @@
     platform.py  what this machine offers (CUDA devices, fast bf16, flashinfer), asked without torch
     values.py    sizes with units, node URLs in one spelling
 """
-from tokenflowd.config.engine import POLICY_NAMES, QUANTIZATIONS, EngineConfig, PolicyConfig, resolve_peers, \
-    resolve_quantization
+from tokenflowd.config.engine import (
+           POLICY_NAMES,
+           QUANTIZATIONS,
+           EngineConfig,
+           PolicyConfig,
+           resolve_peers,
+           resolve_quantization,
+)
 from tokenflowd.config.server import MAX_PRIORITY, MIN_HEARTBEAT_INTERVAL, AuthConfig, KeyGrant, ServerConfig
-from tokenflowd.config.sources import ENV_NOT_CONFIG, ENV_PREFIX, config_toml, env_config, load_config_file, \
-    merge_sources
+from tokenflowd.config.sources import (
+           ENV_NOT_CONFIG,
+           ENV_PREFIX,
+           config_toml,
+           env_config,
+           load_config_file,
+           merge_sources,
+)
 from tokenflowd.config.values import normal_url, parse_size
 
 __all__ = ["POLICY_NAMES", "QUANTIZATIONS", "EngineConfig", "PolicyConfig", "resolve_peers", "resolve_quantization",

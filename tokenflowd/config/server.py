@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 MIN_HEARTBEAT_INTERVAL = 0.01  # s: an idle engine wakes this often at most (below: a busy spin)
 MAX_PRIORITY = 1000  # the largest |priority| a request may carry (openai_api/schema.py)
 

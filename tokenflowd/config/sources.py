@@ -2,10 +2,10 @@
 (TOKENFLOWD_*), the config file (TOML); merged section by section, and written back as TOML."""
 from __future__ import annotations
 
-
 from tokenflowd.config.engine import EngineConfig, PolicyConfig
 from tokenflowd.config.server import AuthConfig, ServerConfig
 from tokenflowd.config.values import parse_size
+
 
 def load_config_file(path: str) -> dict[str, dict]:
     """A TOML file with [server], [engine] and [policy] tables whose keys are ServerConfig /

@@ -31,8 +31,8 @@ import msgspec
 import zmq
 
 from tokenflowd import protocol as p
-from tokenflowd.daemon.api.open_counts import OPEN_COUNTS, SharedOpenCounts
 from tokenflowd.config import EngineConfig, ServerConfig
+from tokenflowd.daemon.api.open_counts import OPEN_COUNTS, SharedOpenCounts
 from tokenflowd.daemon.engine_handle import EngineHandle
 from tokenflowd.daemon.lifecycle import reload_live, report_status
 from tokenflowd.daemon.notify import Notifier

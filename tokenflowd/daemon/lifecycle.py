@@ -16,8 +16,8 @@ from aiohttp import web
 
 from tokenflowd.config import EngineConfig, ServerConfig
 from tokenflowd.daemon.api.app import build_app
-from tokenflowd.daemon.api.front import Front
 from tokenflowd.daemon.api.connections import ConnectionGuard, quiet_malformed_requests
+from tokenflowd.daemon.api.front import Front
 from tokenflowd.daemon.notify import Notifier
 from tokenflowd.daemon.supervisor import Supervisor
 

@@ -41,11 +41,11 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from tokenflowd.daemon.prefix_index import PrefixIndex
 from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.pool.dispatch import assign, balanced_slots
 from tokenflowd.pool.heat import SegmentHeat
 from tokenflowd.pool.homes import rendezvous_home
-from tokenflowd.daemon.prefix_index import PrefixIndex
 
 REPLICATE_SLACK = 0.5  # a holder busier than 1.5x the chosen engine's load, plus one request, is overloaded
 

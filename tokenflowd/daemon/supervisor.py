@@ -32,8 +32,8 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, PolicyConfig, ServerConfig
 from tokenflowd.daemon.engine_handle import EngineHandle, Stream
 from tokenflowd.daemon.launcher import LocalLauncher, engine_configs
-from tokenflowd.pool.names import cache_name, sweep_stale, unlink
 from tokenflowd.daemon.prefix_index import PrefixIndex
+from tokenflowd.pool.names import cache_name, sweep_stale, unlink
 
 log = logging.getLogger("tokenflowd.daemon.supervisor")
 

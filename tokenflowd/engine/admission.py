@@ -56,8 +56,8 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import numpy as np
 
 from tokenflowd.buffer.estimates import StepCost
-from tokenflowd.kv.pages import cdiv
 from tokenflowd.engine.request import Request, RequestStatus
+from tokenflowd.kv.pages import cdiv
 
 if TYPE_CHECKING:
     from tokenflowd.engine.scheduler import Scheduler

@@ -28,7 +28,7 @@ from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request
 from tokenflowd.engine.runner import ModelRunner
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.engine.self_check import self_check
-from tokenflowd.kv.build import build_kv
+from tokenflowd.offload.build import build_kv
 
 log = logging.getLogger(__name__)
 

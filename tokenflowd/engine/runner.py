@@ -10,9 +10,9 @@ import torch
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
 from tokenflowd.engine.executor import Executor
-from tokenflowd.engine.model.weights import LoadedModel
-from tokenflowd.engine.model.llama import LlamaModel
 from tokenflowd.engine.model.config import ModelConfig
+from tokenflowd.engine.model.llama import LlamaModel
+from tokenflowd.engine.model.weights import LoadedModel
 from tokenflowd.engine.sampler import Sampler
 from tokenflowd.engine.scheduler import ScheduledBatch
 

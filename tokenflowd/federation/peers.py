@@ -7,7 +7,9 @@ other URL would point the node's HTTP calls and its KV at a machine of the clien
 from __future__ import annotations
 
 from collections.abc import Iterable
+
 from tokenflowd.config.values import normal_url
+
 
 class Peers:
     """The listed nodes; `named(url)` is the listed spelling of `url`, or None when it is not listed."""

@@ -1,4 +1,6 @@
-"""The copier: moves whole KV pages between the device tier and the host tier, off the compute path.
+"""The copier seam: moves whole KV pages between the device tier and the host tier, off the compute
+path. Its lanes (a thread per direction on a CPU, a CUDA stream per direction on a GPU) are
+offload/copier.py's; the simulator's is sim/copier.py.
 
 Two lanes, one per direction, each first-in first-out:
 
@@ -27,10 +29,6 @@ its supervisor starts a fresh one, instead of waiting forever for a copy that wi
 from __future__ import annotations
 
 import abc
-import queue
-import threading
-import time
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +36,6 @@ from typing import Any
 import torch
 
 WRITE, LOAD = "write", "load"
-LANE_CHECK_INTERVAL = 1.0  # s between checks that a lane's worker is alive while waiting on it
 
 
 class CopierDead(RuntimeError):
@@ -150,25 +147,6 @@ class Copier(abc.ABC):
     def _wait(self, job: CopyJob) -> None: ...
 
 
-def copy_pages(dev: torch.Tensor, host: torch.Tensor, job: CopyJob) -> None:
-    """The copy itself on a CPU, straight between the tiers (one pass over the bytes): one strided
-    copy per run of pages consecutive on both sides (torch spreads it over its threads), else one
-    gather (write) or scatter (load) per run of consecutive host pages."""
-    for i, j, h in _runs(job.host_pages):
-        d = job.device_pages[i:j]
-        if d == list(range(d[0], d[0] + j - i)):
-            if job.lane == WRITE:
-                host[h : h + j - i].copy_(dev[d[0] : d[0] + j - i])
-            else:
-                dev[d[0] : d[0] + j - i].copy_(host[h : h + j - i])
-            continue
-        idx = torch.tensor(d, dtype=torch.int64)
-        if job.lane == WRITE:
-            torch.index_select(dev, 0, idx, out=host[h : h + j - i])
-        else:
-            dev.index_copy_(0, idx, host[h : h + j - i])
-
-
 class NullCopier(Copier):
     """The copier beside a NullHostTier: nothing is ever submitted to it."""
 
@@ -183,139 +161,3 @@ class NullCopier(Copier):
 
     def _wait(self, job: CopyJob) -> None:
         pass
-
-
-class ThreadCopier(Copier):
-    """CPU: one worker thread per lane.
-
-    NOTE: the threads hold the copier only weakly and stop when it is collected: an engine dropped
-    without close() (tests, the in-process API) must not keep its KV tensors alive through them."""
-
-    def __init__(self, device_pages: torch.Tensor, host_pages: torch.Tensor, prior_bandwidth: float = 4e9) -> None:
-        super().__init__(device_pages, host_pages, prior_bandwidth)
-        self._queues = {lane: queue.SimpleQueue() for lane in (WRITE, LOAD)}
-        me = weakref.ref(self)
-        self._threads = [threading.Thread(target=_worker, args=(q, me), name=f"kv-{lane}", daemon=True)
-                         for lane, q in self._queues.items()]
-        for t in self._threads:
-            t.start()
-        self._stop = weakref.finalize(self, _stop_workers, list(self._queues.values()))
-
-    def _run(self, job: CopyJob) -> None:
-        copy_pages(self.dev, self.host, job)
-
-    def _start(self, job: CopyJob) -> None:
-        job._events = threading.Event()
-        self._queues[job.lane].put(job)
-
-    def _finished(self, job: CopyJob) -> bool:
-        return job._events.is_set()
-
-    def _wait(self, job: CopyJob) -> None:
-        while not job._events.wait(LANE_CHECK_INTERVAL):
-            self._check_alive(job.lane)
-
-    def _check_alive(self, lane: str) -> None:
-        thread = self._threads[0 if lane == WRITE else 1]
-        if not thread.is_alive():
-            raise CopierDead(f"the KV {lane} lane's worker thread has exited with copies still queued")
-
-    def close(self) -> None:
-        for lane, jobs in self.in_flight.items():
-            if jobs:
-                self._check_alive(lane)
-        super().close()
-        self._stop()
-        for t in self._threads:
-            t.join()
-
-
-def _worker(q: queue.SimpleQueue, copier_ref: "weakref.ref[ThreadCopier]") -> None:
-    while True:
-        job = q.get()
-        copier = copier_ref()
-        if job is None or copier is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            copier._run(job)
-        except Exception as e:  # the job fails; the lane goes on with the next one
-            job.error = e
-        job.seconds = time.perf_counter() - t0
-        job._events.set()
-        del copier, job
-
-
-def _stop_workers(queues: list[queue.SimpleQueue]) -> None:
-    for q in queues:
-        q.put(None)
-
-
-class CudaCopier(Copier):
-    """GPU: one CUDA stream per lane, each ordered after the compute stream at submit.
-
-    A write gathers the job's device pages into one contiguous block on the copy stream, then
-    copies each run of consecutive host pages with one cudaMemcpyAsync into pinned memory; a load
-    does the reverse (one copy per host run into a device block, then one scatter)."""
-
-    def __init__(self, device_pages: torch.Tensor, host_pages: torch.Tensor, prior_bandwidth: float = 20e9) -> None:
-        super().__init__(device_pages, host_pages, prior_bandwidth)
-        self.device = device_pages.device
-        self._streams = {lane: torch.cuda.Stream(self.device) for lane in (WRITE, LOAD)}
-
-    def _start(self, job: CopyJob) -> None:
-        try:
-            self._enqueue(job)
-        except RuntimeError as e:  # a CUDA error is sticky: nothing on this device can be trusted
-            raise CopierDead(f"the KV {job.lane} lane could not start a copy: {e}") from e
-
-    def _enqueue(self, job: CopyJob) -> None:
-        stream = self._streams[job.lane]
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the step that wrote the pages
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            idx = torch.tensor(job.device_pages, dtype=torch.int64).to(self.device, non_blocking=True)
-            if job.lane == WRITE:
-                block = self.dev.index_select(0, idx)  # [n, layers, *rest] contiguous, on the copy stream
-                for i, j, h in _runs(job.host_pages):
-                    self.host[h : h + j - i].copy_(block[i:j], non_blocking=True)
-            else:
-                block = torch.empty((len(idx), *self.dev.shape[1:]), dtype=self.dev.dtype, device=self.device)
-                for i, j, h in _runs(job.host_pages):
-                    block[i:j].copy_(self.host[h : h + j - i], non_blocking=True)
-                self.dev.index_copy_(0, idx, block)
-            end.record(stream)
-        job._events = (start, end, block, idx)  # the block and index live until the copy is done
-
-    def _finished(self, job: CopyJob) -> bool:
-        start, end, _, _ = job._events
-        try:
-            if not end.query():
-                return False
-        except RuntimeError as e:  # the copy's CUDA error, surfacing here
-            raise CopierDead(f"the KV {job.lane} lane failed: {e}") from e
-        job.seconds = start.elapsed_time(end) / 1e3
-        return True
-
-    def _wait(self, job: CopyJob) -> None:
-        try:
-            job._events[1].synchronize()
-        except RuntimeError as e:
-            raise CopierDead(f"the KV {job.lane} lane failed: {e}") from e
-
-
-def _runs(host_pages: list[int]) -> list[tuple[int, int, int]]:
-    """(i, j, first host page) for each maximal run host_pages[i:j] of consecutive pages."""
-    runs, i = [], 0
-    for k in range(1, len(host_pages) + 1):
-        if k == len(host_pages) or host_pages[k] != host_pages[k - 1] + 1:
-            runs.append((i, k, host_pages[i]))
-            i = k
-    return runs
-
-
-def make_copier(device_pages: torch.Tensor, host_pages: torch.Tensor) -> Copier:
-    if device_pages.device.type == "cuda":
-        return CudaCopier(device_pages, host_pages)
-    return ThreadCopier(device_pages, host_pages)

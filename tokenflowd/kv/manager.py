@@ -11,7 +11,7 @@ A request's pages across the tiers (page_size 4; P = preempted):
 
     token pages      0    1    2    3    4
     block_table     d7   d2   d9   d4   d5        device (pages.py, DeviceTier)
-    host_pages      h0   h1   h3                  host (tiers.py: HostTier, or NullHostTier)
+    host_pages      h0   h1   h3                  host (offload/tiers.py HostTier, or NullHostTier)
                     [ written  )[flight)          write frontier at 8 tokens, issued to 12
     on P:  d7 d2 freed at once; d9 freed when its copy ends; d4 d5 (not yet written, computed
            to token 18) written as one eviction job, then freed.
@@ -42,7 +42,7 @@ from typing import Callable, Iterable, NamedTuple, Protocol
 
 from tokenflowd.kv.copier import LOAD, WRITE, Copier, CopierDead, CopyJob, NullCopier
 from tokenflowd.kv.pages import PagePool, cdiv, chain_page_keys
-from tokenflowd.kv.tiers import DEVICE, DISK, HOST, REMOTE, HostTier, NullHostTier
+from tokenflowd.kv.tiers import DEVICE, DISK, HOST, REMOTE, KVTier, NullHostTier
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class _Tag(NamedTuple):
 
 
 class KVCacheManager:
-    def __init__(self, device: PagePool, page_size: int, host: HostTier | None = None, copier: Copier | None = None,
+    def __init__(self, device: PagePool, page_size: int, host: KVTier | None = None, copier: Copier | None = None,
                  mode: str = NO_OFFLOAD, load_evict_overlap: bool = True) -> None:
         assert mode in (WRITE_THROUGH, WRITE_BACK, NO_OFFLOAD)
         self.pool = device

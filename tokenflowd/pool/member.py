@@ -34,13 +34,19 @@ import zmq
 from tokenflowd import protocol as p
 from tokenflowd.engine.errors import ForeignPrefixLost
 from tokenflowd.engine.scheduler import ScheduledBatch
-from tokenflowd.kv.staging import gather_pages, scatter_pages
 from tokenflowd.kv.pages import OutOfPages, PagePool
+from tokenflowd.kv.staging import gather_pages, scatter_pages
 from tokenflowd.pool.attention import HolderRows, PeerCache, PooledAttention, QueriedHolder
 from tokenflowd.pool.names import cache_name, service_address
 from tokenflowd.pool.query import PeerGone, QueryClient, QueryService
-from tokenflowd.pool.segments import (SegmentCosts, attend_probe, measure_k_comp, measure_link, pages_per_segment,
-                                      query_payload)
+from tokenflowd.pool.segments import (
+    SegmentCosts,
+    attend_probe,
+    measure_k_comp,
+    measure_link,
+    pages_per_segment,
+    query_payload,
+)
 from tokenflowd.pool.shared_kv import SharedKV
 
 log = logging.getLogger("tokenflowd.pool")

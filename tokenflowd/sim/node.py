@@ -31,13 +31,13 @@ from typing import Sequence
 from tokenflowd.buffer import make_policy
 from tokenflowd.buffer.qos import Timeline, summarize
 from tokenflowd.config import PolicyConfig
+from tokenflowd.daemon.prefix_index import PrefixIndex
+from tokenflowd.daemon.router import Router
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool
-from tokenflowd.daemon.prefix_index import PrefixIndex
-from tokenflowd.daemon.router import Router
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.cost import CostModel
 from tokenflowd.sim.executor import CostModelExecutor

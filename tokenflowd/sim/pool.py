@@ -25,10 +25,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tokenflowd.kv.pages import chain_page_keys
-from tokenflowd.pool.homes import Placement
 from tokenflowd.daemon.prefix_index import PrefixIndex
 from tokenflowd.daemon.router import Router
+from tokenflowd.kv.pages import chain_page_keys
+from tokenflowd.pool.homes import Placement
 from tokenflowd.sim.workload import BLOCK_TOKENS, WorkloadRequest
 
 MODES = ("routing", "pool")

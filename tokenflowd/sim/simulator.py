@@ -33,7 +33,7 @@ from tokenflowd.engine.request import Request, SamplingParams
 from tokenflowd.engine.scheduler import Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import PagePool
-from tokenflowd.kv.tiers import HostTier
+from tokenflowd.offload.tiers import HostTier
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.copier import SimCopier
 from tokenflowd.sim.cost import CostModel

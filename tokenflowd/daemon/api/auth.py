@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from tokenflowd.openai_api.errors import error_response
 from tokenflowd.config import AuthConfig
+from tokenflowd.openai_api.errors import error_response
 
 ENV_VAR = "TOKENFLOWD_API_KEY"
 NODE_KEY_ENV_VAR = "TOKENFLOWD_NODE_KEY"  # the key this node sends to its peers' /federation/*

@@ -26,12 +26,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from tokenflowd.buffer.tracker import TokenBuffer
 from tokenflowd.daemon.api.metrics import EngineMetrics
 from tokenflowd.daemon.api.rates import RateMonitor
-from tokenflowd.buffer.tracker import TokenBuffer
 from tokenflowd.daemon.engine_handle import EngineHandle
-from tokenflowd.protocol import AddRequest, Delta
 from tokenflowd.daemon.supervisor import Supervisor
+from tokenflowd.protocol import AddRequest, Delta
 from tokenflowd.text.stream import IncrementalDetokenizer, StopStringMatcher
 from tokenflowd.text.tokenizer import Tokenizer
 

@@ -9,8 +9,8 @@ import dataclasses
 
 import torch
 
-from tokenflowd.engine.model.weights import LoadedModel, ModelLoadError, expected_weight_shapes
 from tokenflowd.engine.model.config import ModelConfig, RopeScaling
+from tokenflowd.engine.model.weights import LoadedModel, ModelLoadError, expected_weight_shapes
 from tokenflowd.text.source import DUMMY_PRESET_NAMES, dummy_tokenizer
 
 DUMMY_PRESETS: dict[str, ModelConfig] = {

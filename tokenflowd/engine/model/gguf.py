@@ -18,9 +18,9 @@ import gguf
 import numpy as np
 import torch
 
+from tokenflowd.engine.model.config import ModelConfig, RopeScaling
 from tokenflowd.engine.model.quant import Int4Codes, from_q4_0, from_q4_1
 from tokenflowd.engine.model.weights import LoadedModel, ModelLoadError, check_weights
-from tokenflowd.engine.model.config import ModelConfig, RopeScaling
 from tokenflowd.text.source import open_gguf
 from tokenflowd.text.tokenizer import Tokenizer
 

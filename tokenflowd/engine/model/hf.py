@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tokenflowd.engine.model.weights import LoadedModel, ModelLoadError, check_weights, expected_weight_shapes
 from tokenflowd.engine.model.config import ModelConfig
+from tokenflowd.engine.model.weights import LoadedModel, ModelLoadError, check_weights, expected_weight_shapes
 from tokenflowd.text.tokenizer import Tokenizer
 
 # Buffers some checkpoints carry that are recomputed, not learned.

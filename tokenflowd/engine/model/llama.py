@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenflowd.engine.attention.base import AttentionBackend
-from tokenflowd.engine.model.logits import FastLogits
 from tokenflowd.engine.model.config import ModelConfig
+from tokenflowd.engine.model.logits import FastLogits
 from tokenflowd.engine.model.packed import PackedDense
 from tokenflowd.engine.model.quant import GROUP_SIZE, Int4Codes, Int4Weight, Int8Rows, quantize
 

@@ -31,10 +31,10 @@ import msgspec
 
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, PolicyConfig
+from tokenflowd.config.platform import die_with_parent
 from tokenflowd.engine.admission import QueueDelayExceeded
 from tokenflowd.engine.core import EngineCore, EngineCoreOutput
 from tokenflowd.engine.errors import EngineFailed
-from tokenflowd.config.platform import die_with_parent
 from tokenflowd.engine.process.endpoint import EngineEndpoint, SupervisorUnreachable
 from tokenflowd.engine.request import InvalidRequestError, Request, SamplingParams
 from tokenflowd.federation.engine_hooks import FederationHooks, kv_token_bytes

@@ -2,13 +2,11 @@
 served by core.py's Conductor; `run` starts it for `tokenflowd conductor`."""
 from __future__ import annotations
 
-
 from aiohttp import web
-
-from tokenflowd.openai_api.errors import MAX_BODY_SIZE, error_middleware
 
 from tokenflowd.federation.conductor.config import ConductorConfig
 from tokenflowd.federation.conductor.core import MAX_BODY, Conductor
+from tokenflowd.openai_api.errors import MAX_BODY_SIZE, error_middleware
 
 
 def build_app(conductor: Conductor) -> web.Application:

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass
 
-
+import tomllib
 
 
 @dataclass(frozen=True)

@@ -37,16 +37,15 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from tokenflowd.openai_api import schema as s
-from tokenflowd.openai_api.errors import APIError, error_event
-from tokenflowd.federation.wire import PREFILL_HEADER, PREFIX_HEADER
-from tokenflowd.federation.conductor.placement import DecodeNode, Placement, PrefillNode, Rejection, place
-from tokenflowd.federation.conductor.remote_prefill import RemotePrefill
-from tokenflowd.federation.conductor.rejection import DecodeLoad, EarlyRejection
-from tokenflowd.kv.pages import chain_page_keys
-
 from tokenflowd.federation.conductor.config import ConductorConfig
 from tokenflowd.federation.conductor.nodes import NodeView
+from tokenflowd.federation.conductor.placement import DecodeNode, Placement, PrefillNode, Rejection, place
+from tokenflowd.federation.conductor.rejection import DecodeLoad, EarlyRejection
+from tokenflowd.federation.conductor.remote_prefill import RemotePrefill
+from tokenflowd.federation.wire import PREFILL_HEADER, PREFIX_HEADER
+from tokenflowd.kv.pages import chain_page_keys
+from tokenflowd.openai_api import schema as s
+from tokenflowd.openai_api.errors import APIError, error_event
 
 log = logging.getLogger("tokenflowd.conductor")
 

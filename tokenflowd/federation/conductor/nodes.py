@@ -5,8 +5,6 @@ import math
 from dataclasses import dataclass, field
 
 
-
-
 @dataclass
 class NodeView:
     """A node as the conductor last heard of it."""

@@ -32,10 +32,9 @@ import math
 from collections import deque
 from typing import Iterable
 
+from tokenflowd.federation.conductor.nodes import NodeView
 from tokenflowd.federation.plan import egress, plan_cluster
 from tokenflowd.federation.prfaas import Lengths, evaluate
-
-from tokenflowd.federation.conductor.nodes import NodeView
 
 log = logging.getLogger("tokenflowd.conductor")
 

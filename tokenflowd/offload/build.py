@@ -7,10 +7,10 @@ import os
 import torch
 
 from tokenflowd.config import EngineConfig
-from tokenflowd.kv.copier import make_copier
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import PagePool
-from tokenflowd.kv.tiers import DiskTier, HostTier
+from tokenflowd.offload.copier import make_copier
+from tokenflowd.offload.tiers import DiskTier, HostTier
 
 log = logging.getLogger(__name__)
 
