@@ -91,7 +91,7 @@ def test_cuda_copier_round_trip_is_byte_identical():
     """Pages gathered from the flashinfer layout to pinned host memory on the write stream and
     scattered back on the load stream come back bit for bit."""
     from tokenflowd.kv.copier import LOAD, WRITE, CopyJob
-from tokenflowd.offload.copier import CudaCopier
+    from tokenflowd.offload.copier import CudaCopier
 
     cache = torch.randn(4, 2, 12, 2, 16, 8, device="cuda").to(torch.bfloat16)  # [layers, 2, pages, heads, page, dim]
     dev = cache.movedim(2, 0)
