@@ -11,14 +11,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenflowd.buffer.estimates import StepCost
+from tokenflowd.kv.pages import cdiv
 
 if TYPE_CHECKING:
     from tokenflowd.config import PolicyConfig
-
-
-def cdiv(a: int, b: int) -> int:
-    """a / b rounded up (pages for a number of tokens)."""
-    return -(-a // b)
 
 
 @dataclass(frozen=True, slots=True)
