@@ -529,7 +529,7 @@ def test_a_request_whose_load_failed_is_not_loaded_again(tiny):
 
 def test_copies_that_keep_failing_end_the_engine(tiny):
     from tokenflowd.kv.copier import CopierDead
-    from tokenflowd.kv.manager import MAX_COPY_FAILURES
+    from tokenflowd.offload.traffic import MAX_COPY_FAILURES
 
     core = make(tiny)
     failed = failing(core, WRITE, times=1000)

@@ -145,7 +145,7 @@ class EngineCore:
                 generated += sum(len(out.new_token_ids) for out in self.step())
         self.wait_copies()
         self.stats = StepStats()
-        self.kv.stats = type(self.kv.stats)()
+        self.kv.reset_stats()
         self.scheduler.num_preemptions = 0
         self.scheduler.reset_models()
         if self.admission is not None:  # its pace was taken against the models just forgotten

@@ -88,7 +88,7 @@ class Request:
                       <- num_prompt_tokens -> <- num_output_tokens ->
         computed:   [=========== num_computed_tokens ===)     KV of these is on the device
 
-    Where that KV lives, in every tier, is the KV manager's (kv/manager.py: RequestKV).
+    Where that KV lives, in every tier, is the KV manager's (kv/state.py: RequestKV).
     """
 
     request_id: str

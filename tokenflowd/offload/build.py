@@ -11,6 +11,7 @@ from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import PagePool
 from tokenflowd.offload.copier import make_copier
 from tokenflowd.offload.tiers import DiskTier, HostTier
+from tokenflowd.offload.traffic import HostOffloader
 
 log = logging.getLogger(__name__)
 
@@ -55,5 +56,6 @@ def build_kv(config: EngineConfig, kv_cache: torch.Tensor, page_axis: int, num_p
                              disk=disk)
     log.info("host KV tier: %d pages (%.1f MiB, %s)%s", num_host, num_host * page_bytes / 2**20, config.offload,
              f", disk tier {disk.num_pages} pages in {directory}" if disk else "")
-    return KVCacheManager(device, config.page_size, host, make_copier(device_pages, host.pages), config.offload,
-                          config.load_evict_overlap)
+    offloader = HostOffloader(device, config.page_size, host, make_copier(device_pages, host.pages), config.offload,
+                              config.load_evict_overlap)
+    return KVCacheManager(device, config.page_size, offloader)

@@ -34,6 +34,7 @@ from tokenflowd.engine.scheduler import Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import PagePool
 from tokenflowd.offload.tiers import HostTier
+from tokenflowd.offload.traffic import HostOffloader
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.copier import SimCopier
 from tokenflowd.sim.cost import CostModel
@@ -124,7 +125,8 @@ class Simulator:
             raise ValueError(f"offload {mode} needs a host tier of at least one page ({page_bytes} bytes)")
         copier = SimCopier(self.cost.host_link_bandwidth * self.cost.host_link_efficiency, self.clock)
         host = HostTier(host_kv_memory // page_bytes, page_bytes, None, prefix_caching)
-        return KVCacheManager(self.pool, self.cost.page_size, host, copier, mode, overlap)
+        return KVCacheManager(self.pool, self.cost.page_size,
+                              HostOffloader(self.pool, self.cost.page_size, host, copier, mode, overlap))
 
     def _check_fits(self) -> None:
         room = self.cost.max_tokens_in_pool
