@@ -1,5 +1,5 @@
 """A fresh daemon as an operator meets it: `tokenflowd serve` to /health 200, the TTFT of its first
-and tenth requests, and the front process's own footprint (RSS, whether it imported torch).
+and tenth requests, and the API server process's own footprint (RSS, whether it imported torch).
 
     .venv/bin/python bench/fresh_daemon.py [--runs 3] [--out bench/results/fresh_daemon.json]
 

@@ -124,7 +124,7 @@ def front_main(a: argparse.Namespace) -> int:
 
     from tokenflowd import protocol as p
     from tokenflowd.config import EngineConfig, ServerConfig
-    from tokenflowd.daemon.fronts import run_fronts
+    from tokenflowd.daemon.api_servers import run_api_servers
     from tokenflowd.daemon.serve import run_server
     from tokenflowd.daemon.supervisor import Supervisor
 
@@ -144,7 +144,7 @@ def front_main(a: argparse.Namespace) -> int:
     async def serve() -> None:
         watcher = asyncio.create_task(probe.watch_loop())
         if a.api_servers > 1:
-            await run_fronts(server, engine, a.api_servers, supervisor_factory=NullSupervisor)
+            await run_api_servers(server, engine, a.api_servers, supervisor_factory=NullSupervisor)
         else:
             await run_server(server, engine, supervisor_factory=NullSupervisor, backlog=a.backlog)
         watcher.cancel()
@@ -660,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backlog", type=int, default=4096, help="the front's listen backlog")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin the processes to CPUs")
     ap.add_argument("--api-servers", type=int, default=1,
-                    help="front processes (tokenflowd serve --api-servers): with more than 1, pin nothing (--no-pin), "
+                    help="API server processes (tokenflowd serve --api-servers): with more than 1, pin nothing (--no-pin), "
                          "and the front's loop-stall probe sees only the supervisor")
     ap.add_argument("--out", default=str(HERE / "results" / "front_capacity.json"))
     ap.add_argument("--keep-raw", metavar="DIR", help="keep the raw logs (engine send times, client arrivals, "

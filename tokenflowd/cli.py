@@ -71,7 +71,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(config_toml(server, engine), end="")
         return 0
     if engine.role != "both" and (server.api_servers or 1) > 1:
-        print("tokenflowd: a prefill or decode node runs one front process (--api-servers 1): its stores, its "
+        print("tokenflowd: a prefill or decode node runs one API server process (--api-servers 1): its stores, its "
               "key log and its role are the front's, and a peer's calls must all reach the same one", file=sys.stderr)
         return 2
     missing = federation_missing(engine.role)
@@ -99,7 +99,7 @@ def federation_missing(role: str) -> str | None:
 def cmd_conductor(a: argparse.Namespace) -> int:
     import dataclasses
 
-    from tokenflowd.federation.conductor.app import run
+    from tokenflowd.federation.conductor.service import run
     from tokenflowd.federation.conductor.config import ConductorConfig
 
     try:
@@ -198,9 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--shutdown-timeout", type=float,
                    help="s open streams may take to finish after SIGTERM before they end with an error (default 30)")
     v.add_argument("--api-servers", type=int,
-                   help="front processes sharing the port (SO_REUSEPORT), each talking to every engine; the limits "
-                        "above are split among them, but --max-streams and each key's max_concurrent hold for all "
-                        "together (default: one per engine on a GPU box, 1 on CPU)")
+                   help="API server processes sharing the port (SO_REUSEPORT), each talking to every engine; "
+                        "the limits above are split among them, but --max-streams and each key's max_concurrent "
+                        "hold for all together (default: one per engine on a GPU box, 1 on CPU)")
     v.add_argument("--coalesce-buffer", type=float,
                    help="s of reading a client's modelled buffer must hold before its tokens are gathered into one "
                         "SSE event per --coalesce-interval (default 2)")

@@ -60,7 +60,7 @@ class AddRequest(msgspec.Struct, tag=True):
     reading_rate: float  # tokens/s the client reads
     priority: int = 0  # higher is sooner
     arrival_time: float = 0.0
-    front: int = 0  # the output (EngineSpec) its deltas go to: the front process that serves it
+    front: int = 0  # the output (EngineSpec) its deltas go to: the API server process that serves it
     front_epoch: int = 0  # which start of that front sent it (AbortFront)
     coalesce: Coalesce | None = None  # None: every step's tokens at once
     # The pool: runs covering the prompt's leading pages, held by engines of this node (the
@@ -150,7 +150,7 @@ class QueryRequests(msgspec.Struct, tag=True):
 
 
 class AbortFront(msgspec.Struct, tag=True):
-    """A front process is gone: every request it sent is aborted (its pages freed), and an AddRequest
+    """An API server process is gone: every request it sent is aborted (its pages freed), and an AddRequest
     it sent that comes later (from another socket, so in no set order with this) is dropped: any with
     a front_epoch up to `epoch`."""
 
@@ -170,7 +170,7 @@ class Reconfigure(msgspec.Struct, tag=True):
 
 
 class QueryKeys(msgspec.Struct, tag=True):
-    """A front process that starts (or restarts) asks for every page key the prefix cache holds: the
+    """An API server process that starts (or restarts) asks for every page key the prefix cache holds: the
     step messages it missed carried them. Answered by KeySnapshot on that front's output."""
 
     front: int
@@ -288,7 +288,7 @@ class RequestInfo(msgspec.Struct):
     stall_time: float
     num_stalls: int
     num_pages: int
-    front: int = 0  # the front process that serves it (--api-servers N > 1), as the engine knows it
+    front: int = 0  # the API server process that serves it (--api-servers N > 1), as the engine knows it
 
 
 class QueryReply(msgspec.Struct, tag=True):
@@ -351,22 +351,22 @@ class EngineSpec(msgspec.Struct):
     engine_id: int
     incarnation: int
     input_address: str  # the engine binds it; the supervisor and every front connect
-    output_address: str  # output 0: the supervisor (and, with one front process, the front)
+    output_address: str  # output 0: the supervisor (and, with one API server process, the front)
     heartbeat_interval: float
     config: dict  # EngineConfig fields
     # s one message may wait for the supervisor to take it; beyond, the engine exits (the supervisor
     # kills an engine silent for its heartbeat timeout anyway, so waiting longer serves no one)
     send_timeout: float = 30.0
     supervisor_pid: int = 0  # the parent it must not outlive (0: whatever parent it starts with)
-    # outputs 1..N: the front processes of --api-servers N > 1 (a request's deltas go to its front;
+    # outputs 1..N: the API server processes of --api-servers N > 1 (a request's deltas go to its front;
     # what every front needs, Ready and the step messages' stats and keys, goes to all)
     front_addresses: list[str] = []
     runtime_dir: str = ""  # the daemon's private directory (the pool's sockets and shared caches)
 
 
-# -- the supervisor and its front processes (--api-servers N > 1) ---------------------------------
+# -- the supervisor and its API server processes (--api-servers N > 1) ---------------------------------
 class EngineState(msgspec.Struct):
-    """One engine as the supervisor knows it: what a front process needs to talk to it and report it."""
+    """One engine as the supervisor knows it: what an API server process needs to talk to it and report it."""
 
     engine_id: int
     incarnation: int
@@ -381,21 +381,21 @@ class EngineState(msgspec.Struct):
 
 
 class EngineTable(msgspec.Struct, tag=True):
-    """Supervisor → every front process (zmq PUB), on every change and every heartbeat interval."""
+    """Supervisor → every API server process (zmq PUB), on every change and every heartbeat interval."""
 
     engines: list[EngineState]
     log_level: str
 
 
 class FrontListening(msgspec.Struct, tag=True):
-    """A front process → the supervisor: its port is open."""
+    """An API server process → the supervisor: its port is open."""
 
     front: int
     pid: int
 
 
-class FrontSpec(msgspec.Struct):
-    """How the supervisor starts a front process (JSON on its stdin: the [auth] keys are secrets)."""
+class ApiServerSpec(msgspec.Struct):
+    """How the supervisor starts an API server process (JSON on its stdin: the [auth] keys are secrets)."""
 
     front: int  # 1..N: its output index at every engine
     runtime_dir: str

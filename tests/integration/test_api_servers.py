@@ -1,4 +1,4 @@
-"""`--api-servers 2`: two front processes share the port, each over every engine (fronts.py)."""
+"""`--api-servers 2`: two API server processes share the port, each over every engine (api_servers.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,7 @@ MODEL = "smollm2-135m"
 
 def fronts(d: Daemon) -> list[psutil.Process]:
     return [c for c in psutil.Process(d.proc.pid).children()
-            if "tokenflowd.daemon.front_process" in " ".join(c.cmdline())]
+            if "tokenflowd.daemon.api_server" in " ".join(c.cmdline())]
 
 
 def idle_pages(d: Daemon, timeout: float = 60) -> float:
@@ -37,14 +37,14 @@ def listening(proc: psutil.Process, port: int) -> bool:
 
 
 def wait_for_fronts(d: Daemon, n: int, timeout: float = 120) -> list[psutil.Process]:
-    """The n front processes, once each listens on the port and the engines serve."""
+    """The n API server processes, once each listens on the port and the engines serve."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         procs = fronts(d)
         if len(procs) == n and all(listening(f, d.port) for f in procs) and d.health()["status"] == "ok":
             return procs
         time.sleep(0.2)
-    raise TimeoutError("the front processes did not come up")
+    raise TimeoutError("the API server processes did not come up")
 
 
 async def stream(client: httpx.AsyncClient, body: dict, drop_after: int | None = None) -> tuple[int, str, int]:

@@ -1,4 +1,4 @@
-"""The front process (HTTP, supervisor, tokenizer) never imports torch: it computes nothing, and
+"""The API server process (HTTP, supervisor, tokenizer) never imports torch: it computes nothing, and
 torch costs it ~300 MB of RSS and ~200k objects the collector walks."""
 from __future__ import annotations
 

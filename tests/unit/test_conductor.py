@@ -1,4 +1,4 @@
-"""The conductor's view of its nodes and its choices (federation/conductor/app.py), and the node's key log
+"""The conductor's view of its nodes and its choices (federation/conductor/service.py), and the node's key log
 it follows (daemon/api/federation.py), without processes: what a node's /federation/state says, which
 (prefill, decode) pair a request gets, and how nodes that are gone leave placement."""
 from __future__ import annotations
@@ -217,4 +217,4 @@ def test_a_prefill_or_decode_node_runs_one_front_process(capsys):
 
     assert api_servers(ServerConfig(), EngineConfig(role="prefill", device="cuda")) == 1
     code = main(["serve", "--role", "prefill", "--api-servers", "2", "--port", "8123"])
-    assert code == 2 and "one front process" in capsys.readouterr().err
+    assert code == 2 and "one API server process" in capsys.readouterr().err

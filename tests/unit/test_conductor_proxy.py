@@ -11,7 +11,7 @@ import contextlib
 import aiohttp
 from aiohttp import web
 
-from tokenflowd.federation.conductor.app import build_app
+from tokenflowd.federation.conductor.service import build_conductor_app
 from tokenflowd.federation.conductor.config import ConductorConfig
 from tokenflowd.federation.conductor.core import Conductor
 from tokenflowd.kv.pages import chain_page_keys
@@ -64,7 +64,7 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
 async def cluster(nodes: list[tuple[str, str]], wait: float = 5.0, **config):
     c = Conductor(ConductorConfig(nodes=tuple(nodes), poll_interval=0.05, ttft_slo=100, tbt_slo=100, **config),
                   Tokenizer())
-    runner, url = await serve(build_app(c))
+    runner, url = await serve(build_conductor_app(c))
     deadline = asyncio.get_running_loop().time() + wait
     while not all(n.serving for n in c.nodes.values()) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.02)

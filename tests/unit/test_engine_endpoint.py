@@ -43,7 +43,7 @@ def test_a_message_nobody_takes_raises_after_the_send_timeout(tmp_path):
 
 
 def test_deltas_go_to_the_front_that_sent_the_request_and_the_rest_to_all(tmp_path):
-    """With front processes, a request's deltas reach only its front; stats and Ready reach every
+    """With API server processes, a request's deltas reach only its front; stats and Ready reach every
     output; a query's reply the output that asked; AbortFront aborts that front's requests alone."""
     import msgspec
     import zmq

@@ -1,4 +1,4 @@
-"""Open requests counted across front processes (daemon/api/open_counts.py)."""
+"""Open requests counted across API server processes (daemon/api/open_counts.py)."""
 from __future__ import annotations
 
 import multiprocessing

@@ -1,5 +1,5 @@
 """What this machine offers: CUDA devices, fast bf16 on the CPU, flashinfer; and a child process's
-death with its parent (the supervisor's engines and front processes).
+death with its parent (the supervisor's engines and API server processes).
 
 Asked without importing torch into the calling process: the front resolves the engine config
 (how many engines, which device) but never computes, and torch costs it ~300 MB of RSS. Where

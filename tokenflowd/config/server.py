@@ -121,7 +121,7 @@ class ServerConfig:
     header_timeout: float = 10.0  # s a request head (line and headers) may take to arrive (slow-loris)
     body_timeout: float = 60.0  # s a request body may take to arrive; beyond: 408
     keepalive_timeout: float = 75.0  # s an idle keep-alive connection stays open
-    # front processes sharing the port (SO_REUSEPORT); None: one per engine on a GPU box, 1 on CPU
+    # API server processes sharing the port (SO_REUSEPORT); None: one per engine on a GPU box, 1 on CPU
     api_servers: int | None = None
     api_key_file: str | None = None  # one key a line; with TOKENFLOWD_API_KEY, /v1/* needs a key (else 401)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR; a SIGHUP reload changes it live
@@ -158,7 +158,7 @@ class ServerConfig:
         if self.api_servers is not None and (type(self.api_servers) is not int or not 1 <= self.api_servers <= 64):
             raise ValueError(f"api_servers must be an integer in [1, 64] (or unset), got {self.api_servers!r}")
         if self.api_servers is not None and self.api_servers > 1 and self.port == 0:
-            raise ValueError("api_servers above 1 needs a fixed port: the front processes share it")
+            raise ValueError("api_servers above 1 needs a fixed port: the API server processes share it")
         for name in ("max_streams", "max_connections"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):

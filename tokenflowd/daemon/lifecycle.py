@@ -1,5 +1,5 @@
-"""What every front process of the daemon shares, whether it is the supervisor's own (serve.py)
-or one of --api-servers N (fronts.py, front_process.py): the listening HTTP front, SIGHUP's live
+"""What every API server process of the daemon shares, whether it is the supervisor's own (serve.py)
+or one of --api-servers N (api_servers.py, api_server.py): the listening HTTP front, SIGHUP's live
 reload, the status lines systemd shows, and the collector's freeze after start-up.
 """
 from __future__ import annotations
@@ -27,16 +27,16 @@ log = logging.getLogger("tokenflowd")
 Reload = Callable[[], tuple[ServerConfig, EngineConfig]]
 
 
-class FrontsListening(Protocol):
-    """What report_status reads of --api-servers' fronts (fronts.py)."""
+class ApiServersListening(Protocol):
+    """What report_status reads of --api-servers' fronts (api_servers.py)."""
 
     n: int
     listening: set
 
 
-class HttpFront:
-    """The HTTP side of one front process: the aiohttp app behind a ConnectionGuard on the port
-    (shared with the other front processes through SO_REUSEPORT when `reuse_port`)."""
+class Listener:
+    """The HTTP side of one API server process: the aiohttp app behind a ConnectionGuard on the port
+    (shared with the other API server processes through SO_REUSEPORT when `reuse_port`)."""
 
     def __init__(self, front: Front, backlog: int = 1024, reuse_port: bool = False) -> None:
         self.front = front
@@ -128,8 +128,8 @@ def reload_live(reload: Reload, server: ServerConfig, engine: EngineConfig, supe
     notifier.send(READY=1, STATUS="configuration reloaded")
 
 
-async def report_status(supervisor: Supervisor, notifier: Notifier, every: float = 1.0, fronts: FrontsListening | None = None
-                        ) -> None:
+async def report_status(supervisor: Supervisor, notifier: Notifier, every: float = 1.0,
+                        fronts: ApiServersListening | None = None) -> None:
     """READY=1 when the first engine serves; then a STATUS line whenever the engines' states or
     the streams change, so `systemctl status` shows an engine in backoff instead of a silent spin."""
     ready_sent, last = False, None

@@ -19,9 +19,9 @@ import uvloop
 
 from tokenflowd.config import EngineConfig, ServerConfig
 from tokenflowd.daemon.api.front import Front
-from tokenflowd.daemon.fronts import run_fronts
+from tokenflowd.daemon.api_servers import run_api_servers
 from tokenflowd.daemon.launcher import engine_configs
-from tokenflowd.daemon.lifecycle import HttpFront, Reload, freeze_startup_objects, reload_live, report_status
+from tokenflowd.daemon.lifecycle import Listener, Reload, freeze_startup_objects, reload_live, report_status
 from tokenflowd.daemon.notify import Notifier
 from tokenflowd.daemon.supervisor import Supervisor
 from tokenflowd.text.source import load_tokenizer
@@ -50,7 +50,7 @@ async def run_server(server: ServerConfig, engine: EngineConfig, reload: Reload 
         notifier.close()
         raise
     front = Front(supervisor, tokenizer, server, server.served_model_name or engine.model)
-    http = HttpFront(front, backlog)
+    http = Listener(front, backlog)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -76,7 +76,7 @@ async def run_server(server: ServerConfig, engine: EngineConfig, reload: Reload 
 
 
 def api_servers(server: ServerConfig, engine: EngineConfig) -> int:
-    """--api-servers, else one front process per engine on a GPU box (a front's CPU is what bounds
+    """--api-servers, else one API server process per engine on a GPU box (a front's CPU is what bounds
     the streams it holds), and one on CPU, where the engines need the cores."""
     if server.api_servers is not None:
         return server.api_servers
@@ -89,10 +89,10 @@ def api_servers(server: ServerConfig, engine: EngineConfig) -> int:
 
 async def run(server: ServerConfig, engine: EngineConfig, reload: Reload | None = None,
               supervisor_factory: Callable[..., Supervisor] = Supervisor) -> None:
-    """One process for the front and the supervisor, or a supervisor and N front processes (fronts.py)."""
+    """One process for the front and the supervisor, or a supervisor and N API server processes (api_servers.py)."""
     n = api_servers(server, engine)
     if n > 1:
-        await run_fronts(server, engine, n, reload, supervisor_factory)
+        await run_api_servers(server, engine, n, reload, supervisor_factory)
     else:
         await run_server(server, engine, reload, supervisor_factory)
 

@@ -48,7 +48,8 @@ class Supervisor:
 
     def __init__(self, server: ServerConfig, engine: EngineConfig, num_fronts: int = 0,
                  placement: list[tuple[EngineConfig, dict[str, str]]] | None = None) -> None:
-        """`num_fronts`: the front processes of --api-servers N > 1 (fronts.py), each an output of every engine.
+        """`num_fronts`: the API server processes of --api-servers N > 1 (api_servers.py), each an
+        output of every engine.
         `placement`: each engine's config and environment (default: launcher.engine_configs)."""
         self.server = server
         self.engine_config = engine

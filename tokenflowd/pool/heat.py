@@ -5,7 +5,7 @@ halve every `half_life` seconds, so a prefix that stops being used cools down. T
 are the ⌈N ln N⌉ + N hottest segments for N engines, the number the paper's balls-into-bins bound
 asks for (pool/homes.py uses the same), among those read at least twice per engine (with
 fewer segments than that, every segment would otherwise be a hitter from its first read).
-Torch-free: the front process runs it.
+Torch-free: the API server process runs it.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tokenizer (byte-level BPE from GGUF metadata or tokenizer.json) and the chat template.
 
-Token ids cross process boundaries; text is made in the front process: `Tokenizer` encodes
+Token ids cross process boundaries; text is made in the API server process: `Tokenizer` encodes
 prompts and renders chat templates (stream.py turns sampled ids back into text).
 """
 from __future__ import annotations

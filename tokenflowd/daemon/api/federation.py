@@ -1,4 +1,4 @@
-"""A node's front in a federated cluster (the conductor, federation/conductor/app.py, drives it).
+"""A node's front in a federated cluster (the conductor, federation/conductor/service.py, drives it).
 
     GET  /federation/state?since=N   the node's role, load, step-time model and its prefix-cache
                                      keys (the changes after N, or all of them), a token's KV bytes,

@@ -111,7 +111,7 @@ class Front:
                            if config.coalesce_interval > 0 else None)
         self.streams: set[SSEConnection] = set()  # open SSE responses, for the keep-alive sweep
         # --api-servers N > 1: passes a read cursor for a request this front does not serve to the one
-        # that does (front_process.py); None answers 404 as before
+        # that does (api_server.py); None answers 404 as before
         self.relay: Callable[[str, web.Request], Awaitable[web.Response | None]] | None = None
         self.federation = Federation(self)  # /federation/*, and a decode node's requests (daemon/api/federation.py)
 

@@ -4,7 +4,7 @@ observed by the front as it sends tokens.
 Engine gauges and the preemption counter come from a collector over the engines' last reported
 stats (no copy to keep in sync); the histograms and token counters are ordinary client objects.
 Everything lives in the app's own registry, so several daemons can share a process (tests). With
-several front processes (--api-servers N), the histograms and counters are prometheus-client's
+several API server processes (--api-servers N), the histograms and counters are prometheus-client's
 multiprocess values (PROMETHEUS_MULTIPROC_DIR, set by the supervisor): any front's /metrics sums
 them over every front, live or gone.
 """
@@ -191,7 +191,7 @@ class Metrics:
         self.registry.register(EngineCollector(supervisor))
         r = self.registry
         shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        if shared:  # one of several front processes: each writes its own files, a scrape sums them all
+        if shared:  # one of several API server processes: each writes its own files, a scrape sums them all
             MultiProcessCollector(self.registry, path=shared)
             r = CollectorRegistry()  # the objects below write to the files; this registry is never shown
         self.ttft = Histogram("tokenflowd_time_to_first_token_seconds", "Arrival to first token sent",

@@ -1,6 +1,6 @@
 """Requests open at once, in total (--max-streams) and per API key (max_concurrent).
 
-One front process counts in memory (`OpenCounts`). With --api-servers N the bounds are the
+One API server process counts in memory (`OpenCounts`). With --api-servers N the bounds are the
 server's, not each front's: a key split N ways would get N times its bound, or be refused while
 under it when the kernel's SO_REUSEPORT hash sends most of its connections to one front. So the
 fronts share one table (`SharedOpenCounts`), a file in the daemon's private runtime directory that
@@ -135,7 +135,7 @@ class SharedOpenCounts(OpenCounts):
         if found is None and not self._warned:
             self._warned = True
             log.warning("more API keys than the %d rows of the shared open-request table: max_concurrent of the "
-                        "others is counted by each front process alone", ROWS - 1)
+                        "others is counted by each API server process alone", ROWS - 1)
         self._rows[identity] = found
         return found
 

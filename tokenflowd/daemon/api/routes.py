@@ -40,7 +40,7 @@ from tokenflowd.protocol import RequestInfo
 
 log = logging.getLogger("tokenflowd.api")
 
-RELAYED = "X-Tokenflowd-Relayed"  # a request one front process passed to another: not passed on again
+RELAYED = "X-Tokenflowd-Relayed"  # a request one API server process passed to another: not passed on again
 
 
 class Routes:
@@ -245,7 +245,7 @@ class Routes:
         ignored ("accepted": false): reports can cross on the way, reading does not go back."""
         rid = request.match_info["request_id"]
         if rid not in self.front.live and self.front.relay is not None and RELAYED not in request.headers:
-            relayed = await self.front.relay(rid, request)  # --api-servers: another front process may stream it
+            relayed = await self.front.relay(rid, request)  # --api-servers: another API server process may stream it
             if relayed is not None:
                 return relayed
         body: s.ReadCursor = await self.front.decode(request, self.front.cursor_decoder)

@@ -1,8 +1,8 @@
 """The engine's end of the supervisor protocol: sockets, message decoding and dispatch.
 
-    inbox     one PULL socket the engine binds; the supervisor and every front process connect
+    inbox     one PULL socket the engine binds; the supervisor and every API server process connect
     outputs   0: the supervisor (a PUSH that must not drop: a send that waits out send_timeout ends
-              the engine); 1..N: the front processes of --api-servers N (sends that never block:
+              the engine); 1..N: the API server processes of --api-servers N (sends that never block:
               a front that is gone or slow loses messages, not the engine's loop)
 
 A streamed request's deltas are paced first (engine/process/pacing.py: a client far ahead gets its tokens
@@ -51,7 +51,7 @@ class EngineEndpoint(abc.ABC):
             sock.setsockopt(zmq.SNDHWM, 100_000)  # about a minute of steps for a front that is restarting
             sock.connect(address)
             self.fronts.append(sock)
-        self.request_front: dict[str, int] = {}  # with front processes: the output of each live request
+        self.request_front: dict[str, int] = {}  # with API server processes: the output of each live request
         self.gone_fronts: dict[int, int] = {}  # front -> its last start known gone (AbortFront.epoch)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(p.ToEngine)
@@ -115,7 +115,7 @@ class EngineEndpoint(abc.ABC):
     def _handle(self, msg: p.ToEngine) -> None:
         if isinstance(msg, p.AddRequest):
             if msg.front and msg.front_epoch <= self.gone_fronts.get(msg.front, -1):
-                return  # sent by a front process that died before it arrived: nobody reads its deltas
+                return  # sent by an API server process that died before it arrived: nobody reads its deltas
             if self.fronts:
                 self.request_front[msg.request_id] = msg.front
             error = self.add(msg)
@@ -202,7 +202,7 @@ class EngineEndpoint(abc.ABC):
         return True
 
     def send(self, msg: p.FromEngine) -> None:
-        """To every output (Ready, Reconfigured; a query's reply when there are no front processes)."""
+        """To every output (Ready, Reconfigured; a query's reply when there are no API server processes)."""
         raw = self.encoder.encode(msg)
         try:
             self.outbox.send(raw)

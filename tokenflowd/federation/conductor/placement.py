@@ -17,7 +17,7 @@ prefix, the copy stays on p (hot prefixes replicate by use, as in Mooncake).
 
 Transfer times use each link's measured bandwidth (the transport's figure: delivery.py over TCP,
 as the nodes publish it); the conductor falls back to a configured nominal one only before anything was measured.
-Everything here is torch-free: the conductor is a front process.
+Everything here is torch-free: the conductor is an API server process.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from tokenflowd.federation.conductor.core import MAX_BODY, Conductor
 from tokenflowd.openai_api.errors import MAX_BODY_SIZE, error_middleware
 
 
-def build_app(conductor: Conductor) -> web.Application:
+def build_conductor_app(conductor: Conductor) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY)
     app[MAX_BODY_SIZE] = MAX_BODY
     app.router.add_post("/v1/chat/completions", conductor.chat_completions)
@@ -33,6 +33,6 @@ def run(config: ConductorConfig) -> int:
     from tokenflowd.text.source import load_tokenizer
 
     conductor = Conductor(config, load_tokenizer(config.model))
-    web.run_app(build_app(conductor), host=config.host, port=config.port, print=None, access_log=None,
+    web.run_app(build_conductor_app(conductor), host=config.host, port=config.port, print=None, access_log=None,
                 handler_cancellation=True)  # a client gone cancels its proxy: the decode node aborts it
     return 0

@@ -1,8 +1,8 @@
-"""One front process of `tokenflowd serve --api-servers N` (N > 1): the HTTP front over every engine.
+"""One API server process of `tokenflowd serve --api-servers N` (N > 1): the HTTP front over every engine.
 
-    python -m tokenflowd.daemon.front_process      (a FrontSpec as JSON on stdin; fronts.py starts it)
+    python -m tokenflowd.daemon.api_server      (an ApiServerSpec as JSON on stdin; api_servers.py starts it)
 
-It shares the listening port with the other front processes (SO_REUSEPORT: the kernel spreads
+It shares the listening port with the other API server processes (SO_REUSEPORT: the kernel spreads
 connections over them), talks to every engine itself (its requests go to an engine's input
 socket; their deltas come back on this process's own output of that engine), and learns from the
 supervisor which engines exist, in which incarnation and state (EngineTable over zmq PUB). An
@@ -36,11 +36,11 @@ from tokenflowd.daemon.supervisor import Supervisor
 log = logging.getLogger("tokenflowd.front")
 
 
-class FrontSupervisor(Supervisor):
-    """The engines as one front process sees them: it launches none, and follows the supervisor's
+class ApiServerSupervisor(Supervisor):
+    """The engines as one API server process sees them: it launches none, and follows the supervisor's
     EngineTable for their incarnations and states."""
 
-    def __init__(self, server: ServerConfig, engine: EngineConfig, spec: p.FrontSpec) -> None:
+    def __init__(self, server: ServerConfig, engine: EngineConfig, spec: p.ApiServerSpec) -> None:
         super().__init__(server, engine, placement=[(msgspec.convert(c, EngineConfig), {}) for c in spec.engines])
         self.front, self.front_epoch = spec.front, spec.epoch
         self.spec = spec
@@ -139,7 +139,7 @@ class CursorRelay:
     request is passed, as it came (its API key included), to the front that does: the engines say
     which one, and each front also serves its app on a unix socket in the private runtime directory."""
 
-    def __init__(self, supervisor: FrontSupervisor, read_body: Callable[[web.Request], Awaitable[bytes]],
+    def __init__(self, supervisor: ApiServerSupervisor, read_body: Callable[[web.Request], Awaitable[bytes]],
                  timeout: float) -> None:
         self.supervisor = supervisor
         self.read_body = read_body  # the front's own, with its body deadline (408)
@@ -176,21 +176,21 @@ class CursorRelay:
             await session.close()
 
 
-async def run_front(spec: p.FrontSpec) -> None:
+async def run_api_server(spec: p.ApiServerSpec) -> None:
     from tokenflowd.daemon.api.front import Front
     from tokenflowd.daemon.api.open_counts import OPEN_COUNTS, SharedOpenCounts
-    from tokenflowd.daemon.lifecycle import HttpFront, freeze_startup_objects
+    from tokenflowd.daemon.lifecycle import Listener, freeze_startup_objects
     from tokenflowd.text.source import load_tokenizer
 
     server = msgspec.convert(spec.server, ServerConfig)
     engine = msgspec.convert(spec.engine, EngineConfig)
-    supervisor = FrontSupervisor(server, engine, spec)
+    supervisor = ApiServerSupervisor(server, engine, spec)
     await supervisor.start()
     tokenizer = await asyncio.to_thread(load_tokenizer, engine.model)
     counts = SharedOpenCounts(Path(spec.runtime_dir) / OPEN_COUNTS, spec.fronts, spec.front)
     front = Front(supervisor, tokenizer, server, server.served_model_name or engine.model, counts)
     relay = front.relay = CursorRelay(supervisor, front.read_body, timeout=10.0)
-    http = HttpFront(front, reuse_port=True)
+    http = Listener(front, reuse_port=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -221,11 +221,11 @@ async def run_front(spec: p.FrontSpec) -> None:
 
 def main() -> int:
     die_with_parent()
-    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=p.FrontSpec)
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=p.ApiServerSpec)
     level = spec.server.get("log_level", "INFO").upper()
     logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s front{spec.front} %(name)s: %(message)s",
                         stream=sys.stdout)
-    uvloop.run(run_front(spec))
+    uvloop.run(run_api_server(spec))
     return 0
 
 

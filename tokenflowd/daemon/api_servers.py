@@ -1,6 +1,7 @@
-"""`tokenflowd serve --api-servers N` (N > 1): the supervisor process, its engines and N front processes.
+"""`tokenflowd serve --api-servers N` (N > 1): the supervisor process, its engines and N API server
+processes.
 
-    supervisor (this module; no HTTP)        engines (launcher.py)            fronts (front_process.py)
+    supervisor (this module; no HTTP)        engines (launcher.py)            API servers (api_server.py)
       launches and restarts engines  ────────► engine i binds its input ◄─────── each front connects
       EngineTable over zmq PUB  ──────────────────────────────────────────────► every front follows it
       launches and restarts fronts             outputs: 0 → supervisor, k → front k (its requests'
@@ -38,12 +39,12 @@ from tokenflowd.daemon.lifecycle import reload_live, report_status
 from tokenflowd.daemon.notify import Notifier
 from tokenflowd.daemon.supervisor import Supervisor
 
-log = logging.getLogger("tokenflowd.daemon.fronts")
+log = logging.getLogger("tokenflowd.daemon.api_servers")
 
 FRONT_ENV_DROPPED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")  # systemd talks to the supervisor alone
 
 
-def front_share(server: ServerConfig, n: int) -> ServerConfig:
+def server_share(server: ServerConfig, n: int) -> ServerConfig:
     """One front's share of the server-wide bounds it counts alone (--max-streams and each key's
     max_concurrent are counted by all fronts together: daemon/api/open_counts.py)."""
     def share(bound: int | None) -> int | None:
@@ -59,8 +60,8 @@ def engine_table(slots: list[EngineHandle], log_level: str) -> p.EngineTable:
                                         h.policy_params, h.info) for h in slots], log_level)
 
 
-class Fronts:
-    """Starts the front processes, publishes the engine table to them, and restarts any that exits."""
+class ApiServers:
+    """Starts the API server processes, publishes the engine table to them, and restarts any that exits."""
 
     def __init__(self, supervisor: Supervisor, server: ServerConfig, engine: EngineConfig, n: int) -> None:
         self.supervisor = supervisor
@@ -118,13 +119,13 @@ class Fronts:
                 continue
             self.listening.add(msg.front)
 
-    def spec(self, k: int) -> p.FrontSpec:
+    def spec(self, k: int) -> p.ApiServerSpec:
         rt = self.supervisor.runtime_dir
-        return p.FrontSpec(k, str(rt), self.supervisor.front_addresses[k - 1], f"ipc://{rt}/control",
-                           f"ipc://{rt}/fronts", msgspec.to_builtins(front_share(self.server, self.n)),
-                           msgspec.to_builtins(self.engine),
-                           [msgspec.to_builtins(slot.config) for slot in self.supervisor.slots], self.n,
-                           self.epochs.get(k, 0))
+        return p.ApiServerSpec(k, str(rt), self.supervisor.front_addresses[k - 1], f"ipc://{rt}/control",
+                               f"ipc://{rt}/fronts", msgspec.to_builtins(server_share(self.server, self.n)),
+                               msgspec.to_builtins(self.engine),
+                               [msgspec.to_builtins(slot.config) for slot in self.supervisor.slots], self.n,
+                               self.epochs.get(k, 0))
 
     async def _keep(self, k: int) -> None:
         """Run front k; when it exits, abort its requests in every engine and start it again (backoff)."""
@@ -132,7 +133,7 @@ class Fronts:
         while not self._stopping:
             env = {key: v for key, v in os.environ.items() if key not in FRONT_ENV_DROPPED}
             env["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
-            proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tokenflowd.daemon.front_process",
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tokenflowd.daemon.api_server",
                                                         stdin=asyncio.subprocess.PIPE, env=env)
             self.procs[k] = proc
             proc.stdin.write(msgspec.json.encode(self.spec(k)))
@@ -182,13 +183,13 @@ class Fronts:
         self._ctx.destroy(linger=0)
 
 
-async def run_fronts(server: ServerConfig, engine: EngineConfig, n: int, reload=None,
+async def run_api_servers(server: ServerConfig, engine: EngineConfig, n: int, reload=None,
                      supervisor_factory=Supervisor) -> None:
-    """The supervisor of N front processes: engines, fronts, systemd notification, signals."""
+    """The supervisor of N API server processes: engines, fronts, systemd notification, signals."""
     supervisor = supervisor_factory(server, engine, num_fronts=n)
     notifier = Notifier()
-    notifier.status(f"starting {len(supervisor.slots)} engine(s) and {n} front processes")
-    fronts = Fronts(supervisor, server, engine, n)
+    notifier.status(f"starting {len(supervisor.slots)} engine(s) and {n} API server processes")
+    fronts = ApiServers(supervisor, server, engine, n)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -204,7 +205,7 @@ async def run_fronts(server: ServerConfig, engine: EngineConfig, n: int, reload=
         await fronts.start()
         tasks.append(asyncio.create_task(report_status(supervisor, notifier, fronts=fronts), name="status"))
         await stop.wait()
-        notifier.stopping("draining the front processes")
+        notifier.stopping("draining the API server processes")
         await fronts.stop()
     finally:
         for t in tasks:
