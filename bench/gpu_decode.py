@@ -85,6 +85,7 @@ def main() -> None:
         print(json.dumps(r), flush=True)
     out = {"device": torch.cuda.get_device_name(), "model": a.model, "dtype": core.config.dtype,
            "attention_backend": core.config.attention_backend, "cuda_graphs": core.config.cuda_graphs,
+           "attention": core.runner.paths.describe("cuda"), "fallback": core.fallback,
            "copy_bandwidth_bytes_per_s": bw, "context": a.context, "rows": rows}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)

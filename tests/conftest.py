@@ -28,9 +28,11 @@ def denormals_on():
     torch.set_flush_denormal(False)
 
 
-def make_hf_dir(path: Path, arch: str, seed: int = 0) -> Path:
+def make_hf_dir(path: Path, arch: str, seed: int = 0, head_dim: int = 16, num_heads: int = 4, num_kv_heads: int = 2,
+                num_layers: int = 3, dtype: torch.dtype = torch.float32) -> Path:
     """Save a small random Llama- or Qwen2-shaped model as a Hugging Face directory, with the
-    embedded model's tokenizer (ids line up: the vocab sizes agree)."""
+    embedded model's tokenizer (ids line up: the vocab sizes agree). head_dim 16 (the default)
+    keeps CPU tests fast; flashinfer has kernels only for 64, 128 and 256 (tests/gpu)."""
     import transformers
 
     from tokenflowd.text.source import embedded_gguf_path
@@ -40,8 +42,9 @@ def make_hf_dir(path: Path, arch: str, seed: int = 0) -> Path:
 
     tok = Tokenizer.from_gguf(gguf.GGUFReader(embedded_gguf_path()))
     common = dict(
-        vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        vocab_size=tok.vocab_size, hidden_size=head_dim * num_heads, intermediate_size=2 * head_dim * num_heads,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=1024,
         rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1,
     )
     torch.manual_seed(seed)
@@ -67,7 +70,7 @@ def make_hf_dir(path: Path, arch: str, seed: int = 0) -> Path:
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     tok.backend.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
     return path

@@ -242,12 +242,15 @@ class Ready(msgspec.Struct, tag=True):
     stats: EngineStats
     policy: str = ""
     policy_params: dict = {}  # the PolicyConfig fields it schedules with
-    fallback: str = ""  # a fast path failed its start-up check and was replaced (engine/self_check.py); "": none
+    fallback: str = ""  # the fast paths start-up stepped down from, and why (engine/startup.py); "": none
     pool_segment_pages: int = 0  # the pool's segment size (pool/segments.py); 0: pool off
     pool_query_row_bytes: int = 0  # a query row shipped to a holder and answered, all layers (dispatch's costs)
     pool_kv_token_bytes: int = 0  # a token's KV, all layers (a put's cost)
     kv_token_bytes: int = 0  # a token's KV, all layers, as it travels between nodes (a conductor prices fetches)
     kv_endpoint: str = ""  # its KV transfer engine (prefill and decode roles): peers' links name it
+    attention: str = ""  # the attention path it runs (engine/startup.py FastPaths.describe)
+    cuda_graphs: bool = False  # decodes replay CUDA graphs
+    attention_note: str = ""  # why a GPU engine left to choose runs the torch backend
 
 
 class Delta(msgspec.Struct):

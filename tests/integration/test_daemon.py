@@ -271,10 +271,32 @@ def test_health_metrics_and_openapi(daemon):
     assert daemon.metric("tokenflowd_engine_cpu_seconds_total", engine="0") > 0
     assert daemon.metric("tokenflowd_engine_threads", engine="0") >= 1
     assert daemon.metric("tokenflowd_engine_open_fds", engine="0") >= 3
-    assert daemon.metric("tokenflowd_engine_fallback", engine="0") == 0  # a CPU engine runs the plain paths
+    assert daemon.metric("tokenflowd_engine_fallback", engine="0") == 0  # the paths it was given passed their checks
+    engine = h["engines"][0]
+    assert engine["attention"] in ("torch, paged decode kernel", "torch, pages gathered")
+    assert engine["cuda_graphs"] is False and engine["attention_note"] == ""
+    assert daemon.metric("tokenflowd_engine_attention", engine="0", attention=engine["attention"],
+                         cuda_graphs="false") == 1
     spec = daemon.http.get("/openapi.json").json()
     assert spec["openapi"].startswith("3.")
     assert "reading_rate" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+
+
+def test_a_fast_path_that_fails_at_start_up_is_reported_and_the_engine_serves_on_the_plain_one(tmp_path):
+    """The paged decode kernel cannot be built (no working compiler): the engine steps down to
+    gathered pages, says why in /health and /metrics, and serves."""
+    d = Daemon("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "64MiB",
+               env={"CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    try:
+        engine = d.health()["engines"][0]
+        assert engine["attention"] == "torch, pages gathered"
+        assert engine["fallback"].startswith("torch, paged decode kernel -> torch, pages gathered: attention: ")
+        assert "cannot be built" in engine["fallback"]
+        assert d.metric("tokenflowd_engine_fallback", engine="0") == 1
+        r = _post(d, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        assert d.stop() == 0
 
 
 # -- fuzz: no input makes the daemon answer 5xx or fall over ----------------------------------

@@ -86,6 +86,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context, capped by the KV pool
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"  # torch | flashinfer
+    # chosen by "auto" (resolve): start-up picks torch without a report for a model flashinfer
+    # cannot run; asked for by name, that is a reported step down (engine/startup.py)
+    attention_auto: bool = False
     # torch backend on a CPU: decodes read K/V in place through the C++ kernel (attention/cpu_kernels.py,
     # off also by TOKENFLOWD_CPU_KERNELS=0); off, or where it cannot be built: pages are gathered
     paged_kernel: bool = True
@@ -99,7 +102,8 @@ class EngineConfig:
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
     # The host KV tier (offload/): none (preempted KV is recomputed) | write-back | write-through
     offload: str = "write-through"
-    host_kv_memory: int | None = None  # bytes; None: 4× the device pool within a quarter of RAM per GPU (CPU: 1×)
+    host_kv_memory: int | None = None  # bytes; None: 4× the device pool within its engine's share of a quarter of RAM (CPU: 1×)
+    engines_on_node: int = 1  # the engines of this node (set by the launcher): they share the node's RAM
     disk_kv_memory: int = 0  # bytes of disk tier under disk_kv_dir; 0: none
     disk_kv_dir: str | None = None  # None: $STATE_DIRECTORY (systemd's StateDirectory=)
     load_evict_overlap: bool = True  # loads run while evictions are in flight (off: the ablation's baseline)
@@ -230,7 +234,8 @@ class EngineConfig:
         quantization = resolve_quantization(quantization, kw.get("model", cls.model), device)
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu or platform.cpu_has_fast_bf16() else "float32"
-        if attention_backend == "auto":
+        attention_auto = attention_backend == "auto" or kw.pop("attention_auto", False)
+        if attention_auto:
             attention_backend = "flashinfer" if on_gpu and platform.has_flashinfer() else "torch"
         if attention_backend == "flashinfer" and dtype == "float32":
             attention_backend = "torch"  # flashinfer has no fp32 kernels
@@ -243,6 +248,7 @@ class EngineConfig:
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
+            attention_auto=attention_auto,
             cuda_graphs=cuda_graphs,
             kv_cache_memory=mem,
             host_kv_memory=None if host_kv_memory is None else parse_size(host_kv_memory),

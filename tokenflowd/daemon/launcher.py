@@ -164,7 +164,7 @@ def engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[Engi
         configs = []
         for gpu in placement:
             sharing = placement.count(gpu)
-            cfg = config if sharing == 1 else replace(config, gpu_memory_utilization=config.gpu_memory_utilization / sharing)
+            cfg = replace(config, gpu_memory_utilization=config.gpu_memory_utilization / sharing, engines_on_node=n)
             configs.append((cfg, {"CUDA_VISIBLE_DEVICES": gpu}))
         if n > len(ids) and not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
             log.warning("%d engines share %d GPU(s) without CUDA MPS (CUDA_MPS_PIPE_DIRECTORY is unset): "
@@ -172,7 +172,7 @@ def engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[Engi
         return configs
     n = engines or 1
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
-    return [(replace(config, num_threads=threads), {}) for _ in range(n)]
+    return [(replace(config, num_threads=threads, engines_on_node=n), {}) for _ in range(n)]
 
 
 def _cuda_count() -> int:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -28,6 +28,7 @@ from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request
 from tokenflowd.engine.runner import ModelRunner
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.engine.self_check import self_check
+from tokenflowd.engine.startup import ATTENTION, FastPaths, start, supported, why_not_flashinfer
 from tokenflowd.offload.build import build_kv
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class EngineCore:
         self.config: EngineConfig | None = None  # set by from_config, with the model's:
         self.model_config = None
         self.tokenizer = None
-        self.fallback = ""  # what failed the start-up check and was replaced (engine/self_check.py)
+        self.fallback = ""  # the fast paths start-up stepped down from, and why (engine/startup.py); "": none
+        self.attention_note = ""  # why a GPU engine left to choose runs the torch backend ("": it does not)
         # Held by the engine's loop while it touches the KV pages, when another thread of the
         # process does too (the pool's query service, pool/member.py); a step lets go of it while
         # the model runs. None: only the loop's thread touches them.
@@ -95,15 +97,16 @@ class EngineCore:
         `kv_memory`: where the runner puts its KV cache (runner.py)."""
         loaded = loaded or load_model_source(config.model, getattr(torch, config.dtype), config.device,
                                              config.quantization)
-        runner = ModelRunner(config, loaded, kv_memory)
-        fallback = self_check(runner)
-        if fallback:  # wrong logits served fast are worse than right ones served slower
-            log.warning("start-up check failed: %s; falling back to the torch attention backend, eager, "
-                        "pages gathered", fallback)
-            del runner
-            torch.cuda.empty_cache()
-            config = replace(config, attention_backend="torch", cuda_graphs=False, paged_kernel=False)
-            runner = ModelRunner(config, loaded, kv_memory)
+        asked = FastPaths.of(config)
+        why_not = supported(asked, loaded.config.head_dim)
+        note = why_not_flashinfer(config) or ""
+        if why_not is not None and config.attention_auto:  # a choice, not a failure: nothing to report
+            asked, why_not, note = asked.without(ATTENTION), None, why_not
+        if note:
+            log.info("attention: the torch backend, as %s", note)
+        runner, paths, fallback = start(asked, lambda paths: ModelRunner(paths.apply(config), loaded, kv_memory),
+                                        self_check, config.device, why_not)
+        config = paths.apply(config)
         kv = build_kv(config, runner.kv_cache, runner.attn.page_axis, runner.num_pages)
         scheduler = Scheduler(kv, make_policy(config.policy, config.policy_params), config.max_num_batched_tokens,
                               config.max_num_seqs, expected_output_len=config.policy_params.expected_output_len)
@@ -113,7 +116,8 @@ class EngineCore:
         core = cls(runner, scheduler, max_model_len=runner.max_model_len, vocab_size=loaded.config.vocab_size,
                    eos_token_ids=eos, admission=admission)
         core.config, core.model_config, core.tokenizer = config, loaded.config, loaded.tokenizer
-        core.fallback = fallback or ""
+        core.fallback = fallback
+        core.attention_note = note
         return core
 
     @property

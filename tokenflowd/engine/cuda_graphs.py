@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import Counter
 
 import torch
 
@@ -36,6 +37,7 @@ class DecodeGraphs:
         self.slot_page = torch.full((n,), scratch_page, dtype=torch.int64, device=dev)
         self.slot_offset = torch.zeros(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
+        self.num_replays: Counter[int] = Counter()  # by graph size: what ran, for tests and /health
         # Shared prefix pages count once per request in the index buffer: size it for the worst case.
         self._capture(max_pages=n * -(-max_model_len // self.page_size))
 
@@ -45,8 +47,13 @@ class DecodeGraphs:
 
     def _capture(self, max_pages: int) -> None:
         pool = torch.cuda.graph_pool_handle()
+        dev, i32, n = self.attn.device, torch.int32, self.sizes[-1]
+        # one page table for every size: graphs replay one at a time, each planned just before
+        indptr = torch.zeros(n + 1, dtype=i32, device=dev)
+        indices = torch.zeros(max_pages, dtype=i32, device=dev)
+        last_page_len = torch.ones(n, dtype=i32, device=dev)
         for bs in reversed(self.sizes):
-            wrapper = self.attn.graph_decode_wrapper(bs, max_pages)
+            wrapper = self.attn.graph_decode_wrapper(indptr[: bs + 1], indices, last_page_len[:bs])
             empty = PageTable.build(AttentionInputs([0], [], [], self.slot_page[:0]), self.page_size)
             self.attn.plan_decode(wrapper, self._pad_table(empty, bs))
             meta = FlashInferMeta(self.slot_page[:bs], self.slot_offset[:bs], wrapper)
@@ -89,4 +96,5 @@ class DecodeGraphs:
         self.slot_offset[B:bs].zero_()
         self.attn.plan_decode(wrapper, self._pad_table(PageTable.build(inputs, self.page_size), bs))
         graph.replay()
+        self.num_replays[bs] += 1
         return hidden[:B]

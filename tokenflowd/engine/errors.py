@@ -23,3 +23,13 @@ def device_lost(e: BaseException) -> bool:
     """A CUDA error is sticky: once one is raised, no later kernel on that context can succeed."""
     accelerator_error = getattr(torch, "AcceleratorError", None)
     return (accelerator_error is not None and isinstance(e, accelerator_error)) or "CUDA error" in str(e)
+
+
+class FastPathFailed(RuntimeError):
+    """A fast path could not be built or captured (engine/startup.py steps down from it): `path` is
+    "attention" (the backend, or its kernel) or "graphs" (CUDA graph capture)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason

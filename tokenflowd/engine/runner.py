@@ -10,11 +10,13 @@ import torch
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
 from tokenflowd.engine.executor import Executor
+from tokenflowd.engine.memory import kv_budget, step_reserve
 from tokenflowd.engine.model.config import ModelConfig
 from tokenflowd.engine.model.llama import LlamaModel
 from tokenflowd.engine.model.weights import LoadedModel
 from tokenflowd.engine.sampler import Sampler
 from tokenflowd.engine.scheduler import ScheduledBatch
+from tokenflowd.engine.startup import ATTENTION, GRAPHS, FastPaths, guarded
 
 log = logging.getLogger(__name__)
 
@@ -23,15 +25,6 @@ CPU_DEFAULT_KV_MEMORY = 1 << 30
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
     return cfg.kv_elements_per_token * page_size * torch.empty((), dtype=dtype).element_size()
-
-
-def activation_bytes(cfg: ModelConfig, num_tokens: int, num_seqs: int, dtype: torch.dtype) -> int:
-    """A generous bound on one step's transient memory: a layer's activations for the token budget
-    (q|k|v, attention out, gate|up, the SwiGLU product, residual stream) twice over, plus fp32
-    logits of every sampled row and the sampler's sorted copy."""
-    el = torch.empty((), dtype=dtype).element_size()
-    per_token = (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + 3 * cfg.intermediate_size + 4 * cfg.hidden_size
-    return 2 * num_tokens * per_token * el + 3 * num_seqs * cfg.vocab_size * 4
 
 
 class StepAttention(Protocol):
@@ -77,9 +70,17 @@ class ModelRunner(Executor):
         self.page_size = config.page_size
         self._init_threads()
         self._init_model(loaded)
-        self._init_attention()
+        # What a fast path raises while it is built is its failure, which start-up steps down from
+        # (startup.py); the plain path's errors are the engine's.
+        device = str(self.device)
+        if config.attention_backend == "flashinfer" or (config.paged_kernel and self.device.type == "cpu"):
+            guarded(ATTENTION, self._init_attention, device)
+        else:
+            self._init_attention()
         self._init_kv_cache()
-        self._init_cuda_graphs()
+        self.graphs = None
+        if config.cuda_graphs:
+            guarded(GRAPHS, self._init_cuda_graphs, device)
         self.sampler = Sampler(config.seed)
 
     # -- start-up -----------------------------------------------------------------------------
@@ -99,16 +100,27 @@ class ModelRunner(Executor):
         self.max_model_len = max_len
 
     def _kv_budget(self) -> int:
+        """Bytes of KV cache: --kv-cache-memory, else on a GPU its --gpu-memory-utilization share
+        less what this process holds or will hold besides the KV cache (kv_budget)."""
         if self.config.kv_cache_memory is not None:
             return self.config.kv_cache_memory
         if self.device.type != "cuda":
             return CPU_DEFAULT_KV_MEMORY
-        free, total = torch.cuda.mem_get_info(self.device)
-        reserve = (1 - self.config.gpu_memory_utilization) * total
-        act = activation_bytes(self.model_config, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.dtype)
-        # flashinfer's workspace, and CUDA graphs' private pool and index buffers (an estimate).
-        kernels = (256 << 20) + ((512 << 20) if self.config.cuda_graphs else 0)
-        return int(free - reserve - act - kernels)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        own = torch.cuda.memory_allocated(self.device)  # the weights and the attention workspaces, built first
+        reserved = step_reserve(self.config, self.model_config, self.dtype, self.max_model_len)
+        budget = kv_budget(total, self.config.gpu_memory_utilization, own, sum(reserved.values()))
+        free, _ = torch.cuda.mem_get_info(self.device)
+        room = free - sum(reserved.values())
+        log.info("KV budget: %.2f GiB = %.2f x %.1f GiB less %.2f GiB held (weights, workspaces) and %s",
+                 budget / 2**30, self.config.gpu_memory_utilization, total / 2**30, own / 2**30,
+                 ", ".join(f"{v / 2**30:.2f} GiB {k}" for k, v in reserved.items()))
+        if budget > room:  # other processes hold more of the device than their share
+            log.warning("the device has %.2f GiB free for a KV budget of %.2f GiB: the KV cache gets %.2f GiB "
+                        "(another process uses more than 1 - gpu_memory_utilization of it)",
+                        free / 2**30, budget / 2**30, room / 2**30)
+            budget = room
+        return int(budget)
 
     def _init_kv_cache(self) -> None:
         cfg = self.model_config
@@ -146,12 +158,15 @@ class ModelRunner(Executor):
             self.attn = TorchAttentionBackend(*args, paged_kernel=self.config.paged_kernel)
 
     def _init_cuda_graphs(self) -> None:
-        self.graphs = None
-        if self.config.cuda_graphs:
-            from tokenflowd.engine.cuda_graphs import DecodeGraphs
+        from tokenflowd.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.attn, self.kv_layers, scratch_page=self.num_pages,
-                                       max_batch=self.config.max_num_seqs, max_model_len=self.max_model_len)
+        self.graphs = DecodeGraphs(self.model, self.attn, self.kv_layers, scratch_page=self.num_pages,
+                                   max_batch=self.config.max_num_seqs, max_model_len=self.max_model_len)
+
+    @property
+    def paths(self) -> FastPaths:
+        """The fast paths this runner actually runs (a CPU kernel that could not be built is not one)."""
+        return FastPaths(self.attn.name, self.graphs is not None, getattr(self.attn, "kernel", None) is not None)
 
     @property
     def logits_width(self) -> int:

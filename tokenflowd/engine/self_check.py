@@ -3,12 +3,11 @@
     attention   the configured backend (flashinfer on CUDA; on a CPU the torch backend with its
                 paged decode kernel) against the torch backend gathering pages: one tiny prefill
                 and one decode, each on a private KV cache of a few pages
-    graphs      a CUDA-graph decode replay against the same decode run eagerly, on the runner's
-                own cache (no request holds a page yet)
+    graphs      CUDA-graph decode replays (one request, and the largest captured batch) against the
+                same decodes run eagerly, on the runner's own cache (no request holds a page yet)
 
-A check that raises, or logits that disagree, make the engine fall back to the torch backend
-gathering pages and eager decoding (engine/core.py), say so in its log, and report it
-(Ready.fallback: /health and /metrics).
+A check that raises, or logits that disagree, fail that path: start-up steps down from it
+(startup.py), says so in its log, and reports it (Ready.fallback: /health and /metrics).
 """
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
+from tokenflowd.engine.startup import ATTENTION, GRAPHS, describe_error
 
 log = logging.getLogger(__name__)
 
@@ -65,44 +65,54 @@ def check_attention(model, candidate: AttentionBackend, reference: AttentionBack
     try:
         return logits_differ(run_tiny(model, candidate, vocab_size), run_tiny(model, reference, vocab_size))
     except Exception as e:  # a kernel that cannot run here (architecture, build) is a failed check too
-        return f"{type(e).__name__}: {e}"
+        return describe_error(e)
 
 
 def check_graphs(runner) -> str | None:
-    """A decode of one request on page 0 of the runner's cache, replayed from its CUDA graph and run
-    eagerly: the same logits, or what differs."""
+    """Decodes replayed from CUDA graphs and run eagerly give the same logits: one request, and as
+    many as the largest graph holds (each request its own last page, the pages before it shared),
+    on the runner's own cache while no request holds a page. None, or what differs."""
     from tokenflowd.engine.request import SamplingParams, SamplingRow
     from tokenflowd.engine.scheduler import ScheduledBatch
 
-    pages = list(range(-(-(PROMPT_LEN + 1) // runner.page_size)))
+    shared = PROMPT_LEN // runner.page_size  # pages before the one each decode writes its token in
+    largest = max(1, min(runner.graphs.max_batch, runner.num_pages - shared))
     row = SamplingRow(SamplingParams(temperature=0.0), None, 0, frozenset())
-    batch = ScheduledBatch(["self-check"], [1], [PROMPT_LEN], [[1]], [pages], [row])
+    vocab = runner.model_config.vocab_size
     try:
-        replayed, _ = runner.compute_logits(batch)
-        graphs, runner.graphs = runner.graphs, None
-        try:
-            eager, _ = runner.compute_logits(batch)
-        finally:
-            runner.graphs = graphs
-        return logits_differ(replayed, eager)
+        for n in sorted({1, largest}):
+            tables = [list(range(shared)) + [shared + i] for i in range(n)]
+            batch = ScheduledBatch([f"self-check-{i}" for i in range(n)], [1] * n, [PROMPT_LEN] * n,
+                                   [[(7919 * i + 13) % vocab] for i in range(n)], tables, [row] * n)
+            replayed, _ = runner.compute_logits(batch)
+            graphs, runner.graphs = runner.graphs, None
+            try:
+                eager, _ = runner.compute_logits(batch)
+            finally:
+                runner.graphs = graphs
+            problem = logits_differ(replayed, eager)
+            if problem:
+                return f"batch of {n}: {problem}"
+        return None
     except Exception as e:
-        return f"{type(e).__name__}: {e}"
+        return describe_error(e)
 
 
-def self_check(runner) -> str | None:
-    """What failed of the runner's fast paths (None: they agree with the plain ones, or it has none)."""
+def self_check(runner) -> dict[str, str]:
+    """What failed of the runner's fast paths, by path ("attention", "graphs"); empty when they
+    agree with the plain ones, or it has none."""
     from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
 
-    problems = []
+    failed = {}
     a = runner.attn
     if not isinstance(a, TorchAttentionBackend) or a.kernel is not None:
         reference = TorchAttentionBackend(a.num_heads, a.num_kv_heads, a.head_dim, a.page_size, a.dtype, a.device,
                                           paged_kernel=False)
         problem = check_attention(runner.model, a, reference, runner.model_config.vocab_size)
         if problem:
-            problems.append(f"{type(a).__name__} against the torch backend: {problem}")
-    if runner.graphs is not None:
+            failed[ATTENTION] = f"{a.name} against the torch backend: {problem}"
+    if runner.graphs is not None and ATTENTION not in failed:
         problem = check_graphs(runner)
         if problem:
-            problems.append(f"CUDA graph replay against eager: {problem}")
-    return "; ".join(problems) or None
+            failed[GRAPHS] = f"CUDA graph replay against eager: {problem}"
+    return failed

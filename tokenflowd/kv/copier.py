@@ -79,6 +79,10 @@ class Bandwidth:
 class Copier(abc.ABC):
     """Submit jobs; `poll` hands back the finished ones (each exactly once). See the module doc."""
 
+    # Bytes one lane may have in flight when each job stages its pages in a device block (the
+    # caller sizes its jobs to it, and the device's budget counts it); None: nothing is staged.
+    staging_limit: int | None = None
+
     def __init__(self, device_pages: torch.Tensor | None, host_pages: torch.Tensor | None,
                  prior_bandwidth: float) -> None:
         self.dev = device_pages  # [num_pages + 1, layers, *rest] view of the device KV cache (None: simulated)

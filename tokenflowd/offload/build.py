@@ -16,6 +16,9 @@ from tokenflowd.offload.traffic import HostOffloader
 log = logging.getLogger(__name__)
 
 
+# The node's host tiers together take at most this share of its RAM by default (pinned memory
+# cannot be swapped out: the rest is the OS's, the API servers' and the page cache's).
+HOST_RAM_SHARE = 0.25
 # A GPU's host tier holds this many device pools by default. A burst's working set outgrows the
 # device many times over; a host tier no larger than the device pool evicts preempted KV that is
 # then recomputed: in the simulator (bench/sim_table1.py) 4090-b and 4090-d lost 9% of fcfs's raw
@@ -23,16 +26,19 @@ log = logging.getLogger(__name__)
 HOST_POOLS_PER_DEVICE_POOL = 4
 
 
-def host_budget(config: EngineConfig, device_kv_bytes: int) -> int:
-    """Bytes of host tier: as asked, else HOST_POOLS_PER_DEVICE_POOL× the device pool on a GPU box,
-    within a quarter of RAM per visible GPU (pinned memory cannot be swapped out); on a CPU, where
-    the device pool is host memory too, as large as the device pool."""
+def host_budget(config: EngineConfig, device_kv_bytes: int, ram: int | None = None) -> int:
+    """Bytes of host tier: as asked, else on a GPU box HOST_POOLS_PER_DEVICE_POOL× the device pool
+    within this engine's share of HOST_RAM_SHARE of the node's `ram` (the node's engines split it
+    evenly; each engine sees one GPU, so the GPU count says nothing here). The tier is locked
+    exactly (offload/pinned.py), with no allocator rounding on top. On a CPU, where the device
+    pool is host memory too, as large as the device pool."""
     if config.host_kv_memory is not None:
         return config.host_kv_memory
     if not config.device.startswith("cuda"):
         return device_kv_bytes
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(HOST_POOLS_PER_DEVICE_POOL * device_kv_bytes, ram // 4 // max(1, torch.cuda.device_count()))
+    ram = ram if ram is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    share = int(ram * HOST_RAM_SHARE) // max(1, config.engines_on_node)
+    return min(HOST_POOLS_PER_DEVICE_POOL * device_kv_bytes, share)
 
 
 def build_kv(config: EngineConfig, kv_cache: torch.Tensor, page_axis: int, num_pages: int) -> KVCacheManager:
@@ -51,10 +57,16 @@ def build_kv(config: EngineConfig, kv_cache: torch.Tensor, page_axis: int, num_p
     if config.disk_kv_memory:
         directory = config.disk_kv_dir or os.environ["STATE_DIRECTORY"].split(":")[0]
         disk = DiskTier(directory, max(1, config.disk_kv_memory // page_bytes), page_bytes)
-    host = HostTier.create(num_host, tuple(device_pages.shape[1:]), device_pages.dtype,
-                             pin=device_pages.device.type == "cuda", enable_prefix_caching=config.enable_prefix_caching,
-                             disk=disk)
-    log.info("host KV tier: %d pages (%.1f MiB, %s)%s", num_host, num_host * page_bytes / 2**20, config.offload,
+    on_gpu = device_pages.device.type == "cuda"
+    node = None
+    if on_gpu:
+        from tokenflowd.offload.pinned import gpu_numa_node
+
+        node = gpu_numa_node(device_pages.device.index or 0)
+    host = HostTier.create(num_host, tuple(device_pages.shape[1:]), device_pages.dtype, pin=on_gpu,
+                           enable_prefix_caching=config.enable_prefix_caching, disk=disk, numa_node=node)
+    log.info("host KV tier: %d pages (%.1f MiB, %s%s)%s", num_host, num_host * page_bytes / 2**20, config.offload,
+             f", pinned on NUMA node {node}" if node is not None else ", pinned" if on_gpu else "",
              f", disk tier {disk.num_pages} pages in {directory}" if disk else "")
     offloader = HostOffloader(device, config.page_size, host, make_copier(device_pages, host.pages), config.offload,
                               config.load_evict_overlap)

@@ -107,7 +107,13 @@ class CudaCopier(Copier):
 
     A write gathers the job's device pages into one contiguous block on the copy stream, then
     copies each run of consecutive host pages with one cudaMemcpyAsync into pinned memory; a load
-    does the reverse (one copy per host run into a device block, then one scatter)."""
+    does the reverse (one copy per host run into a device block, then one scatter). A lane holds
+    at most `staging_limit` bytes of such blocks (the engine's KV budget counts both lanes').
+
+    NOTE: without the limit, a step with nothing to compute issued every queued load at once,
+    each job with its own device block: gigabytes no budget had counted."""
+
+    staging_limit = 512 << 20
 
     def __init__(self, device_pages: torch.Tensor, host_pages: torch.Tensor, prior_bandwidth: float = 20e9) -> None:
         super().__init__(device_pages, host_pages, prior_bandwidth)

@@ -95,6 +95,7 @@ class HostTier(KVTier):
     def __init__(self, num_pages: int, page_bytes: int, pages: torch.Tensor | None, enable_prefix_caching: bool,
                  disk: DiskTier | None = None) -> None:
         self.pages = pages
+        self.pinned = False  # page-locked with CUDA by create (until the pages are freed)
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.disk = disk
@@ -103,9 +104,17 @@ class HostTier(KVTier):
 
     @classmethod
     def create(cls, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
-                 enable_prefix_caching: bool, disk: DiskTier | None = None) -> "HostTier":
-        pages = torch.zeros((num_pages, *page_shape), dtype=dtype, pin_memory=pin)
-        return cls(num_pages, pages[0].numel() * pages.element_size(), pages, enable_prefix_caching, disk)
+               enable_prefix_caching: bool, disk: DiskTier | None = None, numa_node: int | None = None) -> "HostTier":
+        """`pin`: page-locked for CUDA copies (exactly its bytes, on `numa_node`: pinned.py)."""
+        if pin:
+            from tokenflowd.offload.pinned import pinned_zeros
+
+            pages = pinned_zeros((num_pages, *page_shape), dtype, numa_node)
+        else:
+            pages = torch.zeros((num_pages, *page_shape), dtype=dtype)
+        tier = cls(num_pages, pages[0].numel() * pages.element_size(), pages, enable_prefix_caching, disk)
+        tier.pinned = pin
+        return tier
 
     def allocate(self) -> int | None:
         """A fresh host page (ref 1), or None when every page is in use."""
@@ -147,3 +156,4 @@ class HostTier(KVTier):
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+

@@ -178,7 +178,18 @@ class HostOffloader(Offloader):
     # -- copies -------------------------------------------------------------------------------
     def _submit(self, lane: str, req: Request, st: RequestKV, pairs: list[tuple[int, int, int]], end: int = 0,
                 evict: bool = False) -> None:
-        """Copy (token page, device page, host page) triples; every page is pinned until poll sees the end."""
+        """Copy (token page, device page, host page) triples, in jobs of at most the copier's staging
+        limit; every page is pinned until poll sees its job end. A write job completes the frontier
+        up to its last page (`end` for the last job)."""
+        limit = self.copier.staging_limit
+        per_job = max(1, limit // self.page_bytes) if limit is not None else len(pairs)
+        for k in range(0, len(pairs), per_job):
+            chunk = pairs[k : k + per_job]
+            last = k + per_job >= len(pairs)
+            self._submit_job(lane, req, st, chunk, end if last else (chunk[-1][0] + 1) * self.page_size, evict)
+
+    def _submit_job(self, lane: str, req: Request, st: RequestKV, pairs: list[tuple[int, int, int]], end: int,
+                    evict: bool) -> None:
         for _, d, h in pairs:
             self.pool.incref(d)
             self.host.pool.incref(h)
@@ -286,10 +297,14 @@ class HostOffloader(Offloader):
             self._issue_writes(step_seconds, running, buffer_of)
 
     def _budget_pages(self, lane: str, step_seconds: float) -> int:
-        if step_seconds == math.inf:
+        """Pages `lane` may take on now: what its bandwidth moves in `step_seconds`, within the
+        copier's staging limit, less what is still queued."""
+        room = math.inf if step_seconds == math.inf else self.copier.bandwidth[lane].value * step_seconds
+        if self.copier.staging_limit is not None:
+            room = min(room, self.copier.staging_limit)
+        if room == math.inf:
             return sys.maxsize
-        room = self.copier.bandwidth[lane].value * step_seconds - self.copier.queued_bytes(lane)
-        pages = int(room // self.page_bytes)
+        pages = int((room - self.copier.queued_bytes(lane)) // self.page_bytes)
         return max(pages, 0 if self.copier.busy(lane) else 1)  # an idle lane always moves a page
 
     def _issue_writes(self, step_seconds: float, running: Iterable[tuple[Request, RequestKV]],

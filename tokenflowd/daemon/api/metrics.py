@@ -103,16 +103,20 @@ class EngineCollector(Collector):
             yield from self._pool()
         up = GaugeMetricFamily("tokenflowd_engine_up", "1 while an engine serves", labels=["engine"])
         restarts = CounterMetricFamily("tokenflowd_engine_restarts", "Engine processes restarted", labels=["engine"])
-        fallback = GaugeMetricFamily("tokenflowd_engine_fallback", "1 while an engine runs a plain path because its "
-                                     "fast one failed the start-up check (/health says which)", labels=["engine"])
+        fallback = GaugeMetricFamily("tokenflowd_engine_fallback", "1 while an engine runs a plainer path because a "
+                                     "fast one failed at start-up (/health says which, and why)", labels=["engine"])
+        paths = GaugeMetricFamily("tokenflowd_engine_attention", "1 for the attention path each engine runs",
+                                  labels=["engine", "attention", "cuda_graphs"])
         for slot in self.supervisor.slots:
             up.add_metric([str(slot.engine_id)], float(slot.ready))
             restarts.add_metric([str(slot.engine_id)], slot.num_restarts)
             if slot.info is not None:
                 fallback.add_metric([str(slot.engine_id)], float(bool(slot.info.fallback)))
+                paths.add_metric([str(slot.engine_id), slot.info.attention, str(slot.info.cuda_graphs).lower()], 1.0)
         yield up
         yield restarts
         yield fallback
+        yield paths
         yield from self._processes()
 
     def _prompt_sources(self) -> Iterator[CounterMetricFamily]:

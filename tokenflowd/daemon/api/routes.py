@@ -268,6 +268,9 @@ class Routes:
                     "policy": slot.config.policy, "policy_params": slot.policy_params,
                     "consecutive_failures": slot.consecutive_failures, "last_failure": slot.last_failure,
                     "fallback": slot.info.fallback if slot.info else None,
+                    "attention": slot.info.attention if slot.info else None,
+                    "cuda_graphs": slot.info.cuda_graphs if slot.info else None,
+                    "attention_note": slot.info.attention_note if slot.info else None,
                     "prefix_pages_known": self.front.supervisor.index.num_keys(slot.engine_id),  # as the router sees it
                     "process": _figures(slot)}
                    for slot in self.front.supervisor.slots]

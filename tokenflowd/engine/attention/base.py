@@ -51,6 +51,8 @@ class AttentionBackend(abc.ABC):
     step's tokens at `slot_mapping`, then attends each query causally over its request's KV only;
     the output has q's shape and dtype. A backend keeps no per-request state between steps."""
 
+    name: str  # what /health calls it
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.num_heads = num_heads

@@ -3,8 +3,9 @@
 `paged_decode()` returns torch.ops.tokenflowd.paged_decode, compiled from cpu_paged_decode.cpp with
 the machine's compiler (torch.utils.cpp_extension, about 15 s on 2 cores). The build lands under
 torch's extensions directory (TORCH_EXTENSIONS_DIR or the user's cache), and later processes load
-it in well under a second. Where there is no compiler, or TOKENFLOWD_CPU_KERNELS=0, it returns None
-and the backend gathers pages instead, with one log line saying so. `paged_decode_lse()` is the same
+it in well under a second. With TOKENFLOWD_CPU_KERNELS=0 it returns None and the backend gathers
+pages; where it cannot be built (no compiler, no headers) it raises KernelUnavailable, which
+start-up reports as a step down to gathered pages (engine/startup.py). `paged_decode_lse()` is the same
 kernel returning each row's log-sum-exp too (the pool's partial attention).
 `python -m tokenflowd.engine.attention.cpu_kernels` builds ahead of time (the Makefile does, so a
 first `serve` does not pay the build).
@@ -27,25 +28,38 @@ SOURCE = Path(__file__).with_name("cpu_paged_decode.cpp")
 STALE_LOCK_S = 300  # a build takes ~15 s on 2 cores
 
 
-@functools.cache
+class KernelUnavailable(RuntimeError):
+    """The paged decode kernel cannot be built on this machine (the message says why)."""
+
+
 def paged_decode() -> Callable | None:
-    """The paged decode op, or None where it cannot be built here."""
+    """The paged decode op; None when TOKENFLOWD_CPU_KERNELS=0. Raises KernelUnavailable where it
+    cannot be built here."""
     if os.environ.get("TOKENFLOWD_CPU_KERNELS", "1") == "0":
         log.info("CPU kernels off (TOKENFLOWD_CPU_KERNELS=0): decode attention gathers pages")
         return None
-    if not hasattr(torch.ops.tokenflowd, "paged_decode"):
-        try:
-            _build()
-        except Exception as e:  # noqa: BLE001 - no compiler, no headers: the gather path still serves
-            log.warning("paged decode kernel unavailable (%s): decode attention gathers pages",
-                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
-            return None
+    failure = _built()
+    if failure is not None:
+        raise KernelUnavailable(f"the paged decode kernel cannot be built here: {failure}")
     return torch.ops.tokenflowd.paged_decode
 
 
 def paged_decode_lse() -> Callable | None:
-    """The same kernel returning (out, log-sum-exp) as well, or None where it cannot be built here."""
+    """The same kernel returning (out, log-sum-exp) as well (None and raises as paged_decode)."""
     return torch.ops.tokenflowd.paged_decode_lse if paged_decode() is not None else None
+
+
+@functools.cache
+def _built() -> str | None:
+    """Build the kernels once per process; what went wrong, or None."""
+    if hasattr(torch.ops.tokenflowd, "paged_decode"):
+        return None
+    try:
+        _build()
+    except Exception as e:  # noqa: BLE001 - no compiler, no headers: reported, and the gather path serves
+        text = str(e).strip()
+        return text.splitlines()[-1] if text else type(e).__name__
+    return None
 
 
 def _build() -> None:
@@ -79,4 +93,7 @@ def _build() -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    raise SystemExit(0 if paged_decode() is not None else 1)
+    failure = _built()
+    if failure is not None:
+        log.warning("paged decode kernel unavailable (%s): decode attention will gather pages", failure)
+    raise SystemExit(0 if failure is None else 1)

@@ -48,6 +48,8 @@ class FlashInferMeta:
 
 
 class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         import flashinfer
@@ -67,14 +69,13 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "HND", use_tensor_cores=self.decode_tensor_cores
         )
 
-    def graph_decode_wrapper(self, batch_size: int, max_pages: int) -> object:
-        """A decode wrapper whose index buffers never move, for a CUDA graph of `batch_size` rows."""
-        dev, i32 = self.device, torch.int32
+    def graph_decode_wrapper(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor) -> object:
+        """A decode wrapper for a CUDA graph of len(last_page_len) rows, over page-table buffers that
+        never move (int32 on the device: indptr [B+1], indices [max_pages], last_page_len [B]).
+        Graphs of several sizes may share them: each is planned right before it replays."""
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=i32, device=dev),
-            paged_kv_indices_buffer=torch.zeros(max_pages, dtype=i32, device=dev),
-            paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=i32, device=dev),
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len,
         )
 
     def plan_decode(self, wrapper: object, table: PageTable) -> None:

@@ -62,6 +62,8 @@ class TorchAttentionMeta:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
     def __init__(self, *args, paged_kernel: bool = True) -> None:
         """`paged_kernel`: decode through the CPU kernel where the device is a CPU and it builds."""
         super().__init__(*args)

@@ -69,7 +69,9 @@ class EngineProcess(EngineEndpoint):
                           self.config.policy, msgspec.to_builtins(self.config.policy_params), core.fallback,
                           *(self.pool.ready_fields() if self.pool is not None else (0, 0, 0)),
                           kv_token_bytes=kv_token_bytes(core),
-                          kv_endpoint=self.federation.transport.endpoint if self.federation is not None else ""))
+                          kv_endpoint=self.federation.transport.endpoint if self.federation is not None else "",
+                          attention=core.runner.paths.describe(self.config.device),
+                          cuda_graphs=core.runner.graphs is not None, attention_note=core.attention_note))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
         trimmed = True  # nothing freed since the heap was last handed back
