@@ -307,10 +307,32 @@ def test_calibrate_writes_a_cost_model_that_loads(hf_dirs, tmp_path):
     assert m.peak_flops > 0 and m.mem_bandwidth > 0 and 0 <= m.overlap <= 1
     record = json.loads(out.read_text())["calibration"]
     assert record["num_steps"] == len(record["steps"]) >= 2 * (3 + 1)
+    # the host link is timed, not the memory bandwidth copied over; the copier's share of it too
+    link = record["link"]
+    assert link["write"] > 0 and link["load"] > 0 and link["copier"] > 0
+    assert m.host_link_bandwidth == min(link["write"], link["load"]) != m.mem_bandwidth
+    assert 0 < m.host_link_efficiency <= 1
+    # the host's time in series with each execute is measured and counted in the overhead
+    assert all(s["host_seconds"] > 0 for s in record["steps"])
+    assert m.step_overhead >= record["host_seconds_median"] > 0
     # the loaded model drives a simulation
     spec = WorkloadSpec.parse("burst:3", lengths=parse_lengths("fixed:20:5"))
     result, _ = run_simulation(custom(spec, m), "fcfs")
     assert [len(r.token_times) for r in result.records] == [5, 5, 5]
+
+
+def test_the_fit_takes_the_rates_from_execute_times_and_adds_the_host_time_in_series():
+    from tokenflowd.sim.calibrate import Link, Observation, fit_cost_model
+
+    truth = PRESETS["h200-llama3-8b"]().replace(step_overhead=0.0, overlap=1.0)
+    chunks = [tuple((0, n) for _ in range(b)) for n in (1, 64, 512) for b in (1, 8, 32)]
+    obs = [Observation(c, truth.step_time(c), host_seconds=0.004) for c in chunks]
+    base = truth.replace(peak_flops=1e12, mem_bandwidth=1e11, compute_efficiency=1.0, bandwidth_efficiency=1.0)
+    fitted = fit_cost_model(base, obs, Link(5e10, 4e10, 3.6e10))  # the rates as calibrate starts them
+    assert fitted.step_overhead == pytest.approx(0.004, abs=2e-4)
+    for o in obs:  # the whole step: the execute as the truth costs it, and the host's time after it
+        assert fitted.step_time(o.chunks) == pytest.approx(o.seconds + 0.004, rel=0.05)
+    assert (fitted.host_link_bandwidth, fitted.host_link_efficiency) == (4e10, pytest.approx(0.9))
 
 
 def test_calibration_plan_is_validated():

@@ -8,7 +8,14 @@ the fit finds the three numbers of the roofline
 
     t = overhead + max(flops / F, bytes / W) + (1 − overlap) · min(flops / F, bytes / W)
 
-by least squares on the relative error. For a given overlap the max makes it piecewise linear:
+by least squares on the relative error, over each step's execute time: on a GPU the device's own
+time between CUDA events, on a CPU the execute call's wall time. What runs in series with it on
+the host (scheduling, batch building, launches and the sampler's sync that the events exclude,
+applying the tokens) is measured apart, and its median is added to the fitted overhead: folded
+into the fit it read as bandwidth (an H200 fitted 0.00 ms of overhead). The host link is timed
+apart too: contiguous copies both ways (pinned memory and CUDA copies on a GPU, memcpy on a CPU),
+and the engine's own copier moving pages between its KV cache and its host tier gives the
+efficiency against that. For a given overlap the max makes it piecewise linear:
 each step is assigned to the roof that bounds it (compute or memory) and the assignment is refitted
 until it settles (alternating least squares, a few rounds); a roof no step reached is set just high
 enough never to bind at the steps seen. The overlap is the best of a grid from 0 (a CPU: compute
@@ -50,7 +57,78 @@ class CalibrationPlan:
 @dataclass(frozen=True, slots=True)
 class Observation:
     chunks: tuple[tuple[int, int], ...]  # (computed, n) per request of the step
-    seconds: float
+    seconds: float  # the execute's time: the device's (CUDA events) on a GPU, its wall time on a CPU
+    host_seconds: float = 0.0  # the rest of the step's wall time, in series with it on the host
+
+
+@dataclass(frozen=True)
+class Link:
+    """The host link as measured: contiguous copies each way, and the engine's copier (0: no host tier)."""
+
+    write: float  # bytes/s device -> host
+    load: float  # bytes/s host -> device
+    copier: float = 0.0  # bytes/s of the copier's page jobs, the slower lane
+
+    @property
+    def bandwidth(self) -> float:
+        return min(self.write, self.load)
+
+    @property
+    def efficiency(self) -> float:
+        return min(1.0, self.copier / self.bandwidth) if self.copier else 1.0
+
+
+def measure_link(device: str, nbytes: int = 256 << 20, repeat: int = 3) -> Link:
+    """Bytes/s of `nbytes` contiguous copies each way between the device and host memory, the best
+    of `repeat`: pinned memory and CUDA events on a GPU, memcpy on a CPU."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+
+    def best(dst, src) -> float:
+        times = []
+        for _ in range(repeat + 1):  # the first is a warm-up
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                times.append(time.perf_counter() - t0)
+        return nbytes / min(times[1:])
+
+    return Link(write=best(host, dev), load=best(dev, host))
+
+
+def measure_copier(core, repeat: int = 3, pages_per_job: int = 64) -> float:
+    """Bytes/s the engine's copier moves between free device pages and host pages (both lanes,
+    the slower); 0 without a host tier. Run before any request holds a page."""
+    from tokenflowd.kv.copier import LOAD, WRITE, CopyJob
+
+    kv = core.kv
+    if not kv.can_reload:
+        return 0.0
+    n = min(kv.host.num_pages, core.pool.num_pages, 4 * pages_per_job)
+    pages = list(range(n))
+    rates = []
+    for lane in (WRITE, LOAD):
+        best = 0.0
+        for _ in range(repeat + 1):
+            t0 = time.perf_counter()
+            for i in range(0, n, pages_per_job):
+                chunk = pages[i : i + pages_per_job]
+                kv.copier.submit(CopyJob(lane, chunk, chunk, len(chunk) * kv.page_bytes))
+            kv.copier.wait()
+            kv.copier.poll()
+            best = max(best, n * kv.page_bytes / (time.perf_counter() - t0))
+        rates.append(best)
+    return min(rates)
 
 
 def engine_cost_model(core, name: str = "calibrated") -> CostModel:
@@ -83,19 +161,32 @@ def measure(core, plan: CalibrationPlan) -> list[Observation]:
     sched, runner = core.scheduler, core.runner
     out: list[Observation] = []
 
+    cuda = str(runner.device).startswith("cuda")
+
     def run(tag: str, batch_size: int, context: int, keep: bool) -> None:
+        import torch
+
         for i in range(batch_size):
             prompt = rng.integers(0, vocab, context).tolist()  # random: no prefix-cache hits
             core.add_request(Request(f"{tag}-{i}", prompt, params))
         while core.has_unfinished():
+            t0 = time.perf_counter()
             batch = sched.schedule()
             chunks = tuple(zip(batch.positions, batch.num_tokens))
-            t0 = time.perf_counter()
-            sampled = runner.execute(batch)
-            seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            sampled = runner.execute(batch)  # its sampled tokens reach the host: the device is done
+            if cuda:
+                end.record()
+                end.synchronize()
+            t2 = time.perf_counter()
             sched.update(batch, sampled)
+            t3 = time.perf_counter()
+            device = start.elapsed_time(end) / 1e3 if cuda else t2 - t1
             if keep:
-                out.append(Observation(chunks, seconds))
+                out.append(Observation(chunks, device, (t3 - t0) - device))
 
     run("warmup", 2, min(plan.context_lens), keep=False)  # first calls allocate and pick kernels
     for context in plan.context_lens:
@@ -148,18 +239,24 @@ def fit_roofline(works: list[StepWork], seconds: list[float], overlap: float,
     return float(o), max(float(a), 1e-30), max(float(c), 1e-30)
 
 
-def fit_cost_model(base: CostModel, obs: list[Observation]) -> CostModel:
-    """`base` with the overhead, rates and overlap that predict `obs` best (relative error)."""
+def fit_cost_model(base: CostModel, obs: list[Observation], link: Link | None = None) -> CostModel:
+    """`base` with the rates and overlap that predict `obs`'s execute times best (relative error),
+    an overhead of the fitted one plus the median host time in series with them, and the link
+    as measured (`link`; None: the base's)."""
     works = [base.work(o.chunks) for o in obs]
     t = np.array([o.seconds for o in obs])
     best, best_err = base, np.inf
     for overlap in OVERLAPS:
         overhead, per_flop, per_byte = fit_roofline(works, list(t), overlap)
-        model = base.replace(peak_flops=1.0 / per_flop, mem_bandwidth=1.0 / per_byte,
-                             host_link_bandwidth=1.0 / per_byte, step_overhead=overhead, overlap=overlap)
+        model = base.replace(peak_flops=1.0 / per_flop, mem_bandwidth=1.0 / per_byte, step_overhead=overhead,
+                             overlap=overlap)
         err = float(np.mean(((np.array([model.time_of(w) for w in works]) - t) / t) ** 2))
         if err < best_err:
             best, best_err = model, err
+    host = float(np.median([o.host_seconds for o in obs])) if obs else 0.0
+    best = best.replace(step_overhead=best.step_overhead + host)
+    if link is not None:
+        best = best.replace(host_link_bandwidth=link.bandwidth, host_link_efficiency=link.efficiency)
     return best
 
 
@@ -169,21 +266,26 @@ def calibrate(config: EngineConfig, plan: CalibrationPlan = CalibrationPlan(), l
     from tokenflowd.engine.core import EngineCore
 
     core = EngineCore.from_config(config, loaded)
+    raw = measure_link(config.device)
+    link = Link(raw.write, raw.load, measure_copier(core))
     obs = measure(core, plan)
-    model = fit_cost_model(engine_cost_model(core, name), obs).replace(
+    model = fit_cost_model(engine_cost_model(core, name), obs, link).replace(
         source=f"tokenflowd calibrate: {config.model} on {config.device} ({config.dtype}), {len(obs)} steps")
     pred = np.array([model.step_time(o.chunks) for o in obs])
-    t = np.array([o.seconds for o in obs])
+    t = np.array([o.seconds + o.host_seconds for o in obs])  # whole steps: what the simulator's step costs
     record = {
         "model": config.model, "device": config.device, "dtype": config.dtype, "num_threads": config.num_threads,
         "plan": {"batch_sizes": list(plan.batch_sizes), "context_lens": list(plan.context_lens),
                  "decode_steps": plan.decode_steps},
         "num_steps": len(obs),
+        "link": {"write": link.write, "load": link.load, "copier": link.copier},
+        "host_seconds_median": float(np.median([o.host_seconds for o in obs])),
         "mean_relative_error": float(np.mean(np.abs(pred - t) / t)),
-        "steps": [{"chunks": [list(c) for c in o.chunks], "seconds": o.seconds, "predicted": float(p)}
-                  for o, p in zip(obs, pred)],
+        "steps": [{"chunks": [list(c) for c in o.chunks], "seconds": o.seconds, "host_seconds": o.host_seconds,
+                   "predicted": float(p)} for o, p in zip(obs, pred)],
     }
-    log.info("calibrated %s: overhead %.2f ms, %.3g FLOP/s, %.3g B/s, overlap %.1f, mean relative error %.1f%%",
-             config.model, model.step_overhead * 1e3, model.peak_flops, model.mem_bandwidth, model.overlap,
-             100 * record["mean_relative_error"])
+    log.info("calibrated %s: overhead %.2f ms (host %.2f ms), %.3g FLOP/s, %.3g B/s, overlap %.1f, host link "
+             "%.3g B/s x %.2f, mean relative error %.1f%%", config.model, model.step_overhead * 1e3,
+             record["host_seconds_median"] * 1e3, model.peak_flops, model.mem_bandwidth, model.overlap,
+             model.host_link_bandwidth, model.host_link_efficiency, 100 * record["mean_relative_error"])
     return model, record

@@ -346,8 +346,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
                            a.decode_steps)
     model, record = calibrate(engine_config(a), plan)
     save_cost_model(model, a.out, record)
-    print(f"wrote {a.out}: overhead {model.step_overhead * 1e3:.2f} ms, {model.peak_flops:.3g} FLOP/s, "
-          f"{model.mem_bandwidth:.3g} B/s, overlap {model.overlap:.1f}, "
+    print(f"wrote {a.out}: overhead {model.step_overhead * 1e3:.2f} ms (host {record['host_seconds_median'] * 1e3:.2f} "
+          f"ms), {model.peak_flops:.3g} FLOP/s, {model.mem_bandwidth:.3g} B/s, overlap {model.overlap:.1f}, host link "
+          f"{model.host_link_bandwidth:.3g} B/s x {model.host_link_efficiency:.2f}, "
           f"mean relative error {100 * record['mean_relative_error']:.1f}% over {record['num_steps']} steps")
     return 0
 
