@@ -1,8 +1,10 @@
-"""Errors as the OpenAI API shapes them: {"error": {"message", "type", "param", "code"}}.
+"""Errors as the OpenAI API shapes them: {"error": {"message", "type", "param", "code"}}, `code` a
+string or null.
 
 Every 4xx says what to change. A handler raises APIError; the middleware also turns aiohttp's own
 HTTP errors (unknown route, wrong method, body too large) and any unexpected exception into the
-same shape, so a client never sees an HTML page or a bare 500.
+same shape, so a client never sees an HTML page or a bare 500. Each error response carries its
+reason (REFUSAL) for whoever counts refusals (daemon/api/refusals.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 
 MAX_BODY_SIZE = web.AppKey("max_body_size", int)
+REFUSAL = web.ResponseKey("refusal", str)  # an error response's reason: its code, else what its status means
+_REASONS = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+            408: "timeout", 409: "conflict", 413: "body_too_large", 429: "rate_limited", 503: "unavailable"}
 
 
 class APIError(Exception):
@@ -34,18 +39,27 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None,
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
     body = ErrorResponse(ErrorDetail(message, _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-                                     param, code if code is not None else status))
-    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json",
-                        headers=headers)
+                                     param, code))
+    response = web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json",
+                            headers=headers)
+    response[REFUSAL] = code or _REASONS.get(status, "server_error" if status >= 500 else "invalid_request")
+    return response
 
 
-def error_event(message: str, status: int = 500) -> bytes:
+def error_event(message: str, status: int = 500, code: str | None = None) -> bytes:
     """An error inside an open SSE stream (the openai client raises APIError on it)."""
-    detail = ErrorDetail(message, "server_error" if status >= 500 else "invalid_request_error", None, status)
+    detail = ErrorDetail(message, "server_error" if status >= 500 else "invalid_request_error", None, code)
     return b"data: " + msgspec.json.encode(ErrorResponse(detail)) + b"\n\n"
+
+
+def not_utf8(e: UnicodeDecodeError) -> APIError:
+    """A body whose bytes are not UTF-8 (JSON's encoding): 400, naming the bad byte."""
+    bad = e.object[e.start : e.start + 1].hex() if isinstance(e.object, bytes) else "?"
+    return APIError(400, f"the body is not valid UTF-8 (byte 0x{bad} in a string: {e.reason}): send JSON encoded "
+                         "as UTF-8", code="invalid_utf8")
 
 
 @web.middleware

@@ -192,7 +192,7 @@ class ErrorDetail(Struct):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    code: str | None = None  # a string, as OpenAI's, or null
 
 
 class ErrorResponse(Struct):

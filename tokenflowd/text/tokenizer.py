@@ -36,6 +36,9 @@ _GGUF_CONTROL = 3  # llama.cpp token types: 1 normal, 3 control, 4 user-defined
 _GGUF_USER_DEFINED = 4
 
 
+RELEASE_GIL_CHARS = 1 << 14  # texts this long are encoded with the GIL released (encode)
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus what serving needs: end-of-turn ids and the chat template."""
 
@@ -55,6 +58,15 @@ class Tokenizer:
         self.bos_token_id: int | None = bos_token_id
         self.chat_template: str | None = chat_template
         self._template = _compile_template(chat_template) if chat_template else None
+        # The most UTF-8 bytes of text one token can stand for, at most (a token's string as the
+        # vocabulary spells it: byte-level BPE's stand-in characters take 1-2 bytes for each byte
+        # they stand for): a text of B bytes has at least B / max_token_bytes tokens.
+        self.max_token_bytes: int = max((len(t.encode("utf-8")) for t in backend.get_vocab(with_added_tokens=True)),
+                                        default=1) or 1
+
+    def min_tokens(self, text: str) -> int:
+        """A floor on the tokens `text` encodes to, from its length alone (no tokenizing)."""
+        return -(-len(text.encode("utf-8")) // self.max_token_bytes)
 
     # ---- constructors ---------------------------------------------------------------------
 
@@ -138,6 +150,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special tokens written in `text` (e.g. "<|im_start|>") always map to their single ids;
         `add_special_tokens` only controls the post-processor (a leading bos, where the model has one)."""
+        if len(text) >= RELEASE_GIL_CHARS:
+            # NOTE: tokenizers holds the GIL while it encodes one text but not a batch: a 3.9 MB
+            # prompt encoded in a worker thread held the API server's event loop for 1.5 s
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

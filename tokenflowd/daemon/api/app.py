@@ -1,5 +1,6 @@
-"""The aiohttp application: middlewares (HEAD, API keys, errors), the routes (routes.py) and the
-node's federation endpoints (federation.py), and the SSE keep-alive sweep for the app's life.
+"""The aiohttp application: middlewares (refusals counted, HEAD, API keys, errors), the routes
+(routes.py) and the node's federation endpoints (federation.py), and for the app's life the SSE
+keep-alive sweep and the event loop's lag watch (refusals.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from aiohttp import web
 from tokenflowd.daemon.api.auth import KeyTable, auth_middleware, exposure_warning, load_api_keys
 from tokenflowd.daemon.api.connections import head_middleware
 from tokenflowd.daemon.api.front import Front
+from tokenflowd.daemon.api.refusals import RefusalLog, refusal_middleware, watch_loop
 from tokenflowd.daemon.api.routes import Routes
 from tokenflowd.openai_api.errors import MAX_BODY_SIZE, error_middleware
 
@@ -24,7 +26,9 @@ def build_app(front: Front) -> web.Application:
     warning = exposure_warning(front.config.host, keys)
     if warning:
         log.warning(warning)
-    app = web.Application(middlewares=[head_middleware, auth_middleware(keys), error_middleware],
+    count = lambda status, reason: front.metrics.refused.labels(str(status), reason).inc()  # noqa: E731
+    refusals = refusal_middleware(count, RefusalLog())
+    app = web.Application(middlewares=[refusals, head_middleware, auth_middleware(keys), error_middleware],
                           client_max_size=front.config.max_body_size)
     app[MAX_BODY_SIZE] = front.config.max_body_size
     routes = Routes(front)
@@ -51,6 +55,8 @@ def build_app(front: Front) -> web.Application:
     app.on_cleanup.append(close_federation)
     if front.config.sse_keepalive > 0:
         app.cleanup_ctx.append(_background(front.keep_alive))
+    app.cleanup_ctx.append(_background(lambda: watch_loop(front.metrics.loop_lag.observe)))
+    app.on_cleanup.append(lambda _app: front.close())
     return app
 
 

@@ -177,7 +177,7 @@ class Federation:
         KV. Its engines have both roles' machinery: nothing restarts, no page moves."""
         try:
             role = msgspec.json.decode(await self.front.read_body(request), type=dict)["role"]
-        except (msgspec.DecodeError, KeyError, TypeError):
+        except (msgspec.DecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise APIError(400, 'send {"role": "prefill" | "decode"}') from None
         if role not in ("prefill", "decode"):
             raise APIError(400, f"role must be prefill or decode, got {role!r}", param="role")
@@ -243,7 +243,7 @@ class Federation:
         raw = await self.front.read_body(request)
         try:
             order = self._order_decoder.decode(raw)
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"not a prefill order: {e}") from None
         if self.role != "prefill":
             raise APIError(409, "this node does not prefill for others (--role prefill)", code="wrong_role")
@@ -340,7 +340,7 @@ class Federation:
         answers, so the decode node learns when its pages are safe)."""
         try:
             rid = msgspec.json.decode(await self.front.read_body(request), type=dict)["request_id"]
-        except (msgspec.DecodeError, KeyError, TypeError):
+        except (msgspec.DecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise APIError(400, 'send {"request_id": ...}') from None
         stream = self.orders.get(rid)
         if stream is not None:
@@ -456,7 +456,7 @@ class Federation:
         of `token_ids` after those its cache holds. -> {"held", "target"} (target null: none)."""
         try:
             body = msgspec.json.decode(await self.front.read_body(request), type=KeepOrder)
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"not a keep order: {e}") from None
         if self.role != "prefill":
             raise APIError(409, "only a prefill node keeps others' KV", code="wrong_role")
@@ -471,7 +471,7 @@ class Federation:
         the target, as one batch. -> {"ok", "checksum", "num_pages"} once the writes have settled."""
         try:
             body = msgspec.json.decode(await self.front.read_body(request), type=GiveOrder)
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"not a give order: {e}") from None
         if self.role == "both":
             raise APIError(409, "a node of role both has no KV transfer engine to give with", code="wrong_role")
@@ -489,7 +489,7 @@ class Federation:
         """POST /federation/kept {"store_id", "ok", "checksum"}: the giver's writes have settled."""
         try:
             body = msgspec.json.decode(await self.front.read_body(request), type=KeptReport)
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"not a report: {e}") from None
         return web.json_response({"known": self._report(body)})
 

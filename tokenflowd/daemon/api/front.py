@@ -26,11 +26,12 @@ from tokenflowd.daemon.api.metrics import Metrics
 from tokenflowd.daemon.api.open_counts import OpenCounts
 from tokenflowd.daemon.api.rates import RateChoice, RateMonitor, choose_rate
 from tokenflowd.daemon.api.sse import SSEConnection
+from tokenflowd.daemon.api.tokenizing import TokenizerPool
 from tokenflowd.daemon.router import Arrival, Choice, Router, TrafficCost
 from tokenflowd.daemon.supervisor import NoEngineReady, Supervisor
 from tokenflowd.federation.wire import PrefillOrder
 from tokenflowd.openai_api import schema as s
-from tokenflowd.openai_api.errors import APIError
+from tokenflowd.openai_api.errors import APIError, not_utf8
 from tokenflowd.protocol import AddRequest, Coalesce, PrefixRun, Sampling
 from tokenflowd.text.tokenizer import Tokenizer
 
@@ -114,6 +115,24 @@ class Front:
         # that does (api_server.py); None answers 404 as before
         self.relay: Callable[[str, web.Request], Awaitable[web.Response | None]] | None = None
         self.federation = Federation(self)  # /federation/*, and a decode node's requests (daemon/api/federation.py)
+        # prompts are tokenized off the event loop, at most four bodies' worth at once (tokenizing.py)
+        self.tokenizing = TokenizerPool(4 * config.max_body_size)
+
+    async def tokenize(self, nbytes: int, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+        """fn(*args), a tokenization of about `nbytes` of text, in the tokenizing workers."""
+        return await self.tokenizing.run(nbytes, fn, *args)
+
+    def check_length_floor(self, min_tokens: int, param: str) -> None:
+        """Refuse a prompt whose length in bytes alone proves it cannot fit the context, before it
+        is tokenized (Tokenizer.min_tokens: a token stands for at most max_token_bytes bytes)."""
+        max_len = self.max_model_len()
+        if min_tokens >= max_len:
+            raise APIError(400, f"the prompt has at least {min_tokens} tokens (from its length in bytes) but the "
+                                f"context holds {max_len} (prompt plus at least one new token): shorten the prompt",
+                           param=param, code="context_length_exceeded")
+
+    async def close(self) -> None:
+        self.tokenizing.close()
 
     async def keep_alive(self) -> None:
         """Every half keep-alive interval, an SSE comment to each stream silent for the interval.
@@ -160,7 +179,9 @@ class Front:
         except msgspec.ValidationError as e:
             raise _validation_error(e) from None
         except msgspec.DecodeError as e:
-            raise APIError(400, f"the body is not valid JSON ({e}): send a JSON object") from None
+            raise APIError(400, f"the body is not valid JSON ({e}): send a JSON object", code="invalid_json") from None
+        except UnicodeDecodeError as e:
+            raise not_utf8(e) from None
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:

@@ -222,6 +222,12 @@ class Metrics:
         self.rejected = Counter("tokenflowd_requests_rejected", "Requests refused before a first token (the waiting "
                                 "bound, an engine's --max-queue-delay), by HTTP status",
                                 ["status"], registry=r)
+        self.refused = Counter("tokenflowd_requests_refused", "Requests answered with a refusal (400, 401, 403, 404, "
+                               "405, 408, 409, 413, 429, 503), by status and reason (the error's code)",
+                               ["status", "reason"], registry=r)
+        self.loop_lag = Histogram("tokenflowd_event_loop_lag_seconds", "How late the API server's event loop woke "
+                                  "from a 0.1 s sleep: time no stream and no request was served",
+                                  buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0), registry=r)
         self.federation = Counter("tokenflowd_federation_prefills", "Federation: prompts a prefill node computed for a "
                                   "decode node (side prefill), those a decode node asked for (side decode), replies' "
                                   "KV a decode node gave back to its prefill node (side return), and longer prefixes "

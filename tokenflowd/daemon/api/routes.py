@@ -58,8 +58,11 @@ class Routes:
         self.front.check_priority(body.priority, request)
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
+        tokenizer = self.front.tokenizer
+        self.front.check_length_floor(sum(tokenizer.min_tokens(m["content"]) for m in messages), "messages")
+        nbytes = sum(len(m["content"]) for m in messages)
         try:
-            prompt_ids = self.front.tokenizer.encode_chat(messages)
+            prompt_ids = await self.front.tokenize(nbytes, tokenizer.encode_chat, messages)
         except Exception as e:  # the model's chat template refused the conversation
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                            code="chat_template") from None
@@ -74,7 +77,7 @@ class Routes:
         body: s.CompletionRequest = await self.front.decode(request, self.front.completion_decoder)
         self.front.check_model(body.model)
         self.front.check_priority(body.priority, request)
-        prompt_ids = self._completion_prompt(body.prompt)
+        prompt_ids = await self._completion_prompt(body.prompt)
         cadence = self.front.conversation_cadence(request, body.user, None, arrival)
         prep = self.front.prepare(body, prompt_ids, body.max_tokens, request, cadence)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -129,11 +132,12 @@ class Routes:
             if not prep.stream:  # a stream files its reply before it ends
                 self.front.file_reply(prep, gen)
 
-    def _completion_prompt(self, prompt: str | list) -> list[int]:
+    async def _completion_prompt(self, prompt: str | list) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return self.front.tokenizer.encode(prompt, add_special_tokens=True)
+            self.front.check_length_floor(self.front.tokenizer.min_tokens(prompt), "prompt")
+            return await self.front.tokenize(len(prompt), self.front.tokenizer.encode, prompt, True)
         if all(isinstance(t, int) for t in prompt):
             vocab = self.front.tokenizer.vocab_size
             if any(t >= vocab for t in prompt):
@@ -191,7 +195,7 @@ class Routes:
             conn.send(text, num_tokens, blocked)
             if last is not None:
                 if last.finish_reason == "error":
-                    conn.write(error_event(last.error or "the engine failed while generating"))
+                    conn.write(error_event(last.error or "the engine failed while generating", code="engine_error"))
                 else:
                     conn.write(chunks.finish(last.finish_reason))
                     if prep.include_usage:

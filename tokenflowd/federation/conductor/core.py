@@ -324,7 +324,7 @@ class Conductor:
             log.warning("the stream from %s broke: %s", decode.name, e)
             if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
                 with contextlib.suppress(ConnectionError, RuntimeError):
-                    await response.write(error_event(f"the decode node {decode.name} failed mid-stream: {e}"))
+                    await response.write(error_event(f"the decode node {decode.name} failed mid-stream: {e}", code="node_failed"))
         finally:
             await upstream_cm.__aexit__(None, None, None)
         with contextlib.suppress(ConnectionError, RuntimeError):
