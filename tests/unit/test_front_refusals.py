@@ -199,3 +199,39 @@ def test_a_flood_of_one_refusal_is_logged_once_per_interval(caplog):
         say(429, "queue_full", "POST", "/v1/completions", "10.0.0.1")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and "and 99 more like it" in lines[1] and "429 queue_full" in lines[2]
+
+
+def test_the_published_reading_rate_bounds_are_the_enforced_ones(tokenizer):
+    """A rate the schema publishes as valid is taken, and the nearest one outside is refused with
+    400 naming reading_rate: in the body and in the header."""
+    from tokenflowd.openai_api.schema import MAX_READING_RATE, MIN_READING_RATE, openapi
+
+    rate = openapi()["components"]["schemas"]["CompletionRequest"]["properties"]["reading_rate"]
+    bounds = next(option for option in rate["anyOf"] if option.get("type") == "number")
+    assert (bounds["minimum"], bounds["maximum"]) == (MIN_READING_RATE, MAX_READING_RATE)
+    from tokenflowd.openai_api.errors import APIError
+
+    front = make_front(tokenizer)
+    taken: list[float] = []
+
+    def start(prep, *args, **kw):  # the request was taken: stop it here, before an engine
+        taken.append(prep.rate.reading_rate)
+        raise APIError(409, "taken", code="taken")
+
+    front.start = start
+    cases = [({"reading_rate": MIN_READING_RATE}, {}, 409), ({"reading_rate": 5e-324}, {}, 400),
+             ({"reading_rate": MAX_READING_RATE}, {}, 409), ({"reading_rate": MAX_READING_RATE * 1.01}, {}, 400),
+             ({}, {"X-Reading-Rate": "5e-324"}, 400), ({}, {"X-Reading-Rate": str(MIN_READING_RATE)}, 409)]
+
+    async def run(client):
+        out = []
+        for extra, headers, _ in cases:
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **extra}, headers=headers)
+            out.append((r.status, (await r.json())["error"]))
+        return out
+
+    for (extra, headers, want), (status, error) in zip(cases, asyncio.run(with_client(front, run))):
+        assert status == want, (extra, headers, error)
+        if want == 400:
+            assert error["param"] in ("reading_rate", "X-Reading-Rate"), error
+    assert len(taken) == 3 and min(taken) == MIN_READING_RATE

@@ -13,8 +13,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-Rate = Annotated[float, Meta(gt=0, le=1e6, description="tokens/s this client reads; above the server's "
-                                                       "max_reading_rate it is clamped to it")]
+# A stated reading rate's bounds, as published and as validated (one Meta serves both). Below a
+# token every 1000 s no reader is reading; 5e-324, valid under a bound of "above 0", is 0 to the
+# engine's arithmetic.
+MIN_READING_RATE, MAX_READING_RATE = 1e-3, 1e6
+Rate = Annotated[float, Meta(ge=MIN_READING_RATE, le=MAX_READING_RATE,
+                             description="tokens/s this client reads; above the server's max_reading_rate it is "
+                                         "clamped to it")]
 Priority = Annotated[int, Meta(ge=-1000, le=1000, description="higher is scheduled sooner; above 0 only for API keys "
                                                              "granted it (else 403), below 0 for anyone")]
 INT32_MAX = 2**31 - 1  # the bound of counts and ids (the published schema narrows it to the model's: openapi())

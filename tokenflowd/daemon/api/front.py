@@ -269,9 +269,9 @@ class Front:
             rate = float(header)
         except ValueError:
             rate = math.nan
-        if not 0 < rate <= 1e6:
-            raise APIError(400, f"X-Reading-Rate must be a number of tokens/s in (0, 1e6], got {header!r}",
-                           param="X-Reading-Rate")
+        if not s.MIN_READING_RATE <= rate <= s.MAX_READING_RATE:
+            raise APIError(400, f"X-Reading-Rate must be a number of tokens/s in [{s.MIN_READING_RATE:g}, "
+                                f"{s.MAX_READING_RATE:g}], got {header!r}", param="X-Reading-Rate")
         return rate
 
     def max_model_len(self) -> int:
