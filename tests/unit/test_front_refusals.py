@@ -235,3 +235,36 @@ def test_the_published_reading_rate_bounds_are_the_enforced_ones(tokenizer):
         if want == 400:
             assert error["param"] in ("reading_rate", "X-Reading-Rate"), error
     assert len(taken) == 3 and min(taken) == MIN_READING_RATE
+
+
+def test_a_missing_key_and_a_body_that_never_arrives_are_refusals_too(tokenizer, monkeypatch, caplog):
+    monkeypatch.setenv("TOKENFLOWD_API_KEY", "secret")
+    front = make_front(tokenizer, body_timeout=0.3)
+
+    async def run(client):
+        no_key = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer secret\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")  # and no more
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        return no_key.status, (await no_key.json())["error"]["code"], head
+
+    with caplog.at_level(logging.INFO, logger="tokenflowd.api"):
+        status, code, head = asyncio.run(with_client(front, run))
+    assert (status, code) == (401, "missing_api_key") and head.startswith(b"HTTP/1.1 408")
+    assert refused(front, 401, "missing_api_key") == 1 and refused(front, 408, "body_timeout") == 1
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused ")]
+    assert [line.split(": ", 1)[1] for line in lines] == ["401 missing_api_key", "408 body_timeout"]
+
+
+def test_no_engine_ready_is_a_counted_503(tokenizer):
+    front = make_front(tokenizer, ready=False)
+
+    async def run(client):
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        return r.status, (await r.json())["error"]["code"]
+
+    assert asyncio.run(with_client(front, run)) == (503, "unavailable")
+    assert refused(front, 503, "unavailable") == 1
