@@ -72,7 +72,10 @@ class LockedMapping(mmap.mmap):
     def __del__(self) -> None:
         if self.registered:
             self.registered = False
-            torch.cuda.cudart().cudaHostUnregister(self.address)
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.address)
+            except Exception:  # noqa: BLE001 - at interpreter exit torch may be gone; so is the process
+                pass
 
 
 def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype, node: int | None = None) -> torch.Tensor:
