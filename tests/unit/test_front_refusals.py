@@ -140,12 +140,14 @@ def test_a_tokenizer_that_takes_5_s_holds_neither_health_nor_the_loop(tokenizer)
         t0 = time.monotonic()
         health = await client.get("/health")
         waited = time.monotonic() - t0
+        still_blocked = not release.is_set() and front.tokenizing.in_flight > 0
         release.set()
         await (await post).read()
-        return health.status, waited, slept, in_worker
+        return health.status, waited, slept, in_worker, still_blocked
 
-    status, waited, slept, in_worker = asyncio.run(with_client(front, run))
+    status, waited, slept, in_worker, still_blocked = asyncio.run(with_client(front, run))
     assert in_worker > 0  # the prompt was in a worker while the loop went on
+    assert still_blocked  # /health was answered while the tokenizer still held its prompt: no clock involved
     assert status == 200
     assert waited < 1.0 and slept < 1.0  # not the 5 s the tokenizer takes: it never had the loop
 

@@ -21,7 +21,7 @@ GB, TB = 10**9, 10**12
 
 
 def test_eight_engines_on_a_2tb_8x141gb_node_lock_a_quarter_of_ram_in_all():
-    rows = {r["engines"]: r for r in table(2 * TB, 141 * GB, 8, "llama3-8b")}
+    rows = {r["engines"]: r for r in table(2 * TB, 141 * GB, 8)}
     for engines, r in rows.items():
         assert r["host_node"] <= HOST_RAM_SHARE * 2 * TB  # never more than the node's share, whatever the count
         assert r["host_per_engine"] == min(HOST_POOLS_PER_DEVICE_POOL * r["kv_per_engine"],

@@ -372,8 +372,9 @@ class KVCacheManager:
               buffer_of: Callable[[Request], float]) -> None:
         """Before a step: the offloader queues the loads and write-through copies that fit in
         `step_seconds` (chunked writing, largest client buffer first)."""
-        self.offloader.issue(step_seconds, [(r, self.state(r)) for r in running],
-                             [(r, self.state(r)) for r in loading], buffer_of)
+        # generators: an offloader with nothing to issue (none, or no load queued) never walks them
+        self.offloader.issue(step_seconds, ((r, self.state(r)) for r in running),
+                             ((r, self.state(r)) for r in loading), buffer_of)
 
     def poll(self) -> CopyResults:
         """Account for the copies, and the other nodes' writes, that ended."""

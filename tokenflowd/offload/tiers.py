@@ -95,7 +95,6 @@ class HostTier(KVTier):
     def __init__(self, num_pages: int, page_bytes: int, pages: torch.Tensor | None, enable_prefix_caching: bool,
                  disk: DiskTier | None = None) -> None:
         self.pages = pages
-        self.pinned = False  # page-locked with CUDA by create (until the pages are freed)
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.disk = disk
@@ -112,9 +111,7 @@ class HostTier(KVTier):
             pages = pinned_zeros((num_pages, *page_shape), dtype, numa_node)
         else:
             pages = torch.zeros((num_pages, *page_shape), dtype=dtype)
-        tier = cls(num_pages, pages[0].numel() * pages.element_size(), pages, enable_prefix_caching, disk)
-        tier.pinned = pin
-        return tier
+        return cls(num_pages, pages[0].numel() * pages.element_size(), pages, enable_prefix_caching, disk)
 
     def allocate(self) -> int | None:
         """A fresh host page (ref 1), or None when every page is in use."""

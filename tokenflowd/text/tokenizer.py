@@ -65,8 +65,9 @@ class Tokenizer:
                                         default=1) or 1
 
     def min_tokens(self, text: str) -> int:
-        """A floor on the tokens `text` encodes to, from its length alone (no tokenizing)."""
-        return -(-len(text.encode("utf-8")) // self.max_token_bytes)
+        """A floor on the tokens `text` encodes to, from its length alone (no tokenizing, no
+        encoding): its characters are at most its UTF-8 bytes."""
+        return -(-len(text) // self.max_token_bytes)
 
     # ---- constructors ---------------------------------------------------------------------
 

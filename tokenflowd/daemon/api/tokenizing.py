@@ -31,14 +31,15 @@ class TokenizerPool:
         async with self._room:
             await self._room.wait_for(lambda: self.in_flight + nbytes <= self.max_bytes)
             self.in_flight += nbytes
-        try:
-            # shielded: a client gone mid-encode leaves the worker busy until it ends, and its
-            # bytes count until then
-            return await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._pool, fn, *args))
-        finally:
-            async with self._room:
-                self.in_flight -= nbytes
-                self._room.notify_all()
+        work = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        # a client gone mid-encode leaves the worker busy until it ends: its bytes count until then
+        work.add_done_callback(lambda _: asyncio.ensure_future(self._release(nbytes)))
+        return await asyncio.shield(work)
+
+    async def _release(self, nbytes: int) -> None:
+        async with self._room:
+            self.in_flight -= nbytes
+            self._room.notify_all()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
