@@ -595,9 +595,9 @@ def test_a_copier_with_a_staging_limit_gets_jobs_within_it_and_the_same_tokens(t
     expected = reference(tiny, prompts, [12, 12, 12])
     core = make(tiny, ScriptedPolicy(lambda step, view: tuple(r.request_id for r in view.running)
                                      if step in (3, 12, 24) else ()), offload="write-back", enable_prefix_caching=False)
-    # NOTE: at 2 pages this schedule livelocks: three loading requests fill the pool, and the first
-    # to finish has no page to grow into, is preempted, and so on (see the closing note of this stop)
-    limit_pages = 4
+    # 2 pages: three loads fill the pool while they cross in small jobs, and the first to end has
+    # no page to grow into until the policy gives one back
+    limit_pages = 2
     core.kv.copier.staging_limit = limit_pages * core.kv.page_bytes
     sizes: list[int] = []
     submit = core.kv.copier.submit

@@ -406,3 +406,25 @@ def test_a_host_tier_in_the_simulator_reloads_instead_of_recomputing(mode):
     assert [len(r.token_times) for r in result.records] == [w.output_len for w in sc.workload]
     assert result.num_preemptions > 0 and sim.kv.stats.pages_loaded > 0
     assert result.computed_tokens < runs["none"][1].computed_tokens  # reloads replaced recomputes
+
+
+def test_step_jitter_varies_step_times_around_the_cost_model_and_repeats_with_its_seed():
+    from tokenflowd.engine.scheduler import ScheduledBatch
+    from tokenflowd.sim.clock import VirtualClock
+    from tokenflowd.sim.executor import CostModelExecutor
+
+    cost = small_cost()
+    batch = ScheduledBatch(request_ids=["a"], positions=[100], num_tokens=[1], sampling=[None])
+    exact = cost.step_time([(100, 1)])
+
+    def times(jitter: float, seed: int) -> list[float]:
+        ex = CostModelExecutor(cost, {"a": 10}, VirtualClock(), jitter=jitter, jitter_seed=seed)
+        return [ex.step_time(batch) for _ in range(2000)]
+
+    assert set(times(0.0, 0)) == {exact}
+    jittered = times(0.03, 1)
+    assert jittered == times(0.03, 1) and jittered != times(0.03, 2)
+    assert np.mean(jittered) == pytest.approx(exact, rel=0.005)  # mean 1: spans stay the cost model's
+    assert np.std(np.log(np.array(jittered) / exact)) == pytest.approx(0.03, rel=0.1)
+    with pytest.raises(ValueError, match="jitter"):
+        CostModelExecutor(cost, {}, VirtualClock(), jitter=-0.1)

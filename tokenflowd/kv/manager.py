@@ -235,13 +235,18 @@ class KVCacheManager:
         """Admit `req` to come back with its first `m.num_load_tokens` tokens computed: device-cached pages
         are taken as they are, the rest allocated and queued to load from its host copy (a request
         that never offloaded first takes the host prefix cache's pages as that copy, promoting disk
-        hits). Or change nothing and return False."""
+        hits). Or change nothing and return False.
+
+        It also takes the page its next token goes to, when its KV ends on a page boundary: loads
+        hold their pages while they cross, and a request that ends its load with nowhere to put
+        its next token would wait for, or be preempted by, the loads behind it, and round again."""
         st = self.state(req)
         assert not st.block_table and req.num_computed_tokens == 0
         n_pages = cdiv(m.num_load_tokens, self.page_size)
+        ahead = cdiv(m.num_load_tokens + 1, self.page_size) - n_pages
         hit = m.device_pages[:n_pages]
         evictable = sum(self.pool.is_evictable(p) for p in hit)
-        if n_pages - len(hit) > self.pool.num_free - evictable:
+        if n_pages - len(hit) + ahead > self.pool.num_free - evictable:
             return False
         if not self.offloader.take_host_copy(req, st, n_pages):
             return False
@@ -250,6 +255,7 @@ class KVCacheManager:
             self.pool.incref(p)
         st.block_table = list(hit) + [self.pool.allocate() for _ in range(n_pages - len(hit))]
         self.offloader.queue_load(st, len(hit))
+        st.block_table.extend(self.pool.allocate() for _ in range(ahead))  # nothing to load into it
         st.num_load_tokens = m.num_load_tokens
         st.load_source = HOST
         st.num_published_pages = len(hit)

@@ -56,6 +56,10 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                    help="a host KV tier behind the pool, copies at the cost model's host link (default none)")
     e.add_argument("--host-kv-memory", default="64GiB", help="its size with --offload (default 64GiB)")
     e.add_argument("--max-steps", type=int, help="fail beyond this many steps (default: from the workload)")
+    e.add_argument("--step-jitter", type=float, default=0.0,
+                   help="σ of a lognormal factor (mean 1) on each step's time, as a real device varies "
+                        "(an H200's steps of one shape: 0.03; default 0)")
+    e.add_argument("--jitter-seed", type=int, default=0, help="its seed (default 0)")
     policy_args(s)
     s.set_defaults(func=cmd_sim)
 
@@ -425,7 +429,8 @@ def cmd_sim(a: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         result, doc = run_simulation(sc, name, seed=a.seed, enable_prefix_caching=not a.no_prefix_caching,
                                      max_steps=a.max_steps, offload=a.offload,
-                                     host_kv_memory=parse_size(a.host_kv_memory) if a.offload != "none" else 0)
+                                     host_kv_memory=parse_size(a.host_kv_memory) if a.offload != "none" else 0,
+                                     step_jitter=a.step_jitter, jitter_seed=a.jitter_seed)
         print(f"[sim] {sc.name} {name}: {result.num_steps} steps, {result.makespan:.1f} virtual s, "
               f"{time.perf_counter() - t0:.1f} s wall", file=sys.stderr)
         docs[name] = doc

@@ -93,7 +93,8 @@ class Simulator:
     def __init__(self, cost: CostModel, workload: Sequence[WorkloadRequest], policy: SchedulingPolicy, *,
                  enable_prefix_caching: bool = True, max_steps: int | None = None,
                  max_steps_without_token: int = 100_000, offload: str = "none", host_kv_memory: int = 0,
-                 load_evict_overlap: bool = True, expected_output_len: float = 1024.0) -> None:
+                 load_evict_overlap: bool = True, expected_output_len: float = 1024.0, step_jitter: float = 0.0,
+                 jitter_seed: int = 0) -> None:
         self.cost = cost
         self.workload = sorted(workload, key=lambda r: r.arrival_time)  # stable: ties keep workload order
         self._check_fits()
@@ -103,7 +104,7 @@ class Simulator:
         self.scheduler = Scheduler(self.kv, policy, cost.max_num_batched_tokens, cost.max_num_seqs, clock=self.clock,
                                    expected_output_len=expected_output_len)
         self.executor = CostModelExecutor(cost, {r.request_id: r.output_len for r in self.workload}, self.clock,
-                                          eos_token_id=SIM_EOS)
+                                          eos_token_id=SIM_EOS, jitter=step_jitter, jitter_seed=jitter_seed)
         self.core = EngineCore(self.executor, self.scheduler, max_model_len=cost.max_model_len,
                                vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(SIM_EOS,))
         # Enough for every token in its own step and every prompt re-run a few times; a run that
