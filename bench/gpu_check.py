@@ -7,7 +7,8 @@ runs, each step bounded by what is left of the budget and skipped when too littl
 
     tests       pytest tests/gpu: flashinfer against torch, graphs against eager, preempt and
                 reload in flashinfer's layout, the start-up check's step downs, the KV budget
-    decode      bench/gpu_decode.py: decode step time and the memory roofline, batches 1, 32, 128
+    decode      bench/gpu_decode.py: decode step time and the memory roofline, batches 1, 32, 128,
+                with the host KV tier's write-through and without it
     offload     bench/offload_bandwidth.py: the copier's lanes against a pinned contiguous copy
     compare     two daemons (fcfs, tokenflow) on dummy:llama3-8b and one burst of reading
                 clients through `loadgen compare` (the first burst of ../shared/data/h200/README.md)
@@ -167,10 +168,10 @@ def main() -> int:
     env = environment(site)
     py = sys.executable
     steps = [  # name, command, seconds it needs at least, at most
-        ("tests", [py, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
+        ("tests", [py, "-m", "pytest", "tests/gpu", "-v", "-rs", "-p", "no:cacheprovider",
                    f"--junitxml={out / 'gpu_tests.xml'}"], 120, 300),
         ("decode", [py, "bench/gpu_decode.py", "--batches", "1,32,128", "--context", "1024", "--new-tokens", "32",
-                    "--out", str(out / "gpu_decode.json")], 60, 150),
+                    "--offload", "write-through,none", "--out", str(out / "gpu_decode.json")], 60, 200),
         ("offload", [py, "bench/offload_bandwidth.py", "--out", str(out / "offload_bandwidth.json")], 20, 60),
     ]
     rows = []

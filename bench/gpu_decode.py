@@ -10,6 +10,7 @@ over the device-to-device copy bandwidth measured in the same run (bytes read + 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -71,18 +72,28 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--offload", default="",
+                    help="host KV tier modes to run, comma-separated: none, write-back, write-through (default: "
+                         "the engine's, write-through); its copies run beside the steps timed here")
     ap.add_argument("--out", default="bench/results/gpu_decode.json")
     a = ap.parse_args()
     bw = copy_bandwidth()
     batches = [int(b) for b in a.batches.split(",")]
-    core = EngineCore.from_config(EngineConfig.resolve(model=a.model, device="cuda", max_num_seqs=max(batches),
-                                           cuda_graphs=False if a.no_cuda_graphs else None))
-    rows = []
-    for b in batches:
-        r = run(core, b, a.context, a.new_tokens, seed=b)
-        r["roofline_fraction"] = r["bytes_per_step"] / r["step_s"] / bw
-        rows.append(r)
-        print(json.dumps(r), flush=True)
+    rows, core = [], None
+    for mode in a.offload.split(",") if a.offload else [None]:
+        if core is not None:
+            core.close()
+            del core
+            gc.collect()
+            torch.cuda.empty_cache()
+        extra = {"offload": mode} if mode else {}
+        core = EngineCore.from_config(EngineConfig.resolve(model=a.model, device="cuda", max_num_seqs=max(batches),
+                                                           cuda_graphs=False if a.no_cuda_graphs else None, **extra))
+        for b in batches:
+            r = {"offload": core.config.offload, **run(core, b, a.context, a.new_tokens, seed=b)}
+            r["roofline_fraction"] = r["bytes_per_step"] / r["step_s"] / bw
+            rows.append(r)
+            print(json.dumps(r), flush=True)
     out = {"device": torch.cuda.get_device_name(), "model": a.model, "dtype": core.config.dtype,
            "attention_backend": core.config.attention_backend, "cuda_graphs": core.config.cuda_graphs,
            "attention": core.runner.paths.describe("cuda"), "fallback": core.fallback,
@@ -91,9 +102,10 @@ def main() -> None:
         json.dump(out, f, indent=2)
     print(f"\n{out['device']}  {a.model}  {core.config.dtype}  backend={core.config.attention_backend} "
           f"graphs={core.config.cuda_graphs}  d2d copy {bw / 1e12:.2f} TB/s")
-    print("batch  step_ms  tokens/s  roofline")
+    print("offload        batch  step_ms  tokens/s  roofline")
     for r in rows:
-        print(f"{r['batch']:>5}  {r['step_s'] * 1e3:7.2f}  {r['tokens_per_s']:8.0f}  {r['roofline_fraction']:7.1%}")
+        print(f"{r['offload']:<14} {r['batch']:>5}  {r['step_s'] * 1e3:7.2f}  {r['tokens_per_s']:8.0f}  "
+              f"{r['roofline_fraction']:7.1%}")
 
 
 if __name__ == "__main__":
