@@ -43,7 +43,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 _SERVER_FLAGS = ("host", "port", "engines", "served_model_name", "default_reading_rate", "max_reading_rate",
                  "max_waiting_requests", "max_body_size", "runtime_dir", "shutdown_timeout", "api_key_file",
                  "log_level", "coalesce_buffer", "coalesce_interval", "write_stall_timeout", "max_streams",
-                 "max_connections", "header_timeout", "body_timeout", "keepalive_timeout", "api_servers")
+                 "max_connections", "header_timeout", "body_timeout", "keepalive_timeout", "api_servers", "web_ui")
 
 
 def serve_configs(a: argparse.Namespace, environ: dict[str, str] | None = None):
@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="s: a request whose predicted time to first token (the queue ahead of it at the engine's "
                         "measured speed) exceeds it gets 429 with Retry-After at once (default: off)")
     v.add_argument("--max-body-size", help="largest request body, e.g. 4MiB (default); beyond: 413")
+    v.add_argument("--no-web-ui", dest="web_ui", action="store_const", const=False,
+                   help="serve no chat page at / (the API alone)")
     v.add_argument("--runtime-dir", help="where the private socket directory is made (default: the temp dir)")
     v.add_argument("--shutdown-timeout", type=float,
                    help="s open streams may take to finish after SIGTERM before they end with an error (default 30)")

@@ -123,6 +123,7 @@ class ServerConfig:
     keepalive_timeout: float = 75.0  # s an idle keep-alive connection stays open
     # API server processes sharing the port (SO_REUSEPORT); None: one per engine on a GPU box, 1 on CPU
     api_servers: int | None = None
+    web_ui: bool = True  # the chat page at / (daemon/api/web_ui.py)
     api_key_file: str | None = None  # one key a line; with TOKENFLOWD_API_KEY, /v1/* needs a key (else 401)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR; a SIGHUP reload changes it live
     auth: AuthConfig = field(default_factory=AuthConfig)  # the file's [auth] table: keys and their rights

@@ -11,6 +11,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from tokenflowd.daemon.api import web_ui
 from tokenflowd.daemon.api.auth import KeyTable, auth_middleware, exposure_warning, load_api_keys
 from tokenflowd.daemon.api.connections import head_middleware
 from tokenflowd.daemon.api.front import Front
@@ -41,6 +42,8 @@ def build_app(front: Front) -> web.Application:
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.metrics_endpoint)
     app.router.add_get("/openapi.json", routes.openapi)
+    if front.config.web_ui:
+        web_ui.add_routes(app)
     app.router.add_get("/federation/state", front.federation.state)
     app.router.add_post("/federation/prefill", front.federation.prefill)
     app.router.add_post("/federation/abort", front.federation.abort)
