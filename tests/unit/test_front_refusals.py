@@ -270,3 +270,18 @@ def test_no_engine_ready_is_a_counted_503(tokenizer):
 
     assert asyncio.run(with_client(front, run)) == (503, "unavailable")
     assert refused(front, 503, "unavailable") == 1
+
+
+def test_the_body_limit_is_checked_against_what_the_context_could_use():
+    import logging
+
+    from tokenflowd.daemon.api.front import body_limit_note
+
+    # a limit that refuses prompts the context holds: a warning
+    level, why = body_limit_note(256 << 10, 131072, 32)
+    assert level == logging.WARNING and "413" in why and "131072-token" in why
+    # a limit far above anything a fitting prompt needs: a note with the limit that would do
+    level, why = body_limit_note(4 << 20, 2912, 32)
+    assert level == logging.INFO and f"--max-body-size {2912 * 6 * 32 + (64 << 10)}" in why
+    # in between: nothing to say
+    assert body_limit_note(4 << 20, 131072, 32) is None

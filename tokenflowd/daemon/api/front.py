@@ -37,6 +37,27 @@ from tokenflowd.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenflowd.api")
 
+TYPICAL_BYTES_PER_TOKEN = 4  # English text through a BPE tokenizer
+JSON_BYTES_PER_TEXT_BYTE = 6  # the most a JSON string spends on one byte of text (\u00XX)
+BYTES_PER_MESSAGE = 64  # a chat message's keys and quotes; the chat template gives each a token at least
+BODY_SLACK = 64 << 10  # the body's other fields (sampling, stop strings, stream options)
+
+
+def body_limit_note(max_body_size: int, max_model_len: int, max_token_bytes: int) -> tuple[int, str] | None:
+    """The body limit against what the model's context could ever use: (log level, why) when it
+    refuses prompts the context would hold, or lets in bodies no prompt that fits could need."""
+    typical = max_model_len * TYPICAL_BYTES_PER_TOKEN
+    if max_body_size < typical:
+        return logging.WARNING, (f"--max-body-size {max_body_size} bytes is below what a prompt filling the "
+                                 f"{max_model_len}-token context takes as text (about {typical} bytes at "
+                                 f"{TYPICAL_BYTES_PER_TOKEN} bytes a token): such prompts get 413")
+    ceiling = max_model_len * max(JSON_BYTES_PER_TEXT_BYTE * max_token_bytes, BYTES_PER_MESSAGE) + BODY_SLACK
+    if max_body_size > ceiling:
+        return logging.INFO, (f"no body over {ceiling} bytes holds a prompt that fits the {max_model_len}-token "
+                              f"context (a token stands for at most {max_token_bytes} bytes of text, 6 in JSON): "
+                              f"--max-body-size {ceiling} would refuse them before reading them (now {max_body_size})")
+    return None
+
 # Why a value was refused, for the fields declared only to refuse anything but their default.
 _UNSUPPORTED = {
     "n": "n must be 1: tokenflowd returns one choice per request (send n requests instead)",
@@ -117,6 +138,7 @@ class Front:
         self.federation = Federation(self)  # /federation/*, and a decode node's requests (daemon/api/federation.py)
         # prompts are tokenized off the event loop, at most four bodies' worth at once (tokenizing.py)
         self.tokenizing = TokenizerPool(4 * config.max_body_size)
+        self._checked_len: int | None = None  # the context the body limit was last checked against
 
     async def tokenize(self, nbytes: int, fn: Callable[..., list[int]], *args: Any) -> list[int]:
         """fn(*args), a tokenization of about `nbytes` of text, in the tokenizing workers."""
@@ -278,7 +300,13 @@ class Front:
         lens = [slot.info.max_model_len for slot in self.supervisor.slots if slot.ready and slot.info]
         if not lens:
             raise self._unavailable()
-        return min(lens)
+        length = min(lens)
+        if length != self._checked_len:  # once for each context the engines publish
+            self._checked_len = length
+            note = body_limit_note(self.config.max_body_size, length, self.tokenizer.max_token_bytes)
+            if note is not None:
+                log.log(*note)
+        return length
 
     def _unavailable(self) -> APIError:
         why = "draining for shutdown" if self.draining else "starting or restarting its engines"
