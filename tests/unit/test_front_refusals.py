@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from types import SimpleNamespace
@@ -285,3 +286,84 @@ def test_the_body_limit_is_checked_against_what_the_context_could_use():
     assert level == logging.INFO and f"--max-body-size {2912 * 6 * 32 + (64 << 10)}" in why
     # in between: nothing to say
     assert body_limit_note(4 << 20, 131072, 32) is None
+
+
+def numeric_fields(schema: dict, components: dict) -> dict[str, dict]:
+    """name -> the number's JSON Schema, for each numeric property of a request body."""
+    out = {}
+    for name, prop in schema["properties"].items():
+        options = prop.get("anyOf", [prop])
+        for option in options:
+            if "$ref" in option:
+                continue
+            if option.get("type") in ("integer", "number"):
+                out[name] = option
+    return out
+
+
+def edges(bounds: dict) -> list[tuple[float, bool]]:
+    """(value, valid under the schema) at and just past each bound the schema states."""
+    integer = bounds["type"] == "integer"
+    step = 1 if integer else None
+    cases = []
+    for key, inside, sign in (("minimum", True, -1), ("maximum", True, 1),
+                              ("exclusiveMinimum", False, -1), ("exclusiveMaximum", False, 1)):
+        if key not in bounds:
+            continue
+        b = bounds[key]
+        if inside:
+            cases.append((b, True))
+            cases.append((b + sign * step if integer else math.nextafter(b, sign * math.inf), False))
+        else:
+            cases.append((b, False))
+            cases.append((b - sign * step if integer else math.nextafter(b, -sign * math.inf), True))
+    return cases
+
+
+def test_every_numeric_field_is_taken_exactly_within_the_bounds_the_schema_publishes(tokenizer):
+    """For each numeric field of both request bodies, in the schema the server publishes (narrowed
+    to what it serves): a value at each bound it states is taken, one just past it is refused with
+    400 naming the field. Schemathesis draws such edges rarely; this walks all of them."""
+    from tokenflowd.openai_api.errors import APIError
+    from tokenflowd.openai_api.schema import Served, openapi
+
+    served = Served((MODEL,), MAX_LEN, tokenizer.vocab_size)
+    doc = openapi(served)["components"]["schemas"]
+    front = make_front(tokenizer)
+
+    def start(prep, *args, **kw):  # taken: stop before an engine
+        raise APIError(409, "taken", code="taken")
+
+    front.start = start
+    bodies = {"/v1/completions": ("CompletionRequest", {"model": MODEL, "prompt": "hi", "max_tokens": 4}),
+              "/v1/chat/completions": ("ChatCompletionRequest",
+                                       {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 4})}
+    cases = []
+    for path, (name, base) in bodies.items():
+        for field, bounds in numeric_fields(doc[name], doc).items():
+            for value, valid in edges(bounds):
+                body = {**base, field: value}
+                if field == "max_completion_tokens":
+                    del body["max_tokens"]  # the one the client sends
+                elif field == "min_tokens" and valid:
+                    body["max_tokens"] = max(value, 1)  # min_tokens above max_tokens is another refusal
+                cases.append((path, field, value, valid, body))
+    assert {c[1] for c in cases} >= {"temperature", "top_p", "top_k", "max_tokens", "reading_rate", "priority", "seed"}
+
+    async def run(client):
+        out = []
+        for path, field, value, valid, body in cases:
+            r = await client.post(path, json=body)
+            out.append((r.status, (await r.json()).get("error", {})))
+        return out
+
+    wrong = []
+    for (path, field, value, valid, body), (status, error) in zip(cases, asyncio.run(with_client(front, run))):
+        # what the schema cannot say: the prompt's tokens plus max_tokens against the context, and
+        # a priority above what the caller's key may set (403, auth.py)
+        if valid and status != 409 and error.get("code") not in ("context_length_exceeded", "priority_not_allowed"):
+            wrong.append(("refused", path, field, value, status, error.get("message")))
+        if not valid and (status != 400 or error.get("param") != field):
+            wrong.append(("taken" if status == 409 else "refused oddly", path, field, value, status, error))
+    assert not wrong, "\n".join(map(str, wrong))

@@ -243,12 +243,15 @@ class Front:
         if n == 0:
             raise APIError(400, "the prompt is empty once tokenized: send some text", param="prompt",
                            code="empty_prompt")
+        chat = isinstance(body, s.ChatCompletionRequest)
         if n >= max_len:
             raise APIError(400, f"the prompt has {n} tokens but the context holds {max_len} (prompt plus at least "
-                                "one new token): shorten the prompt", param="messages", code="context_length_exceeded")
+                                "one new token): shorten the prompt", param="messages" if chat else "prompt",
+                           code="context_length_exceeded")
         if max_tokens is not None and n + max_tokens > max_len:
-            raise APIError(400, f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context length "
-                                f"{max_len}: lower max_tokens to at most {max_len - n}", param="max_tokens",
+            field = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+            raise APIError(400, f"prompt ({n} tokens) plus {field} ({max_tokens}) exceeds the context length "
+                                f"{max_len}: lower {field} to at most {max_len - n}", param=field,
                            code="context_length_exceeded")
         if n + body.min_tokens > max_len:
             raise APIError(400, f"prompt ({n} tokens) plus min_tokens ({body.min_tokens}) exceeds the context length "
