@@ -320,6 +320,7 @@ def edges(bounds: dict) -> list[tuple[float, bool]]:
     return cases
 
 
+@pytest.mark.usefixtures("denormals_on")  # the values just past 0 are denormals
 def test_every_numeric_field_is_taken_exactly_within_the_bounds_the_schema_publishes(tokenizer):
     """For each numeric field of both request bodies, in the schema the server publishes (narrowed
     to what it serves): a value at each bound it states is taken, one just past it is refused with
