@@ -48,8 +48,8 @@ def test_a_stated_rate_stands_for_a_slow_reader_with_an_ordinary_buffer_and_stay
         # what the README says: the stated rate stands, clamped, whatever the client really reads
         assert all(rate == CLAMP and source == "stated" for rate, source, _ in seen), seen
         delivered = seen[-1][2]
-        # it fell behind: 200 bytes a poll, while each token's event alone takes about 200
-        assert delivered > 50 and read <= 200 * (len(seen) + 1) < 200 * delivered / 2, (delivered, read, len(seen))
+        # it fell behind: it read less than the events of the tokens delivered (each over 150 bytes)
+        assert delivered > 50 and read < 150 * delivered, (delivered, read)
     finally:
         s.close()
         d.stop()
