@@ -71,15 +71,15 @@ import os
 import platform
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import msgspec
+
+from daemon_proc import free_port, wait_healthy
 
 HERE = Path(__file__).resolve().parent
 NULL_ENGINE = HERE / "null_engine.py"
@@ -468,25 +468,6 @@ def analyse(client: ClientResult, sent: dict[str, list[float]], front_probe: lis
 
 
 # -- one N, then the sweep ------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the front exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                return json.loads(r.read())
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError("the front did not become healthy")
-
-
 def ramp_rate(n: int, a: argparse.Namespace) -> float:
     """New streams/s during the ramp: by default the starts spread over one stream's duration, so the
     closed loop afterwards keeps a uniform N * rate / tokens new requests per second, not waves."""

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,13 +21,9 @@ from pathlib import Path
 
 import aiohttp
 
+from daemon_proc import free_port, wait_healthy
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def probe(base: str, prompts: int, megabytes: float) -> dict:
@@ -88,15 +83,7 @@ def main() -> None:
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        import urllib.request
-
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
+        wait_healthy(port, daemon)
         result = asyncio.run(probe(base, a.prompts, a.megabytes))
     finally:
         daemon.terminate()

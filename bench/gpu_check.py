@@ -24,12 +24,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
+
+from daemon_proc import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT_DIR = ROOT / ".gpukit"
@@ -80,12 +81,6 @@ def run_step(name: str, cmd: list[str], env: dict, out: Path, timeout: float, ke
             "log": log_path.name if log_path.exists() else ""}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def compare(env: dict, out: Path, budget: Budget) -> dict:
     """Two daemons on one GPU, then one burst against both (A: fcfs, B: tokenflow)."""
     t0 = time.monotonic()
@@ -100,18 +95,8 @@ def compare(env: dict, out: Path, budget: Budget) -> dict:
                  "--port", str(port), "--policy", policy, "--kv-cache-memory", "4GiB", "--host-kv-memory", "16GiB",
                  "--gpu-memory-utilization", "0.45"],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        import urllib.request
-
-        for port in ports:
-            while True:
-                if budget.left < 60:
-                    raise TimeoutError("the daemons did not become healthy in time")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    time.sleep(1)
+        for port, daemon in zip(ports, daemons):
+            wait_healthy(port, daemon, budget.left - 60)  # what is left for the burst itself
         cmd = [sys.executable, "-m", "loadgen", "compare", "--base-url", f"http://127.0.0.1:{ports[0]}",
                "--base-url-b", f"http://127.0.0.1:{ports[1]}", "--label-a", "fcfs", "--label-b", "tokenflow",
                "--vocab-size", "49152", "--num-prompts", "96", "--request-rate", "inf", "--lengths", "fixed:512:512",

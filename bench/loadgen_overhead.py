@@ -32,13 +32,14 @@ import json
 import os
 import platform
 import resource
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import msgspec
+
+from daemon_proc import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -78,12 +79,6 @@ def machine_busy_seconds() -> float:
     with open("/proc/stat") as f:
         user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gc_summary(events: list[tuple[float, str, float]], start: float, end: float) -> dict:

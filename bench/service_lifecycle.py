@@ -13,20 +13,15 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
+from daemon_proc import free_port
+
 MODEL = "smollm2-135m"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_health(http: httpx.Client, proc: subprocess.Popen, ok, timeout: float = 180) -> dict:

@@ -20,8 +20,8 @@ from daemon import Daemon
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the test extra)")
 
 KEY = "page-test-key"
-RATE = 4  # tokens/s the page's reader reads: slower than the model writes, so text waits to be shown
-MAX_TOKENS = 60
+RATE = 20  # tokens/s the page's reader reads: slower than the model writes, so text waits to be shown
+MAX_TOKENS = 150
 
 
 def chromium() -> str | None:
@@ -67,21 +67,24 @@ def test_the_page_streams_at_its_readers_pace_and_its_cursor_drives_the_engines_
     assert page.inner_text("#model") == "smollm2-135m"
     page.fill("#rate", str(RATE))
     page.fill("#prompt", "Tell me a short story about a lighthouse keeper.")
-    page.click("#send")
-    page.wait_for_function("window.tokenflowd.requestId && window.tokenflowd.shown > 0", timeout=60_000)
-    started, first = time.monotonic(), page.evaluate("window.tokenflowd.shown")
-    # the page tells the server what its reader has read, while the answer streams
-    page.wait_for_function("window.tokenflowd.read > 0 || !window.tokenflowd.streaming", timeout=60_000)
-    state = page.evaluate("window.tokenflowd")
-    assert state["read"] > 0 and state["cursorsPosted"] >= 1, state
-    rid = state["requestId"]
+    # the page tells the server what its reader has read, while the answer streams: the test reads
+    # the engine's view as soon as the first cursor is answered (the answer takes seconds longer)
+    with page.expect_response(lambda r: r.url.endswith("/read") and r.request.method == "POST",
+                              timeout=60_000) as posted:
+        page.click("#send")
+    cursor = posted.value.json()
+    rid = cursor["id"]
     info = httpx.get(f"{daemon.base_url}/v1/requests/{rid}", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
-    if info.status_code == 200:  # still streaming: the front and the engine follow the cursor
-        info = info.json()
-        assert info["read_tokens"] >= state["read"]
-        # the engine models the buffer from the cursor on: no more unread than it has written
-        # (tokens it holds back to pace the stream included) less what was read
-        assert info["buffer_tokens"] <= info["num_output_tokens"] - info["read_tokens"] + 1, info
+    assert cursor["accepted"] and 0 < cursor["read_tokens"] <= cursor["delivered_tokens"], cursor
+    assert info.status_code == 200, info.text
+    info = info.json()
+    assert info["read_tokens"] >= cursor["read_tokens"]
+    # the engine models the buffer from the cursor on: no more unread than it has written
+    # (tokens it holds back to pace the stream included) less what was read
+    assert info["buffer_tokens"] <= info["num_output_tokens"] - info["read_tokens"] + 1, info
+    started, first = time.monotonic(), page.evaluate("window.tokenflowd.shown")
+    state = page.evaluate("window.tokenflowd")
+    assert state["requestId"] == rid and state["read"] > 0 and state["cursorsPosted"] >= 1, state
     if os.environ.get("CHAT_PAGE_SCREENSHOT"):
         page.wait_for_timeout(2500)
         page.screenshot(path=os.environ["CHAT_PAGE_SCREENSHOT"])

@@ -187,3 +187,21 @@ def test_a_reservation_past_max_queue_delay_is_none_and_the_request_is_shed_as_a
     while d.has_unfinished():
         d.step()
     assert d.pool.num_used == 0
+
+
+def test_kv_that_ends_on_a_page_boundary_arrives_with_the_page_its_next_token_needs(tiny):
+    """16 prompt tokens fill 4 pages: the sender gets those 4 to write into, and the request holds a
+    fifth, so that once its KV is in it steps without asking the pool for a page (kv/manager.py
+    _next_page: arrivals holding every page would otherwise leave it nowhere to grow)."""
+    d = core(tiny)
+    req = Request("b", list(range(5, 21)), SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+    free = d.pool.num_free
+    pages = d.add_remote(req, 16)
+    assert pages is not None and len(pages) == 4 and free - d.pool.num_free == 5
+    assert d.kv.block_table(req)[:4] == pages
+    d.remote_arrived("b", 7)  # what the pages hold does not matter here
+    held = d.pool.num_free
+    d.step()
+    assert len(d.kv.block_table(req)) == 5 and d.pool.num_free == held  # its next token's KV went into the fifth
+    run(d, "b")
+    assert d.pool.num_used == 0

@@ -22,7 +22,7 @@ STATED = 1000.0  # what the client claims
 def test_a_stated_rate_stands_for_a_slow_reader_with_an_ordinary_buffer_and_stays_clamped():
     d = Daemon("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "128MiB",
                "--max-reading-rate", str(CLAMP))
-    s = socket.create_connection(("127.0.0.1", d.port))
+    s = socket.create_connection(("127.0.0.1", d.port), timeout=60)  # a read never waits without end
     try:
         payload = json.dumps({"model": "smollm2-135m", "prompt": "A long story:", "max_tokens": 400, "ignore_eos": True,
                               "stream": True, "reading_rate": STATED}).encode()

@@ -237,13 +237,11 @@ class KVCacheManager:
         that never offloaded first takes the host prefix cache's pages as that copy, promoting disk
         hits). Or change nothing and return False.
 
-        It also takes the page its next token goes to, when its KV ends on a page boundary: loads
-        hold their pages while they cross, and a request that ends its load with nowhere to put
-        its next token would wait for, or be preempted by, the loads behind it, and round again."""
+        It also takes the page its next token goes to (`_next_page`)."""
         st = self.state(req)
         assert not st.block_table and req.num_computed_tokens == 0
         n_pages = cdiv(m.num_load_tokens, self.page_size)
-        ahead = cdiv(m.num_load_tokens + 1, self.page_size) - n_pages
+        ahead = self._next_page(m.num_load_tokens)
         hit = m.device_pages[:n_pages]
         evictable = sum(self.pool.is_evictable(p) for p in hit)
         if n_pages - len(hit) + ahead > self.pool.num_free - evictable:
@@ -261,6 +259,13 @@ class KVCacheManager:
         st.num_published_pages = len(hit)
         return True
 
+    def _next_page(self, num_tokens: int) -> int:
+        """1 when KV of `num_tokens` tokens ends on a page boundary: the page its next token goes to,
+        which a request whose KV arrives (a load, another node's write) takes with it. Arriving KV
+        holds its pages while it crosses, and a request that got it with nowhere to put its next
+        token would wait for, or be preempted by, the arrivals behind it, and round again."""
+        return cdiv(num_tokens + 1, self.page_size) - cdiv(num_tokens, self.page_size)
+
     def start_remote(self, req: Request, num_tokens: int) -> list[int] | None:
         """Admit `req` with its first `num_tokens` of KV to be written by another node (a decode node
         taking over a prefill node's request, federation/): its device pages are allocated now for
@@ -269,13 +274,14 @@ class KVCacheManager:
         st = self.state(req)
         assert not st.block_table and req.num_computed_tokens == 0
         n_pages = cdiv(num_tokens, self.page_size)
-        if n_pages > self.pool.num_free:
+        taken = n_pages + self._next_page(num_tokens)
+        if taken > self.pool.num_free:
             return None
-        st.block_table = [self.pool.allocate() for _ in range(n_pages)]
+        st.block_table = [self.pool.allocate() for _ in range(taken)]
         st.num_load_tokens = num_tokens
         st.load_source = REMOTE
         st.remote_until = time.monotonic() + self.remote_quarantine
-        return list(st.block_table)
+        return st.block_table[:n_pages]  # the sender's; the next token's page is not written
 
     def remote_done(self, req: Request, ok: bool, settled: bool = True) -> None:
         """The sender's pages are in place (ok), or will never be (a failed transfer). `settled`:
