@@ -41,28 +41,37 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
 
 
 def run(core: EngineCore, batch: int, context: int, new: int, seed: int) -> dict:
+    """Prefill, then time the decode steps with every request running, as the engine runs them: no
+    synchronize between steps (with overlap, the next is launched while one runs). step_s is their
+    wall time over their count; busy_s the median of each step's compute time (CUDA events with
+    overlap; without it the step's own synchronized time)."""
     g = torch.Generator().manual_seed(seed)
     vocab = core.model_config.vocab_size
     for i in range(batch):
         core.add_request(Request(f"b{batch}-{i}", torch.randint(0, vocab, (context,), generator=g).tolist(),
                                  SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)))
-    step_times, ctx = [], []
-    while core.has_unfinished():
-        decoding = all(r.num_output_tokens > 0 for r in core.scheduler.running) and not core.scheduler.waiting
-        torch.cuda.synchronize()
-        t = time.perf_counter()
+    while not (all(r.num_output_tokens > 1 for r in core.scheduler.running) and not core.scheduler.waiting
+               and len(core.scheduler.running) == batch):
         core.step()
-        torch.cuda.synchronize()
-        if decoding and len(core.scheduler.running) == batch:
-            step_times.append(time.perf_counter() - t)
-            ctx.append(sum(r.num_tokens for r in core.scheduler.running))
-    step = statistics.median(step_times)
+    busy, ctx, steps = [], [], 0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while len(core.scheduler.running) == batch and all(r.num_output_tokens < new - 2 for r in core.scheduler.running):
+        core.step()
+        busy.append(core.stats.last_step_time)
+        ctx.append(sum(r.num_tokens for r in core.scheduler.running))
+        steps += 1
+    torch.cuda.synchronize()
+    step = (time.perf_counter() - t0) / max(steps, 1)
+    while core.has_unfinished():
+        core.step()
     cfg = core.model_config
     el = torch.empty((), dtype=core.runner.dtype).element_size()
     weight_bytes = sum(t.numel() * t.element_size() for t in core.runner.model.state_tensors())
     kv_bytes = statistics.median(ctx) * cfg.kv_elements_per_token * el
-    return {"batch": batch, "step_s": step, "tokens_per_s": batch / step, "bytes_per_step": weight_bytes + kv_bytes,
-            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "steps_measured": len(step_times)}
+    return {"batch": batch, "step_s": step, "busy_s": statistics.median(busy), "overlap": core.overlap,
+            "tokens_per_s": batch / step, "bytes_per_step": weight_bytes + kv_bytes,
+            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "steps_measured": steps}
 
 
 def main() -> None:
@@ -75,12 +84,14 @@ def main() -> None:
     ap.add_argument("--offload", default="",
                     help="host KV tier modes to run, comma-separated: none, write-back, write-through (default: "
                          "the engine's, write-through); its copies run beside the steps timed here")
+    ap.add_argument("--overlap", default="on,off", help="overlap scheduling modes to run, comma-separated")
     ap.add_argument("--out", default="bench/results/gpu_decode.json")
     a = ap.parse_args()
     bw = copy_bandwidth()
     batches = [int(b) for b in a.batches.split(",")]
     rows, core = [], None
-    for mode in a.offload.split(",") if a.offload else [None]:
+    modes = [(m, o) for m in (a.offload.split(",") if a.offload else [None]) for o in a.overlap.split(",")]
+    for mode, overlap in modes:
         if core is not None:
             core.close()
             del core
@@ -88,7 +99,8 @@ def main() -> None:
             torch.cuda.empty_cache()
         extra = {"offload": mode} if mode else {}
         core = EngineCore.from_config(EngineConfig.resolve(model=a.model, device="cuda", max_num_seqs=max(batches),
-                                                           cuda_graphs=False if a.no_cuda_graphs else None, **extra))
+                                                           cuda_graphs=False if a.no_cuda_graphs else None,
+                                                           overlap=overlap == "on", **extra))
         for b in batches:
             r = {"offload": core.config.offload, **run(core, b, a.context, a.new_tokens, seed=b)}
             r["roofline_fraction"] = r["bytes_per_step"] / r["step_s"] / bw
@@ -102,10 +114,10 @@ def main() -> None:
         json.dump(out, f, indent=2)
     print(f"\n{out['device']}  {a.model}  {core.config.dtype}  backend={core.config.attention_backend} "
           f"graphs={core.config.cuda_graphs}  d2d copy {bw / 1e12:.2f} TB/s")
-    print("offload        batch  step_ms  tokens/s  roofline")
+    print("offload        overlap  batch  step_ms  busy_ms  tokens/s  roofline")
     for r in rows:
-        print(f"{r['offload']:<14} {r['batch']:>5}  {r['step_s'] * 1e3:7.2f}  {r['tokens_per_s']:8.0f}  "
-              f"{r['roofline_fraction']:7.1%}")
+        print(f"{r['offload']:<14} {'on' if r['overlap'] else 'off':<7}  {r['batch']:>5}  {r['step_s'] * 1e3:7.2f}  "
+              f"{r['busy_s'] * 1e3:7.2f}  {r['tokens_per_s']:8.0f}  {r['roofline_fraction']:7.1%}")
 
 
 if __name__ == "__main__":

@@ -250,6 +250,7 @@ class Ready(msgspec.Struct, tag=True):
     kv_endpoint: str = ""  # its KV transfer engine (prefill and decode roles): peers' links name it
     attention: str = ""  # the attention path it runs (engine/startup.py FastPaths.describe)
     cuda_graphs: bool = False  # decodes replay CUDA graphs
+    overlap: bool = False  # overlap scheduling: the next step launched while one runs (engine/core.py)
     attention_note: str = ""  # why a GPU engine left to choose runs the torch backend
 
 

@@ -5,6 +5,8 @@ start-up check and its step downs, the KV budget, and the torch backend against 
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +62,7 @@ def run_logits(core: EngineCore, prompts: list[list[int]], new: int = 16,
             out[i] = int(source.argmax())
         return out
 
+    core.overlap = False  # teacher-forced: each step's tokens come from `execute` here
     core.executor.execute = execute
     for i, p in enumerate(prompts):
         core.add_request(Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)))
@@ -311,6 +314,45 @@ def test_preempt_and_reload_with_the_torch_backend_keep_greedy_tokens(gpu_dirs):
     assert core.scheduler.num_preemptions > 0 and core.kv.stats.pages_loaded > 0
     assert core.kv.host.pages.is_pinned()
     assert got == expected
+
+
+def test_overlap_on_and_off_give_every_client_the_same_stream_on_the_gpu(gpu_dirs):
+    """tests/unit/test_overlap.py's check on CUDA: steps queued on the compute stream, tokens read
+    through a pinned copy and an event, the next step's rows reading them on the device; with
+    preemptions and loads on the copy streams (fp32, the torch backend: greedy tokens are
+    batch-invariant there)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
+    from test_overlap import check
+
+    from tokenflowd.engine.model.loader import load_model_source
+
+    loaded = load_model_source(str(gpu_dirs["llama-64"]), torch.float32, "cuda")
+    ran = []
+    check(loaded, [list(range(5 + k, 5 + k + n)) for k, n in enumerate((9, 14, 22, 6, 17))], device="cuda",
+          dtype="float32", attention_backend="torch", cuda_graphs=False, kv_cache_memory=None, on_core=ran.append)
+    assert ran and all(core.runner.device.type == "cuda" and core.overlap for core in ran)
+    assert all(core.runner.paths == TORCH for core in ran)
+
+
+@needs_flashinfer
+def test_overlapped_graph_replays_give_the_stream_of_serial_steps(gpu_dirs):
+    """flashinfer with CUDA graphs, overlap on and off: one request, so that both compute the same
+    batches, gives the same greedy stream; the overlapped run replayed graphs."""
+    def stream(overlap: bool) -> tuple[EngineCore, list[int]]:
+        core = make(gpu_dirs["llama-64"], overlap=overlap)
+        assert core.overlap is overlap
+        assert_paths(core, FLASHINFER_GRAPHS)
+        core.add_request(Request("a", list(range(5, 40)), SamplingParams(temperature=0, max_tokens=48,
+                                                                         ignore_eos=True)))
+        tokens = []
+        while core.has_unfinished():
+            tokens += [t for out in core.step() for t in out.new_token_ids]
+        return core, tokens
+
+    _, off = stream(False)
+    core, on = stream(True)
+    assert on == off and len(on) == 48
+    assert sum(core.runner.graphs.num_replays.values()) >= 40
 
 
 def test_unseeded_rows_draw_on_the_device():

@@ -299,6 +299,40 @@ def test_a_fast_path_that_fails_at_start_up_is_reported_and_the_engine_serves_on
         assert d.stop() == 0
 
 
+def test_overlap_scheduling_serves_the_streams_serial_steps_serve(daemon):
+    """--overlap on (off by default on a CPU): /health says the engine runs it, and each answer,
+    streamed, cut by a stop string, by max_tokens, or left to end at EOS, is the serial daemon's."""
+    bodies = [{"model": MODEL, "messages": chat(q), "max_tokens": n, "temperature": 0, **extra}
+              for q, n, extra in (("What is 2+2?", 40, {}), ("Name a planet.", 12, {}),
+                                  ("Say hello in French.", 40, {"stop": [" "]}),
+                                  ("What is water made of?", 30, {"stream": True}))]
+
+    def answers(d) -> list[tuple]:
+        out = []
+        for body in bodies:
+            r = _post(d, "/v1/chat/completions", body)
+            assert r.status_code == 200
+            if body.get("stream"):
+                events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                out.append(("".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]),
+                            events[-1]["choices"][0]["finish_reason"]))
+            else:
+                choice = r.json()["choices"][0]
+                out.append((choice["message"]["content"], choice["finish_reason"]))
+        return out
+
+    assert daemon.health()["engines"][0]["overlap"] is False
+    d = Daemon("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "192MiB", "--overlap", "on")
+    try:
+        assert d.health()["engines"][0]["overlap"] is True
+        got = answers(d)
+    finally:
+        assert d.stop() == 0
+    want = answers(daemon)
+    assert got == want
+    assert {reason for _, reason in want} >= {"length", "stop"}
+
+
 # -- fuzz: no input makes the daemon answer 5xx or fall over ----------------------------------
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

@@ -34,7 +34,7 @@ def make_front(tokenizer, ready: bool = True, **server) -> Front:
     front = Front(Supervisor(config, EngineConfig()), tokenizer, config, MODEL)
     for slot in front.supervisor.slots:
         slot.state = "ready" if ready else "starting"
-        slot.info = SimpleNamespace(max_model_len=MAX_LEN, fallback="", attention="torch", cuda_graphs=False,
+        slot.info = SimpleNamespace(max_model_len=MAX_LEN, fallback="", attention="torch", cuda_graphs=False, overlap=False,
                                     attention_note="", pool_segment_pages=0)
     return front
 

@@ -121,7 +121,7 @@ def reference(tiny, prompts: list[list[int]], max_tokens: list[int]) -> list[lis
     keys = [(tuple(p), m) for p, m in zip(prompts, max_tokens)]
     todo = [k for k in dict.fromkeys(keys) if k not in _REFERENCE]
     if todo:
-        core = make(tiny, num_pages=400, offload="none", max_num_seqs=16)
+        core = make(tiny, num_pages=400, offload="none", max_num_seqs=16, overlap=False)
         out = run(core, [list(p) for p, _ in todo], [m for _, m in todo])
         _REFERENCE.update({k: out[f"r{i}"] for i, k in enumerate(todo)})
     return [_REFERENCE[k] for k in keys]
@@ -131,6 +131,7 @@ def reference(tiny, prompts: list[list[int]], max_tokens: list[int]) -> list[lis
 schedules = st.fixed_dictionaries({
     "mode": st.sampled_from(["write-through", "write-back", "none"]),
     "overlap": st.booleans(),
+    "step_overlap": st.booleans(),  # overlap scheduling (engine/core.py): the next step launched before this one ends
     "host_pages": st.sampled_from([6, 64]),  # 6: the host fills up, and writes stop short
     "disk": st.booleans(),
     "prompts": st.lists(st.tuples(st.integers(0, 2), st.integers(3, 40)), min_size=1, max_size=4),
@@ -160,6 +161,7 @@ def test_greedy_tokens_equal_the_uninterrupted_run_under_any_preempt_resume_sche
 
         pb = page_bytes(tiny)
         core = make(tiny, ScriptedPolicy(preempt, s["reload"]), offload=s["mode"], load_evict_overlap=s["overlap"],
+                    overlap=s["step_overlap"],
                     host_kv_memory=s["host_pages"] * pb,
                     disk_kv_memory=32 * pb if s["disk"] and s["mode"] != "none" else 0,
                     disk_kv_dir=str(tmp_path_factory.mktemp("disk")), enable_prefix_caching=s["prefix_caching"])
@@ -177,13 +179,14 @@ def test_greedy_tokens_equal_the_uninterrupted_run_under_any_preempt_resume_sche
                 assert tokens == want, f"r{i}"
         coverage["preemptions"] += core.scheduler.num_preemptions
         coverage["pages_loaded"] += core.kv.stats.pages_loaded
+        coverage["overlapped_preemptions"] += core.scheduler.num_preemptions if core.overlap else 0
         coverage["pages_evicted"] += core.kv.stats.pages_evicted
         coverage["pages_shared"] += core.kv.stats.pages_shared
         coverage["host_full"] += core.kv.stats.host_full
         coverage["disk_reads"] += core.kv.host.disk.num_reads if core.kv.host.disk else 0
 
     check()
-    assert coverage["preemptions"] > 50, coverage
+    assert coverage["preemptions"] > 50 and coverage["overlapped_preemptions"] > 20, coverage
     assert coverage["pages_loaded"] > 50 and coverage["pages_evicted"] > 10, coverage
     assert coverage["host_full"] > 0 and coverage["pages_shared"] > 0, coverage
 
@@ -240,6 +243,7 @@ def test_a_resumed_request_has_byte_identical_kv(tiny):
     req = Request("a", FAMILIES[0][:30], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     core.add_request(req)
     step_until(core, lambda: req.num_output_tokens >= 5)
+    core.drain()  # the step in flight (overlap scheduling) has written its KV
     n_pages = -(-req.num_computed_tokens // PAGE)  # a partial last page: 30 + 4 computed tokens
     snapshot = device_pages(core)[core.kv.block_table(req)[:n_pages]].clone()
     victim.append("a")

@@ -21,8 +21,8 @@ class RecordingCore(EngineCore):
         self.chunked: set[str] = set()
         inner = self.runner.compute_logits
 
-        def compute_logits(batch):
-            logits, sampling = inner(batch)
+        def compute_logits(batch, *args):
+            logits, sampling = inner(batch, *args)
             for row, i in enumerate(sampling):
                 self.logits.setdefault(batch.request_ids[i], []).append(logits[row].clone())
             for rid, row in zip(batch.request_ids, batch.sampling):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from tokenflowd.config import EngineConfig
@@ -55,46 +56,56 @@ def test_small_pool_many_requests_all_finish(hf_dirs):
     assert core.pool.num_used == 0  # run() waited for the copies
 
 
-def test_a_fault_ends_the_step_with_an_error_and_frees_pages(hf_dirs):
+def fail_steps(core: EngineCore, error: str) -> None:
+    """Every step from now on raises `error` in the model (both step paths run compute_logits)."""
+    def boom(*args):
+        raise RuntimeError(error)
+
+    core.runner.compute_logits = boom
+
+
+def step_and_collect(core: EngineCore):
+    """One step's outputs, and with overlap those of the step it launched (collected at once)."""
+    return core.step() + core.drain()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_fault_ends_the_step_with_an_error_and_frees_pages(hf_dirs, overlap):
     from tokenflowd.engine.request import FinishReason
 
-    core = make(hf_dirs, page_size=4, num_pages=50)
+    core = make(hf_dirs, page_size=4, num_pages=50, overlap=overlap)
     core.add_request(Request("a", list(range(5, 30)), SamplingParams(temperature=0, max_tokens=5)))
-    core.step()
-
-    def boom(batch):
-        raise RuntimeError("device lost")
-
-    core.runner.execute = boom
-    outs = core.step()
+    step_and_collect(core)
+    fail_steps(core, "device lost")
+    outs = step_and_collect(core)
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", FinishReason.ERROR)]
     assert "device lost" in outs[0].error
     core.wait_copies()
     assert core.pool.num_used == 0 and not core.has_unfinished()
 
 
-def test_steps_that_keep_failing_end_the_engine(hf_dirs):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_steps_that_keep_failing_end_the_engine(hf_dirs, overlap):
     """A fault that does not go away (N failed steps in a row), or a lost device at once, raises
     EngineFailed: the engine process exits and is restarted instead of failing every request."""
-    import pytest
-
     from tokenflowd.engine.core import MAX_FAILED_STEPS, EngineFailed
 
-    core = make(hf_dirs, page_size=4, num_pages=50)
-    core.runner.execute = lambda batch: (_ for _ in ()).throw(RuntimeError("stuck"))
+    core = make(hf_dirs, page_size=4, num_pages=50, overlap=overlap)
+    fail_steps(core, "stuck")
     for i in range(MAX_FAILED_STEPS):
         core.add_request(Request(f"r{i}", list(range(5, 30)), SamplingParams(temperature=0, max_tokens=5)))
         if i < MAX_FAILED_STEPS - 1:
-            assert core.step()[0].error.endswith("stuck")
+            assert step_and_collect(core)[0].error.endswith("stuck")
     with pytest.raises(EngineFailed, match="3 steps in a row"):
-        core.step()
+        step_and_collect(core)
+    core.wait_copies()  # (overlap: a write issued behind a failed step fails with it, and lets go)
     assert core.pool.num_used == 0 and not core.has_unfinished()  # every request ended, no page kept
 
-    core = make(hf_dirs, page_size=4, num_pages=50)
+    core = make(hf_dirs, page_size=4, num_pages=50, overlap=overlap)
     core.add_request(Request("a", list(range(5, 30)), SamplingParams(temperature=0, max_tokens=5)))
-    core.runner.execute = lambda batch: (_ for _ in ()).throw(RuntimeError("CUDA error: an illegal memory access"))
+    fail_steps(core, "CUDA error: an illegal memory access")
     with pytest.raises(EngineFailed, match="device failed"):
-        core.step()
+        step_and_collect(core)
 
 
 def test_higher_priority_is_admitted_first_and_tokens_feed_the_buffer(hf_dirs):

@@ -93,6 +93,9 @@ class EngineConfig:
     # off also by TOKENFLOWD_CPU_KERNELS=0); off, or where it cannot be built: pages are gathered
     paged_kernel: bool = True
     cuda_graphs: bool = False
+    # overlap scheduling (engine/core.py): the next step is scheduled and launched while one runs,
+    # its tokens a step late; off where the node's pool or federation hooks run (engine/process)
+    overlap: bool = False
     # tokenflow: buffer-aware preemption (buffer/tokenflow.py): under bursts it beats fcfs on
     # effective throughput and tail TTFT (bench/sim_table1.py), and with write-through offload a
     # preemption costs a copy rather than a recompute
@@ -219,6 +222,7 @@ class EngineConfig:
         dtype: str = "auto",
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
+        overlap: bool | None = None,
         kv_cache_memory: str | int | None = None,
         host_kv_memory: str | int | None = None,
         disk_kv_memory: str | int = 0,
@@ -241,6 +245,8 @@ class EngineConfig:
             attention_backend = "torch"  # flashinfer has no fp32 kernels
         if cuda_graphs is None:
             cuda_graphs = on_gpu and attention_backend == "flashinfer"
+        if overlap is None:
+            overlap = on_gpu or OVERLAP_ON_CPU
         if "max_num_batched_tokens" not in kw:
             kw["max_num_batched_tokens"] = 8192 if on_gpu else 512
         mem = None if kv_cache_memory is None else parse_size(kv_cache_memory)
@@ -250,6 +256,7 @@ class EngineConfig:
             attention_backend=attention_backend,
             attention_auto=attention_auto,
             cuda_graphs=cuda_graphs,
+            overlap=overlap,
             kv_cache_memory=mem,
             host_kv_memory=None if host_kv_memory is None else parse_size(host_kv_memory),
             disk_kv_memory=parse_size(disk_kv_memory),
@@ -260,6 +267,9 @@ class EngineConfig:
 
 
 QUANTIZATIONS = ("none", "int4", "int8")
+# overlap scheduling's default on a CPU (on a GPU it is on): off, as on the CPUs measured it was no
+# faster than serial steps (bench/results/cpu_overlap.json): the model's threads take every core
+OVERLAP_ON_CPU = False
 
 
 def resolve_peers(peers: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:

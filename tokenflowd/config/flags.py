@@ -66,6 +66,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-timeout", type=float,
                    help="s a KV transfer between nodes may take before it is given up and the prompt is computed "
                         "on the decode node (default 30)")
+    g.add_argument("--overlap", choices=["on", "off"],
+                   help="schedule and launch the next step while one runs, its tokens a step late (default: on a "
+                        "GPU, off on a CPU; always off with --pool-mode or a federation role)")
     g.add_argument("--no-load-evict-overlap", action="store_true",
                    help="loads wait for evictions in flight (a benchmark baseline)")
     policy_args(p)
@@ -137,4 +140,6 @@ def engine_config(a: argparse.Namespace, file_values: dict | None = None,
         kw["cuda_graphs"] = False
     if getattr(a, "no_load_evict_overlap", False):
         kw["load_evict_overlap"] = False
+    if getattr(a, "overlap", None) is not None:
+        kw["overlap"] = a.overlap == "on"
     return EngineConfig.resolve(**kw)

@@ -4,6 +4,14 @@
 
     step:  scheduler.schedule() -> executor.execute(batch) -> scheduler.update(batch, sampled)
 
+Overlapped (`overlap`, the default on a GPU), a step launches the next batch before it collects
+the one in flight, so the device never waits for the host's scheduling and bookkeeping:
+
+    schedule N+1 -> launch N+1 -> collect N -> update N -> copies for N+1     (N+1 runs meanwhile)
+
+The scheduler counts a launched row as computed and its sampled token as a placeholder the next
+row reads on the device (scheduler.py, `ahead`); the outputs of a step are its tokens, one step late.
+
 The one step loop there is: the engine runs it with the model runner on the wall clock
 (`EngineCore.from_config`), the simulator with the cost model's executor on a virtual clock.
 """
@@ -22,7 +30,7 @@ from tokenflowd.buffer import make_policy
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.admission import AdmissionControl
 from tokenflowd.engine.errors import EngineFailed, ForeignPrefixLost, device_lost
-from tokenflowd.engine.executor import Executor
+from tokenflowd.engine.executor import Executor, Launched
 from tokenflowd.engine.model.loader import LoadedModel, load_model_source
 from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from tokenflowd.engine.runner import ModelRunner
@@ -89,6 +97,22 @@ class EngineCore:
         self.lock: threading.Lock | None = None
         # called with each step's batch before it runs (federation/: a prefill node plans its sends)
         self.on_batch: Callable[[ScheduledBatch], None] | None = None
+        self._in_flight: Launched | None = None  # overlapped: the step launched and not yet collected
+        self._overlap = False
+
+    @property
+    def overlap(self) -> bool:
+        """Whether each step launches the next batch before it collects the one in flight."""
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        """Only between steps with none in flight (`drain`), and only where the executor can."""
+        assert self._in_flight is None, "overlap changes with a step in flight"
+        on = bool(on) and self.executor.overlaps
+        self._overlap = on
+        # where steps are computed on another thread (a CPU), copies wait for the step last launched
+        self.kv.copier.fence = getattr(self.executor, "copy_fence", None) if on else None
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None,
@@ -118,6 +142,7 @@ class EngineCore:
         core.config, core.model_config, core.tokenizer = config, loaded.config, loaded.tokenizer
         core.fallback = fallback
         core.attention_note = note
+        core.overlap = config.overlap
         return core
 
     @property
@@ -147,6 +172,7 @@ class EngineCore:
             self.add_request(req)  # validated and given the engine's context and end tokens, as a user's
             while self.scheduler.has_unfinished():
                 generated += sum(len(out.new_token_ids) for out in self.step())
+        self.drain()
         self.wait_copies()
         self.stats = StepStats()
         self.kv.reset_stats()
@@ -236,6 +262,8 @@ class EngineCore:
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
+        """Requests are queued or running. (A step in flight whose requests all ended carries nothing
+        to wait for: the next step or `drain` collects it.)"""
         return self.scheduler.has_unfinished()
 
     def copies_in_flight(self) -> bool:
@@ -247,8 +275,12 @@ class EngineCore:
         self.scheduler.poll_copies()
 
     def close(self) -> None:
-        """Finish the copies in flight and let go of the host and disk tiers."""
+        """Finish the step and the copies in flight and let go of the host and disk tiers."""
+        self.drain()
         self.kv.close()
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
 
     def set_reading_rate(self, request_id: str, reading_rate: float, now: float) -> bool:
         req = self.scheduler.requests.get(request_id)
@@ -264,6 +296,8 @@ class EngineCore:
         return req is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        if self._overlap:
+            return self._step_overlapped()
         clock = self.clock
         entered = clock()
         batch = self.last_batch = self.scheduler.schedule()
@@ -286,18 +320,65 @@ class EngineCore:
                     self.scheduler.take_foreign_prefix(req)
             return []
         except Exception as e:  # a fault ends this step's requests with an error, never a hang
-            log.exception("step failed; ending its %d requests", len(batch))
-            outs = self._fail(batch, f"engine error: {type(e).__name__}: {e}")
-            self.num_failed_steps += 1
-            if device_lost(e):
-                raise EngineFailed(f"the device failed: {e}") from e
-            if self.num_failed_steps >= MAX_FAILED_STEPS:
-                raise EngineFailed(f"{self.num_failed_steps} steps in a row failed, the last with {e}") from e
-            return outs
+            return self._failed(batch, e)
+        return self._apply(batch, sampled, self.executor.step_seconds(t0, clock()), entered)
+
+    def _step_overlapped(self) -> list[EngineCoreOutput]:
+        """Schedule and launch the next step, then collect the one in flight (the module's doc)."""
+        entered = self.clock()
+        batch = self.last_batch = self.scheduler.schedule(ahead=True)
+        outs: list[EngineCoreOutput] = []
+        launched = None
+        if len(batch):
+            try:
+                launched = self.executor.launch(batch)
+            except Exception as e:
+                self.scheduler.drop_pending(batch)
+                outs = self._failed(batch, e)
+        prev, self._in_flight = self._in_flight, launched
+        if prev is not None:
+            outs += self._collect(prev, entered)
+        # after update: the pages the new step fills are keyed by tokens the host now knows; on a
+        # GPU the copy streams wait for the compute stream, on a CPU for the step (copier `fence`)
+        self.scheduler.issue_copies(batch)
+        if launched is None and prev is None and self.scheduler.loading:
+            self.kv.wait_oldest()  # nothing to compute until KV is back in place
+        return outs
+
+    def _collect(self, launched: Launched, entered: float) -> list[EngineCoreOutput]:
+        try:
+            with self.unlocked():
+                sampled = self.executor.collect(launched)
+        except Exception as e:
+            self.scheduler.drop_pending(launched.batch)
+            return self._failed(launched.batch, e)
+        return self._apply(launched.batch, sampled, launched.seconds or 0.0, entered)
+
+    def drain(self) -> list[EngineCoreOutput]:
+        """Collect the step in flight, if any (overlap): what it sampled."""
+        launched, self._in_flight = self._in_flight, None
+        return self._collect(launched, self.clock()) if launched is not None else []
+
+    def _failed(self, batch: ScheduledBatch, e: Exception) -> list[EngineCoreOutput]:
+        """A fault ends this step's requests with an error, never a hang; the engine gives up on a
+        lost device or after MAX_FAILED_STEPS in a row."""
+        log.exception("step failed; ending its %d requests", len(batch), exc_info=e)
+        outs = self._fail(batch, f"engine error: {type(e).__name__}: {e}")
+        self.num_failed_steps += 1
+        if device_lost(e):
+            raise EngineFailed(f"the device failed: {e}") from e
+        if self.num_failed_steps >= MAX_FAILED_STEPS:
+            raise EngineFailed(f"{self.num_failed_steps} steps in a row failed, the last with {e}") from e
+        return outs
+
+    def _apply(self, batch: ScheduledBatch, sampled: list[int | None], seconds: float,
+               entered: float) -> list[EngineCoreOutput]:
+        """A computed step's tokens into the requests, its time into the models; its outputs."""
+        clock = self.clock
         self.num_failed_steps = 0
         requests = [self.scheduler.requests.get(rid) for rid in batch.request_ids]
         finished = self.scheduler.update(batch, sampled)
-        self.stats.last_step_time = self.executor.step_seconds(t0, clock())
+        self.stats.last_step_time = seconds
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.total_tokens
         # the step as the model priced it before seeing it (only load shedding's pace reads it)

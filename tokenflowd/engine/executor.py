@@ -2,6 +2,10 @@
 
     scheduler.schedule() -> ScheduledBatch -> executor.execute(batch) -> sampled -> scheduler.update(batch, sampled)
 
+or, overlapped (engine/core.py), launched now and collected after the next step is scheduled:
+
+    executor.launch(batch) -> handle ... executor.collect(handle) -> sampled
+
 Two implementations: the model runner (engine/runner.py: real tensors, a real sampler) and the
 simulator's (sim/executor.py: no tensors; a cost model says how long the step took). The
 scheduler cannot tell them apart, which is what lets the simulator drive the real scheduler and
@@ -10,10 +14,22 @@ policies on a virtual clock.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenflowd.engine.scheduler import ScheduledBatch
+
+
+@dataclass
+class Launched:
+    """A step handed to the executor and not yet collected. `seconds`: how long its compute took
+    (set once it has ended); `work`: the executor's own handle."""
+
+    batch: "ScheduledBatch"
+    work: Any = None
+    seconds: float | None = None
+    sampled: list[int | None] = field(default_factory=list)
 
 
 class Executor(abc.ABC):
@@ -36,6 +52,19 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def execute(self, batch: "ScheduledBatch") -> list[int | None]: ...
+
+    # An executor that overlaps sets this: `launch` returns before the step has been computed, and a
+    # row of a later batch may name, in `batch.prev_sample`, the token an earlier launched step
+    # samples (its input id is then PLACEHOLDER until the executor puts that token in its place).
+    overlaps: bool = False
+
+    def launch(self, batch: "ScheduledBatch") -> Launched:
+        """Start computing `batch`; `collect` waits for it. This one computes it at once."""
+        return Launched(batch, sampled=self.execute(batch))
+
+    def collect(self, launched: Launched) -> list[int | None]:
+        """The sampled tokens of a launched step, as `execute` returns them (raises its error)."""
+        return launched.sampled
 
     def step_seconds(self, started: float, ended: float) -> float:
         """How long the step that ran from `started` to `ended` on the engine's clock took."""

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_READING_RATE = 20.0  # tokens/s: a fast human reader
+# In a request's token_ids, a token a launched step samples that the host has not seen yet
+# (overlap scheduling, engine/core.py): at most one per request, always its last.
+PLACEHOLDER = -1
 
 
 class InvalidRequestError(ValueError):

@@ -1,15 +1,17 @@
 """Owns the model, the KV cache tensor and the attention backend; turns a ScheduledBatch into tokens."""
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-from typing import Any, Callable, Protocol
+import time
+from typing import Any, Callable, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
-from tokenflowd.engine.executor import Executor
+from tokenflowd.engine.executor import Executor, Launched
 from tokenflowd.engine.memory import kv_budget, step_reserve
 from tokenflowd.engine.model.config import ModelConfig
 from tokenflowd.engine.model.llama import LlamaModel
@@ -50,6 +52,7 @@ class LayerHook:
 
 class ModelRunner(Executor):
     cold_start = True
+    overlaps = True
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  kv_memory: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
@@ -82,6 +85,11 @@ class ModelRunner(Executor):
         if config.cuda_graphs:
             guarded(GRAPHS, self._init_cuda_graphs, device)
         self.sampler = Sampler(config.seed)
+        self._last_tokens: torch.Tensor | None = None  # the last step's sampled ids, on the device
+        self._last_end = None  # on a GPU: the event at the end of the last launched step
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # on a CPU: computes launched steps
+        # on a CPU: the last launched step, which copies of the KV it writes wait for (offload/copier.py)
+        self.last_launched: concurrent.futures.Future | None = None
 
     # -- start-up -----------------------------------------------------------------------------
     def _init_threads(self) -> None:
@@ -174,12 +182,15 @@ class ModelRunner(Executor):
         return self.model.lm_head.shape[0]
 
     # -- one step -----------------------------------------------------------------------------
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int], list[int]]:
-        """Flat inputs of the step, plus the query rows that sample and the batch indices they belong to."""
+    def _prepare(self, batch: ScheduledBatch) -> "_Inputs":
+        """Flat inputs of the step, the query rows that sample and the batch indices they belong to,
+        and where a row's input id is a token an earlier launched step samples (`prev_sample`)."""
         ps = self.page_size
         ids, pos, slots = [], [], []
         query_start, seq_lens, tables, sample_rows, sampling = [0], [], [], [], []
+        sub_at, sub_from = [], []
         offsets = batch.offsets or [0] * len(batch)
+        prev = batch.prev_sample or [-1] * len(batch)
         for i, (start, n, block_table) in enumerate(zip(batch.positions, batch.num_tokens, batch.block_tables)):
             p = np.arange(start, start + n)
             table = np.asarray(block_table, dtype=np.int64)
@@ -189,41 +200,128 @@ class ModelRunner(Executor):
             query_start.append(query_start[-1] + n)
             seq_lens.append(start + n)
             tables.append(block_table)
+            if prev[i] >= 0:  # its last input is a token still on the device
+                sub_at.append(query_start[-1] - 1)
+                sub_from.append(prev[i])
             if batch.sampling[i] is not None:  # the chunk reaches its last known token: it samples
                 sample_rows.append(query_start[-1] - 1)
                 sampling.append(i)
-        dev = self.device
-        input_ids = torch.from_numpy(np.concatenate(ids)).to(dev, non_blocking=True)
-        positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
-        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True)
-        return input_ids, positions, AttentionInputs(query_start, seq_lens, tables, slot_mapping), sample_rows, sampling
+        T = query_start[-1]
+        # one host buffer and, on a GPU, one pinned non-blocking copy for every index of the step
+        flat = torch.from_numpy(np.concatenate([*ids, *pos, *slots, np.asarray(sample_rows + sub_at + sub_from,
+                                                                               dtype=np.int64)]))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        S, U = len(sample_rows), len(sub_at)
+        input_ids, positions, slot_mapping, rows, at, src = flat.split([T, T, T, S, U, U])
+        return _Inputs(input_ids, positions, AttentionInputs(query_start, seq_lens, tables, slot_mapping),
+                       rows, sampling, at, src)
 
-    def compute_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+    def compute_logits(self, batch: ScheduledBatch, inputs: "_Inputs | None" = None,
+                       prev: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
         """Logits [S, vocab] fp32 for the S requests of the batch that sample this step, and their
-        indices in the batch (a request samples when its chunk reaches its last known token)."""
-        input_ids, positions, attn_inputs, sample_rows, sampling = self._prepare(batch)
+        indices in the batch (a request samples when its chunk reaches its last known token).
+        `prev`: the ids the step launched before this one sampled, which rows may read."""
+        x = inputs or self._prepare(batch)
+        input_ids = x.input_ids
+        if len(x.sub_at):  # the tokens the step before sampled, never seen by the host
+            # (none where that step failed: its requests ended with it, and these rows are dropped)
+            input_ids[x.sub_at] = prev[x.sub_from] if prev is not None else 0
         T = input_ids.shape[0]
         attn = self.attn
         for wrap in self.step_attention:
-            attn = wrap(attn, batch, attn_inputs.query_start) or attn
+            attn = wrap(attn, batch, x.attn_inputs.query_start) or attn
         if self.layer_hook is not None:
             attn = LayerHook(attn, self.layer_hook)
         if attn is not self.attn:
-            hidden = self.model(input_ids, positions, self.kv_layers, attn, self.attn.prepare(attn_inputs))
+            hidden = self.model(input_ids, x.positions, self.kv_layers, attn, self.attn.prepare(x.attn_inputs))
         elif self.graphs is not None and T == len(batch) and T <= self.graphs.max_batch:
-            hidden = self.graphs.run(input_ids, positions, attn_inputs)  # pure decode: replay a graph
+            hidden = self.graphs.run(input_ids, x.positions, x.attn_inputs)  # pure decode: replay a graph
         else:
-            meta = self.attn.prepare(attn_inputs)
-            hidden = self.model(input_ids, positions, self.kv_layers, self.attn, meta)
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden[rows]), sampling
+            meta = self.attn.prepare(x.attn_inputs)
+            hidden = self.model(input_ids, x.positions, self.kv_layers, self.attn, meta)
+        return self.model.compute_logits(hidden[x.rows]), x.sampling
+
+    def _sample(self, batch: ScheduledBatch, inputs: "_Inputs | None" = None) -> tuple[torch.Tensor, list[int]]:
+        """The step's sampled ids [S] on the device (kept for the next step's rows), and their rows."""
+        prev, self._last_tokens = self._last_tokens, None  # a step that fails leaves nothing to read
+        logits, sampling = self.compute_logits(batch, inputs, prev)
+        tokens = (self.sampler.sample(logits, [batch.sampling[i] for i in sampling]) if sampling
+                  else torch.empty(0, dtype=torch.int64, device=self.device))
+        self._last_tokens = tokens
+        return tokens, sampling
+
+    @staticmethod
+    def _rows(n: int, sampling: list[int], tokens: list[int]) -> list[int | None]:
+        out: list[int | None] = [None] * n
+        for i, t in zip(sampling, tokens):
+            out[i] = t
+        return out
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run one step; the sampled token of each batch request, None for a mid-prompt chunk."""
-        logits, sampling = self.compute_logits(batch)
-        out: list[int | None] = [None] * len(batch)
-        if sampling:
-            tokens = self.sampler(logits, [batch.sampling[i] for i in sampling])
-            for i, t in zip(sampling, tokens):
-                out[i] = t
-        return out
+        tokens, sampling = self._sample(batch)
+        return self._rows(len(batch), sampling, tokens.tolist())
+
+    # -- overlapped steps (engine/core.py) -----------------------------------------------------
+    def launch(self, batch: ScheduledBatch) -> Launched:
+        """Start the step and return: on a GPU its kernels are queued on the compute stream and its
+        tokens copied, non-blocking, into pinned memory behind an event; on a CPU a worker thread
+        computes it (torch's kernels drop the GIL) while the engine schedules the next one."""
+        x = self._prepare(batch)
+        if self.device.type == "cuda":
+            if self._last_end is not None and self.attn.name == "flashinfer":
+                # NOTE: flashinfer's plan writes host buffers that the step before may still be
+                # copying from: planning waits for it (the host work before this point overlapped it).
+                self._last_end.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            tokens, sampling = self._sample(batch, x)
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            end.record()
+            self._last_end = end
+            return Launched(batch, work=(start, end, host, sampling))
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        future = self._worker.submit(self._timed_step, batch, x)
+        self.last_launched = future
+        return Launched(batch, work=future)
+
+    @property
+    def copy_fence(self) -> Callable[[], concurrent.futures.Future | None] | None:
+        """What KV copies wait for before they touch pages (kv/copier.py `fence`): on a CPU the step
+        last launched, on its worker thread; on a GPU nothing (the copy streams wait for the compute
+        stream)."""
+        return None if self.device.type == "cuda" else (lambda: self.last_launched)
+
+    def _timed_step(self, batch: ScheduledBatch, x: "_Inputs") -> tuple[list[int], list[int], float]:
+        t0 = time.perf_counter()
+        tokens, sampling = self._sample(batch, x)
+        out = tokens.tolist()
+        return out, sampling, time.perf_counter() - t0
+
+    def collect(self, launched: Launched) -> list[int | None]:
+        if isinstance(launched.work, concurrent.futures.Future):
+            tokens, sampling, launched.seconds = launched.work.result()
+        else:
+            start, end, host, sampling = launched.work
+            end.synchronize()
+            launched.seconds = start.elapsed_time(end) / 1e3
+            tokens = host.tolist()
+        return self._rows(len(launched.batch), sampling, tokens)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+class _Inputs(NamedTuple):
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_inputs: AttentionInputs
+    rows: torch.Tensor  # query rows that sample
+    sampling: list[int]  # their batch rows
+    sub_at: torch.Tensor  # query rows whose input id is an earlier step's token ...
+    sub_from: torch.Tensor  # ... its index among that step's sampled tokens

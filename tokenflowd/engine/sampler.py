@@ -24,6 +24,10 @@ class Sampler:
         return self.generator
 
     def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> list[int]:
+        return self.sample(logits, reqs).tolist()
+
+    def sample(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:
+        """The token ids [N] drawn, where the logits are (a step that overlaps the next reads them there)."""
         # logits: [N, vocab] fp32, row i belongs to reqs[i]
         for i, r in enumerate(reqs):
             if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
@@ -31,7 +35,7 @@ class Sampler:
                 logits[i, ids] = float("-inf")
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         out = logits.argmax(dim=-1)
         rows = [i for i, g in enumerate(greedy) if not g]
         sub = [reqs[i] for i in rows]
@@ -47,7 +51,7 @@ class Sampler:
             if r.generator is not None:
                 race[j] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(dev)
         out[rows] = (probs / race).argmax(dim=-1)
-        return out.tolist()
+        return out
 
     @staticmethod
     def _probs(logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:

@@ -4,6 +4,14 @@
     issue_copies(batch)               (the step's write-through and load chunks)
     update(batch, sampled)            (counters, new tokens, stop checks, page publication)
 
+Scheduled `ahead` (overlap scheduling, engine/core.py), the next step is scheduled before the last one's
+tokens reach the host: a row's tokens count as computed when it is scheduled, a row that samples
+leaves a PLACEHOLDER at the end of its request's tokens (the next step's row of that request reads
+the token from the device, `prev_sample`), and update fills it in. So EOS and stop tokens are seen
+a step late: the extra row's token is never applied. A request whose pending token is its last
+(max_tokens) is not scheduled again; one preempted or aborted with a step in flight gets its token
+applied, or dropped with it.
+
 A request is waiting (new or preempted), running, or loading (admitted, its KV coming back from
 a lower tier; it rejoins the running set when every page is in place). The scheduler keeps the
 three queues; where each request's KV lives is the KV manager's (kv/manager.py).
@@ -20,19 +28,20 @@ import numpy as np
 
 from tokenflowd.buffer.estimates import OutputLengthModel, StepCost, StepTimeModel
 from tokenflowd.buffer.policy import RequestView, SchedulerView, SchedulingPolicy
-from tokenflowd.engine.request import FinishReason, Request, RequestStatus, SamplingRow
+from tokenflowd.engine.request import PLACEHOLDER, FinishReason, Request, RequestStatus, SamplingRow
 from tokenflowd.kv.manager import KVCacheManager, PrefixMatch
 
 
 def _request_view(req: Request, now: float, num_computed: int, pages_held: int, expected: float,
                   pages_reclaimed: int = 0, pages_exclusive: int | None = None, io_time: float | None = None,
                   host_tokens: int = 0, dry_for: float = 0.0) -> RequestView:
-    """What a policy sees of `req`: the memory fields given, its client's side read from it."""
+    """What a policy sees of `req`: the memory fields given, its client's side read from it (its
+    output tokens as its client gets them: not a token still in flight)."""
     return RequestView(
         request_id=req.request_id, arrival_time=req.arrival_time, num_tokens=req.num_tokens,
         num_computed_tokens=num_computed, pages_held=pages_held, pages_reclaimed=pages_reclaimed,
         pages_exclusive=pages_exclusive, priority=req.priority, reading_rate=req.buffer.reading_rate,
-        buffer=req.buffer.buffer(now), num_output_tokens=req.num_output_tokens,
+        buffer=req.buffer.buffer(now), num_output_tokens=req.num_output_tokens - (req.token_ids[-1] == PLACEHOLDER),
         max_output_tokens=req.sampling_params.max_tokens, expected_output_tokens=expected,
         arrival_seq=req.arrival_seq, io_time=io_time, host_tokens=host_tokens, dry_for=dry_for)
 
@@ -65,6 +74,17 @@ class ScheduledBatch:
     # per row: tokens before the request's own whose KV peers of the pool hold (request.py
     # prefix_offset): its positions in the sequence are positions[i] + offsets[i]
     offsets: list[int] = field(default_factory=list)
+    # per row, scheduled ahead: the index, among the sampling rows of the step launched before this one,
+    # of the row whose token is this row's last input id (a PLACEHOLDER here); -1: none
+    prev_sample: list[int] = field(default_factory=list)
+    # per row, scheduled ahead: where in its request's token_ids its sampled token goes (-1: it samples none)
+    token_index: list[int] = field(default_factory=list)
+    seq: int = 0  # the scheduler's count of batches before this one
+    ahead: bool = False  # scheduled ahead of the step in flight (the module's doc)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s is not None for s in self.sampling)
 
     @property
     def total_tokens(self) -> int:
@@ -83,6 +103,8 @@ class ScheduledBatch:
         self.sampling.append(req.sampling_row() if start + n == req.num_tokens else None)
         self.offsets.append(req.prefix_offset)
         self.num_context_tokens += req.prefix_offset + start + n
+        self.prev_sample.append(-1)
+        self.token_index.append(-1)
 
 
 class Scheduler:
@@ -108,6 +130,10 @@ class Scheduler:
         self.pool_share = 0.0
         # fed by the requests that finish; the view's expected output lengths (the prior until then)
         self.output_lengths = OutputLengthModel(expected_output_len)
+        # of batches scheduled ahead: request id -> (seq of the batch, index among its sampling rows) of the step whose
+        # token the request's PLACEHOLDER stands for
+        self._pending: dict[str, tuple[int, int]] = {}
+        self._num_batches = 0
 
     def reset_models(self) -> None:
         """Forget what the step-time and output-length models learned (after the engine's warm-up,
@@ -172,6 +198,10 @@ class Scheduler:
             loading=loading_views,
             deferred=self._deferred,
         )
+
+    def _ending(self, req: Request) -> bool:
+        """Ahead: its token in flight is its last (max_tokens, or the context's end)."""
+        return req.request_id in self._pending and req.num_output_tokens >= req.max_tokens
 
     def _visible_waiting(self) -> list[Request]:
         """The waiting requests a plan may touch: every preempted one, and new ones up to
@@ -263,7 +293,7 @@ class Scheduler:
             return False
         req.token_ids.append(first_token)
         req.buffer.on_tokens(1, self.clock())
-        reason = self._stop_reason(req, first_token)
+        reason = self._stop_reason(req, first_token, req.num_output_tokens)
         if reason is not None:
             self.kv.finish_load(req)  # the pages hold the prompt: cached for the next turn
             self.finish(req, reason)
@@ -284,14 +314,16 @@ class Scheduler:
             self.loading.remove(req)
             self._requeue(req)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, ahead: bool = False) -> ScheduledBatch:
+        """The next step's batch; `ahead`: while another step is in flight (the module's doc)."""
         self.poll_copies()
         plan = self.policy.plan(self._view())
         ids = [rid for rid, _ in plan.scheduled]
         assert len(set(ids)) == len(ids), f"{self.policy.name} scheduled a request twice"
         assert not set(ids) & set(plan.preempted), f"{self.policy.name} scheduled a preempted request"
         assert sum(n for _, n in plan.scheduled) <= self.token_budget, f"{self.policy.name} overspent the budget"
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(seq=self._num_batches, ahead=ahead)
+        self._num_batches += 1
         for rid in plan.preempted:
             req = self.requests[rid]
             assert req.status is RequestStatus.RUNNING, f"policy preempted {rid}, which is not running"
@@ -314,6 +346,8 @@ class Scheduler:
             assert n >= 1, f"{self.policy.name} scheduled {n} tokens of {rid}"
             if req.status is RequestStatus.RUNNING:
                 assert n <= req.num_tokens - req.num_computed_tokens, f"{self.policy.name} overran {rid}"
+                if ahead and self._ending(req):  # its token in flight is its last: it ends when that comes back
+                    continue
                 ok = self.kv.grow(req, n)
             elif blocked:
                 deferred.append(rid)
@@ -337,6 +371,8 @@ class Scheduler:
             # this step): what does not fit waits for the next step's view, which says so.
             if ok:
                 batch.add(req, min(n, req.num_tokens - req.num_computed_tokens), self.kv.block_table(req))
+                if ahead:
+                    self._schedule_ahead(req, batch)
             else:
                 deferred.append(rid)
         if admitted:
@@ -344,6 +380,21 @@ class Scheduler:
         self._deferred = tuple(deferred)
         self._matches = {}
         return batch
+
+    def _schedule_ahead(self, req: Request, batch: ScheduledBatch) -> None:
+        """Ahead: the row just added to `batch` counts as computed now; if it samples, its token is
+        a PLACEHOLDER until update. A row whose last input is the token in flight reads it there."""
+        i = len(batch) - 1
+        ids = batch.input_ids[i]
+        if ids[-1] == PLACEHOLDER:
+            seq, k = self._pending[req.request_id]
+            assert seq == batch.seq - 1 and PLACEHOLDER not in ids[:-1], "a pending token outside the last step"
+            batch.prev_sample[i] = k
+        req.num_computed_tokens += batch.num_tokens[i]
+        if batch.sampling[i] is not None:
+            batch.token_index[i] = len(req.token_ids)
+            self._pending[req.request_id] = (batch.seq, sum(s is not None for s in batch.sampling[:i]))
+            req.token_ids.append(PLACEHOLDER)
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         """How long `batch` took to compute (wall time on the engine, virtual in the simulator)."""
@@ -364,6 +415,8 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
         """Apply one step's results. `sampled[i]` is the token drawn for batch row i, or None when
         its chunk ended mid-prompt. Returns the requests that finished this step."""
+        if batch.ahead:
+            return self._update_lagged(batch, sampled)
         finished = []
         now = self.clock()
         for rid, n, token in zip(batch.request_ids, batch.num_tokens, sampled):
@@ -376,17 +429,52 @@ class Scheduler:
                 continue
             req.token_ids.append(token)
             req.buffer.on_tokens(1, now)
-            reason = self._stop_reason(req, token)
+            reason = self._stop_reason(req, token, req.num_output_tokens)
             if reason is not None:
                 self.finish(req, reason)
                 finished.append(req)
         return finished
 
+    def _update_lagged(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
+        """update of a batch scheduled ahead: the rows' counters moved when they were scheduled; a later step may be
+        in flight. A request that ended since (EOS seen a step late, an abort) takes nothing more."""
+        finished = []
+        now = self.clock()
+        for i, (rid, token) in enumerate(zip(batch.request_ids, sampled)):
+            req = self.requests.get(rid)
+            if req is None:  # ended while the step ran
+                continue
+            if self._pending.get(rid, (-1,))[0] == batch.seq:
+                del self._pending[rid]
+            k = batch.token_index[i]
+            if token is not None:
+                if k >= len(req.token_ids) or req.token_ids[k] != PLACEHOLDER:  # its tokens began again
+                    continue
+                req.token_ids[k] = token
+            if req.status is RequestStatus.RUNNING:  # what this step computed is in place: publish it
+                self.kv.commit(req, batch.positions[i] + batch.num_tokens[i])
+            if token is None:
+                continue
+            req.buffer.on_tokens(1, now)
+            reason = self._stop_reason(req, token, k + 1 - req.num_prompt_tokens)
+            if reason is not None:
+                self._pending.pop(rid, None)
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def drop_pending(self, batch: ScheduledBatch) -> None:
+        """Ahead: `batch` was launched and will not be collected (it failed): forget its tokens."""
+        for rid in batch.request_ids:
+            if self._pending.get(rid, (-1,))[0] == batch.seq:
+                del self._pending[rid]
+
     @staticmethod
-    def _stop_reason(req: Request, token: int) -> FinishReason | None:
+    def _stop_reason(req: Request, token: int, num_output: int) -> FinishReason | None:
+        """Why `token`, the request's `num_output`-th, ends it (None: it does not)."""
         if token in req.stop_token_ids:  # the sampler masks them until min_tokens
             return FinishReason.STOP
-        if req.num_output_tokens >= req.max_tokens:
+        if num_output >= req.max_tokens:
             return FinishReason.LENGTH
         return None
 
@@ -395,6 +483,10 @@ class Scheduler:
         if req.is_finished:
             return
         self._remove(req)
+        self._pending.pop(req.request_id, None)
+        while req.token_ids and req.token_ids[-1] == PLACEHOLDER:  # tokens of steps in flight: never applied
+            req.token_ids.pop()
+        req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids))
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.output_lengths.observe(req.num_output_tokens)
         self.kv.free(req)

@@ -82,6 +82,11 @@ class Copier(abc.ABC):
     # Bytes one lane may have in flight when each job stages its pages in a device block (the
     # caller sizes its jobs to it, and the device's budget counts it); None: nothing is staged.
     staging_limit: int | None = None
+    # Where the device's steps run on another thread (an overlapping engine on a CPU, engine/core.py):
+    # returns the step last launched, a concurrent.futures.Future, which a job waits for before it
+    # touches the pages (a job after a step that failed fails too). None: steps and copies are
+    # ordered otherwise (a GPU's streams, a step computed in the engine's own thread).
+    fence = None
 
     def __init__(self, device_pages: torch.Tensor | None, host_pages: torch.Tensor | None,
                  prior_bandwidth: float) -> None:

@@ -202,13 +202,15 @@ class KVCacheManager:
         self.state(req).block_table.extend(self.pool.allocate() for _ in range(need))
         return True
 
-    def commit(self, req: Request) -> None:
-        """Publish every page whose tokens are all computed (prompt or output) to the prefix cache."""
+    def commit(self, req: Request, num_tokens: int | None = None) -> None:
+        """Publish every page whose tokens are all computed (prompt or output) to the prefix cache;
+        `num_tokens`: only those among the first so many (the rest are not in place yet)."""
         if not self.pool.enable_prefix_caching:
             return
         st = self.state(req)
-        num_full = req.num_computed_tokens // self.page_size
-        chain_page_keys(req.token_ids, self.page_size, st.page_hashes, req.num_computed_tokens, req.key_seed)
+        n = req.num_computed_tokens if num_tokens is None else min(num_tokens, req.num_computed_tokens)
+        num_full = n // self.page_size
+        chain_page_keys(req.token_ids, self.page_size, st.page_hashes, n, req.key_seed)
         for i in range(st.num_published_pages, num_full):
             self.pool.register(st.block_table[i], st.page_hashes[i])
         st.num_published_pages = max(st.num_published_pages, num_full)

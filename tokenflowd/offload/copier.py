@@ -57,6 +57,7 @@ class ThreadCopier(Copier):
 
     def _start(self, job: CopyJob) -> None:
         job._events = threading.Event()
+        job._after = self.fence() if self.fence is not None else None  # the step that writes its pages
         self._queues[job.lane].put(job)
 
     def _finished(self, job: CopyJob) -> bool:
@@ -87,9 +88,12 @@ def _worker(q: queue.SimpleQueue, copier_ref: "weakref.ref[ThreadCopier]") -> No
         copier = copier_ref()
         if job is None or copier is None:
             return
+        if job._after is not None:  # the step whose KV it copies, or whose pages it fills, ends first
+            job.error = job._after.exception()
         t0 = time.perf_counter()
         try:
-            copier._run(job)
+            if job.error is None:
+                copier._run(job)
         except Exception as e:  # the job fails; the lane goes on with the next one
             job.error = e
         job.seconds = time.perf_counter() - t0

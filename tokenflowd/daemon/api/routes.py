@@ -274,6 +274,7 @@ class Routes:
                     "fallback": slot.info.fallback if slot.info else None,
                     "attention": slot.info.attention if slot.info else None,
                     "cuda_graphs": slot.info.cuda_graphs if slot.info else None,
+                    "overlap": slot.info.overlap if slot.info else None,
                     "attention_note": slot.info.attention_note if slot.info else None,
                     "prefix_pages_known": self.front.supervisor.index.num_keys(slot.engine_id),  # as the router sees it
                     "process": _figures(slot)}

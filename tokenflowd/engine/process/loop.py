@@ -54,6 +54,12 @@ class EngineProcess(EngineEndpoint):
         self.pool = PoolHooks(spec, self.config) if self.config.pool_mode != "off" else None
         self.core = EngineCore.from_config(self.config, kv_memory=self.pool.kv_memory if self.pool else None)
         self.config = self.core.config  # as it runs: a fast path that failed its check is replaced
+        if self.core.overlap and (self.pool is not None or self.config.role != "both"):
+            # NOTE: the pool's per-step attention wrappers and the federation's per-batch sends and
+            # per-layer hook read a step's batch as it runs; they are not written for a step in flight.
+            log.info("overlap scheduling: off, as the %s hooks run on each step",
+                     "pool's" if self.pool is not None else "federation's")
+            self.core.overlap = False
         self.core.warm_up()  # before READY: the first user request is as fast as the tenth
         self.core.pool.drain_key_events()  # start recording: the router learns every key from here on
         self.prompt_tokens = 0  # of the requests taken (EngineStats)
@@ -71,7 +77,8 @@ class EngineProcess(EngineEndpoint):
                           kv_token_bytes=kv_token_bytes(core),
                           kv_endpoint=self.federation.transport.endpoint if self.federation is not None else "",
                           attention=core.runner.paths.describe(self.config.device),
-                          cuda_graphs=core.runner.graphs is not None, attention_note=core.attention_note))
+                          cuda_graphs=core.runner.graphs is not None, overlap=core.overlap,
+                          attention_note=core.attention_note))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
         trimmed = True  # nothing freed since the heap was last handed back
