@@ -8,9 +8,9 @@ runs, each step bounded by what is left of the budget and skipped when too littl
     tests       pytest tests/gpu: flashinfer against torch, graphs against eager, preempt and
                 reload in flashinfer's layout, the start-up check's step downs, the KV budget
     decode      bench/gpu_decode.py: decode step time and the memory roofline, batches 1, 32, 128,
-                with the host KV tier's write-through and without it
+                with the host KV tier's write-through and without it, overlap scheduling on and off
     offload     bench/offload_bandwidth.py: the copier's lanes against a pinned contiguous copy
-    compare     two daemons (fcfs, tokenflow) on dummy:llama3-8b and one burst of reading
+    compare     two daemons (fcfs, tokenflow; overlap on, the GPU default) on dummy:llama3-8b and one burst of reading
                 clients through `loadgen compare` (the first burst of ../shared/data/h200/README.md)
     calibrate   `tokenflowd calibrate`: the cost model the simulator would use on this GPU
 
@@ -156,7 +156,8 @@ def main() -> int:
         ("tests", [py, "-m", "pytest", "tests/gpu", "-v", "-rs", "-p", "no:cacheprovider",
                    f"--junitxml={out / 'gpu_tests.xml'}"], 120, 300),
         ("decode", [py, "bench/gpu_decode.py", "--batches", "1,32,128", "--context", "1024", "--new-tokens", "32",
-                    "--offload", "write-through,none", "--out", str(out / "gpu_decode.json")], 60, 200),
+                    "--offload", "write-through,none", "--overlap", "on,off", "--out", str(out / "gpu_decode.json")],
+         60, 260),
         ("offload", [py, "bench/offload_bandwidth.py", "--out", str(out / "offload_bandwidth.json")], 20, 60),
     ]
     rows = []
