@@ -19,6 +19,10 @@ on a free port and stopped with SIGTERM at the end, also on error. Steps:
                 --max-queue-delay S, S = T / 2 (rounded to 0.5 s): a request whose predicted
                 TTFT is beyond half a full batch's reply time is refused with a 429
 
+With --overlap-ab the pairs are tokenflow with serial steps (A) against tokenflow with overlap
+scheduling (B), in burst, load120 and load120-bound (both sides bounded there): the policy's
+buffer figures and the shedding it predicts, with tokens a step late against without.
+
 The two daemons of a compare have served the same requests before it (the loadgen's prompts
 share token ids across seeds and runs, so the prefix cache sees the same history on both sides).
 A refused request is an `error` in the loadgen's summary (a non-200 answer); the table splits out
@@ -242,6 +246,8 @@ def main() -> None:
     ap.add_argument("--wait-for", default="sim_table1", help="wait until no process whose command line matches this (pgrep -f regex) runs")
     ap.add_argument("--max-wait", type=float, default=2400.0, help="s to wait for --wait-for at most")
     ap.add_argument("--compare-timeout", type=float, default=600.0, help="s one loadgen compare may take")
+    ap.add_argument("--overlap-ab", action="store_true",
+                    help="A = tokenflow with serial steps, B = tokenflow with overlap scheduling (no load60)")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds the ExitStack: daemons get SIGTERM
 
@@ -259,16 +265,21 @@ def main() -> None:
     result: dict = {"machine": machine, "slots": SLOTS, "lengths": LENGTHS, "logs": str(log_dir)}
     try:
         with ExitStack() as stack:
-            pair = {"fcfs": start(stack, "fcfs", log_dir, "--policy", "fcfs"),
-                    "tokenflow": start(stack, "tokenflow", log_dir, "--policy", "tokenflow")}
+            if a.overlap_ab:
+                sides = (("serial", ("--policy", "tokenflow", "--overlap", "off")),
+                         ("overlap", ("--policy", "tokenflow", "--overlap", "on")))
+            else:
+                sides = (("fcfs", ("--policy", "fcfs")), ("tokenflow", ("--policy", "tokenflow")))
+            (la, fa), (lb, fb) = sides
+            pair = {la: start(stack, la, log_dir, *fa), lb: start(stack, lb, log_dir, *fb)}
             measured = measure_pair(pair)
-            cap = measured["fcfs"]["capacity"]
+            cap = measured[la]["capacity"]
             g = cap / SLOTS
             reply_s = REPLY_TOKENS / g
             bound = a.max_queue_delay or max(1.0, round(reply_s / 2 * 2) / 2)
             r1, r2 = (round(s * g, 2) for s in RATE_SHARES)
             rates = f"{r1}:0.4,{r2}:0.6"
-            print(f"[bench] C = {cap:.1f} tokens/s (fcfs daemon), g = C/{SLOTS} = {g:.2f} tokens/s; readers at "
+            print(f"[bench] C = {cap:.1f} tokens/s ({la} daemon), g = C/{SLOTS} = {g:.2f} tokens/s; readers at "
                   f"{r1} (40%) and {r2} (60%) tokens/s; a full batch streams a {REPLY_TOKENS}-token reply in "
                   f"{reply_s:.1f} s; --max-queue-delay S = {bound:g} s", flush=True)
             result.update(measure=measured, capacity=cap, per_stream_rate=g, reading_rates=[r1, r2],
@@ -276,11 +287,13 @@ def main() -> None:
             common = ["--lengths", LENGTHS, "--reading-rate", rates]
 
             titles["burst"] = f"one burst of {3 * SLOTS} readers at {r1}/{r2} tok/s (seed 0)"
-            scenarios["burst"] = compare("burst", ("fcfs", pair["fcfs"]), ("tokenflow", pair["tokenflow"]),
+            scenarios["burst"] = compare("burst", (la, pair[la]), (lb, pair[lb]),
                                          [*common, "--num-prompts", str(3 * SLOTS), "--seed", "0"], log_dir,
                                          a.compare_timeout)
             repeated = {}
             for name, load, bursts, seed in (("load60", 0.6, a.bursts_60, 1), ("load120", 1.2, a.bursts_120, 2)):
+                if a.overlap_ab and name == "load60":
+                    continue
                 b = a.repeat_burst_size
                 mean_out = mean_output(b * bursts, seed)
                 period = round(b * mean_out / (load * cap), 2)
@@ -288,18 +301,24 @@ def main() -> None:
                                   "--burst-period", str(period), "--seed", str(seed)]
                 titles[name] = (f"{bursts} bursts of {b} every {period} s = {b * mean_out / period:.1f} tok/s "
                                 f"offered, {load:.0%} of C (seed {seed})")
-                scenarios[name] = compare(name, ("fcfs", pair["fcfs"]), ("tokenflow", pair["tokenflow"]),
-                                          repeated[name], log_dir, a.compare_timeout)
+                scenarios[name] = compare(name, (la, pair[la]), (lb, pair[lb]), repeated[name], log_dir,
+                                          a.compare_timeout)
                 scenarios[name]["offered_load"] = load
         with ExitStack() as stack:  # a fresh pair for the bound: both sides with the same history
-            pair = {"tokenflow": start(stack, "tokenflow-2", log_dir, "--policy", "tokenflow"),
-                    "tokenflow+bound": start(stack, "tokenflow-bound", log_dir, "--policy", "tokenflow",
-                                             "--max-queue-delay", f"{bound:g}")}
+            if a.overlap_ab:  # both bounded: the shedding predicted with tokens a step late against without
+                ba, bb = (la + "+bound", (*fa, "--max-queue-delay", f"{bound:g}")), \
+                         (lb + "+bound", (*fb, "--max-queue-delay", f"{bound:g}"))
+                title = f"; both with --max-queue-delay {bound:g}"
+            else:
+                ba, bb = ("tokenflow", ("--policy", "tokenflow")), \
+                         ("tokenflow+bound", ("--policy", "tokenflow", "--max-queue-delay", f"{bound:g}"))
+                title = f"; B with --max-queue-delay {bound:g}"
+            pair = {ba[0]: start(stack, ba[0].replace("+", "-") + "-2", log_dir, *ba[1]),
+                    bb[0]: start(stack, bb[0].replace("+", "-") + "-2", log_dir, *bb[1])}
             result["measure_bound_pair"] = measure_pair(pair)
-            titles["load120-bound"] = titles["load120"] + f"; B with --max-queue-delay {bound:g}"
-            scenarios["load120-bound"] = compare("load120-bound", ("tokenflow", pair["tokenflow"]),
-                                                 ("tokenflow+bound", pair["tokenflow+bound"]), repeated["load120"],
-                                                 log_dir, a.compare_timeout)
+            titles["load120-bound"] = titles["load120"] + title
+            scenarios["load120-bound"] = compare("load120-bound", (ba[0], pair[ba[0]]), (bb[0], pair[bb[0]]),
+                                                 repeated["load120"], log_dir, a.compare_timeout)
             scenarios["load120-bound"]["offered_load"] = 1.2
     finally:
         result["scenarios"] = scenarios

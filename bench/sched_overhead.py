@@ -1,6 +1,7 @@
 """Scheduling overhead per pass: the policies' `plan(view)` on views of 100 and 1,000 tracked
-requests (the paper: ~0.4 ms per TokenFlow pass, ~0.07 ms for SGLang's FCFS), plus the time the
-engine's scheduler takes to build such a view from its requests.
+requests (the paper: ~0.4 ms per TokenFlow pass, ~0.07 ms for SGLang's FCFS), plus the engine's
+scheduler itself at as many tracked requests (tokenflow; up to 256 decoding, the rest queued):
+the time to build its view from its requests, and a whole schedule() pass.
 
     python bench/sched_overhead.py [--sizes 100,1000] [--out bench/results/sched_overhead.json]
 
@@ -22,6 +23,10 @@ from tokenflowd.buffer import make_policy
 from tokenflowd.buffer.estimates import StepCost
 from tokenflowd.buffer.policy import RequestView, SchedulerView, cdiv
 from tokenflowd.config import PolicyConfig
+from tokenflowd.engine.request import Request, SamplingParams
+from tokenflowd.engine.scheduler import Scheduler
+from tokenflowd.kv.manager import KVCacheManager
+from tokenflowd.kv.pages import PagePool
 
 PAGE = 16
 MAX_SEQS = 256
@@ -56,6 +61,40 @@ def make_view(n: int, cost: StepCost, seed: int = 0) -> SchedulerView:
     return SchedulerView(now=100.0, running=tuple(running), waiting=tuple(waiting), free_pages=used // 10,
                          total_pages=used + used // 10, page_size=PAGE, token_budget=8192, max_num_seqs=MAX_SEQS,
                          cost=cost)
+
+
+def make_scheduler(n: int, seed: int = 0) -> Scheduler:
+    """The engine's scheduler (tokenflow, a page pool with room for all) with `n` requests of
+    256-1,024-token prompts: up to MAX_SEQS of them admitted and decoding, the rest queued."""
+    rng = random.Random(seed)
+    s = Scheduler(KVCacheManager(PagePool(200_000), PAGE), make_policy("tokenflow", PolicyConfig()), 8192, MAX_SEQS)
+    for i in range(n):
+        req = Request(f"r{i}", [rng.randrange(32_000) for _ in range(rng.randint(256, 1024))],
+                      SamplingParams(max_tokens=2048), reading_rate=rng.choice([15.0, 20.0]))
+        req.max_model_len = 1 << 20  # (the engine sets it on validation)
+        s.add(req)
+    for _ in range(400):  # prefills, until the running set decodes
+        if len(s.running) >= min(MAX_SEQS, n // 2) and all(r.num_output_tokens for r in s.running):
+            break
+        batch = s.schedule()
+        s.update(batch, [1 if row is not None else None for row in batch.sampling])
+    return s
+
+
+def scheduler_pass(n: int, repeat: int) -> dict:
+    """ms of the scheduler's view (built from its requests every step) and of a whole
+    schedule() with the update after it, at `n` tracked requests."""
+    s = make_scheduler(n)
+    row = {"scheduler_running": len(s.running), "scheduler_waiting": len(s.waiting),
+           "scheduler_view_ms": 1e3 * time_calls(s._view, repeat)}
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        batch = s.schedule()
+        samples.append(time.perf_counter() - t0)
+        s.update(batch, [1 if row is not None else None for row in batch.sampling])
+    row["scheduler_schedule_ms"] = 1e3 * statistics.median(samples)
+    return row
 
 
 def time_calls(fn, repeat: int) -> float:
@@ -93,6 +132,7 @@ def main() -> None:
         row["andes_pass_ms"] = 1e3 * time_calls(lambda: andes.knapsack_pass(view), a.repeat)  # the knapsack
         andes.plan(view)  # a pass (when contended) whose decision the next calls carry out
         row["andes_step_ms"] = 1e3 * time_calls(lambda: andes.plan(view), a.repeat)
+        row.update(scheduler_pass(n, min(a.repeat, 50)))
         rows.append(row)
         print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     if a.out:
