@@ -81,10 +81,7 @@ class ScheduledBatch:
     token_index: list[int] = field(default_factory=list)
     seq: int = 0  # the scheduler's count of batches before this one
     ahead: bool = False  # scheduled ahead of the step in flight (the module's doc)
-
-    @property
-    def num_samples(self) -> int:
-        return sum(s is not None for s in self.sampling)
+    num_sampling: int = 0  # rows that sample
 
     @property
     def total_tokens(self) -> int:
@@ -100,7 +97,9 @@ class ScheduledBatch:
         self.positions.append(start)
         self.input_ids.append(req.token_ids[start : start + n])
         self.block_tables.append(list(block_table))  # a copy: the manager's list grows in later steps
-        self.sampling.append(req.sampling_row() if start + n == req.num_tokens else None)
+        samples = start + n == req.num_tokens
+        self.sampling.append(req.sampling_row() if samples else None)
+        self.num_sampling += samples
         self.offsets.append(req.prefix_offset)
         self.num_context_tokens += req.prefix_offset + start + n
         self.prev_sample.append(-1)
@@ -393,7 +392,7 @@ class Scheduler:
         req.num_computed_tokens += batch.num_tokens[i]
         if batch.sampling[i] is not None:
             batch.token_index[i] = len(req.token_ids)
-            self._pending[req.request_id] = (batch.seq, sum(s is not None for s in batch.sampling[:i]))
+            self._pending[req.request_id] = (batch.seq, batch.num_sampling - 1)
             req.token_ids.append(PLACEHOLDER)
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
