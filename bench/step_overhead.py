@@ -42,7 +42,8 @@ class FakeDevice(Executor):
         self.seconds = seconds
         self.free_at = 0.0  # when the device ends the last step queued on it
         self.waited = 0.0  # s the host spent waiting on it
-        self._last: list[int] = []  # the last launched step's tokens ("on the device")
+        self.in_flight = 0  # steps launched and not yet collected
+        self.num_behind = 0  # steps launched while the one before was not yet collected        self._last: list[int] = []  # the last launched step's tokens ("on the device")
 
     def _tokens(self, batch: ScheduledBatch) -> list[int | None]:
         out: list[int | None] = []
@@ -54,16 +55,19 @@ class FakeDevice(Executor):
         return out
 
     def launch(self, batch: ScheduledBatch) -> Launched:
-        start = max(time.perf_counter(), self.free_at)
-        self.free_at = start + self.seconds
-        return Launched(batch, work=self.free_at, seconds=self.seconds, sampled=self._tokens(batch))
+        self.num_behind += self.in_flight > 0  # launched before the step before was collected: overlapped
+        self.in_flight += 1
+        self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
+        return Launched(batch, work=(self.free_at, self._tokens(batch)), seconds=self.seconds)
 
     def collect(self, launched: Launched) -> list[int | None]:
+        end, tokens = launched.work
+        self.in_flight -= 1
         t0 = time.perf_counter()
-        while (left := launched.work - time.perf_counter()) > 0:
+        while (left := end - time.perf_counter()) > 0:
             time.sleep(left)
         self.waited += time.perf_counter() - t0
-        return launched.sampled
+        return tokens
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         return self.collect(self.launch(batch))
@@ -84,7 +88,7 @@ def run(batch_size: int, device_ms: float, steps: int, overlap: bool) -> dict:
         core.step()
     for _ in range(5):
         core.step()
-    dev.waited = 0.0
+    dev.waited, dev.num_behind = 0.0, 0
     t0 = time.perf_counter()
     for _ in range(steps):
         core.step()
@@ -92,7 +96,7 @@ def run(batch_size: int, device_ms: float, steps: int, overlap: bool) -> dict:
     core.drain()
     return {"batch": batch_size, "overlap": overlap, "wall_ms": wall * 1e3,
             "host_ms": (wall - dev.waited / steps) * 1e3 if overlap else (wall - device_ms / 1e3) * 1e3,
-            "device_ms": device_ms}
+            "device_ms": device_ms, "steps": steps, "launched_behind": dev.num_behind}
 
 
 def main() -> None:

@@ -82,6 +82,14 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     return {arch: make_hf_dir(root / arch, arch) for arch in ("llama", "qwen2")}
 
 
+@pytest.fixture(scope="module")
+def tiny(hf_dirs):
+    """The tiny random llama of `hf_dirs`, fp32 on the CPU, loaded once per test module."""
+    from tokenflowd.engine.model.loader import load_model_source
+
+    return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
+
+
 _EMBEDDED: dict[str, object] = {}
 
 

@@ -332,6 +332,7 @@ def test_overlap_on_and_off_give_every_client_the_same_stream_on_the_gpu(gpu_dir
           dtype="float32", attention_backend="torch", cuda_graphs=False, kv_cache_memory=None, on_core=ran.append)
     assert ran and all(core.runner.device.type == "cuda" and core.overlap for core in ran)
     assert all(core.runner.paths == TORCH for core in ran)
+    assert all(core.runner._last_end is not None for core in ran)  # steps went through the CUDA launch path
 
 
 @needs_flashinfer
@@ -353,6 +354,7 @@ def test_overlapped_graph_replays_give_the_stream_of_serial_steps(gpu_dirs):
     core, on = stream(True)
     assert on == off and len(on) == 48
     assert sum(core.runner.graphs.num_replays.values()) >= 40
+    assert core.runner._last_end is not None  # launched on the compute stream, collected by its event
 
 
 def test_unseeded_rows_draw_on_the_device():

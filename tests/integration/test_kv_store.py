@@ -7,7 +7,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
@@ -21,13 +20,6 @@ from local_transport import LocalTransport  # noqa: E402
 
 PROMPT = list(range(5, 47))  # 42 tokens
 PAGE = 4
-
-
-@pytest.fixture(scope="module")
-def tiny(hf_dirs):
-    from tokenflowd.engine.model.loader import load_model_source
-
-    return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
 
 
 def core(tiny) -> EngineCore:

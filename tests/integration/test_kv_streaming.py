@@ -9,9 +9,6 @@ import math
 import os
 import sys
 
-import pytest
-import torch
-
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
@@ -23,13 +20,6 @@ from local_transport import LocalTransport  # noqa: E402
 
 PROMPT = list(range(5, 47))  # 42 tokens: 10 full pages of 4 and a partial one
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def tiny(hf_dirs):
-    from tokenflowd.engine.model.loader import load_model_source
-
-    return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
 
 
 def core(tiny, budget: int = 64) -> EngineCore:

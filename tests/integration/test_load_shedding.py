@@ -99,15 +99,6 @@ def test_max_queue_delay_from_flag_file_and_environment(tmp_path):
 
 
 # -- the engine ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny(hf_dirs):
-    import torch
-
-    from tokenflowd.engine.model.loader import load_model_source
-
-    return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
-
-
 def make_core(tiny, **kw):
     from tokenflowd.engine.core import EngineCore
 

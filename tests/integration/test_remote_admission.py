@@ -16,13 +16,6 @@ PROMPT = list(range(5, 23))  # 18 tokens: 4 full pages of 4 and a partial one
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def tiny(hf_dirs):
-    from tokenflowd.engine.model.loader import load_model_source
-
-    return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
-
-
 def core(tiny, **kw) -> EngineCore:
     cfg = EngineConfig.resolve(model="tiny", device="cpu", dtype="float32", page_size=4, num_pages=64,
                                max_num_batched_tokens=64, max_num_seqs=4, policy="fcfs", offload="none", **kw)

@@ -12,11 +12,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenflowd.buffer.fcfs import FCFSPolicy
-from tokenflowd.buffer.policy import Plan, SchedulerView, SchedulingPolicy
+from scripted_policy import ScriptedPolicy
+
+from tokenflowd.buffer.policy import SchedulerView, SchedulingPolicy
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
-from tokenflowd.engine.model.loader import load_model_source
 from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch
 from tokenflowd.kv.copier import LOAD, WRITE, CopyJob
@@ -26,32 +26,6 @@ from tokenflowd.offload.tiers import DiskTier
 
 PAGE = 4
 FAMILIES = [[5 + 7 * f + i for i in range(48)] for f in range(3)]  # shared prefixes: prefix hits in every tier
-
-
-class ScriptedPolicy(SchedulingPolicy):
-    """FCFS, plus whatever preemptions `preempt(step, view)` names; every admitted request whose
-    KV the host holds is reloaded when `reload` says so (else the scheduler picks the faster way)."""
-
-    name = "scripted"
-
-    def __init__(self, preempt: Callable[[int, SchedulerView], tuple[str, ...]], reload: bool = True) -> None:
-        self.fcfs = FCFSPolicy()
-        self.preempt = preempt
-        self.reload = reload
-        self.num_plans = 0
-
-    def plan(self, view: SchedulerView) -> Plan:
-        plan = self.fcfs.plan(view)
-        victims = self.preempt(self.num_plans, view)
-        self.num_plans += 1
-        scheduled = tuple((rid, n) for rid, n in plan.scheduled if rid not in victims)
-        reload = tuple(r.request_id for r in view.waiting if self.reload and r.host_tokens)
-        return Plan(scheduled, tuple(dict.fromkeys(plan.preempted + victims)), reload)
-
-
-@pytest.fixture(scope="module")
-def tiny(hf_dirs):
-    return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
 
 
 def make(tiny, policy: SchedulingPolicy | None = None, **kw) -> EngineCore:

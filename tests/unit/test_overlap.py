@@ -3,40 +3,14 @@ every client sees the stream it sees with overlap off, through preemptions and h
 tokens, EOS, max_tokens and min_tokens, an abort with a step in flight, and seeded sampling."""
 from __future__ import annotations
 
-import pytest
 import torch
+from scripted_policy import ScriptedPolicy
 
-from tokenflowd.buffer.fcfs import FCFSPolicy
-from tokenflowd.buffer.policy import Plan, SchedulerView, SchedulingPolicy
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
-from tokenflowd.engine.model.loader import load_model_source
 from tokenflowd.engine.request import PLACEHOLDER, FinishReason, Request, SamplingParams
 
 PAGE = 4
-
-
-class EveryThird(SchedulingPolicy):
-    """FCFS that preempts the first running request every third plan, and reloads what the host holds."""
-
-    name = "every-third"
-
-    def __init__(self) -> None:
-        self.fcfs = FCFSPolicy()
-        self.num_plans = 0
-
-    def plan(self, view: SchedulerView) -> Plan:
-        plan = self.fcfs.plan(view)
-        self.num_plans += 1
-        victims = (view.running[0].request_id,) if view.running and self.num_plans % 3 == 0 else ()
-        scheduled = tuple((rid, n) for rid, n in plan.scheduled if rid not in victims)
-        reload = tuple(r.request_id for r in view.waiting if r.host_tokens)
-        return Plan(scheduled, tuple(dict.fromkeys(plan.preempted + victims)), reload)
-
-
-@pytest.fixture(scope="module")
-def tiny(hf_dirs):
-    return load_model_source(str(hf_dirs["llama"]), torch.float32, "cpu")
 
 
 def make(loaded, overlap: bool, preempting: bool, **kw) -> EngineCore:
@@ -46,7 +20,9 @@ def make(loaded, overlap: bool, preempting: bool, **kw) -> EngineCore:
     core = EngineCore.from_config(EngineConfig.resolve(**{**base, **kw}), loaded)
     assert core.overlap is overlap
     if preempting:
-        core.scheduler.policy = EveryThird()
+        # FCFS that preempts the first running request every third plan, and reloads what the host holds
+        core.scheduler.policy = ScriptedPolicy(
+            lambda step, view: (view.running[0].request_id,) if view.running and step % 3 == 2 else ())
     return core
 
 

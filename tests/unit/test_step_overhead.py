@@ -19,3 +19,5 @@ def test_overlapped_steps_take_about_the_device_time_at_batch_256():
     floor = max(off["host_ms"], 10.0)
     assert on["wall_ms"] <= 1.5 * floor, (on, off)  # the bench: bench/results/step_overhead.json
     assert on["wall_ms"] < off["wall_ms"], (on, off)
+    # and it is the overlap that did it: each step was launched while the one before still ran
+    assert on["launched_behind"] >= on["steps"] - 1 and off["launched_behind"] == 0, (on, off)

@@ -14,7 +14,7 @@ policies on a virtual clock.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,7 +29,6 @@ class Launched:
     batch: "ScheduledBatch"
     work: Any = None
     seconds: float | None = None
-    sampled: list[int | None] = field(default_factory=list)
 
 
 class Executor(abc.ABC):
@@ -59,12 +58,12 @@ class Executor(abc.ABC):
     overlaps: bool = False
 
     def launch(self, batch: "ScheduledBatch") -> Launched:
-        """Start computing `batch`; `collect` waits for it. This one computes it at once."""
-        return Launched(batch, sampled=self.execute(batch))
+        """Start computing `batch` and return at once; `collect` waits for it (executors that overlap)."""
+        raise NotImplementedError(f"{type(self).__name__} does not overlap steps")
 
     def collect(self, launched: Launched) -> list[int | None]:
         """The sampled tokens of a launched step, as `execute` returns them (raises its error)."""
-        return launched.sampled
+        raise NotImplementedError(f"{type(self).__name__} does not overlap steps")
 
     def step_seconds(self, started: float, ended: float) -> float:
         """How long the step that ran from `started` to `ended` on the engine's clock took."""

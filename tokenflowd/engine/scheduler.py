@@ -447,8 +447,7 @@ class Scheduler:
                 del self._pending[rid]
             k = batch.token_index[i]
             if token is not None:
-                if k >= len(req.token_ids) or req.token_ids[k] != PLACEHOLDER:  # its tokens began again
-                    continue
+                assert req.token_ids[k] == PLACEHOLDER, f"{rid}: token {k} is not the one this step samples"
                 req.token_ids[k] = token
             if req.status is RequestStatus.RUNNING:  # what this step computed is in place: publish it
                 self.kv.commit(req, batch.positions[i] + batch.num_tokens[i])
