@@ -41,12 +41,13 @@ def test_equations_3_to_6_by_hand():
     assert plan.theta_pd_d == pytest.approx(3.0)
     assert plan.throughput == pytest.approx(min(0.3077 / 0.5, (1 / 1.5) / 0.5, 3.0), rel=1e-3)
     assert plan.egress == pytest.approx(plan.throughput * 0.5 * 6500)
+    assert plan.bound == "remote prefill"
     # A narrow egress binds: 1000 bytes/s over 6500-byte KV
     narrow = evaluate(Cluster(2, 4, 1000.0, FLAT, FLAT, ONE_PER_S), lengths, 2500, 1)
-    assert narrow.theta_prfaas == pytest.approx(1000 / 6500)
+    assert narrow.theta_prfaas == pytest.approx(1000 / 6500) and narrow.bound == "link"
     # Nothing offloaded: the PrfaaS term drops out; everything: the PD-P one does
     local = evaluate(cluster, lengths, math.inf, 2)
-    assert local.offloaded == 0 and local.throughput == pytest.approx(min(2 / 4.0, 2.0))
+    assert local.offloaded == 0 and local.throughput == pytest.approx(min(2 / 4.0, 2.0)) and local.bound == "local prefill"
     remote = naive(cluster, lengths)
     assert remote.n_decode == 4 and remote.throughput == pytest.approx(min(2 / 4.0, 5000 / 4000, 4.0))
 

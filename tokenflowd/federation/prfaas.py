@@ -129,6 +129,7 @@ class Plan:
     theta_pd_d: float
     throughput: float  # Λ_max, req/s
     egress: float  # bytes/s the remote cluster sends at Λ_max: Λ · p · S_kv(l_long)
+    bound: str = ""  # the stage Λ_max stops at: "remote prefill", "link", "local prefill" or "decode"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -147,15 +148,20 @@ def evaluate(cluster: Cluster, lengths: Lengths, threshold: float, n_prefill: in
     if p > 0 and cluster.remote == 0:
         raise ValueError("a threshold below the longest prompt needs remote prefill nodes")
     n_decode = cluster.local - n_prefill
-    theta_prfaas = 0.0
+    remote_compute = link = 0.0
     if p > 0:
-        theta_prfaas = min(cluster.remote / cluster.remote_prefill.prefill_seconds(l_long),
-                           _ratio(cluster.egress, cluster.remote_prefill.kv_size(l_long)))
+        remote_compute = cluster.remote / cluster.remote_prefill.prefill_seconds(l_long)
+        link = _ratio(cluster.egress, cluster.remote_prefill.kv_size(l_long))
+    theta_prfaas = min(remote_compute, link)
     theta_pd_p = n_prefill / cluster.local_prefill.prefill_seconds(l_short) if p < 1 else 0.0
     theta_pd_d = n_decode * cluster.decode.requests_per_second
-    lam = min(_ratio(theta_prfaas, p), _ratio(theta_pd_p, 1 - p), theta_pd_d)
+    stages = {"remote prefill": _ratio(remote_compute, p), "link": _ratio(link, p),
+              "local prefill": _ratio(theta_pd_p, 1 - p), "decode": theta_pd_d}
+    bound = min(stages, key=stages.__getitem__)  # the first of equals, in the order a request meets them
+    lam = stages[bound]
     egress = lam * p * cluster.remote_prefill.kv_size(l_long) if p > 0 else 0.0
-    return Plan(threshold, n_prefill, n_decode, p, l_long, l_short, theta_prfaas, theta_pd_p, theta_pd_d, lam, egress)
+    return Plan(threshold, n_prefill, n_decode, p, l_long, l_short, theta_prfaas, theta_pd_p, theta_pd_d, lam, egress,
+                bound)
 
 
 def thresholds(lengths: Lengths, grid: int = 2000) -> list[float]:

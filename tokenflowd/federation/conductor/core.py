@@ -397,7 +397,7 @@ class Conductor:
         offload = {"threshold": None if math.isinf(self.remote_prefill.threshold) else self.remote_prefill.threshold,
                    "offloaded": self.remote_prefill.offloaded, "probes": self.remote_prefill.probes,
                    "congested": self.remote_prefill.congested, "egress_measured": self.remote_prefill.egress,
-                   "planned_throughput": self.remote_prefill.planned,
+                   "planned_throughput": self.remote_prefill.planned, "bound": self.remote_prefill.bound,
                    "converting": {name: role for name, (role, _) in self.converting.items()}}
         return web.json_response({"status": "ok" if ok else "no node", "nodes": nodes, "placed": self.placed,
                                   **self.counts, "prfaas": offload},

@@ -64,6 +64,7 @@ class RemotePrefill:
         self.offloaded = 0
         self.egress = 0.0  # B_out of the last solve, bytes/s
         self.planned: float | None = None  # Λ_max of the last solve, req/s
+        self.bound: str | None = None  # ... and the stage it stops at (prfaas.Plan.bound)
 
     def route(self, prompt: int, uncached: int, remote_serving: bool = True) -> bool:
         """Whether this request's prefill goes to the remote nodes. Every request is recorded for the
@@ -104,7 +105,7 @@ class RemotePrefill:
         if t != self.threshold:
             log.info("offload threshold %s -> %s tokens (egress %.3g Gb/s measured, Λ_max %.3g req/s)",
                      _tokens(self.threshold), _tokens(t), b_out * 8 / 1e9, live.plan.throughput)
-        self.threshold, self.egress, self.planned = t, b_out, live.plan.throughput
+        self.threshold, self.egress, self.planned, self.bound = t, b_out, live.plan.throughput, live.plan.bound
         return t
 
     def _probe(self, b_out: float, now: float) -> None:
