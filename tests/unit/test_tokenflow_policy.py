@@ -115,7 +115,7 @@ def test_fallback_brings_silent_streams_back_before_new_requests_and_overdue_one
     # buffer, whatever the new requests.
     def v(dry, slots):
         return view([running("a", 0.0, 0.0, 35), running("b", 1.0, 30.0, 35)],
-                    [replace(preempted("c", 0.5, 0.0, 35), dry_for=dry), preempted("d", 0.6, 0.0, 35), new("n", 3.0)],
+                    [preempted("c", 0.5, 0.0, 35).replace(dry_for=dry), preempted("d", 0.6, 0.0, 35), new("n", 3.0)],
                     free=100, max_num_seqs=slots, now=40.0)
 
     assert TokenFlowPolicy(PARAMS).balance(v(5.0, 3)).run == ("a", "b", "n")
@@ -125,7 +125,7 @@ def test_fallback_brings_silent_streams_back_before_new_requests_and_overdue_one
     plan = TokenFlowPolicy(PARAMS).plan(v(25.0, 2))
     assert plan.preempted == ("b",)
     # ... but not the place of a running request of higher priority
-    v2 = replace(v(25.0, 2), running=(running("a", 0.0, 0.0, 35), replace(running("b", 1.0, 30.0, 35), priority=1)))
+    v2 = replace(v(25.0, 2), running=(running("a", 0.0, 0.0, 35), running("b", 1.0, 30.0, 35).replace(priority=1)))
     assert TokenFlowPolicy(PARAMS).balance(v2).run == ("b", "c")
 
 

@@ -10,6 +10,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from tokenflowd.buffer.estimates import StepCost
 from tokenflowd.kv.pages import cdiv
 
@@ -17,8 +19,10 @@ if TYPE_CHECKING:
     from tokenflowd.config import PolicyConfig
 
 
-@dataclass(frozen=True, slots=True)
-class RequestView:
+class RequestView(msgspec.Struct, frozen=True):
+    """One request as a policy sees it. A msgspec Struct: the scheduler builds one per tracked
+    request every step, and a Struct is built several times faster than a frozen dataclass."""
+
     request_id: str
     arrival_time: float
     num_tokens: int  # prompt + output so far
@@ -42,6 +46,9 @@ class RequestView:
     host_tokens: int = 0  # waiting: leading tokens whose KV the host tier holds (a reload restores them)
     # waiting only: s its client has been waiting on an empty buffer (0: it holds tokens, or has none yet)
     dry_for: float = 0.0
+
+    def replace(self, **changes) -> RequestView:
+        return msgspec.structs.replace(self, **changes)
 
     @property
     def started(self) -> bool:

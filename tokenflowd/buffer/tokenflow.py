@@ -133,7 +133,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         by_id = {r.request_id: r for r in view.waiting}
         reload = set(decision.reload)
         # A reloaded request arrives with its host tokens computed: FCFS sees only what is left.
-        admit = tuple(replace(by_id[rid], num_computed_tokens=max(by_id[rid].num_computed_tokens, by_id[rid].host_tokens))
+        admit = tuple(by_id[rid].replace(num_computed_tokens=max(by_id[rid].num_computed_tokens, by_id[rid].host_tokens))
                       if rid in reload else by_id[rid] for rid in decision.run if rid in by_id)
         sub = replace(view, running=kept, waiting=admit, free_pages=view.free_pages + freed)
         plan = self._fcfs.plan(sub)

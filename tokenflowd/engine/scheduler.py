@@ -36,14 +36,14 @@ def _request_view(req: Request, now: float, num_computed: int, pages_held: int, 
                   pages_reclaimed: int = 0, pages_exclusive: int | None = None, io_time: float | None = None,
                   host_tokens: int = 0, dry_for: float = 0.0) -> RequestView:
     """What a policy sees of `req`: the memory fields given, its client's side read from it (its
-    output tokens as its client gets them: not a token still in flight)."""
+    output tokens as its client gets them: not a token still in flight). Built for every tracked
+    request every step, so positionally, in RequestView's field order."""
+    ids = req.token_ids
+    n = len(ids)
     return RequestView(
-        request_id=req.request_id, arrival_time=req.arrival_time, num_tokens=req.num_tokens,
-        num_computed_tokens=num_computed, pages_held=pages_held, pages_reclaimed=pages_reclaimed,
-        pages_exclusive=pages_exclusive, priority=req.priority, reading_rate=req.buffer.reading_rate,
-        buffer=req.buffer.buffer(now), num_output_tokens=req.num_output_tokens - (req.token_ids[-1] == PLACEHOLDER),
-        max_output_tokens=req.sampling_params.max_tokens, expected_output_tokens=expected,
-        arrival_seq=req.arrival_seq, io_time=io_time, host_tokens=host_tokens, dry_for=dry_for)
+        req.request_id, req.arrival_time, n, num_computed, pages_held, pages_reclaimed, pages_exclusive, req.priority,
+        req.buffer.reading_rate, req.buffer.buffer(now), n - req.num_prompt_tokens - (ids[-1] == PLACEHOLDER),
+        req.sampling_params.max_tokens, expected, req.arrival_seq, io_time, host_tokens, dry_for)
 
 
 def _queue_order(req: Request) -> tuple[int, float, int]:
