@@ -56,7 +56,12 @@ def _common_args() -> argparse.ArgumentParser:
                    help="token ids of prompts are drawn below this (default 49152, the embedded model's)")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset-name", default="random", choices=DATASETS,
-                   help="random: synthetic lengths (--lengths); mooncake: the Mooncake trace; burstgpt: a CSV")
+                   help="random: synthetic lengths (--lengths); synthetic: shared long contexts (--contexts); "
+                        "mooncake: the Mooncake trace; burstgpt: a CSV")
+    w.add_argument("--contexts", help="synthetic: documents | sessions | system-prompt (TokenLake's kind of "
+                                      "workload, the published shapes), with :KEY=VALUE overrides of "
+                                      "context_tokens, uses, active, scale (documents:scale=0.05:active=4); "
+                                      "contexts are whole --block-tokens blocks")
     w.add_argument("--dataset-path", help="mooncake: conversation_trace.jsonl (default: the shared copy); "
                                           "burstgpt: a CSV with columns Timestamp,Model,Request tokens,"
                                           "Response tokens,Total tokens,Log Type")

@@ -11,7 +11,7 @@ from collections import Counter
 
 from loadgen.client import ClientConfig, RequestRecord, RunResult, run_blocking, served_model
 from loadgen.workload import BodyFormat, LoadRequest, LoadWorkload, describe, load_requests
-from tokenflowd.sim.workload import parse_lengths, parse_reading_rates
+from tokenflowd.sim.workload import parse_context_shape, parse_lengths, parse_reading_rates
 
 
 def workload_from_args(a: argparse.Namespace) -> LoadWorkload:
@@ -21,7 +21,8 @@ def workload_from_args(a: argparse.Namespace) -> LoadWorkload:
                         lengths=parse_lengths(a.lengths), reading_rates=parse_reading_rates(a.reading_rate),
                         seed=a.seed, dataset_path=a.dataset_path, time_scale=a.time_scale,
                         max_prompt_len=a.max_prompt_len, output_scale=a.output_scale, block_tokens=a.block_tokens,
-                        abandon_fraction=a.abandon_fraction)
+                        abandon_fraction=a.abandon_fraction,
+                        contexts=parse_context_shape(a.contexts) if a.contexts else None)
 
 
 def _headers(a: argparse.Namespace) -> tuple[tuple[str, str], ...]:

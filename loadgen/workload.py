@@ -18,6 +18,7 @@ lengths, reading rates) and a fourth for the clients that abandon.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from tokenflowd.sim.workload import (
     LENGTH_PRESETS,
     LengthDist,
     WorkloadRequest,
+    ContextShape,
     WorkloadSpec,
     arrival_times,
     assign_reading_rates,
@@ -38,7 +40,7 @@ from tokenflowd.sim.workload import (
     prompt_token_ids,
 )
 
-DATASETS = ("random", "mooncake", "burstgpt")
+DATASETS = ("random", "synthetic", "mooncake", "burstgpt")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
 # Short common words, each one token (with its leading space) in byte-level BPE vocabularies.
@@ -66,10 +68,14 @@ class LoadWorkload:
     output_scale: float = 1.0  # trace datasets: output lengths × this (a small model on a CPU: below 1)
     block_tokens: int = 512  # mooncake: tokens per prefix block; fewer scale prompts down, sharing kept
     abandon_fraction: float = 0.0  # share of clients that close their stream partway
+    contexts: ContextShape | None = None  # synthetic: the shared long contexts (sim/workload.py)
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
             raise ValueError(f"--dataset-name must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
+        if (self.dataset == "synthetic") != (self.contexts is not None):
+            raise ValueError("--dataset-name synthetic and --contexts go together: documents, sessions or "
+                             "system-prompt, with :KEY=VALUE overrides")
         if self.dataset == "burstgpt" and not self.dataset_path:
             raise ValueError("--dataset-name burstgpt needs --dataset-path FILE.csv (a BurstGPT-format CSV)")
         if self.num_prompts < 1:
@@ -101,7 +107,7 @@ class LoadWorkload:
 
     @property
     def replays_timestamps(self) -> bool:
-        return self.dataset != "random" and self.request_rate is None and self.burst_size is None
+        return self.dataset not in ("random", "synthetic") and self.request_rate is None and self.burst_size is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +123,9 @@ def build_requests(w: LoadWorkload) -> list[WorkloadRequest]:
     """The workload's requests in arrival order; the same `w` gives the same requests."""
     arrivals_rng = np.random.default_rng(np.random.SeedSequence(w.seed).spawn(3)[0])
     common = dict(reading_rates=w.reading_rates, seed=w.seed)
-    if w.dataset == "random":
+    if w.dataset in ("random", "synthetic"):
+        if w.dataset == "synthetic":
+            common.update(contexts=w.contexts, block_tokens=w.block_tokens, output_scale=w.output_scale)
         if w.finite_rate and w.burst_size is None:
             kind = "poisson" if w.burstiness == 1.0 else "gamma"
             spec = WorkloadSpec(kind, w.num_prompts, w.request_rate, w.burstiness, w.lengths, **common)
@@ -132,7 +140,7 @@ def build_requests(w: LoadWorkload) -> list[WorkloadRequest]:
         reqs = burstgpt_requests(Path(w.dataset_path), w)
     if w.burst_size is not None:
         arrivals = burst_arrivals(len(reqs), w.burst_size, w.burst_period or 0.0)
-    elif w.dataset == "random" or w.replays_timestamps:
+    elif w.dataset in ("random", "synthetic") or w.replays_timestamps:
         return reqs
     elif w.finite_rate:
         kind = "poisson" if w.burstiness == 1.0 else "gamma"
@@ -245,6 +253,8 @@ def describe(w: LoadWorkload) -> dict:
     d["lengths"] = {k: getattr(w.lengths, k) for k in ("kind", "input_center", "input_spread", "output_center",
                                                         "output_spread")}
     d["reading_rates"] = [list(p) for p in w.reading_rates]
+    if w.contexts is not None:
+        d["contexts"] = dataclasses.asdict(w.contexts)
     d["arrivals"] = "trace timestamps" if w.replays_timestamps else (
         "bursts" if w.burst_size is not None else (
             ("poisson" if w.burstiness == 1.0 else "gamma") if w.finite_rate else "one burst"))

@@ -64,6 +64,20 @@ def test_a_put_segment_lands_in_the_homes_prefix_cache_with_the_same_bytes(pair)
     assert a.pool.drain_key_events() == ([], keys), "the router learns they left"
 
 
+def test_a_put_segment_is_evicted_from_its_end_so_no_later_page_stays_behind_a_missing_one(pair):
+    a, b = pair
+    keys = chain_page_keys(list(range(4 * PAGE + 1)), PAGE, [])
+    pages = [a.pool.allocate() for _ in keys]
+    cached = b.pool.allocate()
+    b.pool.register(cached, keys[1])  # cached there already: it takes its place in the put's order
+    b.pool.decref(cached)
+    assert a.put(1, keys, a.stage(pages)) == 4
+    b.pool.allocate(), b.pool.allocate()  # the free pages
+    for held in (3, 2, 1, 0):  # then each allocation there evicts the segment's last page
+        b.pool.allocate()
+        assert len(b.pool.lookup(keys)) == held and b.pool.num_cached == held
+
+
 def test_a_full_home_takes_the_leading_keys_it_can_and_a_gone_one_none(pair):
     a, b = pair
     keys = chain_page_keys(list(range(9 * PAGE + 1)), PAGE, [])

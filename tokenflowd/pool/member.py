@@ -173,19 +173,20 @@ class PoolMember:
         frees the pages it took. -> leading keys held now."""
         with self.lock:
             t0 = time.perf_counter()
-            found: list[int] = []  # pages it holds already: referenced while it allocates (no eviction)
-            new: list[tuple[int, int]] = []  # (position in the put, page)
+            taken: list[int] = []  # in key order: pages it holds already (referenced while it allocates, so
+            new: list[tuple[int, int]] = []  # not evicted) and new ones, (position in the put, page)
             try:
                 for i, key in enumerate(keys):
                     page = self.pool.lookup([key])
                     if page:
                         self.pool.incref(page[0])
-                        found.append(page[0])
+                        taken.append(page[0])
                     else:
                         new.append((i, self.pool.allocate()))
+                        taken.append(new[-1][1])
             except OutOfPages:
                 pass
-            held = len(found) + len(new)
+            held = len(taken)
             try:
                 if new:
                     self._write(kv, new)
@@ -196,8 +197,10 @@ class PoolMember:
                 held = new[0][0]  # the keys before the first new page
                 log.exception("pool: a put from a peer could not be stored")
             finally:
-                for page in found + [page for _, page in new]:
-                    self.pool.decref(page)  # (an unregistered page goes back to the free list)
+                # the segment's end first into the LRU: eviction takes a prefix from its end, never
+                # leaving its later pages cached behind a missing one (an unregistered page is freed)
+                for page in reversed(taken):
+                    self.pool.decref(page)
             self.service.busy_seconds += time.perf_counter() - t0
         return held
 

@@ -76,6 +76,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                                               "(default: the cost model's KV pool)")
     sp.add_argument("--trace", help="Mooncake conversation_trace.jsonl (default: the shared copy)")
     sp.add_argument("--num-prompts", type=int, help="the trace's first N requests (default all)")
+    contexts_args(sp)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--out", help="write the results as JSON here")
     sp.set_defaults(func=cmd_sim_pool)
@@ -91,7 +92,8 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     sn.add_argument("--preset", default="a100-llama2-7b",
                     help=f"cost model: {', '.join(PRESETS)} or calibrated:FILE.json")
     sn.add_argument("--trace", help="Mooncake conversation_trace.jsonl (default: the shared copy)")
-    sn.add_argument("--num-prompts", type=int, default=2000, help="the trace's first N requests")
+    contexts_args(sn)
+    sn.add_argument("--num-prompts", type=int, default=2000, help="the trace's first N requests (or N synthetic ones)")
     sn.add_argument("--time-scale", type=float, default=1.0, help="trace arrivals × this (below 1: faster)")
     sn.add_argument("--max-prompt-len", type=int, help="truncate longer prompts to this many tokens")
     sn.add_argument("--policy", default="fcfs", help="each engine's scheduling policy (default fcfs)")
@@ -157,20 +159,40 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     c.set_defaults(func=cmd_calibrate)
 
 
+def contexts_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--contexts", help="instead of the trace, a synthetic workload of shared long contexts at Poisson "
+                                      "arrivals (TokenLake's kind): documents | sessions | system-prompt, with "
+                                      ":KEY=VALUE overrides (context_tokens, uses, active, scale); needs --rate")
+    p.add_argument("--rate", type=float, help="--contexts: requests/s")
+
+
+def _node_workload(a: argparse.Namespace) -> list:
+    """sim-pool's and sim-node's requests: the trace's first --num-prompts, or as many synthetic ones
+    sharing long contexts (--contexts) at Poisson arrivals of --rate."""
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
+
+    if a.contexts:
+        if a.rate is None:
+            raise ValueError("--contexts needs --rate (requests/s)")
+        return build_workload(WorkloadSpec("poisson", a.num_prompts, rate=a.rate, seed=a.seed,
+                                           contexts=parse_context_shape(a.contexts)))
+    return build_workload(WorkloadSpec.parse("trace", trace=a.trace, num_requests=a.num_prompts, seed=a.seed,
+                                             time_scale=getattr(a, "time_scale", 1.0),
+                                             max_prompt_len=getattr(a, "max_prompt_len", None)))
+
+
 def cmd_sim_pool(a: argparse.Namespace) -> int:
     import json
 
     from tokenflowd.sim.cost import cost_model
     from tokenflowd.sim.pool import MODES, config_from_cost, replay
-    from tokenflowd.sim.workload import WorkloadSpec, build_workload
-
     if a.engines < 1:
         raise ValueError("--engines must be at least 1")
     cost = cost_model(a.preset)
     capacities = _ints(a.capacity_tokens, "--capacity-tokens") if a.capacity_tokens else (None,)
-    requests = build_workload(WorkloadSpec.parse("trace", trace=a.trace, num_requests=a.num_prompts, seed=a.seed))
+    requests = _node_workload(a)
     rows = []
-    print(f"{len(requests)} trace requests, {a.engines} engines, cost model {cost.name}")
+    print(f"{len(requests)} {'synthetic ' + a.contexts if a.contexts else 'trace'} requests, {a.engines} engines, cost model {cost.name}")
     print(f"{'capacity':>10} {'mode':>8} {'hit rate':>9} {'load CV':>8} {'CV max':>7} {'replicas made':>14}")
     for capacity in capacities:
         cfg = config_from_cost(cost, a.engines, capacity, a.seed)
@@ -194,18 +216,15 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
     from tokenflowd.sim.cost import cost_model
     from tokenflowd.sim.node import MODES, NodeConfig, simulate_node
     from tokenflowd.sim.result import json_safe
-    from tokenflowd.sim.workload import WorkloadSpec, build_workload
-
     if a.engines < 1:
         raise ValueError("--engines must be at least 1")
     cost = cost_model(a.preset)
     if a.segment_tokens < cost.page_size or a.segment_tokens % cost.page_size:
         raise ValueError(f"--segment-tokens must be a multiple of the page size {cost.page_size}")
-    requests = build_workload(WorkloadSpec.parse("trace", trace=a.trace, num_requests=a.num_prompts, seed=a.seed,
-                                                 time_scale=a.time_scale, max_prompt_len=a.max_prompt_len))
+    requests = _node_workload(a)
     config = NodeConfig(engines=a.engines, policy=a.policy, segment_pages=a.segment_tokens // cost.page_size,
                         seed=a.seed)
-    print(f"{len(requests)} trace requests, {a.engines} engines, cost model {cost.name}, policy {a.policy}")
+    print(f"{len(requests)} {'synthetic ' + a.contexts if a.contexts else 'trace'} requests, {a.engines} engines, cost model {cost.name}, policy {a.policy}")
     keys = ("throughput", "effective_throughput", "ttft_mean", "ttft_p99", "hit_rate", "busy_cv", "computed_tokens")
     print(f"{'mode':>10} " + " ".join(f"{k:>20}" for k in keys))
     summaries = {}
@@ -214,7 +233,8 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
         print(f"{mode:>10} " + " ".join(f"{s[k]:>20.4g}" for k in keys))
     if a.out:
         doc = {"engines": a.engines, "cost_model": cost.name, "cost_source": cost.source, "policy": a.policy,
-               "requests": len(requests), "time_scale": a.time_scale, "max_prompt_len": a.max_prompt_len,
+               "requests": len(requests), "workload": f"synthetic {a.contexts} at {a.rate} req/s" if a.contexts
+               else "mooncake trace", "time_scale": a.time_scale, "max_prompt_len": a.max_prompt_len,
                "segment_tokens": a.segment_tokens, "summaries": summaries}
         with open(a.out, "w") as f:
             json.dump(json_safe(doc), f, indent=1)

@@ -211,16 +211,21 @@ class NodeSimulator:
                 continue
             for home_id, keys in e.places.pop(rid):
                 pages = e.pool.lookup(keys)
-                home, held = self.engines[home_id], 0
-                try:
+                home, taken = self.engines[home_id], []
+                try:  # as PoolMember.put: what it holds is referenced while it allocates
                     for key in keys[: len(pages)]:
-                        if not home.pool.lookup([key]):
-                            page = home.pool.allocate()
-                            home.pool.register(page, key)
-                            home.pool.decref(page)
-                        held += 1
+                        found = home.pool.lookup([key])
+                        if found:
+                            home.pool.incref(found[0])
+                            taken.append(found[0])
+                        else:
+                            taken.append(home.pool.allocate())
+                            home.pool.register(taken[-1], key)
                 except OutOfPages:
                     pass
+                held = len(taken)
+                for page in reversed(taken):  # the segment's end first into the LRU
+                    home.pool.decref(page)
                 e.pool.unpublish(keys[:held])
                 self.put_pages += held
                 sent = held * cost.page_size * cost.kv_bytes_per_token

@@ -17,13 +17,14 @@ Arrival processes (`WorkloadSpec.arrival`):
 Prompts are sequences of blocks of BLOCK_TOKENS tokens named by integer ids (`hash_ids`, the
 trace's prefix-block hashes); a block's tokens are a function of its id alone. So two requests with
 equal `hash_ids[:k]` share their first k·512 tokens exactly, and the engine's prefix cache hits on
-them. Synthetic workloads give every request fresh ids: no sharing.
+them. Synthetic workloads give every request fresh ids (no sharing) unless they have a context
+shape (`CONTEXT_SHAPES`, TokenLake's kind of workload): then requests share long contexts.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +101,77 @@ LENGTH_PRESETS = {
 }
 
 
+@dataclass(frozen=True)
+class ContextShape:
+    """Requests that share long contexts: TokenLake's evaluation (§7) samples LooGLE, SCBench and
+    ShareGPT behind o3's system prompt at Poisson arrivals. The datasets are not fetched, so these
+    are synthetic, with the shapes the paper publishes (a 24K-token mean sequence for LooGLE; 227K
+    and 5 turns for SCBench; ShareGPT under 2.4K tokens) and the rest assumed, as marked.
+
+    documents       a request is a question over one document: the document, then its question
+    sessions        a request is a turn of a session: its first context, then every earlier turn
+                    (question and answer), then its question; the next turn shares all of it
+    system-prompt   a request is a short chat behind the one system prompt every request carries
+
+    Contexts are whole blocks. `active` contexts are in play at once, each request picks one of
+    them at random, and a context leaves when its `uses` are spent (a fresh one takes its place):
+    the working set is about `active` contexts, which is what decides whether one engine's cache
+    holds it (TokenLake's gains need a working set larger than one engine's cache that fits in
+    the node's). `scale` multiplies the context lengths (a small model's context, a CPU's cache).
+    """
+
+    kind: str
+    context_tokens: float  # mean tokens of a context (lognormal of σ context_sigma; 0: fixed)
+    context_sigma: float
+    uses: float  # mean requests per context (Poisson around it, at least 1); system-prompt: unused
+    # the request's own part (question, turn, user prompt) and its answer
+    query: LengthDist
+    active: int = 16
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("documents", "sessions", "system-prompt"):
+            raise ValueError(f"context shape must be documents, sessions or system-prompt, got {self.kind!r}")
+        if not (self.context_tokens * self.scale >= 1 and self.context_sigma >= 0 and self.uses >= 1
+                and self.active >= 1):
+            raise ValueError("a context shape needs a context of at least one token, uses >= 1 and active >= 1")
+
+    def with_(self, **kw) -> "ContextShape":
+        return replace(self, **kw)
+
+
+# The datasets' published shapes (TokenLake §7), the rest assumed: LooGLE's documents take about 8
+# questions each (its long-dependency QA: some 6,400 questions over some 780 documents), questions
+# of ~48 tokens and short answers; SCBench's sessions a 227K-token mean first context and 5 turns
+# on average (1 + Poisson(4)), turns of ~64 tokens and ~256-token answers; o3's system prompt taken
+# as 2,048 tokens (the paper gives no length) before ShareGPT-like chats kept under 2.4K tokens.
+CONTEXT_SHAPES = {
+    "documents": ContextShape("documents", 24_000, 0.5, 8, LengthDist("lognormal", 48, 0.5, 96, 0.7)),
+    "sessions": ContextShape("sessions", 227_000, 0.4, 5, LengthDist("lognormal", 64, 0.5, 256, 0.6), active=8),
+    "system-prompt": ContextShape("system-prompt", 2_048, 0.0, 1, LengthDist("lognormal", 128, 0.9, 200, 0.7),
+                                  active=1),
+}
+CHAT_LIMIT = 2_400  # system-prompt: a ShareGPT chat's prompt and answer stay under this (§7)
+
+
+def parse_context_shape(spec: str) -> ContextShape:
+    """documents | sessions | system-prompt, with :KEY=VALUE overrides of context_tokens,
+    uses, active or scale (documents:active=32:scale=0.5)."""
+    name, *overrides = spec.split(":")
+    if name not in CONTEXT_SHAPES:
+        raise ValueError(f"context shape {spec!r}: use one of {', '.join(CONTEXT_SHAPES)} with :KEY=VALUE overrides")
+    kw: dict = {}
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key not in ("context_tokens", "uses", "active", "scale") or not value:
+            raise ValueError(f"context shape {spec!r}: {o!r} is not context_tokens=, uses=, active= or scale=")
+        try:
+            kw[key] = int(value) if key == "active" else float(value)
+        except ValueError:
+            raise ValueError(f"context shape {spec!r}: {o!r} is not a number") from None
+    return CONTEXT_SHAPES[name].with_(**kw)
+
+
 def parse_lengths(spec: str) -> LengthDist:
     """SL | LL | sharegpt | normal:IN:IN_SD:OUT:OUT_SD | lognormal:IN_MEDIAN:IN_SIGMA:OUT_MEDIAN:OUT_SIGMA | fixed:IN:OUT"""
     if spec in LENGTH_PRESETS:
@@ -148,13 +220,16 @@ class WorkloadSpec:
     time_scale: float = 1.0  # trace: arrival = timestamp · time_scale (below 1 replays faster)
     max_prompt_len: int | None = None  # trace: truncate longer prompts (their block ids with them)
     # trace: tokens per block of the trace's prefix hashes (512); fewer scale every prompt down by
-    # block_tokens / 512 and keep which blocks requests share (a small model on a CPU)
+    # block_tokens / 512 and keep which blocks requests share (a small model on a CPU); contexts:
+    # the block their shared contexts are whole numbers of
     block_tokens: int = BLOCK_TOKENS
     burst_spread: float = 0.0  # burst: arrivals uniform over [0, burst_spread] s (0: all at t = 0)
     # the share of requests whose client sets max_tokens = max_tokens_bound (where the answer fits
     # in it); the others set none
     max_tokens_share: float = 0.0
     max_tokens_bound: int = 4096
+    # synthetic arrivals: requests share long contexts of this shape (lengths then unused); None: none
+    contexts: ContextShape | None = None
 
     def __post_init__(self) -> None:
         if self.arrival not in ARRIVALS:
@@ -181,6 +256,8 @@ class WorkloadSpec:
             raise ValueError(f"max_tokens_share must be in [0, 1], got {self.max_tokens_share}")
         if self.max_tokens_bound < 1:
             raise ValueError(f"max_tokens_bound must be >= 1, got {self.max_tokens_bound}")
+        if self.contexts is not None and self.arrival == "trace":
+            raise ValueError("a trace brings its own prefixes: a context shape is for synthetic arrivals")
 
     @classmethod
     def parse(cls, arrival: str, **kw) -> "WorkloadSpec":
@@ -282,22 +359,67 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
     else:
         n = spec.num_requests
         arrivals = arrival_times(spec.arrival, n, spec.rate, spec.burstiness, arrivals_rng, spec.burst_spread)
-        prompts, outputs = spec.lengths.sample(lengths_rng, n, spec.output_scale)
-        # fresh block ids per request, so no prefix is shared; numbered from the seed, so that two
-        # seeds send different prompts
-        blocks, next_id = [], spec.seed << 32
-        for p in prompts:
-            k = math.ceil(p / BLOCK_TOKENS)
-            blocks.append(tuple(range(next_id, next_id + k)))
-            next_id += k
+        if spec.contexts is not None:
+            prompts, outputs, blocks = shared_contexts(spec.contexts, n, lengths_rng, spec.seed, spec.output_scale,
+                                                       spec.block_tokens)
+        else:
+            prompts, outputs = spec.lengths.sample(lengths_rng, n, spec.output_scale)
+            # fresh block ids per request, so no prefix is shared; numbered from the seed, so that
+            # two seeds send different prompts
+            blocks, next_id = [], spec.seed << 32
+            for p in prompts:
+                k = math.ceil(p / BLOCK_TOKENS)
+                blocks.append(tuple(range(next_id, next_id + k)))
+                next_id += k
     n = len(arrivals)
     rates = assign_reading_rates(spec.reading_rates, n, rates_rng)
     bounded = bounds_rng.random(n) < spec.max_tokens_share
     bounds = [spec.max_tokens_bound if b and out <= spec.max_tokens_bound else None for b, out in zip(bounded, outputs)]
     width = len(str(n - 1))
-    bt = spec.block_tokens if spec.arrival == "trace" else BLOCK_TOKENS
+    bt = spec.block_tokens if spec.arrival == "trace" or spec.contexts is not None else BLOCK_TOKENS
     return [WorkloadRequest(f"r{i:0{width}d}", arrivals[i], prompts[i], outputs[i], rates[i], blocks[i], bounds[i],
                             block_tokens=bt) for i in range(n)]
+
+
+def shared_contexts(shape: ContextShape, n: int, rng: np.random.Generator, seed: int, output_scale: float = 1.0,
+                    block_tokens: int = BLOCK_TOKENS) -> tuple[list[int], list[int], list[tuple[int, ...]]]:
+    """n requests of `shape` in arrival order: (prompt lengths, output lengths, block ids of
+    `block_tokens` tokens). Block ids are numbered from the seed; a context's blocks, and a
+    session's earlier turns, are shared by the requests that use them."""
+    ids = iter(range(seed << 32, (seed + 1) << 32))
+    bt = block_tokens
+
+    def fresh(tokens: int) -> tuple[int, ...]:
+        return tuple(next(ids) for _ in range(math.ceil(tokens / bt)))
+
+    def context() -> list:  # [blocks so far, uses left]
+        mean = shape.context_tokens * shape.scale
+        tokens = mean if shape.context_sigma == 0 else \
+            rng.lognormal(math.log(mean) - shape.context_sigma ** 2 / 2, shape.context_sigma)
+        uses = 1 << 62 if shape.kind == "system-prompt" else 1 + int(rng.poisson(shape.uses - 1))
+        return [fresh(max(1, round(tokens / bt)) * bt), uses]
+
+    queries, outputs = shape.query.sample(rng, n, output_scale)
+    active = [context() for _ in range(shape.active)]
+    prompts, blocks = [], []
+    for q, out in zip(queries, outputs):
+        k = int(rng.integers(len(active)))
+        ctx = active[k]
+        if shape.kind == "system-prompt":  # a ShareGPT chat stays under CHAT_LIMIT
+            q = min(q, CHAT_LIMIT // 2)
+            outputs[len(prompts)] = out = min(out, CHAT_LIMIT - q)
+        if shape.kind == "sessions":  # the turn (question and answer) joins the session's context
+            turn = fresh(q + out)
+            prompts.append(len(ctx[0]) * bt + q)
+            blocks.append(ctx[0] + turn[: math.ceil(q / bt)])
+            ctx[0] += turn
+        else:
+            prompts.append(len(ctx[0]) * bt + q)
+            blocks.append(ctx[0] + fresh(q))
+        ctx[1] -= 1
+        if ctx[1] == 0:
+            active[k] = context()
+    return prompts, outputs, blocks
 
 
 def prompt_token_ids(req: WorkloadRequest, vocab_size: int) -> list[int]:
