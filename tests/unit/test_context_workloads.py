@@ -72,6 +72,13 @@ def test_active_contexts_bound_the_working_set_and_scale_shrinks_them():
     assert statistics.fmean(r.prompt_len for r in small) < 1_000
 
 
+def test_a_prompt_cap_cuts_documents_and_ends_sessions_that_would_outgrow_it():
+    for shape in ("documents", "sessions"):
+        reqs = workload(shape, 300, max_prompt_len=8_192)
+        assert max(r.prompt_len for r in reqs) <= 8_192
+        assert all(len(r.hash_ids) == -(-r.prompt_len // BLOCK_TOKENS) for r in reqs)
+
+
 @pytest.mark.parametrize("spec", ["docs", "documents:active=0", "documents:uses=0.5", "documents:colour=3",
                                   "sessions:scale=x", "documents:active"])
 def test_a_bad_context_shape_is_refused(spec):

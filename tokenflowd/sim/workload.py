@@ -218,7 +218,7 @@ class WorkloadSpec:
     seed: int = 0
     trace: str | None = None  # Mooncake trace file (arrival "trace"); None: DEFAULT_TRACE if it exists
     time_scale: float = 1.0  # trace: arrival = timestamp · time_scale (below 1 replays faster)
-    max_prompt_len: int | None = None  # trace: truncate longer prompts (their block ids with them)
+    max_prompt_len: int | None = None  # trace: truncate longer prompts (their block ids with them); contexts: cut
     # trace: tokens per block of the trace's prefix hashes (512); fewer scale every prompt down by
     # block_tokens / 512 and keep which blocks requests share (a small model on a CPU); contexts:
     # the block their shared contexts are whole numbers of
@@ -361,7 +361,7 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
         arrivals = arrival_times(spec.arrival, n, spec.rate, spec.burstiness, arrivals_rng, spec.burst_spread)
         if spec.contexts is not None:
             prompts, outputs, blocks = shared_contexts(spec.contexts, n, lengths_rng, spec.seed, spec.output_scale,
-                                                       spec.block_tokens)
+                                                       spec.block_tokens, spec.max_prompt_len)
         else:
             prompts, outputs = spec.lengths.sample(lengths_rng, n, spec.output_scale)
             # fresh block ids per request, so no prefix is shared; numbered from the seed, so that
@@ -382,12 +382,16 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
 
 
 def shared_contexts(shape: ContextShape, n: int, rng: np.random.Generator, seed: int, output_scale: float = 1.0,
-                    block_tokens: int = BLOCK_TOKENS) -> tuple[list[int], list[int], list[tuple[int, ...]]]:
+                    block_tokens: int = BLOCK_TOKENS, max_prompt_len: int | None = None
+                    ) -> tuple[list[int], list[int], list[tuple[int, ...]]]:
     """n requests of `shape` in arrival order: (prompt lengths, output lengths, block ids of
     `block_tokens` tokens). Block ids are numbered from the seed; a context's blocks, and a
-    session's earlier turns, are shared by the requests that use them."""
+    session's earlier turns, are shared by the requests that use them. `max_prompt_len`: a longer
+    context is cut to it (less a question's room), and a session whose next turn would not fit
+    ends; a question is cut to fit."""
     ids = iter(range(seed << 32, (seed + 1) << 32))
     bt = block_tokens
+    room = math.inf if max_prompt_len is None else max(1, (max_prompt_len - 1) // bt - 1)  # context blocks
 
     def fresh(tokens: int) -> tuple[int, ...]:
         return tuple(next(ids) for _ in range(math.ceil(tokens / bt)))
@@ -397,7 +401,7 @@ def shared_contexts(shape: ContextShape, n: int, rng: np.random.Generator, seed:
         tokens = mean if shape.context_sigma == 0 else \
             rng.lognormal(math.log(mean) - shape.context_sigma ** 2 / 2, shape.context_sigma)
         uses = 1 << 62 if shape.kind == "system-prompt" else 1 + int(rng.poisson(shape.uses - 1))
-        return [fresh(max(1, round(tokens / bt)) * bt), uses]
+        return [fresh(min(room, max(1, round(tokens / bt))) * bt), uses]
 
     queries, outputs = shape.query.sample(rng, n, output_scale)
     active = [context() for _ in range(shape.active)]
@@ -405,6 +409,10 @@ def shared_contexts(shape: ContextShape, n: int, rng: np.random.Generator, seed:
     for q, out in zip(queries, outputs):
         k = int(rng.integers(len(active)))
         ctx = active[k]
+        if shape.kind == "sessions" and len(ctx[0]) + math.ceil((q + out) / bt) > room:
+            ctx = active[k] = context()  # the session's context is full: a new session
+        if max_prompt_len is not None:
+            q = max(1, min(q, max_prompt_len - len(ctx[0]) * bt))
         if shape.kind == "system-prompt":  # a ShareGPT chat stays under CHAT_LIMIT
             q = min(q, CHAT_LIMIT // 2)
             outputs[len(prompts)] = out = min(out, CHAT_LIMIT - q)

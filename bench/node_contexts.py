@@ -1,0 +1,90 @@
+"""The node simulator (tokenflowd/sim/node.py) on TokenLake's kind of workload: cache-aware routing
+against the pool, placing new segments at their homes (`pool`) or keeping them where they were
+computed (`pool-local`), 8 engines, at a light load and in overload, per cost model.
+
+    python bench/node_contexts.py [--presets a100-llama2-7b,calibrated:FILE] [--num-prompts 300]
+                                  [--workloads documents,...] [--out FILE]
+
+Workloads (sim/workload.py CONTEXT_SHAPES, synthetic with the datasets' published shapes, Poisson
+arrivals), each at two rates (requests/s) per cost model; contexts are scaled where one engine's
+KV pool could not hold one (sessions' 227K-token mean on an A100's 113K). The Mooncake trace
+(its first --num-prompts requests, prompts capped at 32K) runs at its own rate and 3x slower.
+Prompts are capped at 32K tokens (a longer context is cut, a session that would outgrow it ends).
+Per run: hit rate, throughput (output tokens/s), P99 TTFT and the load CV (busy time across
+engines), with each pool mode's ratios to routing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tokenflowd.sim.cost import cost_model  # noqa: E402
+from tokenflowd.sim.node import MODES, NodeConfig, simulate_node  # noqa: E402
+from tokenflowd.sim.result import json_safe  # noqa: E402
+from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape  # noqa: E402
+
+H200 = "calibrated:" + os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "h200",
+                                    "calibrated_h200.json")
+# (workload, light rate, overload rate) per cost model, req/s; an A100 engine's pool is 113K tokens,
+# the calibrated H200's 803K
+RUNS = {
+    "a100-llama2-7b": [("documents:active=16", 1.0, 4.0), ("documents:active=32", 1.0, 4.0),
+                       ("sessions:scale=0.1", 1.0, 4.0), ("system-prompt", 20.0, 80.0), ("trace", 3.0, 1.0)],
+    "calibrated": [("documents:active=64", 4.0, 16.0), ("documents:active=128", 4.0, 16.0),
+                   ("sessions:scale=0.1", 4.0, 16.0), ("system-prompt", 40.0, 160.0), ("trace", 3.0, 1.0)],
+}
+KEYS = ("hit_rate", "throughput", "ttft_p99", "busy_cv")
+
+
+def workload(spec: str, rate: float, n: int, seed: int):
+    if spec == "trace":  # rate: the time scale (3: three times slower than recorded)
+        return build_workload(WorkloadSpec("trace", n, time_scale=rate, max_prompt_len=32_768, seed=seed))
+    return build_workload(WorkloadSpec("poisson", n, rate=rate, seed=seed, contexts=parse_context_shape(spec),
+                                       max_prompt_len=32_768))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default=f"a100-llama2-7b,{H200}")
+    ap.add_argument("--workloads", help="only these (comma-separated names from RUNS, e.g. documents:active=32,trace)")
+    ap.add_argument("--num-prompts", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    rows = []
+    for preset in a.presets.split(","):
+        cost = cost_model(preset)
+        for spec, *rates in RUNS["calibrated" if preset.startswith("calibrated") else preset]:
+            if a.workloads and spec not in a.workloads.split(","):
+                continue
+            for load, rate in zip(("light", "overload"), rates):
+                t0 = time.perf_counter()
+                results = simulate_node(cost, workload(spec, rate, a.num_prompts, a.seed), MODES,
+                                        NodeConfig(seed=a.seed))
+                s = {m: r.summary() for m, r in results.items()}
+                row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
+                       "load": load, "rate": rate, "seconds": time.perf_counter() - t0,
+                       **{m: {k: s[m][k] for k in KEYS} | {"put_pages": results[m].put_pages} for m in MODES}}
+                for m in MODES[1:]:
+                    row[m]["throughput_vs_routing"] = s[m]["throughput"] / s["routing"]["throughput"]
+                    row[m]["hit_rate_vs_routing"] = (s[m]["hit_rate"] / s["routing"]["hit_rate"]
+                                                     if s["routing"]["hit_rate"] else None)
+                rows.append(row)
+                print(f"{cost.name:>15} {spec:>22} {load:>8} {rate:>6g} " + "  ".join(
+                    f"{m}: hit {row[m]['hit_rate']:.3f} thr {row[m]['throughput']:7.1f} p99 {row[m]['ttft_p99']:7.2f} "
+                    f"cv {row[m]['busy_cv']:.2f}" for m in MODES), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(json_safe({"machine": platform.processor() or platform.machine(), "engines": 8,
+                                 "num_prompts": a.num_prompts, "seed": a.seed, "rows": rows}), f, indent=1)
+        print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
