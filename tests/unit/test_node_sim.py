@@ -21,7 +21,7 @@ def test_the_pool_computes_a_shared_prefix_once_where_routing_computes_it_on_eac
     results = simulate_node(cost, workload(), config=NodeConfig(engines=4, segment_pages=8))
     routing = results["routing"].summary()
     assert routing["requests_served"] == 65 and routing["peer_tokens"] == 0
-    for mode in ("pool", "pool-local"):
+    for mode in ("pool", "pool-write", "pool-local"):
         pool = results[mode].summary()
         assert pool["requests_served"] == 65
         assert pool["peer_tokens"] >= 512, "requests on other engines read the prefix where it is"
@@ -30,8 +30,42 @@ def test_the_pool_computes_a_shared_prefix_once_where_routing_computes_it_on_eac
         assert pool["computed_tokens"] < routing["computed_tokens"]
         assert pool["hit_rate"] >= routing["hit_rate"]
         assert results[mode].busy_seconds.count(0.0) <= results["routing"].busy_seconds.count(0.0)
-    # Placement: the shared prefix's segments (and each reader's own) went to their homes.
+    # Placement: the shared prefix's segments (and each reader's own) went to their homes; with
+    # pool-write they were computed into their homes' pages, so nothing was copied there.
     assert results["pool"].put_pages > 0 and results["pool-local"].put_pages == 0
+    assert results["pool-write"].put_pages < results["pool"].put_pages
+
+
+def test_pool_write_keeps_one_copy_of_each_segment_in_the_node():
+    """Documents read by several requests each, arriving while others compute them: placing after
+    the prompt copies a segment to its home while the engine that computed it still holds its own
+    (a second copy); pool-write computes it into its home's pages, so the node never holds more
+    pages than its segments need once."""
+    from tokenflowd.sim.node import NodeSimulator
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
+
+    cost = cost_model("a100-llama2-7b")
+    w = build_workload(WorkloadSpec("poisson", 40, rate=8.0, contexts=parse_context_shape("documents:scale=0.1:active=4")))
+    peaks, results = {}, {}
+    for mode in ("pool", "pool-write"):
+        sim = NodeSimulator(cost, w, mode, NodeConfig(engines=4, segment_pages=8))
+        peak = [0]
+        for e in sim.engines:
+            def step(step=e.core.step):
+                out = step()
+                peak[0] = max(peak[0], sum(x.pool.num_pages - x.pool.num_free + x.pool.num_cached for x in sim.engines))
+                return out
+            e.core.step = step
+        results[mode], peaks[mode] = sim.run(), peak[0]
+        holders: dict[bytes, int] = {}
+        for e in sim.engines:
+            for key in e.pool.cached_keys():
+                holders[key] = holders.get(key, 0) + 1
+        if mode == "pool-write":  # (placing after the prompt leaves some cached twice here)
+            assert max(holders.values()) == 1, "a segment cached on two engines"
+    assert sum(sim.written.values()) > 0 and results["pool-write"].put_pages == 0
+    assert peaks["pool-write"] < peaks["pool"], peaks
+    assert results["pool-write"].summary()["hit_rate"] >= results["pool"].summary()["hit_rate"]
 
 
 def test_sim_node_command_prints_both_modes(tmp_path, capsys):

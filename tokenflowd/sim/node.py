@@ -10,6 +10,11 @@ where a request runs and what it computes.
                 its new whole segments are put at their homes (rendezvous hash) once its prompt is
                 computed, and no longer cached where it ran (the daemon's --pool-placement home)
       pool-local  the same, new segments kept where they are computed (--pool-placement local)
+      pool-write  the same, but the new segments that follow what it reads are computed into pages
+                taken at their homes when it arrives (TokenLake: no second copy; the daemon does
+                not do this yet): it reads them there as it reads a peer's prefix, and the node
+                holds each segment once. Readers that arrive meanwhile read those pages at once,
+                not after the write (optimistic by the write's time)
     then the engine whose clock is earliest takes a step, until every request has finished.
 
 The pool's costs (query mode, TokenLake §3.3). Per layer of a step, each holder that the step's
@@ -44,7 +49,7 @@ from tokenflowd.sim.executor import CostModelExecutor
 from tokenflowd.sim.simulator import SIM_EOS, SIM_VOCAB_SIZE, RequestRecord, SimulationError
 from tokenflowd.sim.workload import WorkloadRequest, prompt_token_ids
 
-MODES = ("routing", "pool", "pool-local")
+MODES = ("routing", "pool", "pool-write", "pool-local")
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,8 @@ class _Executor(CostModelExecutor):
     def step_time(self, batch: ScheduledBatch) -> float:
         t = super().step_time(batch) + self.engine.debt
         self.engine.debt = 0.0
+        for rid in batch.request_ids:
+            t += self.engine.write_seconds.pop(rid, 0.0)
         cost, node = self.cost, self.engine.node
         rows: dict[int, int] = {}
         for rid, n in zip(batch.request_ids, batch.num_tokens):
@@ -122,6 +129,7 @@ class _Engine:
         self.debt = 0.0  # s of peers' queries answered, charged to the next step
         self.busy = 0.0
         self.pins: dict[str, list[tuple[_Engine, list[int]]]] = {}  # request -> (holder, its pages) it reads
+        self.write_seconds: dict[str, float] = {}  # pool-write: request -> s computing what it writes at homes
         self.places: dict[str, list[tuple[int, list[bytes]]]] = {}  # request -> (home, keys) of its new segments
 
     @property
@@ -156,6 +164,7 @@ class NodeSimulator:
         self.prompt_tokens = sum(r.prompt_len for r in workload)
         self.peer_tokens = 0
         self.put_pages = 0
+        self.written: dict[str, int] = {}  # pool-write: request -> prompt tokens it computed into homes' pages
 
     def _route(self, w: WorkloadRequest) -> None:
         self._now = w.arrival_time
@@ -167,18 +176,42 @@ class NodeSimulator:
             target = self.engines[self.router.pick(self.engines, ids).engine_id]
         else:
             choice = self.router.pick_pooled(self.engines, ids, self.config.segment_pages, self.rng,
-                                             place=self.mode == "pool")
+                                             place=self.mode != "pool-local")
             target = self.engines[choice.engine_id]
-            self._pin(target, req, choice.runs)
-            if choice.places:
-                target.places[req.request_id] = choice.places
+            places = choice.places
+            if self.mode == "pool-write":
+                places = self._pin(target, req, choice.runs, self._writable(ids, choice))
+            else:
+                self._pin(target, req, choice.runs)
+            if places:
+                target.places[req.request_id] = places
         req.max_model_len = max_len - req.prefix_offset
         if not target.scheduler.has_unfinished():
             target.clock.now = max(target.clock.now, w.arrival_time)  # it was idle until now
         target.scheduler.add(req)
 
-    def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]]) -> None:
-        """The runs' pages, where they are, up to the first that is gone (as the engine's PoolMember)."""
+    def _writable(self, ids: list[int], choice) -> list[tuple[int, list[bytes]]]:
+        """pool-write: the places that follow the runs without a gap (a foreign prefix can only come
+        before every token computed here), in order: the request writes those at their homes."""
+        keys = self.router.prompt_keys(ids)
+        at = sum(len(k) for _, k in choice.runs) if choice.runs else choice.cached_pages
+        if not choice.runs and at:
+            return []  # its leading pages are the target's own: what follows is computed here
+        out = []
+        for home, seg in choice.places:
+            if keys[at : at + len(seg)] != seg:
+                break
+            out.append((home, seg))
+            at += len(seg)
+        return out
+
+    def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]],
+             write: list[tuple[int, list[bytes]]] = ()) -> list[tuple[int, list[bytes]]]:
+        """The runs' pages, where they are, up to the first that is gone (as the engine's PoolMember).
+        `write` (pool-write): new segments after them, up to the first home without room, get pages
+        at their homes now, published there, and the request computes into them: one copy in the
+        node. (Readers that come meanwhile read them at once: the write is not waited for.) -> the
+        segments of `write` left to place after the prompt is computed."""
         pinned, keys_done = [], []
         for engine_id, keys in runs:
             holder = self.engines[engine_id]
@@ -189,16 +222,47 @@ class NodeSimulator:
                 pinned.append((holder, pages))
             keys_done += keys[: len(pages)]
             if len(pages) < len(keys):
+                write = ()
                 break
+        read = len(keys_done)
+        read_peer = sum(len(p) for h, p in pinned if h is not target)
+        written = 0
+        for home_id, keys in write:
+            if home_id == target.engine_id:
+                break
+            home, taken = self.engines[home_id], []
+            try:
+                for key in keys:
+                    found = home.pool.lookup([key])
+                    if found:
+                        home.pool.incref(found[0])
+                    else:
+                        found = [home.pool.allocate()]
+                        home.pool.register(found[0], key)
+                    taken.append(found[0])
+            except OutOfPages:
+                for page in reversed(taken):
+                    home.pool.decref(page)
+                break
+            pinned.append((home, taken))
+            keys_done += keys
+            written += 1
+            self.index.update(home_id, *home.pool.drain_key_events())
         n = len(keys_done) * self.cost.page_size
         if not pinned or n >= req.num_prompt_tokens:
             for holder, pages in pinned:
-                for page in pages:
+                for page in reversed(pages):
                     holder.pool.decref(page)
-            return
+            return list(write)
         req.set_foreign_prefix(n, keys_done[-1])
         target.pins[req.request_id] = pinned
-        self.peer_tokens += sum(len(p) for h, p in pinned if h is not target) * self.cost.page_size
+        self.peer_tokens += read_peer * self.cost.page_size
+        if written:  # computed here, into the homes' pages: charged to the request's first step
+            ps = self.cost.page_size
+            target.write_seconds[req.request_id] = self.cost.step_time([(read * ps, n - read * ps)]) - \
+                self.cost.step_overhead
+            self.written[req.request_id] = n - read * ps
+        return list(write[written:])
 
     def _place(self, e: _Engine) -> None:
         """Put the new segments of e's requests whose prompts are computed at their homes (as the
@@ -261,7 +325,8 @@ class NodeSimulator:
                     req = e.scheduler.requests.get(rid)
                     cached = req.prefix_offset + req.num_cached_tokens if req is not None else \
                         next(o.num_cached_tokens for o in outs if o.request_id == rid)
-                    rec.num_cached_tokens = cached
+                    rec.num_cached_tokens = cached - self.written.get(rid, 0)
+                    computed += self.written.get(rid, 0)
             if e.places:
                 self._place(e)
             added, removed = e.pool.drain_key_events()

@@ -128,13 +128,17 @@ class ContextShape:
     query: LengthDist
     active: int = 16
     scale: float = 1.0
+    # popularity: the k-th of the active contexts is picked with weight 1 / (k + 1)^skew (Zipf; 0:
+    # uniform). A context that leaves hands its rank to the one that takes its place.
+    skew: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("documents", "sessions", "system-prompt"):
             raise ValueError(f"context shape must be documents, sessions or system-prompt, got {self.kind!r}")
         if not (self.context_tokens * self.scale >= 1 and self.context_sigma >= 0 and self.uses >= 1
-                and self.active >= 1):
-            raise ValueError("a context shape needs a context of at least one token, uses >= 1 and active >= 1")
+                and self.active >= 1 and self.skew >= 0):
+            raise ValueError("a context shape needs a context of at least one token, uses >= 1, active >= 1 and "
+                             "skew >= 0")
 
     def with_(self, **kw) -> "ContextShape":
         return replace(self, **kw)
@@ -156,15 +160,15 @@ CHAT_LIMIT = 2_400  # system-prompt: a ShareGPT chat's prompt and answer stay un
 
 def parse_context_shape(spec: str) -> ContextShape:
     """documents | sessions | system-prompt, with :KEY=VALUE overrides of context_tokens,
-    uses, active or scale (documents:active=32:scale=0.5)."""
+    uses, active, scale or skew (documents:active=32:scale=0.5)."""
     name, *overrides = spec.split(":")
     if name not in CONTEXT_SHAPES:
         raise ValueError(f"context shape {spec!r}: use one of {', '.join(CONTEXT_SHAPES)} with :KEY=VALUE overrides")
     kw: dict = {}
     for o in overrides:
         key, _, value = o.partition("=")
-        if key not in ("context_tokens", "uses", "active", "scale") or not value:
-            raise ValueError(f"context shape {spec!r}: {o!r} is not context_tokens=, uses=, active= or scale=")
+        if key not in ("context_tokens", "uses", "active", "scale", "skew") or not value:
+            raise ValueError(f"context shape {spec!r}: {o!r} is not context_tokens=, uses=, active=, scale= or skew=")
         try:
             kw[key] = int(value) if key == "active" else float(value)
         except ValueError:
@@ -405,9 +409,11 @@ def shared_contexts(shape: ContextShape, n: int, rng: np.random.Generator, seed:
 
     queries, outputs = shape.query.sample(rng, n, output_scale)
     active = [context() for _ in range(shape.active)]
+    weights = 1.0 / np.arange(1, shape.active + 1) ** shape.skew
+    picks = rng.choice(shape.active, size=n, p=weights / weights.sum()).tolist() if shape.skew else None
     prompts, blocks = [], []
-    for q, out in zip(queries, outputs):
-        k = int(rng.integers(len(active)))
+    for i, (q, out) in enumerate(zip(queries, outputs)):
+        k = picks[i] if picks is not None else int(rng.integers(len(active)))
         ctx = active[k]
         if shape.kind == "sessions" and len(ctx[0]) + math.ceil((q + out) / bt) > room:
             ctx = active[k] = context()  # the session's context is full: a new session
