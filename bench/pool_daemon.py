@@ -1,7 +1,8 @@
 """The node's prefix-cache pool on the real daemon (CPU, the embedded model): today's cache-aware
 routing (`--pool-mode off`) against `--pool-mode query` and `--pool-mode read` (new segments placed
 at their homes; `query-local`, `read-local`: kept where computed), on the Mooncake conversation
-trace replayed by the load generator.
+trace replayed by the load generator, or on a synthetic workload of shared long contexts
+(`--contexts documents:scale=0.05`, TokenLake's kind: sim/workload.py CONTEXT_SHAPES) at Poisson arrivals.
 
     .venv/bin/python bench/pool_daemon.py [--engines 2] [--num-prompts 300] [--rounds 1]
         [--out bench/results/pool_daemon.json]
@@ -12,7 +13,8 @@ each run and stopped with SIGTERM. The workload is the trace's first `--num-prom
 each 512-token block of the trace cut to `--block-tokens` tokens (prompts scaled down by that
 share; which prefixes requests share is kept, token for token), prompts cut to `--max-prompt-len`,
 outputs × `--output-scale`, arrivals × a time scale set so that the offered prompt tokens per second
-are `--load` times what the engines prefill (measured first, on the `off` daemon, with a burst).
+are `--load` times what the engines prefill (measured first, on the `off` daemon, with a burst);
+with --contexts, the Poisson rate that offers that many prompt tokens.
 
 Per run: the loadgen's summary (throughput, effective throughput, TTFT p99) and, from /metrics
 before and after, where the prompt tokens came from (local prefix cache, a peer of the pool,
@@ -40,7 +42,7 @@ from loadgen import report  # noqa: E402
 from loadgen.client import ClientConfig, run_blocking  # noqa: E402
 from loadgen.workload import BodyFormat, LoadWorkload, build_requests, load_requests  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
-from tokenflowd.sim.workload import parse_lengths  # noqa: E402
+from tokenflowd.sim.workload import parse_context_shape, parse_lengths  # noqa: E402
 
 MODEL = "smollm2-135m"
 SOURCES = ("local", "peer", "miss")
@@ -151,25 +153,40 @@ def main() -> None:
     p.add_argument("--segment-tokens", type=int, default=0,
                    help="the pool's segment for every pool mode (default 0: measured at start-up; on a 2-core CPU "
                         "the break-even is about 400-1,200 tokens, longer than most trace prompts)")
+    p.add_argument("--prefill-rate", type=float, help="tokens/s the engines prefill, as measured before (default: "
+                                                      "measured now; a run to compare with another uses the same)")
+    p.add_argument("--contexts", help="a synthetic shared-context workload instead of the trace: documents, "
+                                      "sessions or system-prompt with :KEY=VALUE overrides (documents:scale=0.05)")
     p.add_argument("--out", default=str(ROOT / "bench/results/pool_daemon.json"))
     a = p.parse_args()
     log_dir = Path("/tmp/pool_daemon_logs")
     log_dir.mkdir(exist_ok=True)
     modes = a.modes.split(",")
-    base = LoadWorkload(dataset="mooncake", num_prompts=a.num_prompts, max_prompt_len=a.max_prompt_len,
-                        output_scale=a.output_scale, block_tokens=a.block_tokens, seed=0,
-                        reading_rates=((20.0, 1.0),))
+    if a.contexts:
+        base = LoadWorkload(dataset="synthetic", contexts=parse_context_shape(a.contexts), num_prompts=a.num_prompts,
+                            request_rate=1.0, output_scale=a.output_scale, block_tokens=a.block_tokens, seed=0,
+                            reading_rates=((20.0, 1.0),))
+    else:
+        base = LoadWorkload(dataset="mooncake", num_prompts=a.num_prompts, max_prompt_len=a.max_prompt_len,
+                            output_scale=a.output_scale, block_tokens=a.block_tokens, seed=0,
+                            reading_rates=((20.0, 1.0),))
     reqs = build_requests(base)
     span = reqs[-1].arrival_time - reqs[0].arrival_time
     tokens = sum(r.prompt_len for r in reqs)
-    d = Daemon(*flags(a.engines, a.kv_cache_memory, "off"), log_path=str(log_dir / "measure.log"))
-    try:
-        d.wait_all_engines()
-        rate = prefill_rate(d)
-    finally:
-        d.stop()
+    if a.prefill_rate:
+        rate = a.prefill_rate
+    else:
+        d = Daemon(*flags(a.engines, a.kv_cache_memory, "off"), log_path=str(log_dir / "measure.log"))
+        try:
+            d.wait_all_engines()
+            rate = prefill_rate(d)
+        finally:
+            d.stop()
     time_scale = tokens / (a.load * rate) / span  # the trace's span stretched to offer `load` of the rate
-    workload = LoadWorkload(**{**base.__dict__, "time_scale": time_scale})
+    if a.contexts:  # the same offer from the Poisson rate (its arrivals scale with 1 / rate)
+        workload = LoadWorkload(**{**base.__dict__, "request_rate": 1.0 / time_scale})
+    else:
+        workload = LoadWorkload(**{**base.__dict__, "time_scale": time_scale})
     print(f"[bench] prefill rate {rate:.0f} tokens/s; {len(reqs)} requests, {tokens} prompt tokens over "
           f"{span * time_scale:.0f} s (time scale {time_scale:.4f})", flush=True)
     runs = []

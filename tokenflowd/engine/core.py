@@ -266,6 +266,11 @@ class EngineCore:
         to wait for: the next step or `drain` collects it.)"""
         return self.scheduler.has_unfinished()
 
+    def stalled(self) -> bool:
+        """Requests wait, but the last step ran nothing and none is in flight: nothing changes
+        until a message, a copy or a peer frees room (the loop can wait rather than spin)."""
+        return not len(self.last_batch) and self._in_flight is None and self.scheduler.has_unfinished()
+
     def copies_in_flight(self) -> bool:
         return self.kv.busy()
 

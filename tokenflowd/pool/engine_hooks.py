@@ -7,7 +7,9 @@
                                          segments that belong on other engines
     each iteration:   before_step        the engine's share of the node's traffic, for the scheduler
                       after_step         unpin ended requests' foreign prefixes; put new segments
-                                         at their homes; stop caching what the homes took
+                                         at their homes; stop caching what the homes took; an
+                                         engine stuck with nothing to run gives its waiting
+                                         requests' pins back
     messages:         set_peers          a peer gone: its readers recompute their prefix here
 """
 from __future__ import annotations
@@ -29,6 +31,11 @@ from tokenflowd.pool.shared_kv import SharedKV
 
 log = logging.getLogger("tokenflowd.engine")
 
+# s an engine may sit with requests waiting, none running and nothing admitted before its waiting
+# requests give their pins back (a few steps' worth: a step that admits nothing now and then is not
+# a deadlock)
+STUCK_SECONDS = 0.5
+
 
 class PoolHooks:
     def __init__(self, spec: p.EngineSpec, config: EngineConfig) -> None:
@@ -41,6 +48,8 @@ class PoolHooks:
         # (when, keys): segments their homes took, cached here until the homes have told the front
         self.placed: deque[tuple[float, list[bytes]]] = deque()
         self.peer_tokens = self.own_tokens = 0  # prompt tokens read where peers hold them, or from this cache
+        self.stuck_since: float | None = None  # when this engine last began to run nothing while requests wait
+        self.unblocked = 0  # waiting requests that gave their pins back to unblock the node
 
     @property
     def kv_memory(self):
@@ -106,11 +115,37 @@ class PoolHooks:
         self.core.scheduler.pool_share = self.member.measure_share(time.monotonic())
 
     def after_step(self, now: float) -> None:
+        self._unblock(now)
         self._sweep_pins()
         if self.places:
             self._place()
         while self.placed and self.placed[0][0] <= now:
             self.core.pool.unpublish(self.placed.popleft()[1])
+
+    def _unblock(self, now: float) -> None:
+        """Pins are taken when a request arrives, and a waiting request holds them. Engines whose
+        waiting requests pin each other's pages can leave each other no room to admit anything:
+        seen with --engines 2 in query mode on shared documents, every stream stalled and both
+        engines idle. An engine that has run nothing for STUCK_SECONDS while requests wait gives
+        its waiting requests' pins back (here and on peers): they compute those tokens here, and
+        the pages they held come free for whoever can run."""
+        sched = self.core.scheduler
+        if sched.running or sched.loading or not sched.waiting or len(self.core.last_batch):
+            self.stuck_since = None
+            return
+        if self.stuck_since is None:
+            self.stuck_since = now
+            return
+        if now - self.stuck_since < STUCK_SECONDS:
+            return
+        self.stuck_since = None
+        pinned = [r for r in sched.waiting if r.foreign_token_ids]
+        for req in pinned:
+            sched.take_foreign_prefix(req)
+        if pinned:
+            self.unblocked += len(pinned)
+            log.warning("pool: nothing could run for %.1f s with %d requests waiting; %d of them give their "
+                        "pins back and compute their prefix here", STUCK_SECONDS, len(sched.waiting), len(pinned))
 
     def _sweep_pins(self) -> None:
         """Unpin the foreign prefixes of requests that ended or recompute theirs."""
@@ -161,7 +196,7 @@ class PoolHooks:
         return dict(pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
                     pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages,
                     pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
-                    pool_share=self.member.share)
+                    pool_share=self.member.share, pool_unblocked=self.unblocked)
 
     def close(self) -> None:
         if self.member is not None:

@@ -157,6 +157,9 @@ class EngineCollector(Collector):
                                           lambda s: s.pool_put_pages),
             "tokenflowd_pool_stored_pages": ("Pages peers put on an engine, their segments' home",
                                              lambda s: s.pool_stored_pages),
+            "tokenflowd_pool_unblocked_requests": ("Waiting requests that gave their pool pins back because their "
+                                                   "engine could run nothing (pins held by waiting requests "
+                                                   "left no room)", lambda s: s.pool_unblocked),
         }
         for name, (doc, value) in figures.items():
             yield _per_engine(CounterMetricFamily(name, doc, labels=["engine"]), slots, value)

@@ -43,6 +43,11 @@ from tokenflowd.pool.engine_hooks import PoolHooks
 
 log = logging.getLogger("tokenflowd.engine")
 
+# ms a stalled engine (requests wait, its last step ran nothing) waits between steps: room comes
+# free by a message, a copy landing or a peer unpinning, and spinning meanwhile takes the CPU a
+# peer engine on the same cores would use (seen: two stalled engines at 85% CPU each)
+STALLED_POLL_MS = 5
+
 
 class EngineProcess(EngineEndpoint):
     """The engine's loop, with the pool's and the federation's hooks where they are on: the only
@@ -112,6 +117,8 @@ class EngineProcess(EngineEndpoint):
                 busy, idle_ms = False, 2
             elif fed is not None and fed.has_writes():  # writes to settle and answer soon
                 idle_ms = min(idle_ms, 1)
+            if busy and core.stalled():  # admission is blocked: wait a little for what can free room
+                busy, idle_ms = False, STALLED_POLL_MS
             with core.unlocked():
                 polled = self.inbox.poll(0 if busy else 1 if copying else idle_ms)
             if polled:
