@@ -154,7 +154,7 @@ class Router:
                 holder = min(two, key=lambda e: (load[e], e))
             self._extend(runs, holder, chunk)
         own = sum(len(k) for e, k in runs if e == target)
-        places = self._places(keys, sum(len(k) for _, k in runs), seg, target, list(load)) if place else []
+        places = self.places(keys, sum(len(k) for _, k in runs), seg, target, list(load)) if place else []
         if all(e == target for e, _ in runs):
             return Choice(target, own, [], places)  # all of it here: the engine's own prefix cache serves it
         return Choice(target, own, runs, places)
@@ -195,7 +195,7 @@ class Router:
             reads.append(whole)
         read = len(reads) * seg
         rows = len(arrival.prompt_token_ids) - read * self.page_size + arrival.max_tokens
-        homes = self._places(keys, read, seg, None, engines) if place else []
+        homes = self.places(keys, read, seg, None, engines) if place else []
         out = []
         for engine in engines:
             shipped: set[int] = set()
@@ -210,7 +210,7 @@ class Router:
             out.append(len(shipped) * rows * cost.query_row_bytes + put * cost.kv_token_bytes)
         return out
 
-    def _places(self, keys: Sequence[bytes], read: int, seg: int, target: int | None,
+    def places(self, keys: Sequence[bytes], read: int, seg: int, target: int | None,
                 engines: list[int]) -> list[tuple[int, list[bytes]]]:
         """The homes of the whole segments past the `read` pages that no engine holds any page of:
         the target computes them and puts each at its home (rendezvous hashing over the serving

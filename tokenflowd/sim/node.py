@@ -178,11 +178,10 @@ class NodeSimulator:
             choice = self.router.pick_pooled(self.engines, ids, self.config.segment_pages, self.rng,
                                              place=self.mode != "pool-local")
             target = self.engines[choice.engine_id]
-            places = choice.places
-            if self.mode == "pool-write":
-                places = self._pin(target, req, choice.runs, self._writable(ids, choice))
-            else:
-                self._pin(target, req, choice.runs)
+            write = self._writable(ids, choice) if self.mode == "pool-write" else []
+            written = {k for _, keys in write[: self._pin(target, req, choice.runs, write)] for k in keys}
+            # what it did not write at their homes is placed there after its prompt
+            places = [(home, left) for home, keys in choice.places if (left := [k for k in keys if k not in written])]
             if places:
                 target.places[req.request_id] = places
         req.max_model_len = max_len - req.prefix_offset
@@ -191,14 +190,15 @@ class NodeSimulator:
         target.scheduler.add(req)
 
     def _writable(self, ids: list[int], choice) -> list[tuple[int, list[bytes]]]:
-        """pool-write: the places that follow the runs without a gap (a foreign prefix can only come
-        before every token computed here), in order: the request writes those at their homes."""
+        """pool-write: the new whole segments that follow what it reads without a gap (a foreign
+        prefix can only come before every token computed here), each with its home (the target's
+        own included: it writes those into its own pages, read as its own run)."""
         keys = self.router.prompt_keys(ids)
         at = sum(len(k) for _, k in choice.runs) if choice.runs else choice.cached_pages
         if not choice.runs and at:
             return []  # its leading pages are the target's own: what follows is computed here
         out = []
-        for home, seg in choice.places:
+        for home, seg in self.router.places(keys, at, self.config.segment_pages, None, list(range(len(self.engines)))):
             if keys[at : at + len(seg)] != seg:
                 break
             out.append((home, seg))
@@ -206,12 +206,12 @@ class NodeSimulator:
         return out
 
     def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]],
-             write: list[tuple[int, list[bytes]]] = ()) -> list[tuple[int, list[bytes]]]:
+             write: list[tuple[int, list[bytes]]]) -> int:
         """The runs' pages, where they are, up to the first that is gone (as the engine's PoolMember).
         `write` (pool-write): new segments after them, up to the first home without room, get pages
         at their homes now, published there, and the request computes into them: one copy in the
-        node. (Readers that come meanwhile read them at once: the write is not waited for.) -> the
-        segments of `write` left to place after the prompt is computed."""
+        node. (Readers that come meanwhile read them at once: the write is not waited for.) -> how
+        many segments of `write` it writes there (the rest are placed after its prompt)."""
         pinned, keys_done = [], []
         for engine_id, keys in runs:
             holder = self.engines[engine_id]
@@ -228,8 +228,6 @@ class NodeSimulator:
         read_peer = sum(len(p) for h, p in pinned if h is not target)
         written = 0
         for home_id, keys in write:
-            if home_id == target.engine_id:
-                break
             home, taken = self.engines[home_id], []
             try:
                 for key in keys:
@@ -253,7 +251,7 @@ class NodeSimulator:
             for holder, pages in pinned:
                 for page in reversed(pages):
                     holder.pool.decref(page)
-            return list(write)
+            return 0
         req.set_foreign_prefix(n, keys_done[-1])
         target.pins[req.request_id] = pinned
         self.peer_tokens += read_peer * self.cost.page_size
@@ -262,7 +260,7 @@ class NodeSimulator:
             target.write_seconds[req.request_id] = self.cost.step_time([(read * ps, n - read * ps)]) - \
                 self.cost.step_overhead
             self.written[req.request_id] = n - read * ps
-        return list(write[written:])
+        return written
 
     def _place(self, e: _Engine) -> None:
         """Put the new segments of e's requests whose prompts are computed at their homes (as the
