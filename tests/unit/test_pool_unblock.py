@@ -32,6 +32,9 @@ def hooks(scheduler: FakeScheduler) -> PoolHooks:
     h = PoolHooks.__new__(PoolHooks)
     h.core = SimpleNamespace(scheduler=scheduler, last_batch=ScheduledBatch())
     h.stuck_since, h.unblocked = None, 0
+    h.config = SimpleNamespace(page_size=16)
+    h.member = SimpleNamespace(count=lambda rid: (2, 0))  # each reader pinned 2 pages on a peer
+    h.peer_tokens, h.own_tokens = 2 * 2 * 16, 0  # as counted when the two readers came
     return h
 
 
@@ -44,6 +47,7 @@ def test_an_engine_running_nothing_while_readers_wait_gives_their_pins_back_afte
     assert sched.taken == [], "a moment with nothing admitted is not a deadlock"
     h._unblock(10.0 + STUCK_SECONDS)
     assert sched.taken == ["a", "b"] and h.unblocked == 2
+    assert h.peer_tokens == 0, "the peer tokens counted at their arrival are taken back"
     assert a.num_prompt_tokens == 64 and not a.foreign_token_ids, "it computes its whole prompt here"
 
 

@@ -141,6 +141,9 @@ class PoolHooks:
         self.stuck_since = None
         pinned = [r for r in sched.waiting if r.foreign_token_ids]
         for req in pinned:
+            peer, own = self.member.count(req.request_id)  # counted when it came: it computes them now
+            self.peer_tokens -= peer * self.config.page_size
+            self.own_tokens -= own * self.config.page_size
             sched.take_foreign_prefix(req)
         if pinned:
             self.unblocked += len(pinned)
