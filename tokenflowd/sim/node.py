@@ -138,8 +138,31 @@ class _Engine:
 
     def release(self, request_id: str) -> None:
         for holder, pages in self.pins.pop(request_id, ()):
-            for page in reversed(pages):
-                holder.pool.decref(page)
+            _release(holder.pool, pages)
+
+
+def _hold(pool: PagePool, keys: list[bytes]) -> list[int]:
+    """As PoolMember.put: a referenced page for each leading key the pool can give, the one it holds
+    or a new one registered under the key (held while it allocates, so none is evicted for another)."""
+    taken: list[int] = []
+    try:
+        for key in keys:
+            found = pool.lookup([key])
+            if found:
+                pool.incref(found[0])
+            else:
+                found = [pool.allocate()]
+                pool.register(found[0], key)
+            taken.append(found[0])
+    except OutOfPages:
+        pass
+    return taken
+
+
+def _release(pool: PagePool, pages: list[int]) -> None:
+    """Unreference pages, the segment's end first into the LRU (eviction takes a prefix from its end)."""
+    for page in reversed(pages):
+        pool.decref(page)
 
 
 class NodeSimulator:
@@ -179,9 +202,11 @@ class NodeSimulator:
                                              place=self.mode != "pool-local")
             target = self.engines[choice.engine_id]
             write = self._writable(ids, choice) if self.mode == "pool-write" else []
-            written = {k for _, keys in write[: self._pin(target, req, choice.runs, write)] for k in keys}
+            n_written = self._pin(target, req, choice.runs, write)
+            written = {key for _, keys in write[:n_written] for key in keys}
             # what it did not write at their homes is placed there after its prompt
-            places = [(home, left) for home, keys in choice.places if (left := [k for k in keys if k not in written])]
+            places = [(home, [k for k in keys if k not in written]) for home, keys in choice.places]
+            places = [(home, keys) for home, keys in places if keys]
             if places:
                 target.places[req.request_id] = places
         req.max_model_len = max_len - req.prefix_offset
@@ -228,19 +253,10 @@ class NodeSimulator:
         read_peer = sum(len(p) for h, p in pinned if h is not target)
         written = 0
         for home_id, keys in write:
-            home, taken = self.engines[home_id], []
-            try:
-                for key in keys:
-                    found = home.pool.lookup([key])
-                    if found:
-                        home.pool.incref(found[0])
-                    else:
-                        found = [home.pool.allocate()]
-                        home.pool.register(found[0], key)
-                    taken.append(found[0])
-            except OutOfPages:
-                for page in reversed(taken):
-                    home.pool.decref(page)
+            home = self.engines[home_id]
+            taken = _hold(home.pool, keys)
+            if len(taken) < len(keys):  # the home has no room: the rest is computed here
+                _release(home.pool, taken)
                 break
             pinned.append((home, taken))
             keys_done += keys
@@ -249,8 +265,7 @@ class NodeSimulator:
         n = len(keys_done) * self.cost.page_size
         if not pinned or n >= req.num_prompt_tokens:
             for holder, pages in pinned:
-                for page in reversed(pages):
-                    holder.pool.decref(page)
+                _release(holder.pool, pages)
             return 0
         req.set_foreign_prefix(n, keys_done[-1])
         target.pins[req.request_id] = pinned
@@ -273,21 +288,9 @@ class NodeSimulator:
                 continue
             for home_id, keys in e.places.pop(rid):
                 pages = e.pool.lookup(keys)
-                home, taken = self.engines[home_id], []
-                try:  # as PoolMember.put: what it holds is referenced while it allocates
-                    for key in keys[: len(pages)]:
-                        found = home.pool.lookup([key])
-                        if found:
-                            home.pool.incref(found[0])
-                            taken.append(found[0])
-                        else:
-                            taken.append(home.pool.allocate())
-                            home.pool.register(taken[-1], key)
-                except OutOfPages:
-                    pass
-                held = len(taken)
-                for page in reversed(taken):  # the segment's end first into the LRU
-                    home.pool.decref(page)
+                home = self.engines[home_id]
+                held = len(taken := _hold(home.pool, keys[: len(pages)]))
+                _release(home.pool, taken)
                 e.pool.unpublish(keys[:held])
                 self.put_pages += held
                 sent = held * cost.page_size * cost.kv_bytes_per_token
