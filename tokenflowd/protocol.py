@@ -219,7 +219,7 @@ class EngineStats(msgspec.Struct):
     pool_query_bytes: int = 0  # their query rows and answers
     pool_query_seconds: float = 0.0  # waiting for the answers, after the own attention
     pool_pins: int = 0  # pages pinned here for peers' requests now
-    pool_put_pages: int = 0  # pages of new segments put at their homes on peers (placement)
+    pool_put_pages: int = 0  # pages of new segments written into their homes on peers (placement)
     pool_stored_pages: int = 0  # pages peers put here, this engine being their segments' home
     pool_unblocked: int = 0  # waiting requests that gave their pins back: nothing could run (engine_hooks.py)
     kv_remote_pages: int = 0  # federation: pages held for KV other nodes write or may still write

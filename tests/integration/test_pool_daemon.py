@@ -1,8 +1,10 @@
 """The node's prefix-cache pool in a real daemon (`--engines 2 --pool-mode query|read`): requests on
 one engine read a prompt prefix that the other engine holds, where it is, and their greedy tokens
 equal a single engine's; a shared 1,024-token system prompt is held once, each segment at the
-engine its key hashes to (placement puts it there); SIGKILL of a holder neither hangs nor corrupts
-a stream that reads its pages, and leaks no page on the survivor."""
+engine its key hashes to (it is written into its home as it is computed); a 4,096-token prefix is
+never held twice, not even while the request computing it runs; SIGKILL of a holder, or of a home
+while a prefix is written into it, neither hangs nor corrupts a stream, and leaks no page on the
+survivor."""
 from __future__ import annotations
 
 import asyncio
@@ -196,5 +198,128 @@ def test_sigkill_of_the_holder_mid_stream_recomputes_the_prefix_and_keeps_the_gr
         wait_for(lambda: d.metric("tokenflowd_kv_pages_used", engine=survivor) == 0, 10, "the survivor leaked pages")
         assert d.metric("tokenflowd_pool_pinned_pages", engine=survivor) == 0
         d.wait_all_engines()  # the holder comes back
+    finally:
+        assert d.stop() == 0
+
+
+LONG_TOKENS = 4096
+LONG_FLAGS = ("--engines", "2", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "512MiB",
+              "--pool-segment-tokens", str(16 * SEGMENT_PAGES), "--max-num-batched-tokens", "256",
+              "--pool-mode", "read")
+
+
+def long_prompts(reference: Engine, what: str, n: int) -> tuple[list[int], list[list[int]]]:
+    tok = reference.tokenizer
+    text = " ".join(f"{what} {i}: the archive holds letters, maps and ledgers from the old port." for i in range(600))
+    prefix = tok.encode(text, add_special_tokens=True)[:LONG_TOKENS]
+    assert len(prefix) == LONG_TOKENS
+    return prefix, [prefix + tok.encode(f"\nQuestion {i}: which ledger came first?\nAnswer:", add_special_tokens=False)
+                    for i in range(n)]
+
+
+def used(d: Daemon) -> dict[int, float]:
+    return {e: d.metric("tokenflowd_kv_pages_used", engine=str(e)) for e in (0, 1)}
+
+
+def put(d: Daemon) -> dict[int, float]:
+    return {e: d.metric("tokenflowd_pool_put_pages_total", engine=str(e)) for e in (0, 1)}
+
+
+async def stream_text(base_url: str, prompt: list[int], max_tokens: int, on_token=None) -> tuple[str, str | None]:
+    text, error = "", None
+    async with (httpx.AsyncClient(base_url=base_url, timeout=300) as http,
+                http.stream("POST", "/v1/completions", json=body(prompt, max_tokens, stream=True)) as r):
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return text, event["error"]["message"]
+            text += event["choices"][0]["text"]
+            if on_token is not None:
+                await on_token(text)
+    return text, error
+
+
+def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_the_home_killed_mid_write():
+    """Write into the home (read mode): the engine computing a new 4,096-token prefix writes each
+    segment homed on its peer into the peer's cache as it is computed, and keeps no copy of it."""
+    reference = Engine(EngineConfig.resolve(model=MODEL, dtype="float32", quantization="none",
+                                            kv_cache_memory="512MiB"))
+    prefix, prompts = long_prompts(reference, "Letter", 20)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want = [reference.generate({"first": {"prompt": prompts[0], "sampling_params": params}})["first"].text]
+    out = reference.generate({f"r{i}": {"prompt": q, "sampling_params": params} for i, q in enumerate(prompts[1:])})
+    want += [out[f"r{i}"].text for i in range(len(prompts) - 1)]
+    home = homes(prefix)
+    prefix_pages = LONG_TOKENS // 16
+    d = Daemon(*LONG_FLAGS)
+    try:
+        d.wait_all_engines()
+        replicated_before = d.metric("tokenflowd_pool_replicated_pages")
+        base = pool_pages(d)
+        seen: dict = {}
+
+        async def first():
+            async def look(text: str) -> None:
+                if "used" not in seen and len(text) > 0:  # prefill done, it decodes: where is the prefix?
+                    writer = max((0, 1), key=lambda e: put(d)[e])
+                    seen.update(writer=writer, put=put(d), used=await asyncio.to_thread(used, d))
+            return await stream_text(d.base_url, prompts[0], 48, look)
+
+        text, error = asyncio.run(first())
+        assert error is None and text.startswith(want[0]), (error, text, want[0])
+        writer, peer = seen["writer"], 1 - seen["writer"]
+        # while it ran, the segments homed on the peer were in the peer's pages only, the others in
+        # the writer's (with the request's own last pages: its prompt's tail and what it wrote)
+        assert seen["put"][writer] == home[peer] and seen["put"][peer] == 0, (seen, home)
+        assert seen["used"][peer] == home[peer], (seen, home)
+        assert home[writer] <= seen["used"][writer] <= home[writer] + 6, (seen, home)
+        wait_for(lambda: placed(d, base, home, 4), 10, f"the prefix never settled at its homes: {pool_pages(d)}")
+        assert d.metric("tokenflowd_pool_stored_pages_total", engine=str(peer)) == home[peer]
+
+        responses = asyncio.run(post_all(d.base_url, [body(q) for q in prompts[1:]]))
+        assert [r.status_code for r in responses] == [200] * (len(prompts) - 1), [r.text for r in responses]
+        assert [r.json()["choices"][0]["text"] for r in responses] == want[1:]
+        for r in responses:
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= LONG_TOKENS, r.json()["usage"]
+        after = pool_pages(d)
+        # each segment once, at its home: no replica, and each engine's keys no more than its home
+        # segments plus each request's own last pages
+        assert d.metric("tokenflowd_pool_replicated_pages") == replicated_before, (after, base, home)
+        assert sum(after.values()) <= sum(base.values()) + prefix_pages + 2 * len(prompts), (after, base, home)
+        assert all(after[e] <= base[e] + home[e] + 2 * len(prompts) for e in (0, 1)), (after, base, home)
+        for e in ("0", "1"):
+            wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
+
+        # SIGKILL of the home while a new prefix is written into it: the stream neither hangs nor
+        # changes (the writer recomputes what the home held), and the survivor leaks no page
+        _, (victim_prompt,) = long_prompts(reference, "Ledger", 1)
+        want_victim = greedy(reference, [victim_prompt], MAX_TOKENS)[0]
+        killed: dict = {}
+
+        async def kill_mid_write():
+            before = await asyncio.to_thread(put, d)
+            task = asyncio.create_task(stream_text(d.base_url, victim_prompt, MAX_TOKENS))
+            deadline = time.monotonic() + 120
+            while not task.done() and time.monotonic() < deadline:
+                now = await asyncio.to_thread(put, d)
+                wrote = [e for e in (0, 1) if now[e] > before[e]]
+                if wrote:
+                    engines = (await asyncio.to_thread(d.health))["engines"]
+                    killed.update(writer=wrote[0], home=1 - wrote[0], done=task.done())
+                    os.kill(engines[1 - wrote[0]]["pid"], signal.SIGKILL)
+                    break
+                await asyncio.sleep(0.02)
+            return await asyncio.wait_for(task, 180)
+
+        text, error = asyncio.run(kill_mid_write())
+        assert killed, "the writer never wrote into the home"
+        assert error is None and text == want_victim, (killed, error, text, want_victim)
+        survivor = str(killed["writer"])
+        wait_for(lambda: d.metric("tokenflowd_kv_pages_used", engine=survivor) == 0, 10, "the survivor leaked pages")
+        assert d.metric("tokenflowd_pool_pinned_pages", engine=survivor) == 0
+        d.wait_all_engines()  # the home comes back
     finally:
         assert d.stop() == 0

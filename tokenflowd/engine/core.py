@@ -403,7 +403,7 @@ class EngineCore:
                     req.request_id,
                     [token] if token is not None else [],
                     req.finish_reason if req.request_id in done else None,
-                    num_cached_tokens=req.prefix_offset + req.num_cached_tokens,
+                    num_cached_tokens=req.prompt_cached_tokens,
                     num_preemptions=req.num_preemptions,
                 )
             )
@@ -420,5 +420,5 @@ class EngineCore:
             if req is not None:
                 self.scheduler.finish(req, FinishReason.ERROR, error)
                 outs.append(EngineCoreOutput(rid, [], FinishReason.ERROR, error,
-                                             req.prefix_offset + req.num_cached_tokens, req.num_preemptions))
+                                             req.prompt_cached_tokens, req.num_preemptions))
         return outs

@@ -108,6 +108,9 @@ class Request:
     # key_seed is the last of their page keys, so its own pages are keyed as the whole prompt's.
     foreign_token_ids: list[int] = field(default_factory=list)
     key_seed: bytes = b""
+    # of those, the tokens this engine computed and handed to their segments' homes (pool/: write
+    # into the home): read there from then on, but no saving of the prefix cache's
+    num_handed_tokens: int = 0
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -146,6 +149,28 @@ class Request:
         self.num_prompt_tokens -= num_tokens
         self.key_seed = key_seed
 
+    def extend_foreign_prefix(self, num_tokens: int, key_seed: bytes) -> None:
+        """Its next `num_tokens` tokens (whole pages, computed here) are now read where the pool
+        holds them: the KV manager has let go of their pages (kv/manager.py `hand_off`); `key_seed`
+        is the key of the last of them."""
+        assert 0 < num_tokens <= self.num_computed_tokens and num_tokens < self.num_prompt_tokens
+        self.foreign_token_ids = self.foreign_token_ids + self.prompt_token_ids[:num_tokens]
+        self.prompt_token_ids = self.prompt_token_ids[num_tokens:]
+        self.token_ids = self.token_ids[num_tokens:]
+        self.num_prompt_tokens -= num_tokens
+        self.num_computed_tokens -= num_tokens
+        self.max_model_len -= num_tokens
+        cached = min(self.num_cached_tokens, num_tokens)  # the leading ones: those the prefix cache served
+        self.num_cached_tokens -= cached
+        self.num_handed_tokens += num_tokens - cached
+        self.key_seed = key_seed
+
+    @property
+    def prompt_cached_tokens(self) -> int:
+        """Prompt tokens whose KV this request did not compute: read on the pool's engines or hit in
+        this engine's prefix cache (the usage's cached_tokens)."""
+        return self.prefix_offset - self.num_handed_tokens + self.num_cached_tokens
+
     def take_foreign_prefix(self) -> None:
         """The peers' prefix is lost: it becomes this request's own tokens, to be computed here.
         Only while it holds no KV (the scheduler frees it first)."""
@@ -155,7 +180,7 @@ class Request:
         self.token_ids = f + self.token_ids
         self.num_prompt_tokens += len(f)
         self.max_model_len += len(f)
-        self.foreign_token_ids, self.key_seed = [], b""
+        self.foreign_token_ids, self.key_seed, self.num_handed_tokens = [], b"", 0
 
     @property
     def first_token_time(self) -> float | None:

@@ -215,6 +215,23 @@ class KVCacheManager:
             self.pool.register(st.block_table[i], st.page_hashes[i])
         st.num_published_pages = max(st.num_published_pages, num_full)
 
+    def hand_off(self, req: Request, num_pages: int) -> list[int]:
+        """The request's first `num_pages` device pages (computed and published) leave it: the pool
+        holds them for it elsewhere from now on (pool/engine_hooks.py, write into the home), and the
+        caller drops their references (-> the pages). Its host copy is let go of (its tokens move
+        along: write-through starts again on what it keeps; copies in flight carry nothing)."""
+        st = self.state(req)
+        assert 0 < num_pages <= st.num_published_pages and not st.num_load_tokens
+        pages = st.block_table[:num_pages]
+        del st.block_table[:num_pages]
+        del st.page_hashes[:num_pages]
+        st.num_published_pages -= num_pages
+        if st.host_pages or st.num_offload_issued or st.load_queue:
+            st.epoch += 1
+            self.offloader.cancel_loads(st)
+            self.offloader.drop_host_copy(st, 0)
+        return pages
+
     def pages_exclusive(self, req: Request) -> int:
         """Of the request's device pages, how many no other request holds (what preempting it frees)."""
         return sum(self.pool.ref_count(p) == 1 for p in self.state(req).block_table)

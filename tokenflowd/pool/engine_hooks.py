@@ -6,10 +6,10 @@
                       added              count the tokens peers (or this cache) hold; note its new
                                          segments that belong on other engines
     each iteration:   before_step        the engine's share of the node's traffic, for the scheduler
-                      after_step         unpin ended requests' foreign prefixes; put new segments
-                                         at their homes; stop caching what the homes took; an
-                                         engine stuck with nothing to run gives its waiting
-                                         requests' pins back
+                      after_step         unpin ended requests' foreign prefixes; move new segments
+                                         computed in the step into their homes (write into the
+                                         home); stop caching what the homes took; an engine stuck
+                                         with nothing to run gives its waiting requests' pins back
     messages:         set_peers          a peer gone: its readers recompute their prefix here
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
-from tokenflowd.engine.request import Request
+from tokenflowd.engine.request import Request, RequestStatus
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool.names import cache_name
 from tokenflowd.pool.shared_kv import SharedKV
@@ -44,7 +44,10 @@ class PoolHooks:
         self.shared_cache: SharedKV | None = None
         self.member: PoolMember | None = None
         self.core: EngineCore | None = None
-        self.places: dict[str, list[p.PrefixRun]] = {}  # request -> its new segments that belong on peers
+        # request -> the keys of its new segments' pages that belong on peers, with their homes, not
+        # handed there yet; and the last key of each of those segments
+        self.homes: dict[str, dict[bytes, int]] = {}
+        self.ends: dict[str, set[bytes]] = {}
         # (when, keys): segments their homes took, cached here until the homes have told the front
         self.placed: deque[tuple[float, list[bytes]]] = deque()
         self.peer_tokens = self.own_tokens = 0  # prompt tokens read where peers hold them, or from this cache
@@ -105,7 +108,9 @@ class PoolHooks:
     def added(self, msg: p.AddRequest, pinned: bool) -> None:
         """The engine took `msg`'s request."""
         if msg.place:
-            self.places[msg.request_id] = msg.place
+            seg = self.member.segment_pages
+            self.homes[msg.request_id] = {k: run.engine for run in msg.place for k in run.keys}
+            self.ends[msg.request_id] = {run.keys[j] for run in msg.place for j in range(seg - 1, len(run.keys), seg)}
         if pinned:
             peer, own = self.member.count(msg.request_id)
             self.peer_tokens += peer * self.config.page_size
@@ -117,8 +122,8 @@ class PoolHooks:
     def after_step(self, now: float) -> None:
         self._unblock(now)
         self._sweep_pins()
-        if self.places:
-            self._place()
+        if self.homes:
+            self._hand_off(now)
         while self.placed and self.placed[0][0] <= now:
             self.core.pool.unpublish(self.placed.popleft()[1])
 
@@ -158,31 +163,51 @@ class PoolHooks:
             with self.core.unlocked():
                 member.sweep(reading)
 
-    def _place(self) -> None:
-        """Put the new segments of requests whose prompts are computed at their homes; what a home
-        took stops being cached here once the home's report has reached the front (two heartbeats:
-        until then the front would find it nowhere). The rest stays: a home gone or full."""
-        reqs = self.core.scheduler.requests
-        for rid in list(self.places):
+    def _hand_off(self, now: float) -> None:
+        """Write into the home: each running request's new segments whose home is a peer, once
+        computed whole, move there, and it reads them there from then on (with the pages before
+        them: its own segments stay in this cache, pinned where they are, so that what it reads
+        stays one leading run). Its pages of them here go: no second copy outlives the step. What
+        a home gone or full did not take stays here, as the request's own, and is not tried again.
+        The keys stop being cached here once the homes' reports have reached the front (two
+        heartbeats: until then the front would find them nowhere)."""
+        reqs, kv, ps = self.core.scheduler.requests, self.core.kv, self.config.page_size
+        for rid in list(self.homes):
             req = reqs.get(rid)
-            if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
-                continue  # (a request gone has published what it computed)
-            for run in self.places.pop(rid):
-                try:
-                    self._put(run)
-                except Exception:  # a placement that fails costs a copy, never the engine
-                    log.exception("pool: placing a segment on engine %d failed; it stays here", run.engine)
-
-    def _put(self, run: p.PrefixRun) -> None:
-        pages = self.core.pool.lookup(run.keys)
-        if not pages:
-            return
-        keys = run.keys[: len(pages)]
-        kv = self.member.stage(pages)
-        with self.core.unlocked():
-            held = self.member.put(run.engine, keys, kv)
-        if held:
-            self.placed.append((time.monotonic() + 2 * self.spec.heartbeat_interval, keys[:held]))
+            if req is None or req.is_finished:
+                del self.homes[rid], self.ends[rid]
+                continue
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            st = kv.state(req)
+            homes, ends = self.homes[rid], self.ends[rid]
+            computed = min(st.num_published_pages, (req.num_prompt_tokens - 1) // ps)
+            n = max((i + 1 for i, key in enumerate(st.page_hashes[:computed]) if key in ends), default=0)
+            if not n:
+                continue
+            keys, pages = st.page_hashes[:n], st.block_table[:n]
+            runs: list[tuple[int, list[bytes], list[int]]] = []
+            for key, page in zip(keys, pages):
+                home = homes.get(key, self.spec.engine_id)
+                if runs and runs[-1][0] == home:
+                    runs[-1][1].append(key)
+                    runs[-1][2].append(page)
+                else:
+                    runs.append((home, [key], [page]))
+            with self.core.unlocked():
+                got = self.member.hand_off(rid, runs)
+            for key in keys:
+                homes.pop(key, None)
+                ends.discard(key)
+            if not homes:
+                del self.homes[rid], self.ends[rid]
+            if not got:
+                continue
+            for page in reversed(kv.hand_off(req, got)):  # tail first, as a request's release
+                self.core.pool.decref(page)
+            req.extend_foreign_prefix(got * ps, keys[got - 1])
+            away = {key for home, run, _ in runs if home != self.spec.engine_id for key in run}
+            self.placed.append((now + 2 * self.spec.heartbeat_interval, [key for key in keys[:got] if key in away]))
 
     def set_peers(self, msg: p.PoolPeers) -> None:
         with self.core.unlocked():

@@ -4,9 +4,11 @@ attends to theirs.
     the front: AddRequest.prefix = runs of the prompt's leading pages and the engines holding them
     admit   pin each run on its holder (query.py Pin; this engine's own runs resolved here) → the
             request keeps only the tokens past them (request.py foreign_token_ids, key_seed)
-    place   the front names the prompt's new segments whose home (rendezvous hash) is a peer
-            (AddRequest.place): once computed they are put there (query.py Put; the home keeps
-            them in its prefix cache) and no longer cached here (PagePool.unpublish)
+    write   the front names the prompt's new segments whose home (rendezvous hash) is a peer
+            (AddRequest.place): as each is computed it moves into its home (`hand_off`: read mode
+            writes it through the home's mapped cache, query.py Reserve/Commit; query mode puts
+            it, query.py Put) and the request reads it there from then on; its pages here go, and
+            are no longer cached here (PagePool.unpublish). No second copy outlives a step
     a step  every layer: own causal attention with LSE, merged with each holder's partial attention
             over its pinned pages (attention.py): query mode ships the rows, read mode maps the
             holder's cache (shared_kv.py) and attends in place
@@ -71,6 +73,8 @@ class ForeignPrefix:
     (their order does not matter to attention; read mode and this engine's own runs use them)."""
 
     pages: dict[int, list[int]] = field(default_factory=dict)
+    handed: dict[int, int] = field(default_factory=dict)  # of them, pages it computed and handed there
+    touched: set[int] = field(default_factory=set)  # peers asked to pin for it (a failed write's too)
 
     @property
     def num_pages(self) -> int:
@@ -91,7 +95,8 @@ class PoolMember:
         self.foreign: dict[str, ForeignPrefix] = {}  # request id -> what it reads on engines of the pool
         self.stats = {"query_calls": 0, "query_bytes": 0, "query_seconds": 0.0, "put_pages": 0, "stored_pages": 0}
         self.service = QueryService(service_address(runtime_dir, engine, incarnation), backend, self.kv_layers,
-                                    self._resolve, self._release, self._store).start()
+                                    self._resolve, self._release, self._store, reserve=self._reserve,
+                                    commit=self._commit).start()
         self.segment_pages = 0  # set by size_segments
         self.share = 0.0  # of this engine's time, what serving peers took lately (`measure_share`)
         self._share_at = (time.monotonic(), 0.0)  # (when, the service's busy seconds then)
@@ -204,6 +209,32 @@ class PoolMember:
             self.service.busy_seconds += time.perf_counter() - t0
         return held
 
+    def _reserve(self, keys: Sequence[bytes]) -> tuple[list[int], list[bool]]:
+        """A peer writes segments whose home is this engine (read mode): per leading key, the page
+        holding it already, or a fresh one for the peer to write, referenced until the request's pins
+        go; stops at the first it cannot get. -> (pages, fresh)."""
+        pages, fresh = [], []
+        with self.lock:
+            try:
+                for key in keys:
+                    held = self.pool.lookup([key])
+                    if held:
+                        self.pool.incref(held[0])
+                    pages.append(held[0] if held else self.pool.allocate())
+                    fresh.append(not held)
+            except OutOfPages:
+                pass
+        return pages, fresh
+
+    def _commit(self, keys: Sequence[bytes], pages: Sequence[int]) -> int:
+        """The peer wrote the fresh pages `_reserve` gave: cached under their keys from now on (a key
+        another page took meanwhile keeps that page; this one goes with the request's pins)."""
+        with self.lock:
+            for key, page in zip(keys, pages):
+                self.pool.register(page, key)
+            self.stats["stored_pages"] += len(pages)
+        return len(pages)
+
     def _write(self, kv: torch.Tensor, new: list[tuple[int, int]]) -> None:
         src = torch.tensor([i for i, _ in new])
         scatter_pages(kv.index_select(1, src), self.kv_layers, [page for _, page in new], self.backend.page_axis)
@@ -232,6 +263,59 @@ class PoolMember:
             return 0
         self.stats["put_pages"] += held
         return held
+
+    def hand_off(self, request_id: str, runs: Sequence[tuple[int, list[bytes], list[int]]]) -> int:
+        """Write into the home: the request's leading computed pages here, in runs of (home, keys,
+        pages here) in token order, are read where their segments live from now on: a run homed here
+        is pinned where it is, a peer's is written into the peer (read mode: through its mapped
+        cache; query mode: put) and pinned there. Stops at the first page that cannot be had (a peer
+        gone or full). -> leading pages now in the request's foreign prefix, past what it read
+        before (the caller lets go of them here). Call without `lock`."""
+        prefix = self.foreign.setdefault(request_id, ForeignPrefix())
+        done = 0
+        for engine, keys, local in runs:
+            if engine == self.engine:
+                got = [page for seg in self._resolve(keys) for page in seg]
+            else:
+                prefix.touched.add(engine)
+                got = self._write_home(engine, request_id, keys, local)
+            if got:
+                prefix.pages.setdefault(engine, []).extend(got)
+                prefix.handed[engine] = prefix.handed.get(engine, 0) + len(got)
+            done += len(got)
+            if len(got) < len(keys):
+                break
+        if not prefix.pages and not prefix.touched:
+            del self.foreign[request_id]
+        return done
+
+    def _write_home(self, engine: int, request_id: str, keys: list[bytes], local: list[int]) -> list[int]:
+        """`local`'s KV into the home `engine`, pinned there for the request. -> its pages there of the
+        leading keys it took."""
+        peer = self.peers.get(engine)
+        if peer is None:
+            return []
+        client = self._client(peer)
+        try:
+            if self.mode == "query":  # no mapping: the KV crosses in the put
+                held = client.put(keys, self.stage(local))
+                self.stats["put_pages"] += held
+                return client.pin(request_id, keys[:held]).pages if held else []
+            cache = self._cache(peer)
+            reserved = client.reserve(request_id, keys)
+            fresh = [i for i, f in enumerate(reserved.fresh) if f]
+            if fresh:
+                axis = self.backend.page_axis
+                src = torch.tensor([local[i] for i in fresh], device=self.kv_layers[0].device)
+                dst = torch.tensor([reserved.pages[i] for i in fresh], device=src.device)
+                for mine, theirs in zip(self.kv_layers, cache.layers):
+                    theirs.index_copy_(axis, dst, mine.index_select(axis, src))
+                client.commit(request_id, [keys[i] for i in fresh], [reserved.pages[i] for i in fresh])
+                self.stats["put_pages"] += len(fresh)
+            return reserved.pages
+        except (PeerGone, RuntimeError, OSError, ValueError, zmq.ZMQError) as e:
+            log.warning("pool: writing %d pages into engine %d failed (%s); they stay here", len(keys), engine, e)
+            return []
 
     # -- peers ----------------------------------------------------------------------------------
     def set_peers(self, peers: list[p.PoolPeer]) -> list[str]:
@@ -300,8 +384,9 @@ class PoolMember:
         prefix = self.foreign.get(request_id)
         if prefix is None:
             return 0, 0
-        own = len(prefix.pages.get(self.engine, ()))
-        return prefix.num_pages - own, own
+        read = {e: len(pages) - prefix.handed.get(e, 0) for e, pages in prefix.pages.items()}
+        own = read.get(self.engine, 0)
+        return sum(read.values()) - own, own
 
     def _pin_run(self, request_id: str, run: p.PrefixRun) -> list[int]:
         if run.engine == self.engine:
@@ -328,9 +413,9 @@ class PoolMember:
         prefix = self.foreign.pop(request_id, None)
         if prefix is None:
             return
-        for engine, pages in prefix.pages.items():
+        for engine in prefix.pages.keys() | prefix.touched:
             if engine == self.engine:
-                self._release([pages])
+                self._release([prefix.pages[engine]])
             else:
                 self._unpin(request_id, engine)
 

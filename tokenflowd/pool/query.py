@@ -1,7 +1,9 @@
 """The pool's query path (TokenLake §3.3–3.4) on one host: an engine ships a layer's query rows to
 the engine that holds prefix segments and gets back partial outputs with their log-sum-exp, which
 it merges with its own attention (engine/attention/partial.py). Prefix KV does not move to be read;
-it moves once when placed: a `Put` gives a new segment to its home (one zmq frame of its KV).
+it moves once, as it is computed, into its home: in query mode a `Put` carries it (one zmq frame of
+its KV); in read mode the requester `Reserve`s pages on the home, writes them through the home's
+mapped cache (shared_kv.py) and `Commit`s them.
 
     requester                                      holder (a thread beside its engine)
     QueryClient.query(layer, q, segments) ──zmq──► QueryService: pages of the pinned segments,
@@ -94,6 +96,36 @@ class Put(msgspec.Struct, tag=True):
     seq: int = 0
 
 
+class Reserve(msgspec.Struct, tag=True):
+    """Segments whose home is the holder, being computed by the requester for a request (write into
+    the home, read mode): the holder pins, for that request, its pages of the keys it holds already
+    and fresh pages for the others, which the requester writes through the mapped cache."""
+
+    peer: int
+    request_id: str
+    keys: list[bytes]
+    incarnation: int = 0
+    seq: int = 0
+
+
+class Commit(msgspec.Struct, tag=True):
+    """The requester wrote the reserved fresh `pages` of `keys`: the holder caches them under their
+    keys (those still pinned for `request_id`: a page released meanwhile may be another's now)."""
+
+    peer: int
+    request_id: str
+    keys: list[bytes]
+    pages: list[int]
+    incarnation: int = 0
+    seq: int = 0
+
+
+class Reserved(msgspec.Struct, tag=True):
+    pages: list[int]  # the holder's pages of the leading keys it could take, pinned for the request
+    fresh: list[bool]  # per page: taken fresh (the requester writes it), else held already
+    seq: int = 0
+
+
 class Stored(msgspec.Struct, tag=True):
     held: int  # leading keys of a Put the holder holds now (stored, or held already)
     seq: int = 0
@@ -111,8 +143,8 @@ class Done(msgspec.Struct, tag=True):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_TO_HOLDER = msgspec.msgpack.Decoder(Pin | Unpin | ReleasePeer | Query | Put)
-_TO_PEER = msgspec.msgpack.Decoder(Pinned | Stored | Done)
+_TO_HOLDER = msgspec.msgpack.Decoder(Pin | Unpin | ReleasePeer | Query | Put | Reserve | Commit)
+_TO_PEER = msgspec.msgpack.Decoder(Pinned | Stored | Reserved | Done)
 
 
 # -- buffers ----------------------------------------------------------------------------------
@@ -169,17 +201,22 @@ class QueryService:
 
     `resolve(keys)` -> this engine's pages of the longest leading run of `keys` it holds, each
     with a reference taken; `release(pages)` drops those references; `store(keys, kv)` keeps a
-    peer's put segments (-> leading keys held). They run in the service's thread: the engine passes
-    callables that are safe there (its page pool's lock)."""
+    peer's put segments (-> leading keys held); `reserve(keys)` -> (pages, fresh) of the leading
+    keys it can take, held or fresh, each referenced; `commit(keys, pages)` caches written fresh
+    pages. They run in the service's thread: the engine passes callables that are safe there (its
+    page pool's lock)."""
 
     def __init__(self, address: str, backend, kv_layers: Sequence[torch.Tensor],
                  resolve: Callable[[Sequence[bytes]], list[list[int]]],
                  release: Callable[[list[list[int]]], None],
                  store: Callable[[list[bytes], torch.Tensor], int] | None = None,
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context | None = None,
+                 reserve: Callable[[Sequence[bytes]], tuple[list[int], list[bool]]] | None = None,
+                 commit: Callable[[Sequence[bytes], Sequence[int]], int] | None = None) -> None:
         self.backend = backend
         self.kv_layers = list(kv_layers)
         self.resolve, self.release, self.store = resolve, release, store
+        self.reserve, self.commit = reserve, commit
         self.pins: dict[tuple[int, int, str], list[list[int]]] = {}  # (peer, incarnation, request) -> pages per segment
         self._lock = threading.Lock()  # the pins and buffers: the service's thread and release_peer
         self._buffers: dict[str, tuple[int, int, QueryBuffers]] = {}  # block -> (its peer, incarnation, mapping)
@@ -251,9 +288,23 @@ class QueryService:
         kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(layer.dtype).view(shape)
         return Stored(held=self.store(msg.keys, kv))
 
-    def _handle(self, msg) -> Pinned | Done:
+    def _handle(self, msg) -> Pinned | Reserved | Done:
         if isinstance(msg, Query):
             return self._query(msg)
+        if isinstance(msg, Reserve):
+            if self.reserve is None:
+                raise ValueError("this engine takes no writes")
+            pages, fresh = self.reserve(msg.keys)
+            if pages:
+                self.pins.setdefault((msg.peer, msg.incarnation, msg.request_id), []).extend([p] for p in pages)
+            return Reserved(pages=pages, fresh=fresh)
+        if isinstance(msg, Commit):
+            if self.commit is None:
+                raise ValueError("this engine takes no writes")
+            pinned = {p for seg in self.pins.get((msg.peer, msg.incarnation, msg.request_id), ()) for p in seg}
+            kept = [(k, p) for k, p in zip(msg.keys, msg.pages) if p in pinned]
+            self.commit([k for k, _ in kept], [p for _, p in kept])
+            return Done()
         if isinstance(msg, Pin):
             pages = self.resolve(msg.keys)
             if pages:
@@ -346,7 +397,7 @@ class QueryClient:
         else:
             self._sock.send_multipart([_ENCODER.encode(msg), payload], copy=False)
 
-    def _recv(self, what: str) -> Pinned | Stored | Done:
+    def _recv(self, what: str) -> Pinned | Stored | Reserved | Done:
         deadline = time.monotonic() + self.timeout_ms / 1000
         while True:
             while not self._sock.poll(20):
@@ -362,7 +413,7 @@ class QueryClient:
             raise RuntimeError(f"pool peer: {reply.error}")
         return reply
 
-    def _call(self, msg, payload: memoryview | None = None) -> Pinned | Stored | Done:
+    def _call(self, msg, payload: memoryview | None = None) -> Pinned | Stored | Reserved | Done:
         self._send(msg, payload)
         return self._recv(type(msg).__name__)
 
@@ -375,6 +426,15 @@ class QueryClient:
         head_dim], on the host. -> leading keys it holds now."""
         raw = kv.contiguous().view(torch.uint8).numpy()
         return self._call(Put(self.peer, keys), memoryview(raw)).held  # type: ignore[union-attr]
+
+    def reserve(self, request_id: str, keys: list[bytes]) -> Reserved:
+        """Pages on the holder for a request's new segments whose home it is, pinned for it: those of
+        the leading keys it could take, each held already or fresh (to be written, then `commit`)."""
+        return self._call(Reserve(self.peer, request_id, keys))  # type: ignore[return-value]
+
+    def commit(self, request_id: str, keys: list[bytes], pages: list[int]) -> None:
+        """The fresh pages `reserve` gave the request, written: the holder caches them under `keys`."""
+        self._call(Commit(self.peer, request_id, keys, pages))
 
     def unpin(self, request_id: str) -> None:
         self._call(Unpin(self.peer, request_id))

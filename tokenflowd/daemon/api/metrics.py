@@ -153,9 +153,10 @@ class EngineCollector(Collector):
             "tokenflowd_pool_query_bytes": ("Bytes of shipped query rows and answers", lambda s: s.pool_query_bytes),
             "tokenflowd_pool_query_seconds": ("Time steps waited for peers' answers (divide by queries for the "
                                               "mean latency)", lambda s: s.pool_query_seconds),
-            "tokenflowd_pool_put_pages": ("Pages of new segments an engine computed and put at their homes on peers",
+            "tokenflowd_pool_put_pages": ("Pages of new segments an engine computed and wrote into their homes on "
+                                          "peers",
                                           lambda s: s.pool_put_pages),
-            "tokenflowd_pool_stored_pages": ("Pages peers put on an engine, their segments' home",
+            "tokenflowd_pool_stored_pages": ("Pages peers wrote into an engine, their segments' home",
                                              lambda s: s.pool_stored_pages),
             "tokenflowd_pool_unblocked_requests": ("Waiting requests that gave their pool pins back because their "
                                                    "engine could run nothing (pins held by waiting requests "

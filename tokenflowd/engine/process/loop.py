@@ -235,7 +235,7 @@ class EngineProcess(EngineEndpoint):
             p.RequestInfo(
                 r.request_id, r.status.value, r.buffer.reading_rate, r.priority, r.arrival_time,
                 r.first_token_time, r.prefix_offset + r.num_prompt_tokens, r.num_output_tokens,
-                r.prefix_offset + r.num_computed_tokens, r.prefix_offset + r.num_cached_tokens, r.num_preemptions,
+                r.prefix_offset + r.num_computed_tokens, r.prompt_cached_tokens, r.num_preemptions,
                 r.buffer.buffer(now), r.buffer.stall_time_at(now), r.buffer.num_stalls,
                 len(self.core.kv.block_table(r)),
             )

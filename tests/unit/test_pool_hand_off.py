@@ -1,0 +1,93 @@
+"""Write into the home, the engine's side (pool/engine_hooks.py `_hand_off`): once a new segment
+homed on a peer is computed whole, the request reads it, and the pages before it, where the pool
+holds them; its own pages of them go, its remaining pages keep their keys, and its usage still
+counts those tokens as computed, not cached."""
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
+from tokenflowd.kv.manager import KVCacheManager
+from tokenflowd.kv.pages import PagePool, chain_page_keys
+from tokenflowd.pool.engine_hooks import PoolHooks
+
+PS, SEG = 16, 2  # tokens a page, pages a segment
+
+
+class Member:
+    """The pool member's side, recorded: every run handed is taken whole."""
+
+    segment_pages = SEG
+
+    def __init__(self, takes: int | None = None) -> None:
+        self.runs, self.takes = [], takes
+
+    def hand_off(self, rid, runs):
+        self.runs.append(runs)
+        n = sum(len(keys) for _, keys, _ in runs)
+        return n if self.takes is None else min(n, self.takes)
+
+
+def setup(takes: int | None = None):
+    pool = PagePool(64)
+    kv = KVCacheManager(pool, PS)
+    req = Request("r", list(range(100, 100 + 6 * PS + 5)), SamplingParams(max_tokens=4))  # 6 whole pages and 5
+    req.max_model_len = 1024
+    kv.track(req)
+    assert kv.admit(req, kv.match(req), req.num_prompt_tokens)
+    req.status = RequestStatus.RUNNING
+    h = PoolHooks.__new__(PoolHooks)
+    h.spec = SimpleNamespace(engine_id=0, heartbeat_interval=0.5)
+    h.config = SimpleNamespace(page_size=PS)
+    h.core = SimpleNamespace(scheduler=SimpleNamespace(requests={"r": req}), kv=kv, pool=pool, unlocked=_nothing)
+    h.member = Member(takes)
+    h.homes, h.ends, h.placed = {}, {}, deque()
+    keys = chain_page_keys(req.prompt_token_ids, PS, [], 6 * PS)
+    # segment 0 (pages 0-1) is homed here; segments 1 and 2 (pages 2-5) on engine 1
+    h.added(SimpleNamespace(request_id="r", place=[SimpleNamespace(engine=1, keys=keys[2:6])]), False)
+    return h, req, kv, pool, keys
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def test_a_segment_moves_once_computed_whole_with_the_pages_before_it():
+    h, req, kv, pool, keys = setup()
+    before = list(kv.block_table(req))
+    req.num_computed_tokens = 3 * PS + 3  # segment 1 not whole yet
+    kv.commit(req)
+    h._hand_off(1.0)
+    assert h.member.runs == [] and req.prefix_offset == 0
+    req.num_computed_tokens = 4 * PS + 3  # segment 1 whole: it goes, with segment 0 (pinned where it is)
+    kv.commit(req)
+    h._hand_off(2.0)
+    (runs,) = h.member.runs
+    assert [(e, k, p) for e, k, p in runs] == [(0, keys[0:2], before[0:2]), (1, keys[2:4], before[2:4])]
+    assert req.prefix_offset == 4 * PS and req.num_computed_tokens == 3 and req.num_prompt_tokens == 2 * PS + 5
+    assert kv.block_table(req) == before[4:]
+    assert h.placed[-1][1] == keys[2:4], "only what went to the peer stops being cached here"
+    for page in before[2:4]:  # its own reference is gone (the member's pin on page 0-1 is the member's)
+        assert pool.ref_count(page) == 0
+    # its remaining pages keep the whole prompt's keys
+    req.num_computed_tokens = 2 * PS + 4
+    kv.commit(req)
+    assert kv.state(req).page_hashes[:2] == keys[4:6]
+    assert req.prompt_cached_tokens == 0, "handed tokens were computed here, not read"
+    h._hand_off(3.0)
+    assert req.prefix_offset == 6 * PS and "r" not in h.homes
+
+
+def test_what_the_home_does_not_take_stays_here_and_is_not_tried_again():
+    h, req, kv, pool, keys = setup(takes=3)  # the peer took one page of segment 1, then was full
+    req.num_computed_tokens = 6 * PS + 1
+    kv.commit(req)
+    h._hand_off(1.0)
+    assert req.prefix_offset == 3 * PS and len(kv.block_table(req)) == 4
+    h._hand_off(2.0)
+    assert len(h.member.runs) == 1 and "r" not in h.homes
