@@ -1,7 +1,7 @@
-"""Write into the home, the engine's side (pool/engine_hooks.py `_hand_off`): once a new segment
-homed on a peer is computed whole, the request reads it, and the pages before it, where the pool
-holds them; its own pages of them go, its remaining pages keep their keys, and its usage still
-counts those tokens as computed, not cached."""
+"""Write into the home, the engine's side (pool/engine_hooks.py `_hand_off`): once its prompt is
+computed, a request reads its new segments homed on peers, and the pages before them, where the
+pool holds them; its own pages of them go, its remaining pages keep the whole prompt's keys, and its
+usage still counts those tokens as computed, not cached."""
 from __future__ import annotations
 
 from collections import deque
@@ -57,35 +57,37 @@ class _nothing:
         return False
 
 
-def test_a_segment_moves_once_computed_whole_with_the_pages_before_it():
+def test_the_segments_move_once_the_prompt_is_computed_with_the_pages_before_them():
     h, req, kv, pool, keys = setup()
     before = list(kv.block_table(req))
-    req.num_computed_tokens = 3 * PS + 3  # segment 1 not whole yet
+    req.num_computed_tokens = 5 * PS  # segments 0 and 1 whole, the prompt not yet computed
     kv.commit(req)
     h._hand_off(1.0)
-    assert h.member.runs == [] and req.prefix_offset == 0
-    req.num_computed_tokens = 4 * PS + 3  # segment 1 whole: it goes, with segment 0 (pinned where it is)
+    assert h.member.runs == [] and req.prefix_offset == 0, "nothing moves while the prompt is computed"
+    req.num_computed_tokens = req.num_prompt_tokens  # segment 2 too: all of it goes, 0 pinned where it is
     kv.commit(req)
     h._hand_off(2.0)
     (runs,) = h.member.runs
-    assert [(e, k, p) for e, k, p in runs] == [(0, keys[0:2], before[0:2]), (1, keys[2:4], before[2:4])]
-    assert req.prefix_offset == 4 * PS and req.num_computed_tokens == 3 and req.num_prompt_tokens == 2 * PS + 5
-    assert kv.block_table(req) == before[4:]
-    assert h.placed[-1][1] == keys[2:4], "only what went to the peer stops being cached here"
-    for page in before[2:4]:  # its own reference is gone (the member's pin on page 0-1 is the member's)
+    assert [(e, k, p) for e, k, p in runs] == [(0, keys[0:2], before[0:2]), (1, keys[2:6], before[2:6])]
+    assert req.prefix_offset == 6 * PS and req.num_computed_tokens == 5 and req.num_prompt_tokens == 5
+    assert kv.block_table(req) == before[6:]
+    assert h.placed[-1][1] == keys[2:6], "only what went to the peer stops being cached here"
+    for page in before[2:6]:  # its own reference is gone (the member's pins on pages 0-1 are the member's)
         assert pool.ref_count(page) == 0
-    # its remaining pages keep the whole prompt's keys
-    req.num_computed_tokens = 2 * PS + 4
-    kv.commit(req)
-    assert kv.state(req).page_hashes[:2] == keys[4:6]
     assert req.prompt_cached_tokens == 0, "handed tokens were computed here, not read"
-    h._hand_off(3.0)
-    assert req.prefix_offset == 6 * PS and "r" not in h.homes
+    assert "r" not in h.homes
+    # it decodes on: its next page is keyed as the whole prompt's
+    req.token_ids.extend(range(11))
+    req.num_computed_tokens = PS
+    kv.grow(req, 0)
+    kv.commit(req)
+    whole = chain_page_keys([*req.foreign_token_ids, *req.token_ids], PS, [], 7 * PS)
+    assert kv.state(req).page_hashes[0] == whole[6]
 
 
 def test_what_the_home_does_not_take_stays_here_and_is_not_tried_again():
     h, req, kv, pool, keys = setup(takes=3)  # the peer took one page of segment 1, then was full
-    req.num_computed_tokens = 6 * PS + 1
+    req.num_computed_tokens = req.num_prompt_tokens
     kv.commit(req)
     h._hand_off(1.0)
     assert req.prefix_offset == 3 * PS and len(kv.block_table(req)) == 4

@@ -121,7 +121,7 @@ class EngineConfig:
     # pool/segments.py with α, B and k_comp measured at start-up (logged)
     pool_segment_tokens: int = 0
     # where the pool keeps a new segment: home (the engine its key hashes to, pool/homes.py;
-    # the engine computing it writes it there as it is computed) or local (where it was computed)
+    # the engine computing it writes it there once its prompt is computed) or local (where it was computed)
     pool_placement: str = "home"
     # Federation (federation/): both (prefill and decode here), prefill (prompts computed here have
     # their KV written to decode nodes, layer by layer) or decode (prompts' KV comes from prefill nodes)

@@ -52,7 +52,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "measured at start-up, logged)")
     g.add_argument("--pool-placement", choices=["home", "local"],
                    help="where the pool keeps a new segment: home (the default: the engine its key hashes to; "
-                        "the engine computing it writes it there as it is computed) or local (where it was computed)")
+                        "the engine computing it writes it there once its prompt is computed) or local (where it "
+                        "was computed)")
     g.add_argument("--role", choices=["both", "prefill", "decode"],
                    help="this node in a federated cluster (tokenflowd conductor): both (the default: prefill and "
                         "decode here), prefill (compute prompts and write their KV to decode nodes) or decode "

@@ -29,7 +29,7 @@ minimum-cost bipartite matching; then its reads are named as `pick_pooled` names
 Placement (`--pool-placement home`, the default): each whole segment of the prompt that no engine
 holds any page of has a home, the serving engine its last key hashes to (rendezvous hashing,
 pool/homes.py): the chosen engine computes it and, where the home is another engine, writes it
-into the home as it is computed (`Choice.places`, AddRequest.place; pool/engine_hooks.py
+into the home once the prompt is computed (`Choice.places`, AddRequest.place; pool/engine_hooks.py
 `_hand_off`) and keeps no copy. Segments are spread over the node by hash, never by where a
 request happened to run; a replica made by use stays where it is made.
 """

@@ -5,10 +5,11 @@ attends to theirs.
     admit   pin each run on its holder (query.py Pin; this engine's own runs resolved here) → the
             request keeps only the tokens past them (request.py foreign_token_ids, key_seed)
     write   the front names the prompt's new segments whose home (rendezvous hash) is a peer
-            (AddRequest.place): as each is computed it moves into its home (`hand_off`: read mode
-            writes it through the home's mapped cache, query.py Reserve/Commit; query mode puts
-            it, query.py Put) and the request reads it there from then on; its pages here go, and
-            are no longer cached here (PagePool.unpublish). No second copy outlives a step
+            (AddRequest.place): once the prompt is computed they move into their homes
+            (`hand_off`: read mode writes them through the home's mapped cache, query.py
+            Reserve/Commit; query mode puts them, query.py Put) and the request reads them there
+            from then on; its pages here go, and are no longer cached here (PagePool.unpublish).
+            No second copy outlives the prompt
     a step  every layer: own causal attention with LSE, merged with each holder's partial attention
             over its pinned pages (attention.py): query mode ships the rows, read mode maps the
             holder's cache (shared_kv.py) and attends in place

@@ -1,7 +1,7 @@
 """The pool's query path (TokenLake §3.3–3.4) on one host: an engine ships a layer's query rows to
 the engine that holds prefix segments and gets back partial outputs with their log-sum-exp, which
 it merges with its own attention (engine/attention/partial.py). Prefix KV does not move to be read;
-it moves once, as it is computed, into its home: in query mode a `Put` carries it (one zmq frame of
+it moves once, when its prompt is computed, into its home: in query mode a `Put` carries it (one zmq frame of
 its KV); in read mode the requester `Reserve`s pages on the home, writes them through the home's
 mapped cache (shared_kv.py) and `Commit`s them.
 

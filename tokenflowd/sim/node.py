@@ -8,13 +8,15 @@ where a request runs and what it computes.
       pool      Router.pick_pooled: the least loaded engine; the prompt's prefix pages that engines
                 hold are pinned where they are and read there, so the request computes only the rest;
                 its new whole segments are put at their homes (rendezvous hash) once its prompt is
-                computed, and no longer cached where it ran (the daemon's --pool-placement home)
+                computed, and no longer cached where it ran (what the daemon's --pool-placement
+                home did before it wrote into the home)
       pool-local  the same, new segments kept where they are computed (--pool-placement local)
       pool-write  the same, but the new segments that follow what it reads are computed into pages
-                taken at their homes when it arrives (TokenLake: no second copy; the daemon does
-                not do this yet): it reads them there as it reads a peer's prefix, and the node
-                holds each segment once. Readers that arrive meanwhile read those pages at once,
-                not after the write (optimistic by the write's time)
+                taken at their homes when it arrives (TokenLake: no second copy; the daemon's
+                --pool-placement home moves them into their homes once the prompt is computed): it
+                reads them there as it reads a peer's prefix, and the node holds each segment once.
+                Readers that arrive meanwhile read those pages at once, not after the write
+                (optimistic by the write's time)
     then the engine whose clock is earliest takes a step, until every request has finished.
 
 The pool's costs (query mode, TokenLake §3.3). Per layer of a step, each holder that the step's

@@ -142,13 +142,23 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def forward_with_lse(self, layer, q, k, v, kv_cache, meta: TorchAttentionMeta):
-        # Every request by the gathering path with explicit scores (SDPA returns no LSE): the pool's
-        # requester side, run only for steps whose requests attend to context held elsewhere.
+        # The pool's requester side, run only for steps whose requests attend to context held
+        # elsewhere: decodes through the paged kernel with LSE, in one call, where it builds; the
+        # other requests by the gathering path with explicit scores (SDPA returns no LSE).
         kv_cache[0][:, meta.slot_page, meta.slot_offset] = k.transpose(0, 1)
         kv_cache[1][:, meta.slot_page, meta.slot_offset] = v.transpose(0, 1)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        decoded = meta.decode_table is not None and self.kernel_lse is not None
+        if decoded:
+            rows = meta.decode_rows
+            out[rows], lse[rows] = self.kernel_lse(q[rows], kv_cache[0], kv_cache[1], meta.decode_table,
+                                                   meta.decode_lens, self.scale)
+            if meta.decode_all:
+                return out, lse
         for start, stop, pages, seq_len in meta.spans:
+            if decoded and stop - start == 1:
+                continue
             kc, vc = self._gather(kv_cache, pages, seq_len)  # [kv_heads, seq_len, d]
             qpos = torch.arange(seq_len - (stop - start), seq_len, device=q.device)[:, None]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos
