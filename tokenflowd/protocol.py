@@ -21,6 +21,9 @@ class Sampling(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 # -- supervisor → engine ---------------------------------------------------------------------

@@ -92,6 +92,22 @@ def test_completions_endpoint_and_finish_reasons(client):
     assert ids.usage.prompt_tokens == 6
 
 
+def test_penalties_through_the_openai_client(client):
+    """On a prompt that greedy decoding repeats, each penalty changes the answer, and neutral ones do not."""
+    prompt = "one two three one two three one two three one two three"
+
+    def answer(**kw) -> str:
+        extra = {"repetition_penalty": kw.pop("repetition_penalty")} if "repetition_penalty" in kw else None
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                         extra_body=extra, **kw).choices[0].text
+
+    plain = answer()
+    assert answer(frequency_penalty=2.0) != plain
+    assert answer(presence_penalty=2.0) != plain
+    assert answer(repetition_penalty=1.5) != plain
+    assert answer(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0) == plain
+
+
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
@@ -208,7 +224,9 @@ BAD_CHAT = [
     ({**GOOD, "top_p": 0}, 400, "top_p"),
     ({**GOOD, "top_k": -2}, 400, "top_k"),
     ({**GOOD, "n": 2}, 400, "n"),
-    ({**GOOD, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({**GOOD, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({**GOOD, "presence_penalty": -3}, 400, "presence_penalty"),
+    ({**GOOD, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({**GOOD, "logprobs": True}, 400, "logprobs"),
     ({**GOOD, "reading_rate": 0}, 400, "reading_rate"),
     ({**GOOD, "reading_rate": "fast"}, 400, "reading_rate"),
@@ -352,7 +370,8 @@ _COMMON = {
     "stream_options": _ANY | st.fixed_dictionaries({"include_usage": st.booleans()}),
     "n": _ANY | st.integers(0, 2), "user": _ANY, "reading_rate": _ANY | st.floats(-1, 100), "priority": _ANY,
     "ignore_eos": _ANY, "min_tokens": st.integers(-1, 4) | _ANY, "stop_token_ids": _ANY,
-    "frequency_penalty": _ANY, "logit_bias": _ANY, "bogus": _ANY,
+    "frequency_penalty": _ANY | st.floats(-3, 3), "presence_penalty": _ANY | st.floats(-3, 3),
+    "repetition_penalty": _ANY | st.floats(-1, 11), "logit_bias": _ANY, "bogus": _ANY,
 }
 _CHAT = st.fixed_dictionaries(
     {"model": st.just(MODEL) | _ANY, "messages": st.lists(_MESSAGE, max_size=3) | _ANY, "max_tokens": _SMALL_MAX},

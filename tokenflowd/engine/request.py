@@ -33,6 +33,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # OpenAI's: subtracted from a token's logit once it was generated (presence) and per time
+    # (frequency); and repetition_penalty (an extension, as in Hugging Face's and vLLM's): a token
+    # of the prompt or the output has its logit divided by it where positive, else multiplied
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -53,6 +59,15 @@ class SamplingParams:
             raise InvalidRequestError("stop must be a tuple of strings")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +81,12 @@ class SamplingRow(NamedTuple):
     generator: "torch.Generator | None"
     num_output_tokens: int  # before this step's token
     stop_token_ids: frozenset[int]
+    # a penalized request's (the request's own lists, not copies; None: no penalty): its tokens
+    # (prompt, then output, PLACEHOLDER where a token is still on the device) and the prompt's
+    # leading tokens the pool holds (request.py foreign_token_ids)
+    tokens: "list[int] | None" = None
+    foreign: "list[int] | None" = None
+    num_prompt_tokens: int = 0  # of tokens
 
 
 class RequestStatus(enum.Enum):
@@ -206,6 +227,9 @@ class Request:
         return room if mt is None else min(mt, room)
 
     def sampling_row(self) -> SamplingRow:
+        if self.sampling_params.penalized:
+            return SamplingRow(self.sampling_params, self.generator, self.num_output_tokens, self.stop_token_ids,
+                               self.token_ids, self.foreign_token_ids, self.num_prompt_tokens)
         return SamplingRow(self.sampling_params, self.generator, self.num_output_tokens, self.stop_token_ids)
 
     @property

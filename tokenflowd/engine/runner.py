@@ -246,7 +246,8 @@ class ModelRunner(Executor):
         """The step's sampled ids [S] on the device (kept for the next step's rows), and their rows."""
         prev, self._last_tokens = self._last_tokens, None  # a step that fails leaves nothing to read
         logits, sampling = self.compute_logits(batch, inputs, prev)
-        tokens = (self.sampler.sample(logits, [batch.sampling[i] for i in sampling]) if sampling
+        pending = [batch.prev_sample[i] for i in sampling] if batch.prev_sample else None
+        tokens = (self.sampler.sample(logits, [batch.sampling[i] for i in sampling], prev, pending) if sampling
                   else torch.empty(0, dtype=torch.int64, device=self.device))
         self._last_tokens = tokens
         return tokens, sampling

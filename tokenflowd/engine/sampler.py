@@ -1,14 +1,19 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens.
+"""Token sampling: penalties, greedy, temperature, top-k, top-p, per-request seeds, min_tokens.
 
 Rows are filtered together (one sort of the vocabulary for the rows that need top-k/top-p); the draw
 is per row only where a request brings its own seeded generator, so a seeded request samples the
 same tokens whatever else shares its batch.
+
+Penalties (presence, frequency, repetition) are applied to the logits first, on their device, to
+the rows that ask for them only: one [rows, vocab] count of each such row's output tokens (a token
+an earlier launched step samples, not yet seen by the host, is counted from that step's ids where
+they are), then Hugging Face's repetition penalty and OpenAI's presence and frequency penalties.
 """
 from __future__ import annotations
 
 import torch
 
-from tokenflowd.engine.request import SamplingRow
+from tokenflowd.engine.request import PLACEHOLDER, SamplingRow
 
 
 class Sampler:
@@ -26,9 +31,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> list[int]:
         return self.sample(logits, reqs).tolist()
 
-    def sample(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:
-        """The token ids [N] drawn, where the logits are (a step that overlaps the next reads them there)."""
+    def sample(self, logits: torch.Tensor, reqs: list[SamplingRow], prev: torch.Tensor | None = None,
+               pending: list[int] | None = None) -> torch.Tensor:
+        """The token ids [N] drawn, where the logits are (a step that overlaps the next reads them there).
+        `prev`: the ids the step launched before this one sampled; `pending[i]`: the index in it of
+        row i's last output token, which its request's tokens hold as a PLACEHOLDER (-1: none)."""
         # logits: [N, vocab] fp32, row i belongs to reqs[i]
+        self.penalize(logits, reqs, prev, pending)
         for i, r in enumerate(reqs):
             if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
                 ids = [t for t in r.stop_token_ids if 0 <= t < logits.shape[1]]
@@ -52,6 +61,45 @@ class Sampler:
                 race[j] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(dev)
         out[rows] = (probs / race).argmax(dim=-1)
         return out
+
+    @staticmethod
+    def penalize(logits: torch.Tensor, reqs: list[SamplingRow], prev: torch.Tensor | None = None,
+                 pending: list[int] | None = None) -> None:
+        """Apply the rows' penalties to `logits` in place (rows without any cost a look at their row)."""
+        rows = [i for i, r in enumerate(reqs) if r.tokens is not None]
+        if not rows:
+            return
+        dev, vocab = logits.device, logits.shape[1]
+        at, ids, seen_at, seen_ids = [], [], [], []  # output tokens; and prompt tokens (repetition only)
+        for j, i in enumerate(rows):
+            r = reqs[i]
+            out = [t for t in r.tokens[r.num_prompt_tokens:] if t != PLACEHOLDER and 0 <= t < vocab]
+            at += [j] * len(out)
+            ids += out
+            if r.params.repetition_penalty != 1.0:
+                prompt = [t for t in (*r.foreign, *r.tokens[: r.num_prompt_tokens]) if 0 <= t < vocab]
+                seen_at += [j] * len(prompt)
+                seen_ids += prompt
+        counts = torch.zeros(len(rows), vocab, device=dev)
+        if ids:
+            counts.index_put_((torch.tensor(at, device=dev), torch.tensor(ids, device=dev)),
+                              torch.ones(len(ids), device=dev), accumulate=True)
+        late = [(j, pending[i]) for j, i in enumerate(rows) if pending is not None and pending[i] >= 0]
+        if late and prev is not None:  # sampled by the step in flight: on the device only
+            where = torch.tensor([k for _, k in late], device=prev.device)
+            counts.index_put_((torch.tensor([j for j, _ in late], device=dev), prev[where].to(dev)),
+                              torch.ones(len(late), device=dev), accumulate=True)
+        sub = logits[rows]
+        params = [reqs[i].params for i in rows]
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = counts > 0
+            if seen_ids:
+                seen[torch.tensor(seen_at, device=dev), torch.tensor(seen_ids, device=dev)] = True
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+        logits[rows] = sub - freq * counts - pres * (counts > 0)
 
     @staticmethod
     def _probs(logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:

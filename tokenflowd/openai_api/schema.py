@@ -1,7 +1,7 @@
 """What the HTTP API accepts and returns, as msgspec Structs: the decoder validates types and
 ranges in one pass, and the same Structs give the published OpenAPI schema.
 
-Fields the OpenAI API defines but tokenflowd does not implement (logprobs, penalties, tools, n>1)
+Fields the OpenAI API defines but tokenflowd does not implement (logprobs, tools, n>1, logit_bias)
 are declared so that their default values pass and anything else is refused with a 400 that
 names the field; unknown fields are refused too. Nothing a client sends is dropped silently.
 """
@@ -82,9 +82,10 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None
     reading_rate: Rate | None = None
     priority: Priority = 0
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0, le=10, description="an extension: 1 is off")] | None = None
     # Declared so their defaults pass; other values are refused (not implemented).
-    frequency_penalty: Annotated[float, Meta(ge=0, le=0, description="not supported: only 0")] = 0.0
-    presence_penalty: Annotated[float, Meta(ge=0, le=0, description="not supported: only 0")] = 0.0
     logit_bias: Annotated[dict[str, float], Meta(max_length=0, description="not supported")] | None = None
 
 

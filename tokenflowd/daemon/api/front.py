@@ -62,8 +62,6 @@ def body_limit_note(max_body_size: int, max_model_len: int, max_token_bytes: int
 _UNSUPPORTED = {
     "n": "n must be 1: tokenflowd returns one choice per request (send n requests instead)",
     "best_of": "best_of must be 1 or absent: tokenflowd returns one choice per request",
-    "frequency_penalty": "frequency_penalty is not supported: leave it out or send 0",
-    "presence_penalty": "presence_penalty is not supported: leave it out or send 0",
     "logit_bias": "logit_bias is not supported: leave it out or send {}",
     "logprobs": "logprobs are not supported: leave them out",
     "top_logprobs": "top_logprobs are not supported: leave them out",
@@ -273,6 +271,9 @@ class Front:
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         )
         learned = cadence.lookup.reading_rate if cadence is not None else None
         rate = choose_rate(self._stated_rate(body, request), learned, self.config.default_reading_rate,
