@@ -158,22 +158,10 @@ def test_sigkill_of_the_holder_mid_stream_recomputes_the_prefix_and_keeps_the_gr
         wait_for(lambda: placed(d, base, home, 0), 10, "the system prompt's segments never settled at their homes")
 
         async def stream(prompt: list[int], max_tokens: int, started: asyncio.Event) -> tuple[str, str | None]:
-            text, error = "", None
-            async with httpx.AsyncClient(base_url=d.base_url, timeout=120) as http:
-                async with http.stream("POST", "/v1/completions",
-                                       json=body(prompt, max_tokens, stream=True)) as r:
-                    assert r.status_code == 200
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            error = event["error"]["message"]
-                            break
-                        text += event["choices"][0]["text"]
-                        if text:
-                            started.set()
-            return text, error
+            async def on_token(text: str) -> None:
+                if text:
+                    started.set()
+            return await stream_text(d.base_url, prompt, max_tokens, on_token)
 
         async def run():
             a_started, b_started = asyncio.Event(), asyncio.Event()
