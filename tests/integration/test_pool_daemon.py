@@ -301,7 +301,8 @@ def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_ki
 
         async def kill_mid_write():
             before = await asyncio.to_thread(put, d)
-            task = asyncio.create_task(stream_text(d.base_url, victim_prompt, MAX_TOKENS))
+            # long enough that its home's write is seen before it ends, on a machine of any speed
+            task = asyncio.create_task(stream_text(d.base_url, victim_prompt, 160))
             deadline = time.monotonic() + 120
             while not task.done() and time.monotonic() < deadline:
                 now = await asyncio.to_thread(put, d)
@@ -316,7 +317,7 @@ def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_ki
 
         text, error = asyncio.run(kill_mid_write())
         assert killed, "the writer never wrote into the home"
-        assert error is None and text == want_victim, (killed, error, text, want_victim)
+        assert error is None and text.startswith(want_victim), (killed, error, text, want_victim)
         survivor = str(killed["writer"])
         wait_for(lambda: d.metric("tokenflowd_kv_pages_used", engine=survivor) == 0, 10, "the survivor leaked pages")
         assert d.metric("tokenflowd_pool_pinned_pages", engine=survivor) == 0
