@@ -24,6 +24,7 @@ class Sampling(msgspec.Struct, frozen=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int = -1  # -1: none; k >= 0: each sampled token's logprob and the k most likely (at most 20)
 
 
 # -- supervisor → engine ---------------------------------------------------------------------
@@ -258,6 +259,15 @@ class Ready(msgspec.Struct, tag=True):
     attention_note: str = ""  # why a GPU engine left to choose runs the torch backend
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True):
+    """A sampled token's log-probability under the model (the raw logits' log-softmax, before
+    penalties and temperature), and the k most likely tokens' ids and log-probabilities."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class Delta(msgspec.Struct):
     """What one step produced for one request."""
 
@@ -268,6 +278,7 @@ class Delta(msgspec.Struct):
     num_cached_tokens: int = 0
     num_preemptions: int = 0  # of the request so far
     retry_after: float | None = None  # shed: s after which a retry can expect to be admitted
+    logprobs: list[TokenLogprobs] | None = None  # one a token of token_ids, where the request asks
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -108,6 +108,68 @@ def test_penalties_through_the_openai_client(client):
     assert answer(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0) == plain
 
 
+def test_logprobs_through_the_openai_client_match_a_reference_forward(client):
+    """Chat logprobs with top_logprobs=5, streamed and not: each token is its position's argmax (greedy),
+    and its logprobs are those of a reference, computed here in this process: each prefix of the reply
+    prefilled whole (not decoded step by step) and the log-softmax of its last logits, in float64."""
+    import torch
+    from conftest import embedded_model
+
+    from tokenflowd.config import EngineConfig
+    from tokenflowd.engine.offline import Engine
+    from tokenflowd.engine.request import SamplingParams
+
+    question, n = "Name three colors.", 8
+    reply = client.chat.completions.create(model=MODEL, messages=chat(question), max_tokens=n, temperature=0,
+                                           logprobs=True, top_logprobs=5)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == n
+    assert "".join(bytes(c.bytes).decode("utf-8", "replace") for c in content) == reply.choices[0].message.content
+    streamed = [c for chunk in client.chat.completions.create(
+        model=MODEL, messages=chat(question), max_tokens=n, temperature=0, logprobs=True, top_logprobs=5,
+        stream=True, stream_options={"include_usage": True}) if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.bytes) for c in streamed] == [(c.token, c.bytes) for c in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < 1e-3
+
+    engine = Engine(EngineConfig.resolve(device="cpu", dtype="float32", quantization="none",
+                                         kv_cache_memory="64MiB"), embedded_model("float32"))
+    tok = engine.tokenizer
+    prompt = tok.encode_chat(chat(question))
+    seen: dict[str, "torch.Tensor"] = {}
+    inner = engine.core.runner.compute_logits
+
+    def recording(batch, *args):
+        logits, sampling = inner(batch, *args)
+        for r, i in enumerate(sampling):
+            seen[batch.request_ids[i]] = logits[r].double().log_softmax(-1)
+        return logits, sampling
+
+    engine.core.runner.compute_logits = recording
+    ids: list[int] = []
+    for k, entry in enumerate(content):
+        engine.generate({f"p{k}": dict(prompt=prompt + ids, sampling_params=SamplingParams(temperature=0.0,
+                                                                                          max_tokens=1))})
+        ref = seen[f"p{k}"]
+        top = ref.topk(5)
+        assert bytes(entry.bytes) == tok.token_bytes(int(top.indices[0])), f"token {k} is not the argmax"
+        assert abs(entry.logprob - float(top.values[0])) < 1e-3, k
+        assert [bytes(t.bytes) for t in entry.top_logprobs] == [tok.token_bytes(int(i)) for i in top.indices]
+        assert max(abs(t.logprob - float(v)) for t, v in zip(entry.top_logprobs, top.values)) < 1e-3, k
+        ids.append(int(top.indices[0]))
+
+
+def test_completion_logprobs_through_the_openai_client(client):
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                    logprobs=3).choices[0]
+    lp = out.logprobs
+    assert "".join(lp.tokens) == out.text and len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 6
+    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs,
+                                                                                         lp.token_logprobs))
+    assert client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                     temperature=0).choices[0].logprobs is None
+
+
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
@@ -227,7 +289,9 @@ BAD_CHAT = [
     ({**GOOD, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ({**GOOD, "presence_penalty": -3}, 400, "presence_penalty"),
     ({**GOOD, "repetition_penalty": 0}, 400, "repetition_penalty"),
-    ({**GOOD, "logprobs": True}, 400, "logprobs"),
+    ({**GOOD, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({**GOOD, "top_logprobs": 2}, 400, "top_logprobs"),
+    ({**GOOD, "logprobs": 3}, 400, "logprobs"),
     ({**GOOD, "reading_rate": 0}, 400, "reading_rate"),
     ({**GOOD, "reading_rate": "fast"}, 400, "reading_rate"),
     ({**GOOD, "stop": [""]}, 400, "stop[0]"),
@@ -375,12 +439,13 @@ _COMMON = {
 }
 _CHAT = st.fixed_dictionaries(
     {"model": st.just(MODEL) | _ANY, "messages": st.lists(_MESSAGE, max_size=3) | _ANY, "max_tokens": _SMALL_MAX},
-    optional={**_COMMON, "logprobs": _ANY, "tools": _ANY, "response_format": _ANY, "tool_choice": _ANY},
+    optional={**_COMMON, "logprobs": _ANY, "top_logprobs": _ANY | st.integers(-1, 21), "tools": _ANY,
+              "response_format": _ANY, "tool_choice": _ANY},
 )
 _COMPLETION = st.fixed_dictionaries(
     {"model": st.just(MODEL) | _ANY, "prompt": st.text(max_size=40) | _ANY | st.lists(_ANY, max_size=2),
      "max_tokens": _SMALL_MAX},
-    optional={**_COMMON, "echo": _ANY, "suffix": _ANY, "best_of": _ANY, "logprobs": _ANY},
+    optional={**_COMMON, "echo": _ANY, "suffix": _ANY, "best_of": _ANY, "logprobs": _ANY | st.integers(-1, 21)},
 )
 _FUZZ = settings(max_examples=250, deadline=None, derandomize=True, database=None,
                  suppress_health_check=list(HealthCheck))

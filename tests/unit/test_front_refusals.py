@@ -349,6 +349,8 @@ def test_every_numeric_field_is_taken_exactly_within_the_bounds_the_schema_publi
                     del body["max_tokens"]  # the one the client sends
                 elif field == "min_tokens" and valid:
                     body["max_tokens"] = max(value, 1)  # min_tokens above max_tokens is another refusal
+                elif field == "top_logprobs":
+                    body["logprobs"] = True  # top_logprobs without logprobs is another refusal
                 cases.append((path, field, value, valid, body))
     assert {c[1] for c in cases} >= {"temperature", "top_p", "top_k", "max_tokens", "reading_rate", "priority", "seed"}
 

@@ -38,6 +38,7 @@ from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.engine.self_check import self_check
 from tokenflowd.engine.startup import ATTENTION, FastPaths, start, supported, why_not_flashinfer
 from tokenflowd.offload.build import build_kv
+from tokenflowd.protocol import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class EngineCoreOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one a new token, where the request asks
 
     @property
     def finished(self) -> bool:
@@ -382,6 +384,7 @@ class EngineCore:
         clock = self.clock
         self.num_failed_steps = 0
         requests = [self.scheduler.requests.get(rid) for rid in batch.request_ids]
+        logprobs = self.executor.take_logprobs()
         finished = self.scheduler.update(batch, sampled)
         self.stats.last_step_time = seconds
         self.stats.num_steps += 1
@@ -395,9 +398,10 @@ class EngineCore:
             self.scheduler.observe_step(batch, self.stats.last_step_time)
         done = {r.request_id for r in finished}
         outs = []
-        for req, token in zip(requests, sampled):
+        for i, (req, token) in enumerate(zip(requests, sampled)):
             if req is None or (token is None and req.request_id not in done):
                 continue
+            lp = logprobs.get(i) if token is not None else None
             outs.append(
                 EngineCoreOutput(
                     req.request_id,
@@ -405,6 +409,7 @@ class EngineCore:
                     req.finish_reason if req.request_id in done else None,
                     num_cached_tokens=req.prompt_cached_tokens,
                     num_preemptions=req.num_preemptions,
+                    logprobs=[lp] if lp is not None else None,
                 )
             )
         if self.admission is not None and self.stats.num_steps > 1:

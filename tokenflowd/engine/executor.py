@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenflowd.engine.scheduler import ScheduledBatch
+    from tokenflowd.protocol import TokenLogprobs
 
 
 @dataclass
@@ -64,6 +65,11 @@ class Executor(abc.ABC):
     def collect(self, launched: Launched) -> list[int | None]:
         """The sampled tokens of a launched step, as `execute` returns them (raises its error)."""
         raise NotImplementedError(f"{type(self).__name__} does not overlap steps")
+
+    def take_logprobs(self) -> "dict[int, TokenLogprobs]":
+        """After `execute` or `collect`: batch row -> its sampled token's logprobs, for the rows whose
+        request asks for them (SamplingParams.logprobs); each call hands them over once."""
+        return {}
 
     def step_seconds(self, started: float, ended: float) -> float:
         """How long the step that ran from `started` to `ended` on the engine's clock took."""

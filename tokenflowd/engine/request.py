@@ -16,6 +16,7 @@ DEFAULT_READING_RATE = 20.0  # tokens/s: a fast human reader
 # In a request's token_ids, a token a launched step samples that the host has not seen yet
 # (overlap scheduling, engine/core.py): at most one per request, always its last.
 PLACEHOLDER = -1
+MAX_LOGPROBS = 20  # the most likely tokens a sampled token may come with (OpenAI's bound)
 
 
 class InvalidRequestError(ValueError):
@@ -39,6 +40,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; k: each sampled token's logprob and the top k (k <= 20)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -64,6 +66,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def penalized(self) -> bool:

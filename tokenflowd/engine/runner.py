@@ -16,9 +16,10 @@ from tokenflowd.engine.memory import kv_budget, step_reserve
 from tokenflowd.engine.model.config import ModelConfig
 from tokenflowd.engine.model.llama import LlamaModel
 from tokenflowd.engine.model.weights import LoadedModel
-from tokenflowd.engine.sampler import Sampler
+from tokenflowd.engine.sampler import Logprobs, Sampler
 from tokenflowd.engine.scheduler import ScheduledBatch
 from tokenflowd.engine.startup import ATTENTION, GRAPHS, FastPaths, guarded
+from tokenflowd.protocol import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class ModelRunner(Executor):
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # on a CPU: computes launched steps
         # on a CPU: the last launched step, which copies of the KV it writes wait for (offload/copier.py)
         self.last_launched: concurrent.futures.Future | None = None
+        self._logprobs: dict[int, TokenLogprobs] = {}  # the step last executed or collected: batch row -> its
 
     # -- start-up -----------------------------------------------------------------------------
     def _init_threads(self) -> None:
@@ -242,15 +244,20 @@ class ModelRunner(Executor):
             hidden = self.model(input_ids, x.positions, self.kv_layers, self.attn, meta)
         return self.model.compute_logits(hidden[x.rows]), x.sampling
 
-    def _sample(self, batch: ScheduledBatch, inputs: "_Inputs | None" = None) -> tuple[torch.Tensor, list[int]]:
-        """The step's sampled ids [S] on the device (kept for the next step's rows), and their rows."""
+    def _sample(self, batch: ScheduledBatch,
+                inputs: "_Inputs | None" = None) -> tuple[torch.Tensor, list[int], Logprobs | None]:
+        """The step's sampled ids [S] on the device (kept for the next step's rows), their rows, and
+        the logprobs of the rows that ask (on the device)."""
         prev, self._last_tokens = self._last_tokens, None  # a step that fails leaves nothing to read
         logits, sampling = self.compute_logits(batch, inputs, prev)
         pending = [batch.prev_sample[i] for i in sampling] if batch.prev_sample else None
-        tokens = (self.sampler.sample(logits, [batch.sampling[i] for i in sampling], prev, pending) if sampling
-                  else torch.empty(0, dtype=torch.int64, device=self.device))
+        if sampling:
+            tokens, lp = self.sampler.sample_with_logprobs(logits, [batch.sampling[i] for i in sampling], prev,
+                                                           pending)
+        else:
+            tokens, lp = torch.empty(0, dtype=torch.int64, device=self.device), None
         self._last_tokens = tokens
-        return tokens, sampling
+        return tokens, sampling, lp
 
     @staticmethod
     def _rows(n: int, sampling: list[int], tokens: list[int]) -> list[int | None]:
@@ -261,8 +268,13 @@ class ModelRunner(Executor):
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run one step; the sampled token of each batch request, None for a mid-prompt chunk."""
-        tokens, sampling = self._sample(batch)
+        tokens, sampling, lp = self._sample(batch)
+        self._logprobs = _host_logprobs(lp, sampling)
         return self._rows(len(batch), sampling, tokens.tolist())
+
+    def take_logprobs(self) -> dict[int, TokenLogprobs]:
+        logprobs, self._logprobs = self._logprobs, {}
+        return logprobs
 
     # -- overlapped steps (engine/core.py) -----------------------------------------------------
     def launch(self, batch: ScheduledBatch) -> Launched:
@@ -277,12 +289,14 @@ class ModelRunner(Executor):
                 self._last_end.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            tokens, sampling = self._sample(batch, x)
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+            tokens, sampling, lp = self._sample(batch, x)
+            host = _to_host(tokens)
+            if lp is not None:
+                lp = lp._replace(chosen=_to_host(lp.chosen), top_ids=_to_host(lp.top_ids),
+                                 top_logprobs=_to_host(lp.top_logprobs))
             end.record()
             self._last_end = end
-            return Launched(batch, work=(start, end, host, sampling))
+            return Launched(batch, work=(start, end, host, sampling, lp))
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         future = self._worker.submit(self._timed_step, batch, x)
@@ -296,26 +310,44 @@ class ModelRunner(Executor):
         stream)."""
         return None if self.device.type == "cuda" else (lambda: self.last_launched)
 
-    def _timed_step(self, batch: ScheduledBatch, x: "_Inputs") -> tuple[list[int], list[int], float]:
+    def _timed_step(self, batch: ScheduledBatch,
+                    x: "_Inputs") -> tuple[list[int], list[int], float, dict[int, TokenLogprobs]]:
         t0 = time.perf_counter()
-        tokens, sampling = self._sample(batch, x)
+        tokens, sampling, lp = self._sample(batch, x)
         out = tokens.tolist()
-        return out, sampling, time.perf_counter() - t0
+        return out, sampling, time.perf_counter() - t0, _host_logprobs(lp, sampling)
 
     def collect(self, launched: Launched) -> list[int | None]:
         if isinstance(launched.work, concurrent.futures.Future):
-            tokens, sampling, launched.seconds = launched.work.result()
+            tokens, sampling, launched.seconds, self._logprobs = launched.work.result()
         else:
-            start, end, host, sampling = launched.work
+            start, end, host, sampling, lp = launched.work
             end.synchronize()
             launched.seconds = start.elapsed_time(end) / 1e3
             tokens = host.tolist()
+            self._logprobs = _host_logprobs(lp, sampling)
         return self._rows(len(launched.batch), sampling, tokens)
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of `t`, issued non-blocking (complete once the step's end event is)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _host_logprobs(lp: Logprobs | None, sampling: list[int]) -> dict[int, TokenLogprobs]:
+    """Batch row -> its sampled token's logprobs, from the sampler's (host or finished) tensors."""
+    if lp is None:
+        return {}
+    chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+    return {sampling[j]: TokenLogprobs(c, i[:k], v[:k])
+            for j, k, c, i, v in zip(lp.rows, lp.ks, chosen, ids, values)}
 
 
 class _Inputs(NamedTuple):

@@ -8,12 +8,28 @@ Penalties (presence, frequency, repetition) are applied to the logits first, on 
 the rows that ask for them only: one [rows, vocab] count of each such row's output tokens (a token
 an earlier launched step samples, not yet seen by the host, is counted from that step's ids where
 they are), then Hugging Face's repetition penalty and OpenAI's presence and frequency penalties.
+
+Logprobs, for the rows that ask: the log-softmax of the raw logits (before penalties, the
+min_tokens mask and temperature, as vLLM's default), the sampled token's and the top k's, taken
+where the logits are, in three tensors for all such rows (one copy each to the host).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from tokenflowd.engine.request import PLACEHOLDER, SamplingRow
+
+
+class Logprobs(NamedTuple):
+    """The logprobs of one step's rows that ask for them, on the logits' device."""
+
+    rows: list[int]  # indices among the step's sampling rows
+    ks: list[int]  # each row's top count
+    chosen: torch.Tensor  # [L] the sampled token's logprob
+    top_ids: torch.Tensor  # [L, K] K = max(ks), most likely first
+    top_logprobs: torch.Tensor  # [L, K]
 
 
 class Sampler:
@@ -36,6 +52,23 @@ class Sampler:
         """The token ids [N] drawn, where the logits are (a step that overlaps the next reads them there).
         `prev`: the ids the step launched before this one sampled; `pending[i]`: the index in it of
         row i's last output token, which its request's tokens hold as a PLACEHOLDER (-1: none)."""
+        return self.sample_with_logprobs(logits, reqs, prev, pending)[0]
+
+    def sample_with_logprobs(self, logits: torch.Tensor, reqs: list[SamplingRow], prev: torch.Tensor | None = None,
+                             pending: list[int] | None = None) -> tuple[torch.Tensor, Logprobs | None]:
+        """`sample`, and the logprobs of the rows that ask for them (None: no row does)."""
+        lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        raw = logits[lp_rows].log_softmax(dim=-1) if lp_rows else None  # a copy: penalties change logits
+        tokens = self._draw(logits, reqs, prev, pending)
+        if raw is None:
+            return tokens, None
+        ks = [reqs[i].params.logprobs for i in lp_rows]
+        chosen = raw.gather(1, tokens[lp_rows][:, None])[:, 0]
+        top_logprobs, top_ids = raw.topk(max(ks), dim=-1) if max(ks) else (raw[:, :0], raw[:, :0].long())
+        return tokens, Logprobs(lp_rows, ks, chosen, top_ids, top_logprobs)
+
+    def _draw(self, logits: torch.Tensor, reqs: list[SamplingRow], prev: torch.Tensor | None,
+              pending: list[int] | None) -> torch.Tensor:
         # logits: [N, vocab] fp32, row i belongs to reqs[i]
         self.penalize(logits, reqs, prev, pending)
         for i, r in enumerate(reqs):

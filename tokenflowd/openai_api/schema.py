@@ -1,7 +1,7 @@
 """What the HTTP API accepts and returns, as msgspec Structs: the decoder validates types and
 ranges in one pass, and the same Structs give the published OpenAPI schema.
 
-Fields the OpenAI API defines but tokenflowd does not implement (logprobs, tools, n>1, logit_bias)
+Fields the OpenAI API defines but tokenflowd does not implement (tools, n>1, logit_bias)
 are declared so that their default values pass and anything else is refused with a 400 that
 names the field; unknown fields are refused too. Nothing a client sends is dropped silently.
 """
@@ -25,6 +25,9 @@ Priority = Annotated[int, Meta(ge=-1000, le=1000, description="higher is schedul
 INT32_MAX = 2**31 - 1  # the bound of counts and ids (the published schema narrows it to the model's: openapi())
 TokenCount = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+MAX_LOGPROBS = 20  # the most likely tokens a sampled token's logprobs may list (engine/request.py's bound)
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description="the most likely tokens listed with each "
+                                                                     "sampled token, with their log-probabilities")]
 StopString = Annotated[str, Meta(min_length=1)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=16)] | None
 
@@ -93,8 +96,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
-    logprobs: Literal[False] = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=0, description="not supported")] | None = None
+    logprobs: Annotated[bool, Meta(description="each output token's log-probability (of the model's raw "
+                                                "distribution, before penalties and temperature)")] | None = None
+    top_logprobs: Annotated[TopLogprobs, Meta(description="with logprobs: true, the most likely tokens at each "
+                                                          "position")] | None = None
     response_format: ResponseFormat | None = None
     tools: Annotated[list[dict[str, Any]], Meta(max_length=0, description="not supported")] | None = None
     tool_choice: Literal["none", "auto"] | None = None
@@ -106,7 +111,8 @@ class CompletionRequest(_Sampling, kw_only=True):
         Meta(min_length=1)]
     max_tokens: TokenCount | None = 16
     echo: Literal[False] = False
-    logprobs: Annotated[int, Meta(ge=0, le=0, description="not supported")] | None = None
+    logprobs: Annotated[TopLogprobs, Meta(description="each output token's log-probability and the most likely "
+                                                      "tokens at each position, this many")] | None = None
     best_of: Annotated[int, Meta(ge=1, le=1, description="only 1 is supported")] | None = None
     suffix: Annotated[str, Meta(max_length=0, description="not supported")] | None = None
 
@@ -128,11 +134,40 @@ class AssistantMessage(Struct):
     role: str = "assistant"
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct):
+    """A chat choice's logprobs: one entry an output token, in order."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(Struct):
+    """A completion choice's logprobs (the legacy shape): parallel lists, one entry a token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -153,7 +188,7 @@ class ChatChunkChoice(Struct):
     index: int
     delta: ChunkDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct):
@@ -169,7 +204,7 @@ class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(Struct):

@@ -63,6 +63,8 @@ class Tokenizer:
         # they stand for): a text of B bytes has at least B / max_token_bytes tokens.
         self.max_token_bytes: int = max((len(t.encode("utf-8")) for t in backend.get_vocab(with_added_tokens=True)),
                                         default=1) or 1
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        self._token_bytes: dict[int, bytes] = {}
 
     def min_tokens(self, text: str) -> int:
         """A floor on the tokens `text` encodes to, from its length alone (no tokenizing, no
@@ -162,6 +164,25 @@ class Tokenizer:
         valid = [i for i in ids if 0 <= i < self.vocab_size]
         return self._backend.decode(valid, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (logprobs name tokens by them): byte-level BPE's stand-in
+        characters mapped back to their bytes, SentencePiece's byte tokens (<0xE2>) and its ▁
+        spaces; a special token's own text; nothing for an id outside the vocabulary."""
+        known = self._token_bytes.get(token_id)
+        if known is not None:
+            return known
+        piece = self._backend.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
+        if piece is None:
+            out = b""
+        elif self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            out = bytes(_BYTE_OF_CHAR[c] for c in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out = bytes([int(piece[3:5], 16)])
+        else:
+            out = piece.replace("\u2581", " ").encode("utf-8")
+        self._token_bytes[token_id] = out
+        return out
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -190,6 +211,18 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._backend.id_to_token(token_id) or "")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's stand-in character of each byte (GPT-2's table: printable bytes stand for
+    themselves, the others for 256 + their rank), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:

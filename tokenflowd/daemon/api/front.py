@@ -63,8 +63,6 @@ _UNSUPPORTED = {
     "n": "n must be 1: tokenflowd returns one choice per request (send n requests instead)",
     "best_of": "best_of must be 1 or absent: tokenflowd returns one choice per request",
     "logit_bias": "logit_bias is not supported: leave it out or send {}",
-    "logprobs": "logprobs are not supported: leave them out",
-    "top_logprobs": "top_logprobs are not supported: leave them out",
     "echo": "echo is not supported: leave it out",
     "suffix": "suffix is not supported: leave it out",
     "tools": "tools are not supported: leave them out",
@@ -274,6 +272,7 @@ class Front:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logprobs=self._logprobs(body),
         )
         learned = cadence.lookup.reading_rate if cadence is not None else None
         rate = choose_rate(self._stated_rate(body, request), learned, self.config.default_reading_rate,
@@ -283,6 +282,15 @@ class Front:
                          bool(options and options.include_usage), rate, cadence,
                          coalesce=options is None or options.coalesce,
                          continuous_usage=bool(options and options.continuous_usage_stats))
+
+    @staticmethod
+    def _logprobs(body: s.ChatCompletionRequest | s.CompletionRequest) -> int:
+        """The top count each sampled token's logprobs come with (-1: no logprobs)."""
+        if isinstance(body, s.CompletionRequest):
+            return -1 if body.logprobs is None else body.logprobs
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else -1
 
     def _stated_rate(self, body: s.ChatCompletionRequest | s.CompletionRequest, request: web.Request) -> float | None:
         """The client's own rate (the body's, else the X-Reading-Rate header's), before the clamp."""

@@ -31,7 +31,7 @@ from tokenflowd.daemon.api.metrics import EngineMetrics
 from tokenflowd.daemon.api.rates import RateMonitor
 from tokenflowd.daemon.engine_handle import EngineHandle
 from tokenflowd.daemon.supervisor import Supervisor
-from tokenflowd.protocol import AddRequest, Delta
+from tokenflowd.protocol import AddRequest, Delta, TokenLogprobs
 from tokenflowd.text.stream import IncrementalDetokenizer, StopStringMatcher
 from tokenflowd.text.tokenizer import Tokenizer
 
@@ -45,6 +45,7 @@ class Piece:
     finish_reason: str | None = None  # stop | length | error | rejected | shed
     error: str | None = None
     retry_after: float | None = None  # shed: s after which a retry can expect to be admitted
+    logprobs: "list[tuple[int, TokenLogprobs]] | None" = None  # (token id, its logprobs), where asked
 
 
 class Generation:
@@ -65,6 +66,7 @@ class Generation:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self._first_sent: float | None = None
+        self.wants_logprobs = add.sampling.logprobs >= 0
         self._detok = IncrementalDetokenizer(tokenizer, add.prompt_token_ids)
         self._stops = StopStringMatcher(stop)
         self._metrics = metrics
@@ -119,7 +121,9 @@ class Generation:
         if text and self.text_parts is not None:
             self.text_parts.append(text)
         if text or delta.token_ids or reason:
-            return Piece(text, len(delta.token_ids), reason, delta.error)
+            # a first token computed on a prefill node (federation) comes without logprobs: none listed
+            logprobs = (list(zip(delta.token_ids, delta.logprobs or ())) if self.wants_logprobs else None)
+            return Piece(text, len(delta.token_ids), reason, delta.error, logprobs=logprobs)
         return None
 
     # -- the handler's side ------------------------------------------------------------------

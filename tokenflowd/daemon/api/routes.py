@@ -28,6 +28,7 @@ from tokenflowd.daemon.api.sse import (
     SSE_HEADERS,
     ChatChunks,
     CompletionChunks,
+    Logprobs,
     SSEConnection,
     reset,
     tune_for_backpressure,
@@ -37,6 +38,7 @@ from tokenflowd.daemon.procstats import process_figures
 from tokenflowd.openai_api import schema as s
 from tokenflowd.openai_api.errors import APIError, error_event
 from tokenflowd.protocol import RequestInfo
+from tokenflowd.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenflowd.api")
 
@@ -70,7 +72,8 @@ class Routes:
         cadence = self.front.conversation_cadence(request, body.user, turns, arrival)
         prep = self.front.prepare(body, prompt_ids, body.max_completion_tokens or body.max_tokens, request, cadence)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await self._respond(request, prep, arrival, ChatChunks(rid, self.created_now(), self.front.model_name))
+        chunks = ChatChunks(rid, self.created_now(), self.front.model_name, self._namer(prep))
+        return await self._respond(request, prep, arrival, chunks)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
@@ -81,8 +84,12 @@ class Routes:
         cadence = self.front.conversation_cadence(request, body.user, None, arrival)
         prep = self.front.prepare(body, prompt_ids, body.max_tokens, request, cadence)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        chunks = CompletionChunks(rid, self.created_now(), self.front.model_name)
+        chunks = CompletionChunks(rid, self.created_now(), self.front.model_name, self._namer(prep))
         return await self._respond(request, prep, arrival, chunks)
+
+    def _namer(self, prep: Prepared) -> Tokenizer | None:
+        """What names the tokens of logprobs, for the requests that ask for them."""
+        return self.front.tokenizer if prep.sampling.logprobs >= 0 else None
 
     def _open(self, caller: Caller) -> None:
         """Counts a request open; 429 beyond --max-streams open requests, or beyond the caller's key's
@@ -114,8 +121,9 @@ class Routes:
         try:
             if prep.stream:
                 return await self._stream(request, gen, prep, chunks)
-            text, piece = await _collect(gen)
-            return _json(chunks.whole(text, piece.finish_reason, usage(gen)), chunks.rid, headers=_rate_headers(gen))
+            text, piece, logprobs = await _collect(gen)
+            return _json(chunks.whole(text, piece.finish_reason, usage(gen), logprobs), chunks.rid,
+                         headers=_rate_headers(gen))
         finally:
             gen.close()
             self.front.federation.cancel(chunks.rid)
@@ -192,7 +200,7 @@ class Routes:
         blocked = 0.0
         while True:
             text, num_tokens, last = _merge(pieces)  # pieces held while the client was not reading: one event
-            conn.send(text, num_tokens, blocked)
+            conn.send(text, num_tokens, blocked, _merged_logprobs(pieces))
             if last is not None:
                 if last.finish_reason == "error":
                     conn.write(error_event(last.error or "the engine failed while generating", code="engine_error"))
@@ -314,17 +322,26 @@ def _merge(pieces: list[Piece]) -> tuple[str, int, Piece | None]:
     return "".join(p.text for p in pieces), sum(p.num_tokens for p in pieces), last
 
 
-async def _collect(gen: Generation) -> tuple[str, Piece]:
+def _merged_logprobs(pieces: list[Piece]) -> Logprobs | None:
+    if pieces[0].logprobs is None:  # the request did not ask
+        return None
+    return [entry for p in pieces for entry in p.logprobs or ()]
+
+
+async def _collect(gen: Generation) -> tuple[str, Piece, Logprobs | None]:
     parts = []
+    logprobs: Logprobs | None = [] if gen.wants_logprobs else None
     pieces = await _first_pieces(gen)
     while True:
         text, num_tokens, last = _merge(pieces)
         gen.delivered(num_tokens)
         parts.append(text)
+        if logprobs is not None:
+            logprobs += _merged_logprobs(pieces) or ()
         if last is not None:
             if last.finish_reason == "error":
                 raise APIError(500, last.error or "the engine failed while generating", code="engine_failed")
-            return "".join(parts), last
+            return "".join(parts), last, logprobs
         pieces = await gen.take()
 
 

@@ -14,6 +14,10 @@ from aiohttp import web
 
 from tokenflowd.daemon.api.generation import Generation, Piece
 from tokenflowd.openai_api import schema as s
+from tokenflowd.protocol import TokenLogprobs
+from tokenflowd.text.tokenizer import Tokenizer
+
+Logprobs = list[tuple[int, TokenLogprobs]]  # (token id, its logprobs), one a token in order
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 STREAM_SNDBUF = 8 * 1024  # small socket buffers: a slow reader shows as backpressure within ~25 KB
@@ -23,10 +27,12 @@ KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: no event, bytes on the wire
 
 # -- helpers -----------------------------------------------------------------------------------
 class ChatChunks:
-    """One response's bodies: its SSE events, or the whole non-streamed object."""
+    """One response's bodies: its SSE events, or the whole non-streamed object. `tokenizer` names
+    the tokens of logprobs (requests that ask for them)."""
 
-    def __init__(self, rid: str, created: int, model: str) -> None:
+    def __init__(self, rid: str, created: int, model: str, tokenizer: Tokenizer | None = None) -> None:
         self.rid, self.created, self.model = rid, created, model
+        self.tokenizer = tokenizer
 
     def _event(self, choices: list, usage: s.Usage | None = None) -> bytes:
         return b"data: " + msgspec.json.encode(s.ChatCompletionChunk(self.rid, self.created, self.model, choices,
@@ -35,8 +41,9 @@ class ChatChunks:
     def role(self) -> bytes:
         return self._event([s.ChatChunkChoice(0, s.ChunkDelta(content="", role="assistant"))])
 
-    def text(self, text: str, usage: s.Usage | None = None) -> bytes:
-        return self._event([s.ChatChunkChoice(0, s.ChunkDelta(content=text))], usage)
+    def text(self, text: str, usage: s.Usage | None = None, logprobs: Logprobs | None = None) -> bytes:
+        return self._event([s.ChatChunkChoice(0, s.ChunkDelta(content=text), logprobs=self._logprobs(logprobs))],
+                           usage)
 
     def finish(self, reason: str) -> bytes:
         return self._event([s.ChatChunkChoice(0, s.ChunkDelta(), reason)])
@@ -44,12 +51,34 @@ class ChatChunks:
     def usage(self, usage: s.Usage) -> bytes:
         return self._event([], usage)
 
-    def whole(self, text: str, finish_reason: str | None, usage: s.Usage) -> s.ChatCompletion:
-        choice = s.ChatChoice(0, s.AssistantMessage(text), finish_reason)
+    def whole(self, text: str, finish_reason: str | None, usage: s.Usage,
+              logprobs: Logprobs | None = None) -> s.ChatCompletion:
+        choice = s.ChatChoice(0, s.AssistantMessage(text), finish_reason, self._logprobs(logprobs))
         return s.ChatCompletion(self.rid, self.created, self.model, [choice], usage)
+
+    def _name(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.tokenizer.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def _logprobs(self, logprobs: Logprobs | None) -> s.ChoiceLogprobs | None:
+        if logprobs is None or self.tokenizer is None:
+            return None
+        name, content = self._name, []
+        for token_id, lp in logprobs:
+            top = []
+            for t, v in zip(lp.top_ids, lp.top_logprobs):
+                text, raw = name(t)
+                top.append(s.TopLogprob(text, v, raw))
+            text, raw = name(token_id)
+            content.append(s.TokenLogprob(text, lp.logprob, raw, top))
+        return s.ChoiceLogprobs(content)
 
 
 class CompletionChunks(ChatChunks):
+    def __init__(self, rid: str, created: int, model: str, tokenizer: Tokenizer | None = None) -> None:
+        super().__init__(rid, created, model, tokenizer)
+        self.text_offset = 0  # characters of the output before the next token, by the tokens' texts
+
     def _event(self, choices: list, usage: s.Usage | None = None) -> bytes:
         body = msgspec.json.encode(s.Completion(self.rid, self.created, self.model, choices, usage))
         return b"data: " + body + b"\n\n"
@@ -57,14 +86,29 @@ class CompletionChunks(ChatChunks):
     def role(self) -> bytes:
         return b""
 
-    def text(self, text: str, usage: s.Usage | None = None) -> bytes:
-        return self._event([s.CompletionChoice(0, text)], usage)
+    def text(self, text: str, usage: s.Usage | None = None, logprobs: Logprobs | None = None) -> bytes:
+        return self._event([s.CompletionChoice(0, text, logprobs=self._completion_logprobs(logprobs))], usage)
 
     def finish(self, reason: str) -> bytes:
         return self._event([s.CompletionChoice(0, "", reason)])
 
-    def whole(self, text: str, finish_reason: str | None, usage: s.Usage) -> s.Completion:
-        return s.Completion(self.rid, self.created, self.model, [s.CompletionChoice(0, text, finish_reason)], usage)
+    def whole(self, text: str, finish_reason: str | None, usage: s.Usage,
+              logprobs: Logprobs | None = None) -> s.Completion:
+        choice = s.CompletionChoice(0, text, finish_reason, self._completion_logprobs(logprobs))
+        return s.Completion(self.rid, self.created, self.model, [choice], usage)
+
+    def _completion_logprobs(self, logprobs: Logprobs | None) -> s.CompletionLogprobs | None:
+        if logprobs is None or self.tokenizer is None:
+            return None
+        out = s.CompletionLogprobs([], [], [], [])
+        for token_id, lp in logprobs:
+            text = self._name(token_id)[0]
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self._name(t)[0]: v for t, v in zip(lp.top_ids, lp.top_logprobs)})
+            out.text_offset.append(self.text_offset)
+            self.text_offset += len(text)
+        return out
 
 
 class SSEConnection:
@@ -98,14 +142,14 @@ class SSEConnection:
         if transport is not None and transport.get_write_buffer_size() == 0:
             self.write(KEEP_ALIVE)
 
-    def send(self, text: str, num_tokens: int, blocked: float = 0.0) -> None:
-        """One event with `text` (its `num_tokens` tokens), now. A token with no text yet (held bytes
-        of a character, a special token) still gets its event: clients time every token, as the
-        engine counts it."""
+    def send(self, text: str, num_tokens: int, blocked: float = 0.0, logprobs: Logprobs | None = None) -> None:
+        """One event with `text` (its `num_tokens` tokens, and their logprobs where asked), now. A
+        token with no text yet (held bytes of a character, a special token) still gets its event:
+        clients time every token, as the engine counts it."""
         if text or num_tokens:
             gen = self.gen
             usage = usage_so_far(gen, gen.num_delivered + num_tokens) if self.continuous_usage else None
-            self.write(self.chunks.text(text, usage))
+            self.write(self.chunks.text(text, usage, logprobs))
             self.num_events += 1
         self.gen.delivered(num_tokens, blocked)  # no-op without tokens
 
@@ -114,7 +158,7 @@ class SSEConnection:
         transport = self.transport
         if transport is None or transport.get_write_buffer_size() > STREAM_HIGH_WATER:
             return False
-        self.send(piece.text, piece.num_tokens)
+        self.send(piece.text, piece.num_tokens, logprobs=piece.logprobs)
         return True
 
 

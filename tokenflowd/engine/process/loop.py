@@ -186,7 +186,8 @@ class EngineProcess(EngineEndpoint):
         try:
             params = SamplingParams(s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, (),
                                     s.stop_token_ids, s.ignore_eos, s.min_tokens, s.presence_penalty,
-                                    s.frequency_penalty, s.repetition_penalty)
+                                    s.frequency_penalty, s.repetition_penalty,
+                                    s.logprobs if s.logprobs >= 0 else None)
             req = Request(msg.request_id, msg.prompt_token_ids, params, arrival_time=msg.arrival_time,
                           reading_rate=msg.reading_rate, priority=msg.priority)
         except (InvalidRequestError, ValueError) as e:
@@ -291,7 +292,7 @@ def trim_heap() -> None:
 def _delta(out: EngineCoreOutput) -> p.Delta:
     return p.Delta(
         out.request_id, out.new_token_ids, out.finish_reason.value if out.finish_reason else None, out.error,
-        num_cached_tokens=out.num_cached_tokens, num_preemptions=out.num_preemptions,
+        num_cached_tokens=out.num_cached_tokens, num_preemptions=out.num_preemptions, logprobs=out.logprobs,
     )
 
 

@@ -22,16 +22,17 @@ from __future__ import annotations
 import heapq
 
 from tokenflowd.buffer.tracker import TokenBuffer
-from tokenflowd.protocol import Coalesce, Delta
+from tokenflowd.protocol import Coalesce, Delta, TokenLogprobs
 
 
 class _Paced:
-    __slots__ = ("buffer", "coalesce", "held", "due", "num_cached_tokens", "num_preemptions")
+    __slots__ = ("buffer", "coalesce", "held", "held_logprobs", "due", "num_cached_tokens", "num_preemptions")
 
     def __init__(self, reading_rate: float, coalesce: Coalesce) -> None:
         self.buffer = TokenBuffer(reading_rate)  # as delivered: advanced when tokens leave
         self.coalesce = coalesce
         self.held: list[int] = []
+        self.held_logprobs: list[TokenLogprobs] | None = None  # theirs, where the request asks
         self.due = 0.0  # while holding: when the held tokens go out
         self.num_cached_tokens = 0  # of the latest delta held
         self.num_preemptions = 0
@@ -94,6 +95,8 @@ class DeltaPacer:
                     s.due = now + s.coalesce.interval
                     heapq.heappush(self._releases, (s.due, d.request_id))
                 s.held.extend(d.token_ids)
+                if d.logprobs is not None:
+                    s.held_logprobs = (s.held_logprobs or []) + d.logprobs
                 s.num_cached_tokens, s.num_preemptions = d.num_cached_tokens, d.num_preemptions
                 continue
             out.append(self._with_held(s, d, now))
@@ -110,8 +113,11 @@ class DeltaPacer:
     def _with_held(s: _Paced, d: Delta, now: float) -> Delta:
         """`d` with the held tokens before its own, counted as delivered at `now`."""
         if s.held:
+            logprobs = d.logprobs
+            if s.held_logprobs is not None:
+                logprobs = s.held_logprobs + (d.logprobs or [])
             d = Delta(d.request_id, s.held + d.token_ids, d.finish_reason, d.error, d.num_cached_tokens,
-                      d.num_preemptions, d.retry_after)
-            s.held = []
+                      d.num_preemptions, d.retry_after, logprobs)
+            s.held, s.held_logprobs = [], None
         s.buffer.on_tokens(len(d.token_ids), now)
         return d
