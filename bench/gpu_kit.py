@@ -43,9 +43,10 @@ WHEELS = [
     ("gguf", "the embedded model's tokenizer"),
     ("tomli-w", "the configuration's TOML"),
     ("prometheus-client", "the daemon's /metrics"),
+    ("llguidance", "structured output's grammars (an abi3 wheel)"),
 ]
 PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
-             "manylinux_2_28_x86_64"]
+             "manylinux_2_28_x86_64", "manylinux_2_31_x86_64"]
 # Of flashinfer's data/csrc, only the files at its top level are kept: its subfolders hold MoE
 # kernels and other GPU families' sources (about 250 MB) that batch prefill and decode never build.
 FLASHINFER_CSRC = Path("flashinfer/data/csrc")

@@ -25,6 +25,7 @@ class Sampling(msgspec.Struct, frozen=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int = -1  # -1: none; k >= 0: each sampled token's logprob and the k most likely (at most 20)
+    grammar: str | None = None  # structured output: llguidance's grammar (JSON) the output follows
 
 
 # -- supervisor → engine ---------------------------------------------------------------------

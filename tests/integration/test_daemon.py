@@ -170,6 +170,88 @@ def test_completion_logprobs_through_the_openai_client(client):
                                      temperature=0).choices[0].logprobs is None
 
 
+def _structured_models():
+    """Five response formats of the kinds a chat product sends, bounded (lengths, counts, ranges) so
+    that a constrained reply ends within max_tokens whatever the model would have said."""
+    from enum import Enum
+    from typing import Annotated, Literal
+
+    from pydantic import BaseModel, Field
+
+    Short = Annotated[str, Field(max_length=16)]
+
+    class Address(BaseModel):
+        city: Short
+        zip: int = Field(ge=0, le=99999)
+
+    class Person(BaseModel):  # nested
+        name: Short
+        address: Address
+
+    class Color(str, Enum):
+        red = "red"
+        green = "green"
+        blue = "blue"
+
+    class Paint(BaseModel):  # enums
+        color: Color
+        finish: Literal["matte", "gloss"]
+
+    class Shopping(BaseModel):  # arrays
+        items: list[Short] = Field(max_length=4)
+        counts: list[int] = Field(max_length=4)
+
+    class Book(BaseModel):  # optional fields
+        title: Short
+        subtitle: Short | None
+        year: int | None = Field(ge=1000, le=2100)
+
+    class Item(BaseModel):
+        sku: Short
+        qty: int = Field(ge=1, le=99)
+
+    class Order(BaseModel):  # an array of objects
+        id: int = Field(ge=1, le=10**6)
+        paid: bool
+        lines: list[Item] = Field(max_length=3)
+
+    return [(Person, "Who lives where? Answer as JSON."), (Paint, "Pick a paint."), (Shopping, "Make a shopping list."),
+            (Book, "Name a book."), (Order, "Write an order.")]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_parse_with_a_pydantic_response_format_returns_the_object(client, index):
+    """The SDK's parse(response_format=Model) on the embedded model: the reply is a valid document of
+    the model's strict schema (the grammar constrained it: unconstrained, the same prompt's greedy
+    reply is not one), streamed or not."""
+    import pydantic
+
+    model, question = _structured_models()[index]
+    reply = client.beta.chat.completions.parse(model=MODEL, messages=chat(question), response_format=model,
+                                               max_tokens=160, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, model)
+    free = client.chat.completions.create(model=MODEL, messages=chat(question), max_tokens=160, temperature=0)
+    with pytest.raises(pydantic.ValidationError):
+        model.model_validate_json(free.choices[0].message.content)
+    with client.beta.chat.completions.stream(model=MODEL, messages=chat(question), response_format=model,
+                                             max_tokens=160, temperature=0) as stream:
+        streamed = stream.get_final_completion()
+    assert streamed.choices[0].message.parsed == choice.message.parsed
+
+
+def test_a_schema_the_grammar_library_cannot_enforce_is_a_400_that_names_it(daemon):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
+    r = _post(daemon, "/v1/chat/completions", {**GOOD, "response_format": fmt})
+    assert r.status_code == 400 and "uniqueItems" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "response_format.json_schema.schema"
+    r = _post(daemon, "/v1/chat/completions", {**GOOD, "response_format": {"type": "json_schema"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema"
+    r = _post(daemon, "/v1/chat/completions", {**GOOD, "max_tokens": 40, "response_format": {"type": "json_object"}})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("{")
+
+
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 

@@ -31,6 +31,7 @@ from tokenflowd.config import EngineConfig
 from tokenflowd.engine.admission import AdmissionControl
 from tokenflowd.engine.errors import EngineFailed, ForeignPrefixLost, device_lost
 from tokenflowd.engine.executor import Executor, Launched
+from tokenflowd.engine.grammar import Grammars
 from tokenflowd.engine.model.loader import LoadedModel, load_model_source
 from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from tokenflowd.engine.runner import ModelRunner
@@ -91,6 +92,7 @@ class EngineCore:
         self.config: EngineConfig | None = None  # set by from_config, with the model's:
         self.model_config = None
         self.tokenizer = None
+        self._grammars: Grammars | None = None  # structured output's matchers, on the first request that asks
         self.fallback = ""  # the fast paths start-up stepped down from, and why (engine/startup.py); "": none
         self.attention_note = ""  # why a GPU engine left to choose runs the torch backend ("": it does not)
         # Held by the engine's loop while it touches the KV pages, when another thread of the
@@ -259,6 +261,13 @@ class EngineCore:
         req.max_model_len = self.max_model_len - req.prefix_offset  # its own tokens' room
         if not req.eos_token_ids:
             req.eos_token_ids = self.eos_token_ids
+        grammar = req.sampling_params.grammar
+        if grammar is not None and req.grammar is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer, which this engine lacks")
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer)
+            req.grammar = self._grammars.matcher(grammar)
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None

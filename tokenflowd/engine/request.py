@@ -12,6 +12,8 @@ from tokenflowd.buffer.tracker import TokenBuffer
 if TYPE_CHECKING:
     import torch
 
+    from tokenflowd.engine.grammar import GrammarState
+
 DEFAULT_READING_RATE = 20.0  # tokens/s: a fast human reader
 # In a request's token_ids, a token a launched step samples that the host has not seen yet
 # (overlap scheduling, engine/core.py): at most one per request, always its last.
@@ -41,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; k: each sampled token's logprob and the top k (k <= 20)
+    grammar: str | None = None  # structured output: llguidance's grammar the output must follow (engine/grammar.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -85,12 +88,13 @@ class SamplingRow(NamedTuple):
     generator: "torch.Generator | None"
     num_output_tokens: int  # before this step's token
     stop_token_ids: frozenset[int]
-    # a penalized request's (the request's own lists, not copies; None: no penalty): its tokens
-    # (prompt, then output, PLACEHOLDER where a token is still on the device) and the prompt's
-    # leading tokens the pool holds (request.py foreign_token_ids)
+    # a penalized or constrained request's (the request's own lists, not copies; else None): its
+    # tokens (prompt, then output, PLACEHOLDER where a token is still on the device) and the
+    # prompt's leading tokens the pool holds (request.py foreign_token_ids)
     tokens: "list[int] | None" = None
     foreign: "list[int] | None" = None
     num_prompt_tokens: int = 0  # of tokens
+    grammar: "GrammarState | None" = None  # a constrained request's matcher (engine/grammar.py)
 
 
 class RequestStatus(enum.Enum):
@@ -146,6 +150,7 @@ class Request:
     error: str | None = None
     buffer: TokenBuffer = field(init=False)  # the client's token buffer, fed as tokens are sampled
     generator: torch.Generator | None = None
+    grammar: "GrammarState | None" = None  # structured output's matcher, set at admission (engine/core.py)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -231,9 +236,9 @@ class Request:
         return room if mt is None else min(mt, room)
 
     def sampling_row(self) -> SamplingRow:
-        if self.sampling_params.penalized:
+        if self.sampling_params.penalized or self.grammar is not None:
             return SamplingRow(self.sampling_params, self.generator, self.num_output_tokens, self.stop_token_ids,
-                               self.token_ids, self.foreign_token_ids, self.num_prompt_tokens)
+                               self.token_ids, self.foreign_token_ids, self.num_prompt_tokens, self.grammar)
         return SamplingRow(self.sampling_params, self.generator, self.num_output_tokens, self.stop_token_ids)
 
     @property

@@ -12,6 +12,7 @@ import torch
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
 from tokenflowd.engine.executor import Executor, Launched
+from tokenflowd.engine.grammar import MaskWorker
 from tokenflowd.engine.memory import kv_budget, step_reserve
 from tokenflowd.engine.model.config import ModelConfig
 from tokenflowd.engine.model.llama import LlamaModel
@@ -92,6 +93,7 @@ class ModelRunner(Executor):
         # on a CPU: the last launched step, which copies of the KV it writes wait for (offload/copier.py)
         self.last_launched: concurrent.futures.Future | None = None
         self._logprobs: dict[int, TokenLogprobs] = {}  # the step last executed or collected: batch row -> its
+        self.masks = MaskWorker()  # structured output's token masks, computed while the forward runs
 
     # -- start-up -----------------------------------------------------------------------------
     def _init_threads(self) -> None:
@@ -249,15 +251,30 @@ class ModelRunner(Executor):
         """The step's sampled ids [S] on the device (kept for the next step's rows), their rows, and
         the logprobs of the rows that ask (on the device)."""
         prev, self._last_tokens = self._last_tokens, None  # a step that fails leaves nothing to read
+        masks = self._start_masks(batch, prev)
         logits, sampling = self.compute_logits(batch, inputs, prev)
         pending = [batch.prev_sample[i] for i in sampling] if batch.prev_sample else None
         if sampling:
-            tokens, lp = self.sampler.sample_with_logprobs(logits, [batch.sampling[i] for i in sampling], prev,
-                                                           pending)
+            rows = [batch.sampling[i] for i in sampling]
+            if masks is not None:
+                at = {i: j for j, i in enumerate(sampling)}
+                masks = ([at[i] for i in masks[0]], masks[1].result())
+            tokens, lp = self.sampler.sample_with_logprobs(logits, rows, prev, pending, masks)
         else:
             tokens, lp = torch.empty(0, dtype=torch.int64, device=self.device), None
         self._last_tokens = tokens
         return tokens, sampling, lp
+
+    def _start_masks(self, batch: ScheduledBatch, prev: torch.Tensor | None) -> tuple[list[int], "Any"] | None:
+        """(batch rows, a Future of their masks) for the rows a grammar constrains; None: no row."""
+        rows = [i for i, r in enumerate(batch.sampling) if r is not None and r.grammar is not None]
+        if not rows:
+            return None
+        pending = [batch.prev_sample[i] for i in rows] if batch.prev_sample else None
+        samplings = [batch.sampling[i] for i in rows]
+        # where each row's sampled token goes: ahead, the PLACEHOLDER scheduling put there
+        ends = [batch.token_index[i] if batch.ahead else len(r.tokens) for i, r in zip(rows, samplings)]
+        return rows, self.masks.start(samplings, ends, prev, pending)
 
     @staticmethod
     def _rows(n: int, sampling: list[int], tokens: list[int]) -> list[int | None]:
@@ -332,6 +349,7 @@ class ModelRunner(Executor):
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        self.masks.close()
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from tokenflowd.engine.grammar import apply_masks
 from tokenflowd.engine.request import PLACEHOLDER, SamplingRow
 
 
@@ -55,11 +56,14 @@ class Sampler:
         return self.sample_with_logprobs(logits, reqs, prev, pending)[0]
 
     def sample_with_logprobs(self, logits: torch.Tensor, reqs: list[SamplingRow], prev: torch.Tensor | None = None,
-                             pending: list[int] | None = None) -> tuple[torch.Tensor, Logprobs | None]:
-        """`sample`, and the logprobs of the rows that ask for them (None: no row does)."""
+                             pending: list[int] | None = None,
+                             masks: tuple[list[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, Logprobs | None]:
+        """`sample`, and the logprobs of the rows that ask for them (None: no row does). `masks`:
+        (rows, int32 bitmask) of the rows a grammar constrains (engine/grammar.py), applied after
+        the penalties."""
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         raw = logits[lp_rows].log_softmax(dim=-1) if lp_rows else None  # a copy: penalties change logits
-        tokens = self._draw(logits, reqs, prev, pending)
+        tokens = self._draw(logits, reqs, prev, pending, masks)
         if raw is None:
             return tokens, None
         ks = [reqs[i].params.logprobs for i in lp_rows]
@@ -68,9 +72,11 @@ class Sampler:
         return tokens, Logprobs(lp_rows, ks, chosen, top_ids, top_logprobs)
 
     def _draw(self, logits: torch.Tensor, reqs: list[SamplingRow], prev: torch.Tensor | None,
-              pending: list[int] | None) -> torch.Tensor:
+              pending: list[int] | None, masks: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         # logits: [N, vocab] fp32, row i belongs to reqs[i]
         self.penalize(logits, reqs, prev, pending)
+        if masks is not None:
+            apply_masks(logits, *masks)
         for i, r in enumerate(reqs):
             if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
                 ids = [t for t in r.stop_token_ids if 0 <= t < logits.shape[1]]
@@ -99,7 +105,7 @@ class Sampler:
     def penalize(logits: torch.Tensor, reqs: list[SamplingRow], prev: torch.Tensor | None = None,
                  pending: list[int] | None = None) -> None:
         """Apply the rows' penalties to `logits` in place (rows without any cost a look at their row)."""
-        rows = [i for i, r in enumerate(reqs) if r.tokens is not None]
+        rows = [i for i, r in enumerate(reqs) if r.tokens is not None and r.params.penalized]
         if not rows:
             return
         dev, vocab = logits.device, logits.shape[1]

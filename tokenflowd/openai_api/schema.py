@@ -65,8 +65,19 @@ class ReadCursor(Struct, forbid_unknown_fields=True):
     tokens: Annotated[int, Meta(ge=0, le=INT32_MAX, description="output tokens read so far, at most those delivered")]
 
 
+class JsonSchemaFormat(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
+    schema: Annotated[dict[str, Any] | bool, Meta(description="a JSON Schema the output is a document of; "
+                                                              "keys the grammar library cannot enforce are a 400")] = True
+    description: str | None = None
+    strict: Annotated[bool | None, Meta(description="tokenflowd constrains the output either way")] = None
+
+
 class ResponseFormat(Struct, forbid_unknown_fields=True):
-    type: Literal["text"]
+    type: Annotated[Literal["text", "json_object", "json_schema"],
+                    Meta(description="json_object: any JSON object; json_schema: a document of json_schema.schema "
+                                     "(the tokens are constrained to it as they are sampled)")]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):

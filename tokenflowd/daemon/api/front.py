@@ -33,6 +33,7 @@ from tokenflowd.federation.wire import PrefillOrder
 from tokenflowd.openai_api import schema as s
 from tokenflowd.openai_api.errors import APIError, not_utf8
 from tokenflowd.protocol import AddRequest, Coalesce, PrefixRun, Sampling
+from tokenflowd.text.structured import ANY_OBJECT, json_grammar
 from tokenflowd.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenflowd.api")
@@ -67,7 +68,6 @@ _UNSUPPORTED = {
     "suffix": "suffix is not supported: leave it out",
     "tools": "tools are not supported: leave them out",
     "tool_choice": "tool_choice must be 'none' or 'auto' (tools are not supported)",
-    "response_format": "response_format must be {\"type\": \"text\"}: structured output is not supported",
 }
 
 # dispatch's guess of a request's output tokens (max_tokens caps it): a chat reply's length
@@ -273,6 +273,7 @@ class Front:
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logprobs=self._logprobs(body),
+            grammar=self._grammar(body),
         )
         learned = cadence.lookup.reading_rate if cadence is not None else None
         rate = choose_rate(self._stated_rate(body, request), learned, self.config.default_reading_rate,
@@ -282,6 +283,26 @@ class Front:
                          bool(options and options.include_usage), rate, cadence,
                          coalesce=options is None or options.coalesce,
                          continuous_usage=bool(options and options.continuous_usage_stats))
+
+    @staticmethod
+    def _grammar(body: s.ChatCompletionRequest | s.CompletionRequest) -> str | None:
+        """response_format's grammar (None: free text); 400 naming what the library cannot enforce."""
+        fmt = body.response_format if isinstance(body, s.ChatCompletionRequest) else None
+        if fmt is None or fmt.type == "text":
+            if fmt is not None and fmt.json_schema is not None:
+                raise APIError(400, "response_format.json_schema goes with type \"json_schema\"",
+                               param="response_format.json_schema")
+            return None
+        if fmt.type == "json_object":
+            return json_grammar(ANY_OBJECT)
+        if fmt.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs a json_schema: {\"name\", \"schema\"}",
+                           param="response_format.json_schema")
+        try:
+            return json_grammar(fmt.json_schema.schema)
+        except ValueError as e:
+            raise APIError(400, f"response_format.json_schema.schema cannot be enforced: {e}",
+                           param="response_format.json_schema.schema", code="invalid_json_schema") from None
 
     @staticmethod
     def _logprobs(body: s.ChatCompletionRequest | s.CompletionRequest) -> int:

@@ -187,7 +187,7 @@ class EngineProcess(EngineEndpoint):
             params = SamplingParams(s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, (),
                                     s.stop_token_ids, s.ignore_eos, s.min_tokens, s.presence_penalty,
                                     s.frequency_penalty, s.repetition_penalty,
-                                    s.logprobs if s.logprobs >= 0 else None)
+                                    s.logprobs if s.logprobs >= 0 else None, s.grammar)
             req = Request(msg.request_id, msg.prompt_token_ids, params, arrival_time=msg.arrival_time,
                           reading_rate=msg.reading_rate, priority=msg.priority)
         except (InvalidRequestError, ValueError) as e:
