@@ -252,6 +252,77 @@ def test_a_schema_the_grammar_library_cannot_enforce_is_a_400_that_names_it(daem
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("{")
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
+                                                    "b": {"type": "integer", "minimum": -999, "maximum": 999}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def _calls_streamed(client, **kw) -> tuple[list[tuple[str, str]], str]:
+    """The calls of a streamed reply, reassembled from their deltas as a client does, and its finish."""
+    calls: dict[int, list[str]] = {}
+    reason = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        for d in chunk.choices[0].delta.tool_calls or ():
+            call = calls.setdefault(d.index, ["", ""])
+            call[0] += d.function.name or ""
+            call[1] += d.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return [tuple(calls[i]) for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_required_tool_call_is_valid_for_its_function_and_streams_the_same(client, choice):
+    import jsonschema_rs
+
+    ask = dict(model=MODEL, messages=chat("What is 12 plus 30? And what is the weather in Oslo?"),
+               tools=[WEATHER, ADD], tool_choice=choice, parallel_tool_calls=False, max_tokens=80, temperature=0)
+    reply = client.chat.completions.create(**ask)
+    choice_ = reply.choices[0]
+    assert choice_.finish_reason == "tool_calls" and choice_.message.content is None
+    (call,) = choice_.message.tool_calls  # parallel_tool_calls false: one
+    if isinstance(choice, dict):
+        assert call.function.name == "add"
+    schema = {"get_weather": WEATHER, "add": ADD}[call.function.name]["function"]["parameters"]
+    jsonschema_rs.validate(schema, json.loads(call.function.arguments))
+    streamed, reason = _calls_streamed(client, **ask)
+    assert reason == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in streamed] == [(call.function.name, json.loads(call.function.arguments))]
+
+
+def test_a_conversation_with_a_tool_result_is_rendered_and_answered(client):
+    messages = chat("What is the weather in Oslo?") + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Oslo", "unit": "celsius"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 degrees and snowing"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=24, temperature=0)
+    assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+])
+def test_tool_requests_that_cannot_be_served_are_400s(daemon, body, param):
+    r = _post(daemon, "/v1/chat/completions", {**GOOD, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 

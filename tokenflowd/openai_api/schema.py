@@ -1,7 +1,7 @@
 """What the HTTP API accepts and returns, as msgspec Structs: the decoder validates types and
 ranges in one pass, and the same Structs give the published OpenAPI schema.
 
-Fields the OpenAI API defines but tokenflowd does not implement (tools, n>1, logit_bias)
+Fields the OpenAI API defines but tokenflowd does not implement (n>1, logit_bias)
 are declared so that their default values pass and anything else is refused with a 400 that
 names the field; unknown fields are refused too. Nothing a client sends is dropped silently.
 """
@@ -46,10 +46,25 @@ class TextPart(Struct, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCall(Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(Struct, forbid_unknown_fields=True):
+    """A call an assistant message of the conversation made."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallIn], Meta(max_length=128)] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -63,6 +78,27 @@ class ReadCursor(Struct, forbid_unknown_fields=True):
     """`POST /v1/requests/{id}/read`: how far the client's reader has got in the streamed output."""
 
     tokens: Annotated[int, Meta(ge=0, le=INT32_MAX, description="output tokens read so far, at most those delivered")]
+
+
+class FunctionDefinition(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: Annotated[dict[str, Any], Meta(description="a JSON Schema of the arguments")] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, forbid_unknown_fields=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True):
+    function: NamedFunction
+    type: Literal["function"] = "function"
 
 
 class JsonSchemaFormat(Struct, forbid_unknown_fields=True):
@@ -112,8 +148,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: Annotated[TopLogprobs, Meta(description="with logprobs: true, the most likely tokens at each "
                                                           "position")] | None = None
     response_format: ResponseFormat | None = None
-    tools: Annotated[list[dict[str, Any]], Meta(max_length=0, description="not supported")] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
+                           Meta(description="required and a named function constrain the reply to calls whose "
+                                            "arguments are valid for the function's parameters")] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -140,9 +179,21 @@ class Usage(Struct):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class FunctionCallOut(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class AssistantMessage(Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprob(Struct):
@@ -190,9 +241,22 @@ class ChatCompletion(Struct):
     object: str = "chat.completion"
 
 
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class ChunkDelta(Struct, omit_defaults=True):
     content: str | None = None
     role: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -205,9 +205,13 @@ class Tokenizer:
             **template_kwargs,
         )
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`tools` (OpenAI's definitions) go to a template that renders them (text/tools.py); the
+        messages are then as text/tools.py `template_messages` gives them."""
         # The template writes bos itself where the model wants one (as Hugging Face does).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        extra = {"tools": tools} if tools else {}
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._backend.id_to_token(token_id) or "")

@@ -33,6 +33,7 @@ from tokenflowd.federation.wire import PrefillOrder
 from tokenflowd.openai_api import schema as s
 from tokenflowd.openai_api.errors import APIError, not_utf8
 from tokenflowd.protocol import AddRequest, Coalesce, PrefixRun, Sampling
+from tokenflowd.text import tools
 from tokenflowd.text.structured import ANY_OBJECT, json_grammar
 from tokenflowd.text.tokenizer import Tokenizer
 
@@ -66,8 +67,6 @@ _UNSUPPORTED = {
     "logit_bias": "logit_bias is not supported: leave it out or send {}",
     "echo": "echo is not supported: leave it out",
     "suffix": "suffix is not supported: leave it out",
-    "tools": "tools are not supported: leave them out",
-    "tool_choice": "tool_choice must be 'none' or 'auto' (tools are not supported)",
 }
 
 # dispatch's guess of a request's output tokens (max_tokens caps it): a chat reply's length
@@ -87,6 +86,7 @@ class Prepared:
     cadence: _Cadence | None = None  # chat turns and requests with `user`: the reply feeds the cadence
     coalesce: bool = True  # stream_options.coalesce: false asks for one event per token
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far in every event
+    tool_format: str | None = None  # the calls in the reply are parsed, written this way (text/tools.py); None: not
 
 
 @dataclass(frozen=True)
@@ -273,7 +273,7 @@ class Front:
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logprobs=self._logprobs(body),
-            grammar=self._grammar(body),
+            grammar=self._tool_grammar(body) or self._grammar(body),
         )
         learned = cadence.lookup.reading_rate if cadence is not None else None
         rate = choose_rate(self._stated_rate(body, request), learned, self.config.default_reading_rate,
@@ -282,7 +282,42 @@ class Front:
         return Prepared(prompt_ids, sampling, stop, rate.reading_rate, body.priority, body.stream,
                          bool(options and options.include_usage), rate, cadence,
                          coalesce=options is None or options.coalesce,
-                         continuous_usage=bool(options and options.continuous_usage_stats))
+                         continuous_usage=bool(options and options.continuous_usage_stats),
+                         tool_format=self.tool_format(body))
+
+    def tool_format(self, body: s.ChatCompletionRequest | s.CompletionRequest) -> str | None:
+        """How the reply's calls are written, when it may make some (tools offered, tool_choice not none)."""
+        if not isinstance(body, s.ChatCompletionRequest) or not body.tools or body.tool_choice == "none":
+            return None
+        return tools.tool_format(self.tokenizer.chat_template)
+
+    def _tool_grammar(self, body: s.ChatCompletionRequest | s.CompletionRequest) -> str | None:
+        """tool_choice required or named: the reply is only calls, each valid for its function."""
+        if not isinstance(body, s.ChatCompletionRequest) or body.tool_choice is None:
+            return None
+        choice = body.tool_choice
+        if choice in ("none", "auto"):
+            return None
+        offered = [t.function.name for t in body.tools or ()]
+        if not offered:
+            raise APIError(400, "tool_choice names a call but no tools are offered", param="tool_choice")
+        if isinstance(choice, s.NamedToolChoice):
+            if choice.function.name not in offered:
+                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                                    f"({', '.join(offered)})", param="tool_choice.function.name")
+            names = [choice.function.name]
+        else:
+            names = offered
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, "response_format and a required tool call each constrain the reply: send one",
+                           param="response_format")
+        defs = [msgspec.to_builtins(t) for t in body.tools]
+        try:
+            return tools.call_grammar(defs, names, body.parallel_tool_calls is not False,
+                                      tools.tool_format(self.tokenizer.chat_template))
+        except ValueError as e:
+            raise APIError(400, f"the tools' parameters cannot be enforced: {e}", param="tools",
+                           code="invalid_json_schema") from None
 
     @staticmethod
     def _grammar(body: s.ChatCompletionRequest | s.CompletionRequest) -> str | None:
@@ -399,7 +434,8 @@ class Front:
                              rate=RateMonitor(prep.reading_rate, max_rate=self.config.max_reading_rate,
                                               initial_source=prep.rate.source),
                              keep_text=prep.cadence is not None and prep.cadence.keys is not None,
-                             keep_ids=prefill_node is not None)
+                             keep_ids=prefill_node is not None,
+                             tool_parser=tools.ToolCallParser(prep.tool_format) if prep.tool_format else None)
         except NoEngineReady:
             self.supervisor.forget(request_id)
             raise self._unavailable() from None

@@ -33,6 +33,7 @@ from tokenflowd.daemon.engine_handle import EngineHandle
 from tokenflowd.daemon.supervisor import Supervisor
 from tokenflowd.protocol import AddRequest, Delta, TokenLogprobs
 from tokenflowd.text.stream import IncrementalDetokenizer, StopStringMatcher
+from tokenflowd.text.tools import ToolCall, ToolCallParser
 from tokenflowd.text.tokenizer import Tokenizer
 
 request_log = logging.getLogger("tokenflowd.requests")
@@ -46,6 +47,7 @@ class Piece:
     error: str | None = None
     retry_after: float | None = None  # shed: s after which a retry can expect to be admitted
     logprobs: "list[tuple[int, TokenLogprobs]] | None" = None  # (token id, its logprobs), where asked
+    tool_calls: "list[ToolCall] | None" = None  # calls the text up to here completed (text/tools.py)
 
 
 class Generation:
@@ -57,6 +59,7 @@ class Generation:
         self, supervisor: Supervisor, slot: EngineHandle, add: AddRequest, tokenizer: Tokenizer,
         stop: tuple[str, ...], metrics: EngineMetrics, arrival_time: float, *,
         rate: RateMonitor | None = None, keep_text: bool = False, keep_ids: bool = False,
+        tool_parser: ToolCallParser | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.request_id = add.request_id
@@ -67,6 +70,8 @@ class Generation:
         self.finish_reason: str | None = None
         self._first_sent: float | None = None
         self.wants_logprobs = add.sampling.logprobs >= 0
+        self._tools = tool_parser  # the reply's calls are taken out of its text
+        self.num_tool_calls = 0
         self._detok = IncrementalDetokenizer(tokenizer, add.prompt_token_ids)
         self._stops = StopStringMatcher(stop)
         self._metrics = metrics
@@ -120,10 +125,19 @@ class Generation:
         self.finish_reason = reason
         if text and self.text_parts is not None:
             self.text_parts.append(text)
+        calls = None
+        if self._tools is not None:
+            text, calls = self._tools.push(text) if text else ("", [])
+            if reason is not None:
+                tail, more = self._tools.flush()
+                text, calls = text + tail, calls + more
+            self.num_tool_calls += len(calls)
+            if reason == "stop" and self.num_tool_calls:
+                reason = "tool_calls"  # what the client is told; the request itself ended as "stop"
         if text or delta.token_ids or reason:
             # a first token computed on a prefill node (federation) comes without logprobs: none listed
             logprobs = (list(zip(delta.token_ids, delta.logprobs or ())) if self.wants_logprobs else None)
-            return Piece(text, len(delta.token_ids), reason, delta.error, logprobs=logprobs)
+            return Piece(text, len(delta.token_ids), reason, delta.error, logprobs=logprobs, tool_calls=calls or None)
         return None
 
     # -- the handler's side ------------------------------------------------------------------

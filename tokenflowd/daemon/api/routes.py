@@ -39,6 +39,7 @@ from tokenflowd.openai_api import schema as s
 from tokenflowd.openai_api.errors import APIError, error_event
 from tokenflowd.protocol import RequestInfo
 from tokenflowd.text.tokenizer import Tokenizer
+from tokenflowd.text.tools import ToolCall, template_messages
 
 log = logging.getLogger("tokenflowd.api")
 
@@ -58,13 +59,18 @@ class Routes:
         body: s.ChatCompletionRequest = await self.front.decode(request, self.front.chat_decoder)
         self.front.check_model(body.model)
         self.front.check_priority(body.priority, request)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
+                     **({"tool_calls": msgspec.to_builtins(m.tool_calls)} if m.tool_calls else {}),
+                     **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {})}
                     for m in body.messages]
         tokenizer = self.front.tokenizer
-        self.front.check_length_floor(sum(tokenizer.min_tokens(m["content"]) for m in messages), "messages")
-        nbytes = sum(len(m["content"]) for m in messages)
+        offered = ([msgspec.to_builtins(t) for t in body.tools]
+                   if body.tools and body.tool_choice != "none" else None)
+        rendered = template_messages(messages, offered, tokenizer.chat_template)
+        self.front.check_length_floor(sum(tokenizer.min_tokens(m["content"]) for m in rendered), "messages")
+        nbytes = sum(len(m["content"]) for m in rendered)
         try:
-            prompt_ids = await self.front.tokenize(nbytes, tokenizer.encode_chat, messages)
+            prompt_ids = await self.front.tokenize(nbytes, tokenizer.encode_chat, rendered, True, offered)
         except Exception as e:  # the model's chat template refused the conversation
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                            code="chat_template") from None
@@ -121,8 +127,8 @@ class Routes:
         try:
             if prep.stream:
                 return await self._stream(request, gen, prep, chunks)
-            text, piece, logprobs = await _collect(gen)
-            return _json(chunks.whole(text, piece.finish_reason, usage(gen), logprobs), chunks.rid,
+            text, piece, logprobs, calls = await _collect(gen)
+            return _json(chunks.whole(text, piece.finish_reason, usage(gen), logprobs, calls), chunks.rid,
                          headers=_rate_headers(gen))
         finally:
             gen.close()
@@ -200,7 +206,7 @@ class Routes:
         blocked = 0.0
         while True:
             text, num_tokens, last = _merge(pieces)  # pieces held while the client was not reading: one event
-            conn.send(text, num_tokens, blocked, _merged_logprobs(pieces))
+            conn.send(text, num_tokens, blocked, _merged_logprobs(pieces), _merged_calls(pieces))
             if last is not None:
                 if last.finish_reason == "error":
                     conn.write(error_event(last.error or "the engine failed while generating", code="engine_error"))
@@ -322,26 +328,31 @@ def _merge(pieces: list[Piece]) -> tuple[str, int, Piece | None]:
     return "".join(p.text for p in pieces), sum(p.num_tokens for p in pieces), last
 
 
+def _merged_calls(pieces: list[Piece]) -> list[ToolCall] | None:
+    return [c for p in pieces for c in p.tool_calls or ()] or None
+
+
 def _merged_logprobs(pieces: list[Piece]) -> Logprobs | None:
     if pieces[0].logprobs is None:  # the request did not ask
         return None
     return [entry for p in pieces for entry in p.logprobs or ()]
 
 
-async def _collect(gen: Generation) -> tuple[str, Piece, Logprobs | None]:
-    parts = []
+async def _collect(gen: Generation) -> tuple[str, Piece, Logprobs | None, list[ToolCall]]:
+    parts, calls = [], []
     logprobs: Logprobs | None = [] if gen.wants_logprobs else None
     pieces = await _first_pieces(gen)
     while True:
         text, num_tokens, last = _merge(pieces)
         gen.delivered(num_tokens)
         parts.append(text)
+        calls += _merged_calls(pieces) or ()
         if logprobs is not None:
             logprobs += _merged_logprobs(pieces) or ()
         if last is not None:
             if last.finish_reason == "error":
                 raise APIError(500, last.error or "the engine failed while generating", code="engine_failed")
-            return "".join(parts), last, logprobs
+            return "".join(parts), last, logprobs, calls
         pieces = await gen.take()
 
 

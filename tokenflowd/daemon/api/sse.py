@@ -16,6 +16,7 @@ from tokenflowd.daemon.api.generation import Generation, Piece
 from tokenflowd.openai_api import schema as s
 from tokenflowd.protocol import TokenLogprobs
 from tokenflowd.text.tokenizer import Tokenizer
+from tokenflowd.text.tools import ToolCall
 
 Logprobs = list[tuple[int, TokenLogprobs]]  # (token id, its logprobs), one a token in order
 
@@ -33,6 +34,7 @@ class ChatChunks:
     def __init__(self, rid: str, created: int, model: str, tokenizer: Tokenizer | None = None) -> None:
         self.rid, self.created, self.model = rid, created, model
         self.tokenizer = tokenizer
+        self.num_calls = 0  # tool calls sent so far: the index of the next
 
     def _event(self, choices: list, usage: s.Usage | None = None) -> bytes:
         return b"data: " + msgspec.json.encode(s.ChatCompletionChunk(self.rid, self.created, self.model, choices,
@@ -41,9 +43,15 @@ class ChatChunks:
     def role(self) -> bytes:
         return self._event([s.ChatChunkChoice(0, s.ChunkDelta(content="", role="assistant"))])
 
-    def text(self, text: str, usage: s.Usage | None = None, logprobs: Logprobs | None = None) -> bytes:
-        return self._event([s.ChatChunkChoice(0, s.ChunkDelta(content=text), logprobs=self._logprobs(logprobs))],
-                           usage)
+    def text(self, text: str, usage: s.Usage | None = None, logprobs: Logprobs | None = None,
+             tool_calls: list[ToolCall] | None = None) -> bytes:
+        calls = None
+        if tool_calls:  # each call whole in one delta: its id, name and all its arguments
+            calls = [s.ToolCallDelta(self.num_calls + k, c.id, "function", s.FunctionDelta(c.name, c.arguments))
+                     for k, c in enumerate(tool_calls)]
+            self.num_calls += len(tool_calls)
+        delta = s.ChunkDelta(content=text if text or not calls else None, tool_calls=calls)
+        return self._event([s.ChatChunkChoice(0, delta, logprobs=self._logprobs(logprobs))], usage)
 
     def finish(self, reason: str) -> bytes:
         return self._event([s.ChatChunkChoice(0, s.ChunkDelta(), reason)])
@@ -51,9 +59,11 @@ class ChatChunks:
     def usage(self, usage: s.Usage) -> bytes:
         return self._event([], usage)
 
-    def whole(self, text: str, finish_reason: str | None, usage: s.Usage,
-              logprobs: Logprobs | None = None) -> s.ChatCompletion:
-        choice = s.ChatChoice(0, s.AssistantMessage(text), finish_reason, self._logprobs(logprobs))
+    def whole(self, text: str, finish_reason: str | None, usage: s.Usage, logprobs: Logprobs | None = None,
+              tool_calls: list[ToolCall] | None = None) -> s.ChatCompletion:
+        calls = [s.ToolCallOut(c.id, s.FunctionCallOut(c.name, c.arguments)) for c in tool_calls or ()] or None
+        message = s.AssistantMessage(text if text or not calls else None, tool_calls=calls)
+        choice = s.ChatChoice(0, message, finish_reason, self._logprobs(logprobs))
         return s.ChatCompletion(self.rid, self.created, self.model, [choice], usage)
 
     def _name(self, token_id: int) -> tuple[str, list[int]]:
@@ -86,14 +96,15 @@ class CompletionChunks(ChatChunks):
     def role(self) -> bytes:
         return b""
 
-    def text(self, text: str, usage: s.Usage | None = None, logprobs: Logprobs | None = None) -> bytes:
+    def text(self, text: str, usage: s.Usage | None = None, logprobs: Logprobs | None = None,
+             tool_calls: list[ToolCall] | None = None) -> bytes:
         return self._event([s.CompletionChoice(0, text, logprobs=self._completion_logprobs(logprobs))], usage)
 
     def finish(self, reason: str) -> bytes:
         return self._event([s.CompletionChoice(0, "", reason)])
 
-    def whole(self, text: str, finish_reason: str | None, usage: s.Usage,
-              logprobs: Logprobs | None = None) -> s.Completion:
+    def whole(self, text: str, finish_reason: str | None, usage: s.Usage, logprobs: Logprobs | None = None,
+              tool_calls: list[ToolCall] | None = None) -> s.Completion:
         choice = s.CompletionChoice(0, text, finish_reason, self._completion_logprobs(logprobs))
         return s.Completion(self.rid, self.created, self.model, [choice], usage)
 
@@ -142,14 +153,15 @@ class SSEConnection:
         if transport is not None and transport.get_write_buffer_size() == 0:
             self.write(KEEP_ALIVE)
 
-    def send(self, text: str, num_tokens: int, blocked: float = 0.0, logprobs: Logprobs | None = None) -> None:
+    def send(self, text: str, num_tokens: int, blocked: float = 0.0, logprobs: Logprobs | None = None,
+             tool_calls: list[ToolCall] | None = None) -> None:
         """One event with `text` (its `num_tokens` tokens, and their logprobs where asked), now. A
         token with no text yet (held bytes of a character, a special token) still gets its event:
         clients time every token, as the engine counts it."""
-        if text or num_tokens:
+        if text or num_tokens or tool_calls:
             gen = self.gen
             usage = usage_so_far(gen, gen.num_delivered + num_tokens) if self.continuous_usage else None
-            self.write(self.chunks.text(text, usage, logprobs))
+            self.write(self.chunks.text(text, usage, logprobs, tool_calls))
             self.num_events += 1
         self.gen.delivered(num_tokens, blocked)  # no-op without tokens
 
@@ -158,7 +170,7 @@ class SSEConnection:
         transport = self.transport
         if transport is None or transport.get_write_buffer_size() > STREAM_HIGH_WATER:
             return False
-        self.send(piece.text, piece.num_tokens, logprobs=piece.logprobs)
+        self.send(piece.text, piece.num_tokens, logprobs=piece.logprobs, tool_calls=piece.tool_calls)
         return True
 
 
