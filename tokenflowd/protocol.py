@@ -81,6 +81,9 @@ class AddRequest(msgspec.Struct, tag=True):
     # Federation, on a decode node: a prefill node computes the prompt; allocate its pages and
     # answer Reserved; it decodes once RemoteArrived says the KV is in place.
     remote_kv: bool = False
+    # n > 1: the request id of another choice of this prompt; this one starts once that one has its
+    # first token, so the prompt's whole pages are computed once and shared (engine/core.py)
+    after: str = ""
 
 
 class RemoteArrived(msgspec.Struct, tag=True):

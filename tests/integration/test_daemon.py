@@ -323,6 +323,24 @@ def test_tool_requests_that_cannot_be_served_are_400s(daemon, body, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_n_seeded_choices_come_back_streamed_as_not(client):
+    ask = dict(model=MODEL, messages=chat("Tell me a joke."), n=4, seed=11, max_tokens=10, temperature=1.0)
+    reply = client.chat.completions.create(**ask)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    texts = [c.message.content for c in reply.choices]
+    assert len(set(texts)) > 1  # a seed moves on by one a choice
+    assert reply.usage.completion_tokens == 4 * 10
+    streamed: dict[int, str] = {}
+    usage = None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ask):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+        usage = chunk.usage or usage
+    assert [streamed[i] for i in range(4)] == texts and usage.completion_tokens == 40
+    greedy = client.completions.create(model=MODEL, prompt="Once upon a time", n=3, temperature=0, max_tokens=6)
+    assert len({c.text for c in greedy.choices}) == 1 and len(greedy.choices) == 3
+
+
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
@@ -438,7 +456,8 @@ BAD_CHAT = [
     ({**GOOD, "temperature": 2.5}, 400, "temperature"),
     ({**GOOD, "top_p": 0}, 400, "top_p"),
     ({**GOOD, "top_k": -2}, 400, "top_k"),
-    ({**GOOD, "n": 2}, 400, "n"),
+    ({**GOOD, "n": 17}, 400, "n"),
+    ({**GOOD, "n": 0}, 400, "n"),
     ({**GOOD, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ({**GOOD, "presence_penalty": -3}, 400, "presence_penalty"),
     ({**GOOD, "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -585,7 +604,7 @@ _COMMON = {
     "temperature": _ANY | st.floats(0, 2), "top_p": _ANY | st.floats(0, 1), "top_k": _ANY | st.integers(-2, 50),
     "seed": _ANY, "stop": _ANY | st.lists(st.text(max_size=3), max_size=3), "stream": st.booleans() | _ANY,
     "stream_options": _ANY | st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "n": _ANY | st.integers(0, 2), "user": _ANY, "reading_rate": _ANY | st.floats(-1, 100), "priority": _ANY,
+    "n": _ANY | st.integers(0, 3), "user": _ANY, "reading_rate": _ANY | st.floats(-1, 100), "priority": _ANY,
     "ignore_eos": _ANY, "min_tokens": st.integers(-1, 4) | _ANY, "stop_token_ids": _ANY,
     "frequency_penalty": _ANY | st.floats(-3, 3), "presence_penalty": _ANY | st.floats(-3, 3),
     "repetition_penalty": _ANY | st.floats(-1, 11), "logit_bias": _ANY, "bogus": _ANY,

@@ -93,6 +93,9 @@ class EngineCore:
         self.model_config = None
         self.tokenizer = None
         self._grammars: Grammars | None = None  # structured output's matchers, on the first request that asks
+        # n > 1: a request's other choices, held until its prompt's KV is in the prefix cache; then
+        # each finds the prompt's whole pages there (shared, counted once) and computes only its tail
+        self._forks: dict[str, list[Request]] = {}
         self.fallback = ""  # the fast paths start-up stepped down from, and why (engine/startup.py); "": none
         self.attention_note = ""  # why a GPU engine left to choose runs the torch backend ("": it does not)
         # Held by the engine's loop while it touches the KV pages, when another thread of the
@@ -199,13 +202,26 @@ class EngineCore:
         finally:
             self.lock.acquire()
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, after: str | None = None) -> None:
         """Validate and queue. Raises InvalidRequestError (nothing changes) when it cannot be served,
-        QueueDelayExceeded (nothing changes) when it would wait longer than --max-queue-delay."""
+        QueueDelayExceeded (nothing changes) when it would wait longer than --max-queue-delay.
+        `after`: another choice of the same prompt (n > 1) whose first token this one waits for, so
+        that the prompt's pages are computed once and shared."""
         self._validate(req)
         if self.admission is not None:
             self.admission.check(self.scheduler, req)
+        parent = self.scheduler.requests.get(after) if after else None
+        if parent is not None and parent.first_token_time is None:
+            self._forks.setdefault(parent.request_id, []).append(req)
+            return
         self.scheduler.add(req)
+
+    def _release_forks(self) -> None:
+        """Queue the choices whose first choice has its first token (or has ended)."""
+        for rid in [rid for rid, kids in self._forks.items()
+                    if (p := self.scheduler.requests.get(rid)) is None or p.first_token_time is not None]:
+            for req in self._forks.pop(rid):
+                self.scheduler.add(req)
 
     def add_remote(self, req: Request, num_tokens: int) -> list[int] | None:
         """A request whose prompt another node computes (federation/): validated as any, then given
@@ -270,12 +286,17 @@ class EngineCore:
             req.grammar = self._grammars.matcher(grammar)
 
     def abort(self, request_id: str) -> bool:
+        for kids in self._forks.values():
+            for req in kids:
+                if req.request_id == request_id:
+                    kids.remove(req)
+                    return True
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
         """Requests are queued or running. (A step in flight whose requests all ended carries nothing
         to wait for: the next step or `drain` collects it.)"""
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._forks)
 
     def stalled(self) -> bool:
         """Requests wait, but the last step ran nothing and none is in flight: nothing changes
@@ -312,6 +333,8 @@ class EngineCore:
         return req is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        if self._forks:
+            self._release_forks()
         if self._overlap:
             return self._step_overlapped()
         clock = self.clock

@@ -1,7 +1,7 @@
 """What the HTTP API accepts and returns, as msgspec Structs: the decoder validates types and
 ranges in one pass, and the same Structs give the published OpenAPI schema.
 
-Fields the OpenAI API defines but tokenflowd does not implement (n>1, logit_bias)
+Fields the OpenAI API defines but tokenflowd does not implement (best_of, logit_bias, echo, suffix)
 are declared so that their default values pass and anything else is refused with a 400 that
 names the field; unknown fields are refused too. Nothing a client sends is dropped silently.
 """
@@ -25,6 +25,7 @@ Priority = Annotated[int, Meta(ge=-1000, le=1000, description="higher is schedul
 INT32_MAX = 2**31 - 1  # the bound of counts and ids (the published schema narrows it to the model's: openapi())
 TokenCount = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+MAX_CHOICES = 16  # n: more choices of one prompt than this are more requests
 MAX_LOGPROBS = 20  # the most likely tokens a sampled token's logprobs may list (engine/request.py's bound)
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description="the most likely tokens listed with each "
                                                                      "sampled token, with their log-probabilities")]
@@ -128,7 +129,8 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=64)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Meta(ge=1, le=1, description="only 1 is supported")] = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES, description="choices: the prompt is computed once and its pages "
+                                                            "shared; each choice is a reader of its own")] = 1
     user: str | None = None
     reading_rate: Rate | None = None
     priority: Priority = 0

@@ -62,7 +62,6 @@ def body_limit_note(max_body_size: int, max_model_len: int, max_token_bytes: int
 
 # Why a value was refused, for the fields declared only to refuse anything but their default.
 _UNSUPPORTED = {
-    "n": "n must be 1: tokenflowd returns one choice per request (send n requests instead)",
     "best_of": "best_of must be 1 or absent: tokenflowd returns one choice per request",
     "logit_bias": "logit_bias is not supported: leave it out or send {}",
     "echo": "echo is not supported: leave it out",
@@ -87,6 +86,7 @@ class Prepared:
     coalesce: bool = True  # stream_options.coalesce: false asks for one event per token
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far in every event
     tool_format: str | None = None  # the calls in the reply are parsed, written this way (text/tools.py); None: not
+    n: int = 1  # choices
 
 
 @dataclass(frozen=True)
@@ -283,7 +283,7 @@ class Front:
                          bool(options and options.include_usage), rate, cadence,
                          coalesce=options is None or options.coalesce,
                          continuous_usage=bool(options and options.continuous_usage_stats),
-                         tool_format=self.tool_format(body))
+                         tool_format=self.tool_format(body), n=body.n)
 
     def tool_format(self, body: s.ChatCompletionRequest | s.CompletionRequest) -> str | None:
         """How the reply's calls are written, when it may make some (tools offered, tool_choice not none)."""
@@ -414,16 +414,18 @@ class Front:
                            code="queue_full", headers={"Retry-After": "1"})
 
     def start(self, prep: Prepared, request_id: str, arrival: float, choice: Choice,
-               prefill_node: str | None = None, pull_from: str | None = None) -> Generation:
+               prefill_node: str | None = None, pull_from: str | None = None, after: str = "") -> Generation:
         """`prefill_node`: a federated decode node's request, whose prompt that node computes, having
-        first pulled a longer prefix from `pull_from`."""
+        first pulled a longer prefix from `pull_from`. `after`: the first choice of the same prompt
+        (n > 1), whose first token this one waits for on the engine."""
         self.admissible()  # again: the requests placed with this one may have filled the queue
         slot = self.supervisor.slots[choice.engine_id]
         coalesce = self.coalescing if prep.stream and prep.coalesce else None
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,
                          front=self.supervisor.front, front_epoch=self.supervisor.front_epoch, coalesce=coalesce,
                          prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
-                         place=[PrefixRun(e, keys) for e, keys in choice.places], remote_kv=prefill_node is not None)
+                         place=[PrefixRun(e, keys) for e, keys in choice.places], remote_kv=prefill_node is not None,
+                         after=after)
         try:
             reserved = self.supervisor.expect(request_id) if prefill_node is not None else None
         except ValueError as e:

@@ -10,6 +10,7 @@ gets a 4xx; after that, pieces are written as they come, from the supervisor's l
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -33,8 +34,10 @@ from tokenflowd.daemon.api.sse import (
     reset,
     tune_for_backpressure,
     usage,
+    usage_of,
 )
 from tokenflowd.daemon.procstats import process_figures
+from tokenflowd.daemon.router import Choice
 from tokenflowd.openai_api import schema as s
 from tokenflowd.openai_api.errors import APIError, error_event
 from tokenflowd.protocol import RequestInfo
@@ -66,11 +69,13 @@ class Routes:
         tokenizer = self.front.tokenizer
         offered = ([msgspec.to_builtins(t) for t in body.tools]
                    if body.tools and body.tool_choice != "none" else None)
-        rendered = template_messages(messages, offered, tokenizer.chat_template)
+        tooling = offered or any(m.tool_calls or m.tool_call_id is not None for m in body.messages)
+        rendered = template_messages(messages, offered, tokenizer.chat_template) if tooling else messages
         self.front.check_length_floor(sum(tokenizer.min_tokens(m["content"]) for m in rendered), "messages")
         nbytes = sum(len(m["content"]) for m in rendered)
         try:
-            prompt_ids = await self.front.tokenize(nbytes, tokenizer.encode_chat, rendered, True, offered)
+            prompt_ids = await self.front.tokenize(nbytes, tokenizer.encode_chat, rendered,
+                                                   *((True, offered) if offered else ()))
         except Exception as e:  # the model's chat template refused the conversation
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                            code="chat_template") from None
@@ -112,6 +117,8 @@ class Routes:
                             "one to end", code="too_many_requests_for_key", headers={"Retry-After": "1"})
 
     async def _respond(self, request: web.Request, prep: Prepared, arrival: float, chunks: Any) -> web.StreamResponse:
+        if prep.n > 1:
+            return await self._respond_choices(request, prep, arrival, chunks)
         caller = request[CALLER]
         prefill_node = self.front.federation.decodes_remotely(request)
         pull_from = self.front.federation.pulls_from(request)
@@ -145,6 +152,90 @@ class Routes:
                 self.front.metrics.rejected.labels("429").inc()
             if not prep.stream:  # a stream files its reply before it ends
                 self.front.file_reply(prep, gen)
+
+    async def _respond_choices(self, request: web.Request, prep: Prepared, arrival: float,
+                               chunks: Any) -> web.StreamResponse:
+        """n > 1: n requests on one engine, the first computing the prompt and the others starting
+        once it has its first token (they share its pages); a seed moves on by one a choice, so
+        that seeded choices differ. Each choice is a reader the policy schedules on its own."""
+        caller = request[CALLER]
+        if self.front.federation.decodes_remotely(request) is not None:
+            raise APIError(400, "n > 1 is not served across nodes: send n requests", param="n")
+        self._open(caller)
+        gens: list[Generation] = []
+        try:
+            placed = await self.front.pick(prep)
+            seed = prep.sampling.seed
+            for i in range(prep.n):
+                sampling = prep.sampling if seed is None else msgspec.structs.replace(prep.sampling, seed=seed + i)
+                gens.append(self.front.start(
+                    dataclasses.replace(prep, sampling=sampling), chunks.rid if i == 0 else f"{chunks.rid}-{i}",
+                    arrival, placed if i == 0 else Choice(placed.engine_id, placed.cached_pages),
+                    after="" if i == 0 else chunks.rid))
+        except BaseException:
+            for g in gens:
+                g.close()
+            self.front.open_counts.close(caller.identity)
+            raise
+        self.front.live[chunks.rid] = Live(gens[0], prep.rate, caller.identity)
+        try:
+            if prep.stream:
+                return await self._stream_choices(request, gens, prep, chunks)
+            results = await asyncio.gather(*[_collect(g) for g in gens])
+            choices = [chunks.choice(i, text, piece.finish_reason, logprobs, calls)
+                       for i, (text, piece, logprobs, calls) in enumerate(results)]
+            return _json(chunks.response(choices, usage_of(gens)), chunks.rid, headers=_rate_headers(gens[0]))
+        finally:
+            for g in gens:
+                g.close()
+            del self.front.live[chunks.rid]
+            self.front.open_counts.close(caller.identity)
+
+    async def _stream_choices(self, request: web.Request, gens: list[Generation], prep: Prepared,
+                              chunks: Any) -> web.StreamResponse:
+        """The choices' pieces as they come, each event carrying its choice's index."""
+        resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": chunks.rid, **_rate_headers(gens[0])})
+        ready = dict(enumerate(await asyncio.gather(*[_first_pieces(g) for g in gens])))
+        if request.version >= HttpVersion11:
+            resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        tune_for_backpressure(request)
+        conn = SSEConnection(request, resp.chunked, chunks, gens[0])
+        for i in range(len(gens)):
+            conn.write(chunks.role(i))
+        waiting: dict[asyncio.Future, int] = {}
+        try:
+            while True:
+                for i, pieces in ready.items():
+                    text, num_tokens, last = _merge(pieces)
+                    calls = _merged_calls(pieces)
+                    if text or num_tokens or calls:
+                        conn.write(chunks.text(text, None, _merged_logprobs(pieces), calls, index=i))
+                    gens[i].delivered(num_tokens)
+                    if last is None:
+                        waiting[asyncio.ensure_future(gens[i].take())] = i
+                    elif last.finish_reason == "error":
+                        conn.write(error_event(last.error or "the engine failed while generating", code="engine_error"))
+                    else:
+                        conn.write(chunks.finish(last.finish_reason, index=i))
+                if not waiting:
+                    break
+                if not await self._room(request, gens[0]):
+                    return resp
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                ready = {waiting.pop(t): t.result() for t in done}
+        finally:
+            for t in waiting:
+                t.cancel()
+        if prep.include_usage:
+            conn.write(chunks.usage(usage_of(gens)))
+        conn.write(b"data: [DONE]\n\n")
+        try:
+            async with asyncio.timeout(self.front.config.write_stall_timeout):
+                await resp.write_eof()
+        except TimeoutError:
+            self._stalled(request, gens[0])
+        return resp
 
     async def _completion_prompt(self, prompt: str | list) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):

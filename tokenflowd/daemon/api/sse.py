@@ -28,43 +28,50 @@ KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: no event, bytes on the wire
 
 # -- helpers -----------------------------------------------------------------------------------
 class ChatChunks:
-    """One response's bodies: its SSE events, or the whole non-streamed object. `tokenizer` names
-    the tokens of logprobs (requests that ask for them)."""
+    """One response's bodies: its SSE events, or the whole non-streamed object; `index` is the
+    choice's (n > 1). `tokenizer` names the tokens of logprobs (requests that ask for them)."""
 
     def __init__(self, rid: str, created: int, model: str, tokenizer: Tokenizer | None = None) -> None:
         self.rid, self.created, self.model = rid, created, model
         self.tokenizer = tokenizer
-        self.num_calls = 0  # tool calls sent so far: the index of the next
+        self.num_calls: dict[int, int] = {}  # tool calls sent so far, by choice: the index of the next
 
     def _event(self, choices: list, usage: s.Usage | None = None) -> bytes:
         return b"data: " + msgspec.json.encode(s.ChatCompletionChunk(self.rid, self.created, self.model, choices,
                                                                      usage)) + b"\n\n"
 
-    def role(self) -> bytes:
-        return self._event([s.ChatChunkChoice(0, s.ChunkDelta(content="", role="assistant"))])
+    def role(self, index: int = 0) -> bytes:
+        return self._event([s.ChatChunkChoice(index, s.ChunkDelta(content="", role="assistant"))])
 
     def text(self, text: str, usage: s.Usage | None = None, logprobs: Logprobs | None = None,
-             tool_calls: list[ToolCall] | None = None) -> bytes:
+             tool_calls: list[ToolCall] | None = None, index: int = 0) -> bytes:
         calls = None
         if tool_calls:  # each call whole in one delta: its id, name and all its arguments
-            calls = [s.ToolCallDelta(self.num_calls + k, c.id, "function", s.FunctionDelta(c.name, c.arguments))
+            first = self.num_calls.get(index, 0)
+            calls = [s.ToolCallDelta(first + k, c.id, "function", s.FunctionDelta(c.name, c.arguments))
                      for k, c in enumerate(tool_calls)]
-            self.num_calls += len(tool_calls)
+            self.num_calls[index] = first + len(tool_calls)
         delta = s.ChunkDelta(content=text if text or not calls else None, tool_calls=calls)
-        return self._event([s.ChatChunkChoice(0, delta, logprobs=self._logprobs(logprobs))], usage)
+        return self._event([s.ChatChunkChoice(index, delta, logprobs=self._logprobs(logprobs))], usage)
 
-    def finish(self, reason: str) -> bytes:
-        return self._event([s.ChatChunkChoice(0, s.ChunkDelta(), reason)])
+    def finish(self, reason: str, index: int = 0) -> bytes:
+        return self._event([s.ChatChunkChoice(index, s.ChunkDelta(), reason)])
 
     def usage(self, usage: s.Usage) -> bytes:
         return self._event([], usage)
 
-    def whole(self, text: str, finish_reason: str | None, usage: s.Usage, logprobs: Logprobs | None = None,
-              tool_calls: list[ToolCall] | None = None) -> s.ChatCompletion:
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Logprobs | None = None,
+               tool_calls: list[ToolCall] | None = None) -> s.ChatChoice:
         calls = [s.ToolCallOut(c.id, s.FunctionCallOut(c.name, c.arguments)) for c in tool_calls or ()] or None
         message = s.AssistantMessage(text if text or not calls else None, tool_calls=calls)
-        choice = s.ChatChoice(0, message, finish_reason, self._logprobs(logprobs))
-        return s.ChatCompletion(self.rid, self.created, self.model, [choice], usage)
+        return s.ChatChoice(index, message, finish_reason, self._logprobs(logprobs))
+
+    def response(self, choices: list, usage: s.Usage) -> s.ChatCompletion:
+        return s.ChatCompletion(self.rid, self.created, self.model, choices, usage)
+
+    def whole(self, text: str, finish_reason: str | None, usage: s.Usage, logprobs: Logprobs | None = None,
+              tool_calls: list[ToolCall] | None = None) -> s.ChatCompletion:
+        return self.response([self.choice(0, text, finish_reason, logprobs, tool_calls)], usage)
 
     def _name(self, token_id: int) -> tuple[str, list[int]]:
         raw = self.tokenizer.token_bytes(token_id)
@@ -87,38 +94,43 @@ class ChatChunks:
 class CompletionChunks(ChatChunks):
     def __init__(self, rid: str, created: int, model: str, tokenizer: Tokenizer | None = None) -> None:
         super().__init__(rid, created, model, tokenizer)
-        self.text_offset = 0  # characters of the output before the next token, by the tokens' texts
+        self.text_offset: dict[int, int] = {}  # by choice: characters of its output before its next token
 
     def _event(self, choices: list, usage: s.Usage | None = None) -> bytes:
         body = msgspec.json.encode(s.Completion(self.rid, self.created, self.model, choices, usage))
         return b"data: " + body + b"\n\n"
 
-    def role(self) -> bytes:
+    def role(self, index: int = 0) -> bytes:
         return b""
 
     def text(self, text: str, usage: s.Usage | None = None, logprobs: Logprobs | None = None,
-             tool_calls: list[ToolCall] | None = None) -> bytes:
-        return self._event([s.CompletionChoice(0, text, logprobs=self._completion_logprobs(logprobs))], usage)
+             tool_calls: list[ToolCall] | None = None, index: int = 0) -> bytes:
+        return self._event([s.CompletionChoice(index, text, logprobs=self._completion_logprobs(logprobs, index))],
+                           usage)
 
-    def finish(self, reason: str) -> bytes:
-        return self._event([s.CompletionChoice(0, "", reason)])
+    def finish(self, reason: str, index: int = 0) -> bytes:
+        return self._event([s.CompletionChoice(index, "", reason)])
 
-    def whole(self, text: str, finish_reason: str | None, usage: s.Usage, logprobs: Logprobs | None = None,
-              tool_calls: list[ToolCall] | None = None) -> s.Completion:
-        choice = s.CompletionChoice(0, text, finish_reason, self._completion_logprobs(logprobs))
-        return s.Completion(self.rid, self.created, self.model, [choice], usage)
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Logprobs | None = None,
+               tool_calls: list[ToolCall] | None = None) -> s.CompletionChoice:
+        return s.CompletionChoice(index, text, finish_reason, self._completion_logprobs(logprobs, index))
 
-    def _completion_logprobs(self, logprobs: Logprobs | None) -> s.CompletionLogprobs | None:
+    def response(self, choices: list, usage: s.Usage) -> s.Completion:
+        return s.Completion(self.rid, self.created, self.model, choices, usage)
+
+    def _completion_logprobs(self, logprobs: Logprobs | None, index: int = 0) -> s.CompletionLogprobs | None:
         if logprobs is None or self.tokenizer is None:
             return None
         out = s.CompletionLogprobs([], [], [], [])
+        offset = self.text_offset.get(index, 0)
         for token_id, lp in logprobs:
             text = self._name(token_id)[0]
             out.tokens.append(text)
             out.token_logprobs.append(lp.logprob)
             out.top_logprobs.append({self._name(t)[0]: v for t, v in zip(lp.top_ids, lp.top_logprobs)})
-            out.text_offset.append(self.text_offset)
-            self.text_offset += len(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+        self.text_offset[index] = offset
         return out
 
 
@@ -176,6 +188,13 @@ class SSEConnection:
 
 def usage(gen: Generation) -> s.Usage:
     return usage_so_far(gen, gen.num_output_tokens)
+
+
+def usage_of(gens: list[Generation]) -> s.Usage:
+    """n > 1: the prompt once, the completion tokens of every choice."""
+    first, completion = gens[0], sum(g.num_output_tokens for g in gens)
+    return s.Usage(first.num_prompt_tokens, completion, first.num_prompt_tokens + completion,
+                   s.PromptTokensDetails(first.num_cached_tokens))
 
 
 def usage_so_far(gen: Generation, num_tokens: int) -> s.Usage:

@@ -198,7 +198,7 @@ class EngineProcess(EngineEndpoint):
             return self._add_federated(msg, req)
         pinned = self.pool.take_prefix(req, msg.prefix) if self.pool is not None else False
         try:
-            self.core.add_request(req)
+            self.core.add_request(req, msg.after or None)
         except QueueDelayExceeded as e:
             self._release_pins(msg.request_id, pinned)
             self.shed(msg.request_id, str(e), e.retry_after)
