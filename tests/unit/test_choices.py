@@ -11,6 +11,7 @@ from tokenflowd.engine.request import Request, SamplingParams
 
 
 def run(core: EngineCore, reqs: list[tuple[Request, str | None]], watch=None) -> dict[str, list[int]]:
+    """Each request's tokens; `watch(core, tokens so far)` after every step."""
     out: dict[str, list[int]] = {r.request_id: [] for r, _ in reqs}
     for r, after in reqs:
         core.add_request(r, after)
@@ -18,7 +19,7 @@ def run(core: EngineCore, reqs: list[tuple[Request, str | None]], watch=None) ->
         for o in core.step():
             out[o.request_id] += o.new_token_ids
         if watch is not None:
-            watch(core)
+            watch(core, out)
     return out
 
 
@@ -44,20 +45,14 @@ def test_four_choices_compute_and_hold_the_prompts_pages_once(embedded_fp32, ove
     peak = [0]
     used_before = core.kv.pool.num_used
 
-    def watch(c):
-        if all(len(toks) for toks in out_so_far.values()):
+    def watch(c, out):
+        if all(len(toks) for toks in out.values()):  # every choice decodes
             peak[0] = max(peak[0], c.kv.pool.num_used - used_before)
 
     n, max_tokens = 4, 8
     reqs = [(Request(f"c{i}", prompt, SamplingParams(temperature=1.0, seed=100 + i, max_tokens=max_tokens,
                                                      ignore_eos=True)), None if i == 0 else "c0") for i in range(n)]
-    out_so_far: dict[str, list[int]] = {r.request_id: [] for r, _ in reqs}
-    for r, after in reqs:
-        core.add_request(r, after)
-    while core.has_unfinished():
-        for o in core.step():
-            out_so_far[o.request_id] += o.new_token_ids
-        watch(core)
+    out_so_far = run(core, reqs, watch)
     assert all(len(t) == max_tokens for t in out_so_far.values())
     # the prompt once, then each other choice only its tail (the partial page) plus the decodes
     tail = len(prompt) - whole * page
