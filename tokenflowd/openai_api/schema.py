@@ -110,11 +110,21 @@ class JsonSchemaFormat(Struct, forbid_unknown_fields=True):
     strict: Annotated[bool | None, Meta(description="tokenflowd constrains the output either way")] = None
 
 
-class ResponseFormat(Struct, forbid_unknown_fields=True):
-    type: Annotated[Literal["text", "json_object", "json_schema"],
-                    Meta(description="json_object: any JSON object; json_schema: a document of json_schema.schema "
-                                     "(the tokens are constrained to it as they are sampled)")]
-    json_schema: JsonSchemaFormat | None = None
+class TextFormat(Struct, forbid_unknown_fields=True, tag_field="type", tag="text"):
+    """Free text."""
+
+
+class JsonObjectFormat(Struct, forbid_unknown_fields=True, tag_field="type", tag="json_object"):
+    """Any JSON object (the tokens are constrained to one as they are sampled)."""
+
+
+class JsonSchemaResponseFormat(Struct, forbid_unknown_fields=True, tag_field="type", tag="json_schema"):
+    """A document of json_schema.schema (the tokens are constrained to it as they are sampled)."""
+
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponseFormat
 
 
 class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -79,8 +79,7 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
                     "name": c["function"]["name"], "arguments": _as_object(c["function"]["arguments"])}}
                     for c in calls]
             else:
-                blocks = [f'{_OPEN}\n{json.dumps({"name": c["function"]["name"], "arguments": _as_object(c["function"]["arguments"])}, ensure_ascii=False)}\n{_CLOSE}'
-                          for c in calls]
+                blocks = [_block(c["function"]["name"], _as_object(c["function"]["arguments"])) for c in calls]
                 m["content"] = "\n".join(filter(None, [m.get("content") or "", *blocks]))
         if call_id is not None and native:
             m["tool_call_id"] = call_id
@@ -94,6 +93,11 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
+
+
+def _block(name: str, arguments: Any) -> str:
+    """A call as the hermes format writes it."""
+    return f"{_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{_CLOSE}"
 
 
 def _as_object(arguments: Any) -> Any:

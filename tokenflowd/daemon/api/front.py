@@ -300,17 +300,19 @@ class Front:
             return None
         offered = [t.function.name for t in body.tools or ()]
         if not offered:
-            raise APIError(400, "tool_choice names a call but no tools are offered", param="tool_choice")
+            raise APIError(400, "tool_choice names a call but no tools are offered", param="tool_choice",
+                           code="tool_choice_without_tools")
         if isinstance(choice, s.NamedToolChoice):
             if choice.function.name not in offered:
                 raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
-                                    f"({', '.join(offered)})", param="tool_choice.function.name")
+                                    f"({', '.join(offered)})", param="tool_choice.function.name",
+                               code="unknown_tool")
             names = [choice.function.name]
         else:
             names = offered
-        if body.response_format is not None and body.response_format.type != "text":
+        if body.response_format is not None and not isinstance(body.response_format, s.TextFormat):
             raise APIError(400, "response_format and a required tool call each constrain the reply: send one",
-                           param="response_format")
+                           param="response_format", code="conflicting_constraints")
         defs = [msgspec.to_builtins(t) for t in body.tools]
         try:
             return tools.call_grammar(defs, names, body.parallel_tool_calls is not False,
@@ -323,16 +325,10 @@ class Front:
     def _grammar(body: s.ChatCompletionRequest | s.CompletionRequest) -> str | None:
         """response_format's grammar (None: free text); 400 naming what the library cannot enforce."""
         fmt = body.response_format if isinstance(body, s.ChatCompletionRequest) else None
-        if fmt is None or fmt.type == "text":
-            if fmt is not None and fmt.json_schema is not None:
-                raise APIError(400, "response_format.json_schema goes with type \"json_schema\"",
-                               param="response_format.json_schema")
+        if fmt is None or isinstance(fmt, s.TextFormat):
             return None
-        if fmt.type == "json_object":
+        if isinstance(fmt, s.JsonObjectFormat):
             return json_grammar(ANY_OBJECT)
-        if fmt.json_schema is None:
-            raise APIError(400, "response_format of type json_schema needs a json_schema: {\"name\", \"schema\"}",
-                           param="response_format.json_schema")
         try:
             return json_grammar(fmt.json_schema.schema)
         except ValueError as e:
@@ -345,7 +341,8 @@ class Front:
         if isinstance(body, s.CompletionRequest):
             return -1 if body.logprobs is None else body.logprobs
         if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
+                           code="top_logprobs_without_logprobs")
         return (body.top_logprobs or 0) if body.logprobs else -1
 
     def _stated_rate(self, body: s.ChatCompletionRequest | s.CompletionRequest, request: web.Request) -> float | None:
