@@ -10,7 +10,7 @@ from typing import Any
 
 # Compact JSON: the separators fixed, no free whitespace between tokens. A model allowed any
 # whitespace can spend its tokens on it (a small model loops on newlines) before the document ends.
-_OPTIONS = {"whitespace_flexible": False}
+COMPACT = {"whitespace_flexible": False}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -20,7 +20,7 @@ def json_grammar(schema: dict[str, Any] | bool) -> str:
     from llguidance import LLMatcher
 
     try:
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=_OPTIONS)
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
     except (ValueError, TypeError) as e:
         raise ValueError(str(e)) from None
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)

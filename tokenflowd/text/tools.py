@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tokenflowd.text.structured import json_grammar
+from tokenflowd.text.structured import COMPACT, json_grammar
 
 HERMES, JSON_CALLS = "hermes", "json"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -123,7 +123,8 @@ def call_grammar(tools: list[dict[str, Any]], names: list[str], parallel: bool, 
             raise ValueError(f"{n}: {e}") from None
     options = [{"type": "object", "properties": {"name": {"const": n}, key: _parameters(by_name[n])},
                 "required": ["name", key], "additionalProperties": False} for n in names]
-    schema = json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
+    top = options[0] if len(options) == 1 else {"anyOf": options}
+    schema = json.dumps({**top, "x-guidance": COMPACT})  # as response_format's: no free whitespace
     if fmt == HERMES:
         more = "+" if parallel else ""
         lark = f'start: call{more}\ncall: "{_OPEN}\\n" body "\\n{_CLOSE}"\nbody: %json {schema}\n'
