@@ -12,7 +12,7 @@ token still on the device (overlap scheduling) is read from the step that sample
 waits for it, not the thread that launches the forward). The front compiles and validates the
 grammar (daemon/api/front.py), so a schema the library cannot enforce is a 400 before it gets here;
 a matcher that still fails here refuses the request (InvalidRequestError). The library's tokenizer
-index (about 1.6 s for a 49k vocabulary, bench/results/grammar_libraries.json) is built on first use.
+index is built on first use (its cost: bench/results/grammar_libraries.json).
 """
 from __future__ import annotations
 
