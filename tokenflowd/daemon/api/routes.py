@@ -235,6 +235,8 @@ class Routes:
                 await resp.write_eof()
         except TimeoutError:
             self._stalled(request, gens[0])
+        except ConnectionResetError:  # the client left after the last event: nothing more to send
+            pass
         return resp
 
     async def _completion_prompt(self, prompt: str | list) -> list[int]:
@@ -275,6 +277,8 @@ class Routes:
                     await resp.write_eof()  # aiohttp waits for room after it, with no deadline of its own
             except TimeoutError:
                 self._stalled(request, gen)
+            except ConnectionResetError:  # the client left after the last event: nothing more to send
+                pass
         return resp
 
     async def _room(self, request: web.Request, gen: Generation) -> bool:
