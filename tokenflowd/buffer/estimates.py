@@ -112,11 +112,13 @@ class OutputLengthModel:
         self._tail = tail
         self._sorted: np.ndarray | None = None  # ascending lengths; None: stale
         self._suffix: np.ndarray | None = None  # _suffix[i] = sum of _sorted[i:]
+        self.version = 0  # moves on with each observation (a prediction made before may differ now)
 
     def observe(self, num_output_tokens: int) -> None:
         """A request finished by itself (a stop token or its max_tokens) with this many tokens."""
         self._lengths.append(num_output_tokens)
         self._sorted = None
+        self.version += 1
 
     @property
     def num_samples(self) -> int:

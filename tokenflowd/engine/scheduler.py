@@ -122,6 +122,8 @@ class Scheduler:
         self._num_arrivals = 0
         self._num_preempted_waiting = 0  # of self.waiting, those admitted before (num_preemptions > 0)
         self._matches: dict[str, PrefixMatch] = {}  # this step's prefix matches of the waiting requests in view
+        # waiting requests with no token yet: their view of the last pass and what it was built from
+        self._waiting_views: dict[str, tuple] = {}
         self._deferred: tuple[str, ...] = ()  # of the last plan, what was scheduled and not run
         self.step_model = StepTimeModel()  # fed by observe_step; read by policies through the view
         # of this engine's time, the share its pool peers take (their queries and puts, pool/member.py):
@@ -161,11 +163,11 @@ class Scheduler:
         # admitted this step: a policy that saw only the queue's head could starve a preempted
         # request queued behind newer ones of higher priority.
         waiting = self._visible_waiting()
-        expected = self._expected_outputs([*self.running, *waiting, *self.loading]).tolist()
+        expected = self._expected_outputs([*self.running, *self.loading]).tolist()
         # Preemption is possible only when the free pages cannot give every running request one
         # more page; only then is it worth counting which of a request's pages are its alone.
         tight = pool.num_free < len(self.running)
-        nr, nw = len(self.running), len(waiting)
+        nr = len(self.running)
         running = tuple(
             _request_view(r, now, r.num_computed_tokens, len(kv.block_table(r)), e,
                           pages_exclusive=kv.pages_exclusive(r) if tight else None,
@@ -173,16 +175,9 @@ class Scheduler:
             for r, e in zip(self.running, expected)
         )
         self._matches = {}
-        waiting_views = []
-        for r, e in zip(waiting, expected[nr:]):
-            m = self._matches[r.request_id] = kv.match(r)
-            # how long its reader has waited: only a waiting request's silence is scheduled on (a
-            # view is built every step, so running requests do not pay for it)
-            waiting_views.append(_request_view(r, now, m.num_device_pages * kv.page_size, m.num_device_pages, e,
-                                               m.num_evictable, io_time=m.io_time, host_tokens=m.num_load_tokens,
-                                               dry_for=r.buffer.dry_for(now)))
+        waiting_views = self._waiting_views_of(waiting, now)
         loading_views = tuple(_request_view(r, now, kv.state(r).num_load_tokens, len(kv.block_table(r)), e)
-                              for r, e in zip(self.loading, expected[nr + nw:]))
+                              for r, e in zip(self.loading, expected[nr:]))
         return SchedulerView(
             now=now,
             running=running,
@@ -197,6 +192,35 @@ class Scheduler:
             loading=loading_views,
             deferred=self._deferred,
         )
+
+    def _waiting_views_of(self, waiting: list[Request], now: float) -> list[RequestView]:
+        """The views of `waiting`, with their prefix matches kept for this pass. A request whose
+        client has no token yet keeps its view of the last pass while its match (kv.view_match),
+        the output-length model and its own fields are as they were: its buffer is 0 and it has
+        waited on nothing, so nothing else in its view moves."""
+        kv, cache, version = self.kv, self._waiting_views, self.output_lengths.version
+        views: list[RequestView | None] = []
+        missed: list[tuple[int, Request, PrefixMatch]] = []
+        for r, m in zip(waiting, kv.view_matches(waiting)):
+            self._matches[r.request_id] = m
+            last = cache.get(r.request_id)
+            if (last is not None and last[0] is m and last[1] == version and r.buffer.first_token_time is None
+                    and last[2] == r.buffer.reading_rate and last[3] == r.priority):
+                views.append(last[4])
+            else:
+                missed.append((len(views), r, m))
+                views.append(None)
+        if missed:
+            expected = self._expected_outputs([r for _, r, _ in missed]).tolist()
+            for (i, r, m), e in zip(missed, expected):
+                # how long its reader has waited: only a waiting request's silence is scheduled on
+                # (a view is built every step, so running requests do not pay for it)
+                view = views[i] = _request_view(
+                    r, now, m.num_device_pages * kv.page_size, m.num_device_pages, e, m.num_evictable,
+                    io_time=m.io_time, host_tokens=m.num_load_tokens, dry_for=r.buffer.dry_for(now))
+                if r.buffer.first_token_time is None:
+                    cache[r.request_id] = (m, version, r.buffer.reading_rate, r.priority, view)
+        return views  # type: ignore[return-value]
 
     def _ending(self, req: Request) -> bool:
         """Ahead: its token in flight is its last (max_tokens, or the context's end)."""
@@ -217,9 +241,14 @@ class Scheduler:
         return out
 
     def _expected_outputs(self, reqs: list[Request]) -> np.ndarray:
-        n = np.fromiter((r.num_output_tokens for r in reqs), dtype=np.float64, count=len(reqs))
-        bound = np.fromiter((r.max_tokens for r in reqs), dtype=np.float64, count=len(reqs))
-        return self.output_lengths.expected(n, bound)
+        # (Request.num_output_tokens and .max_tokens, inlined: this runs over every running request
+        # every step, and the properties' calls were most of its cost)
+        outs, bounds = [], []
+        for r in reqs:
+            outs.append(len(r.token_ids) - r.num_prompt_tokens)
+            mt, room = r.sampling_params.max_tokens, r.max_model_len - r.num_prompt_tokens
+            bounds.append(room if mt is None or mt > room else mt)
+        return self.output_lengths.expected(np.array(outs, dtype=np.float64), np.array(bounds, dtype=np.float64))
 
     def _match(self, req: Request) -> PrefixMatch:
         """The view's prefix match of `req`, as it stands now (earlier admissions may have moved it)."""
@@ -243,6 +272,7 @@ class Scheduler:
 
     def _leave_queue(self, req: Request) -> None:
         self.waiting.remove(req)
+        self._waiting_views.pop(req.request_id, None)
         if req.num_preemptions:
             self._num_preempted_waiting -= 1
 

@@ -131,18 +131,61 @@ class KVCacheManager:
         what loading would restore beyond it: its own host copy if it was preempted, else the host
         (and disk) prefix cache. Changes nothing (a request not tracked, such as one load
         shedding weighs before it is queued, is matched without keeping its keys)."""
-        st = self._kv.get(req.request_id) or RequestKV()
+        return self._match(req, self._kv.get(req.request_id) or RequestKV())[0]
+
+    def _match(self, req: Request, st: RequestKV) -> tuple[PrefixMatch, int]:
+        """match(), and the host tier's run in pages (its prefix cache's; 0 for an own host copy)."""
         ps = self.page_size
         chain_page_keys(req.token_ids, ps, st.page_hashes, None, req.key_seed)
         max_pages = (req.num_tokens - 1) // ps
         pages = self.pool.lookup(st.page_hashes[:max_pages])
         evictable = sum(self.pool.is_evictable(p) for p in pages)
         reload = self.offloader.reload(req, st, max_pages, len(pages))
+        host_run = 0 if st.host_pages else reload.num_tokens // ps
         to_load = cdiv(reload.num_tokens, ps) - len(pages)
         if to_load <= 0:
-            return self._priced(pages, evictable, 0, 0, 0, 0)
+            return self._priced(pages, evictable, 0, 0, 0, 0), host_run
         return self._priced(pages, evictable, reload.num_tokens, to_load, reload.num_disk_pages,
-                            reload.num_unwritten_pages)
+                            reload.num_unwritten_pages), host_run
+
+    def view_matches(self, reqs: Iterable[Request]) -> list[PrefixMatch]:
+        """match() of each tracked waiting request, for the scheduler's view, which takes one for
+        every visible waiting request every step: its last one (the same object) while nothing it
+        read has moved, else a new walk. What it read: the request's tokens and host copy; that no
+        page of any tier was evicted since; that no device page became evictable or stopped being
+        so (else only its evictable count is taken again); that neither the device nor the host tier
+        has since published the key that would lengthen its run. A load's t_IO is priced anew each
+        time (the copy queues move every step)."""
+        pool, host, ps = self.pool, self.offloader.host, self.page_size
+        evictions, lru = (pool.num_evictions, self.offloader.num_evictions), pool.num_lru_changes
+        out = []
+        for req in reqs:
+            st = self._kv.get(req.request_id)
+            if st is None:
+                out.append(self.match(req))
+                continue
+            num_tokens = len(req.token_ids)
+            own = (num_tokens, req.key_seed, st.recompute, len(st.host_pages), st.num_offload_issued,
+                   st.num_offloaded_tokens)
+            last = st.view_match
+            if last is not None and last[1] == own and last[2] == evictions:
+                m, host_run = last[0], last[4]
+                keys, max_pages, device_run = st.page_hashes, (num_tokens - 1) // ps, len(last[0].device_pages)
+                if not ((device_run < max_pages and pool.holds(keys[device_run]))
+                        or (host_run < max_pages and not st.host_pages and host.lookup(keys[host_run:host_run + 1]))):
+                    if last[3] != lru:
+                        m = self.refresh(req, m)
+                    elif m.io_time is not None:
+                        m = self._priced(m.device_pages, m.num_evictable, m.num_load_tokens, m.num_pages_to_load,
+                                         m.num_disk_pages, m.num_unwritten_pages)
+                    if m is not last[0]:
+                        st.view_match = (m, own, evictions, lru, host_run)
+                    out.append(m)
+                    continue
+            m, host_run = self._match(req, st)
+            st.view_match = (m, own, evictions, lru, host_run)
+            out.append(m)
+        return out
 
     def refresh(self, req: Request, m: PrefixMatch) -> PrefixMatch:
         """`m` as it stands now: taken again if a pool evicted since, else with its evictable count

@@ -77,8 +77,9 @@ class Offloader(abc.ABC):
 
     @property
     def num_evictions(self) -> int:
-        """Pages the host tier has evicted so far (a prefix match taken before is stale)."""
-        return self.host.pool.num_evictions
+        """Pages the host and disk tiers have evicted so far (a prefix match taken before is stale)."""
+        disk = getattr(self.host, "disk", None)
+        return self.host.pool.num_evictions + (disk.num_evictions if disk is not None else 0)
 
     @abc.abstractmethod
     def reload(self, req: Request, st: RequestKV, max_pages: int, num_device_pages: int) -> Reload:

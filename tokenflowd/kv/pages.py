@@ -69,6 +69,8 @@ class PagePool:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._by_key: dict[bytes, int] = {}
         self.num_evictions = 0  # cached pages taken for reuse: a prefix match taken before is stale if it moved
+        # pages in or out of the LRU (evictable or not any more): a match's evictable count may have moved
+        self.num_lru_changes = 0
         # Published and evicted keys since the last drain_key_events(), for the router's index;
         # recorded only once someone drains them (an engine process does, the in-process API not).
         self.track_key_events = False
@@ -103,6 +105,7 @@ class PagePool:
         elif self._lru:
             page, _ = self._lru.popitem(last=False)
             self.num_evictions += 1
+            self.num_lru_changes += 1
             key = self._key[page]
             if self.on_evict is not None:
                 self.on_evict(page, key)  # type: ignore[arg-type]
@@ -118,6 +121,7 @@ class PagePool:
     def incref(self, page: int) -> None:
         if self._ref[page] == 0:
             self._lru.pop(page)  # only a cached page can be revived from ref 0
+            self.num_lru_changes += 1
         self._ref[page] += 1
 
     def decref(self, page: int) -> None:
@@ -126,6 +130,7 @@ class PagePool:
         if self._ref[page] == 0:
             if self._key[page] is not None:
                 self._lru[page] = None  # most recently used end
+                self.num_lru_changes += 1
             elif self.reuse_first:
                 self._free.appendleft(page)
             else:
@@ -135,6 +140,10 @@ class PagePool:
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Pages holding the longest cached prefix of `keys` (no references taken)."""
         return leading_run(keys, self._by_key) if self.enable_prefix_caching else []
+
+    def holds(self, key: bytes) -> bool:
+        """Whether a page is published under `key`."""
+        return self.enable_prefix_caching and key in self._by_key
 
     def register(self, page: int, key: bytes) -> None:
         """Publish a full, computed page under its chained key. A key already published by another
@@ -157,12 +166,13 @@ class PagePool:
                 continue
             n += 1
             self._key[page] = None
+            self.num_evictions += 1  # a prefix match taken before may name it: stale
             if self.track_key_events:
                 self._key_removed(key)
             if self._ref[page] == 0:
                 del self._lru[page]
+                self.num_lru_changes += 1
                 self._free.append(page)
-                self.num_evictions += 1  # a prefix match taken before may name it: stale
         return n
 
     def cached_keys(self) -> list[bytes]:

@@ -47,3 +47,5 @@ class RequestKV:
     num_loading_pages: int = 0  # loads issued and not yet done
     epoch: int = 0  # moves on at each failed copy: copies issued before it carry nothing to trust
     recompute: bool = False  # a load of it failed: it is recomputed, never loaded again
+    # the manager's: its last view_match while it waits, with what that match read (kv/manager.py)
+    view_match: tuple | None = None

@@ -35,6 +35,7 @@ class DiskTier(KVTier):
         self._slot: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self._free = list(range(num_pages - 1, -1, -1))
         self.num_reads = 0  # pages promoted back (tests and benchmarks read it)
+        self.num_evictions = 0  # keys dropped for room (a prefix match taken before may name one)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._slot
@@ -47,7 +48,11 @@ class DiskTier(KVTier):
         if key in self._slot:
             self._slot.move_to_end(key)
             return
-        slot = self._free.pop() if self._free else self._slot.popitem(last=False)[1]
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = self._slot.popitem(last=False)[1]
+            self.num_evictions += 1
         os.pwrite(self._fd, _bytes_of(page), slot * self.page_bytes)
         self._slot[key] = slot
 
