@@ -369,3 +369,40 @@ def test_unseeded_rows_draw_on_the_device():
     generator = sampler.generator
     sampler(torch.randn(4, 1000, device="cuda"), reqs)
     assert sampler.generator is generator  # one stream, not re-seeded each step
+
+
+def pageable_copies(run) -> list[str]:
+    """The host-to-device copies from pageable memory while `run()` runs (torch's profiler names
+    each memcpy by its source kind)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "Memcpy" in e.name]
+    assert any("Pinned" in n for n in names), names  # the profiler saw the step's copies at all
+    return [n for n in names if "HtoD" in n and "Pageable" in n]
+
+
+@needs_flashinfer
+def test_a_decode_step_copies_nothing_from_pageable_memory(gpu_dirs):
+    """Overlapped decode steps with graphs, with rows that sample (temperature, top-k, top-p, a
+    seed), take penalties, min_tokens and logprobs: every host-to-device copy of a step is from
+    page-locked memory (engine/staging.py), so none makes the host wait for the step in flight."""
+    core = make(gpu_dirs["llama-64"], overlap=True)
+    assert_paths(core, FLASHINFER_GRAPHS)
+    kinds = [dict(temperature=0), dict(temperature=0.8, top_k=20, top_p=0.9), dict(temperature=1.0, seed=7),
+             dict(temperature=0, frequency_penalty=0.5, repetition_penalty=1.2), dict(temperature=0, min_tokens=8),
+             dict(temperature=0, logprobs=3)]
+    for i, kw in enumerate(kinds):
+        core.add_request(Request(f"r{i}", list(range(5 + i, 40 + i)), SamplingParams(max_tokens=64, ignore_eos=True, **kw)))
+    for _ in range(8):  # the prompts, and the first decodes (lazy allocations, first plans)
+        core.step()
+    replays = sum(core.runner.graphs.num_replays.values())
+
+    def decode():
+        for _ in range(16):
+            core.step()
+
+    assert pageable_copies(decode) == []
+    assert sum(core.runner.graphs.num_replays.values()) >= replays + 12  # the steps were graph replays

@@ -54,8 +54,9 @@ class DecodeGraphs:
         last_page_len = torch.ones(n, dtype=i32, device=dev)
         for bs in reversed(self.sizes):
             wrapper = self.attn.graph_decode_wrapper(indptr[: bs + 1], indices, last_page_len[:bs])
-            empty = PageTable.build(AttentionInputs([0], [], [], self.slot_page[:0]), self.page_size)
-            self.attn.plan_decode(wrapper, self._pad_table(empty, bs))
+            empty = PageTable.build(AttentionInputs([0], [], [], self.slot_page[:0]), self.page_size, dev, pad_to=bs,
+                                    pad_page=self.scratch_page)
+            self.attn.plan_decode(wrapper, empty)
             meta = FlashInferMeta(self.slot_page[:bs], self.slot_offset[:bs], wrapper)
             args = (self.input_ids[:bs], self.positions[:bs], self.kv_layers, self.attn, meta)
             side = torch.cuda.Stream()
@@ -71,16 +72,6 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def _pad_table(self, table: PageTable, bs: int) -> PageTable:
-        pad = bs - (len(table.indptr) - 1)
-        if pad == 0:
-            return table
-        end = int(table.indptr[-1])
-        indptr = torch.cat([table.indptr, end + torch.arange(1, pad + 1, dtype=torch.int32)])
-        indices = torch.cat([table.indices, torch.full((pad,), self.scratch_page, dtype=torch.int32)])
-        last = torch.cat([table.last_page_len, torch.ones(pad, dtype=torch.int32)])
-        return PageTable(indptr, indices, last)
-
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """Hidden states [B, hidden] of B one-token decodes, B <= max_batch."""
         B = input_ids.shape[0]
@@ -94,7 +85,8 @@ class DecodeGraphs:
         self.positions[B:bs].zero_()
         self.slot_page[B:bs].fill_(self.scratch_page)
         self.slot_offset[B:bs].zero_()
-        self.attn.plan_decode(wrapper, self._pad_table(PageTable.build(inputs, self.page_size), bs))
+        self.attn.plan_decode(wrapper, PageTable.build(inputs, self.page_size, self.input_ids.device, pad_to=bs,
+                                                       pad_page=self.scratch_page))
         graph.replay()
         self.num_replays[bs] += 1
         return hidden[:B]

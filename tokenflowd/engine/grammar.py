@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenflowd.engine.request import PLACEHOLDER, InvalidRequestError
+from tokenflowd.engine.staging import to_device
 
 if TYPE_CHECKING:
     import llguidance
@@ -101,8 +102,9 @@ class MaskWorker:
     """Computes a step's masks on its own thread while the forward runs (llguidance lets go of
     the GIL while it computes a mask)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool = False) -> None:
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self.pin = pin  # masks in page-locked memory (for a GPU's non-blocking copy, engine/staging.py)
 
     def start(self, rows: "list[SamplingRow]", ends: list[int], prev: torch.Tensor | None,
               pending: list[int] | None) -> concurrent.futures.Future:
@@ -113,7 +115,7 @@ class MaskWorker:
         late = [k for k in (pending or ()) if k >= 0]
         values, event = None, None
         if late and prev is not None:
-            values = prev[torch.tensor(late, device=prev.device)]
+            values = prev[to_device(late, torch.int64, prev.device)]
             if values.is_cuda:
                 host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
                 host.copy_(values, non_blocking=True)
@@ -122,15 +124,15 @@ class MaskWorker:
                 values = host
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        return self._worker.submit(self._fill, rows, ends, values, event, pending)
+        return self._worker.submit(self._fill, rows, ends, values, event, pending, self.pin)
 
     @staticmethod
     def _fill(rows: "list[SamplingRow]", ends: list[int], values: torch.Tensor | None, event,
-              pending: list[int] | None) -> torch.Tensor:
+              pending: list[int] | None, pin: bool) -> torch.Tensor:
         if event is not None:
             event.synchronize()  # the step that sampled them, not the forward launched after it
         late = iter(values.tolist() if values is not None else ())
-        masks = torch.empty(len(rows), max(r.grammar.words for r in rows), dtype=torch.int32)
+        masks = torch.empty(len(rows), max(r.grammar.words for r in rows), dtype=torch.int32, pin_memory=pin)
         for j, (r, end) in enumerate(zip(rows, ends)):
             output = r.tokens[r.num_prompt_tokens:end]  # the update of the step before may fill its last meanwhile
             if pending is not None and pending[j] >= 0:
@@ -156,5 +158,5 @@ def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> N
     allowed = bits.reshape(len(rows), -1)[:, :width].bool()
     if allowed.shape[1] < width:  # the model's padded ids past the tokenizer's vocabulary
         allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
-    index = torch.tensor(rows, device=dev)
+    index = to_device(rows, torch.int64, dev)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

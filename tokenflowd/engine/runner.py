@@ -19,6 +19,7 @@ from tokenflowd.engine.model.llama import LlamaModel
 from tokenflowd.engine.model.weights import LoadedModel
 from tokenflowd.engine.sampler import Logprobs, Sampler
 from tokenflowd.engine.scheduler import ScheduledBatch
+from tokenflowd.engine.staging import concat_to_device
 from tokenflowd.engine.startup import ATTENTION, GRAPHS, FastPaths, guarded
 from tokenflowd.protocol import TokenLogprobs
 
@@ -93,7 +94,7 @@ class ModelRunner(Executor):
         # on a CPU: the last launched step, which copies of the KV it writes wait for (offload/copier.py)
         self.last_launched: concurrent.futures.Future | None = None
         self._logprobs: dict[int, TokenLogprobs] = {}  # the step last executed or collected: batch row -> its
-        self.masks = MaskWorker()  # structured output's token masks, computed while the forward runs
+        self.masks = MaskWorker(pin=self.device.type == "cuda")  # structured output's token masks, computed while the forward runs
 
     # -- start-up -----------------------------------------------------------------------------
     def _init_threads(self) -> None:
@@ -211,11 +212,9 @@ class ModelRunner(Executor):
                 sample_rows.append(query_start[-1] - 1)
                 sampling.append(i)
         T = query_start[-1]
-        # one host buffer and, on a GPU, one pinned non-blocking copy for every index of the step
-        flat = torch.from_numpy(np.concatenate([*ids, *pos, *slots, np.asarray(sample_rows + sub_at + sub_from,
-                                                                               dtype=np.int64)]))
-        if self.device.type == "cuda":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        # one host buffer (page-locked on a GPU) and one non-blocking copy for every index of the step
+        flat = concat_to_device([*ids, *pos, *slots, np.asarray(sample_rows + sub_at + sub_from, dtype=np.int64)],
+                                np.int64, self.device)
         S, U = len(sample_rows), len(sub_at)
         input_ids, positions, slot_mapping, rows, at, src = flat.split([T, T, T, S, U, U])
         return _Inputs(input_ids, positions, AttentionInputs(query_start, seq_lens, tables, slot_mapping),

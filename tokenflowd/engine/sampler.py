@@ -21,6 +21,7 @@ import torch
 
 from tokenflowd.engine.grammar import apply_masks
 from tokenflowd.engine.request import PLACEHOLDER, SamplingRow
+from tokenflowd.engine.staging import to_device
 
 
 class Logprobs(NamedTuple):
@@ -62,12 +63,13 @@ class Sampler:
         (rows, int32 bitmask) of the rows a grammar constrains (engine/grammar.py), applied after
         the penalties."""
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        raw = logits[lp_rows].log_softmax(dim=-1) if lp_rows else None  # a copy: penalties change logits
+        lp_index = _index(lp_rows, logits.device) if lp_rows else None
+        raw = logits[lp_index].log_softmax(dim=-1) if lp_rows else None  # a copy: penalties change logits
         tokens = self._draw(logits, reqs, prev, pending, masks)
         if raw is None:
             return tokens, None
         ks = [reqs[i].params.logprobs for i in lp_rows]
-        chosen = raw.gather(1, tokens[lp_rows][:, None])[:, 0]
+        chosen = raw.gather(1, tokens[lp_index][:, None])[:, 0]
         top_logprobs, top_ids = raw.topk(max(ks), dim=-1) if max(ks) else (raw[:, :0], raw[:, :0].long())
         return tokens, Logprobs(lp_rows, ks, chosen, top_ids, top_logprobs)
 
@@ -77,28 +79,41 @@ class Sampler:
         self.penalize(logits, reqs, prev, pending)
         if masks is not None:
             apply_masks(logits, *masks)
+        banned_rows, banned_ids = [], []  # min_tokens: the stop tokens of rows below it
         for i, r in enumerate(reqs):
             if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
                 ids = [t for t in r.stop_token_ids if 0 <= t < logits.shape[1]]
-                logits[i, ids] = float("-inf")
+                banned_rows += [i] * len(ids)
+                banned_ids += ids
+        if banned_rows:
+            logits[_index(banned_rows, logits.device), _index(banned_ids, logits.device)] = float("-inf")
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
             return logits.argmax(dim=-1)
         out = logits.argmax(dim=-1)
         rows = [i for i, g in enumerate(greedy) if not g]
+        index = _index(rows, logits.device)
         sub = [reqs[i] for i in rows]
-        probs = self._probs(logits[rows], sub)
+        probs = self._probs(logits[index], sub)
         # Exponential race (Gumbel-max in probability space): argmax p / E, E ~ Exp(1).
         dev = probs.device
         race = torch.empty(probs.shape, device=dev)
         shared = [j for j, r in enumerate(sub) if r.generator is None]
         if shared:
-            race[shared] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
+            race[_index(shared, dev)] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
                 generator=self._shared(dev))
-        for j, r in enumerate(sub):  # a seeded request draws on the CPU, where its generator lives
-            if r.generator is not None:
-                race[j] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(dev)
-        out[rows] = (probs / race).argmax(dim=-1)
+        for j, r in enumerate(sub):
+            if r.generator is None:
+                continue
+            if dev.type == "cuda":
+                # drawn where the logits are, from a seed the request's own generator gives (its
+                # sequence of draws, whatever shares the batch), not a vocabulary-wide draw on the
+                # CPU copied over every step
+                seed = int(torch.randint(1 << 62, (1,), generator=r.generator))
+                race[j].exponential_(generator=torch.Generator(device=dev).manual_seed(seed))
+            else:
+                race[j] = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
+        out[index] = (probs / race).argmax(dim=-1)
         return out
 
     @staticmethod
@@ -121,45 +136,53 @@ class Sampler:
                 seen_ids += prompt
         counts = torch.zeros(len(rows), vocab, device=dev)
         if ids:
-            counts.index_put_((torch.tensor(at, device=dev), torch.tensor(ids, device=dev)),
-                              torch.ones(len(ids), device=dev), accumulate=True)
+            counts.index_put_((_index(at, dev), _index(ids, dev)), torch.ones(len(ids), device=dev), accumulate=True)
         late = [(j, pending[i]) for j, i in enumerate(rows) if pending is not None and pending[i] >= 0]
         if late and prev is not None:  # sampled by the step in flight: on the device only
-            where = torch.tensor([k for _, k in late], device=prev.device)
-            counts.index_put_((torch.tensor([j for j, _ in late], device=dev), prev[where].to(dev)),
+            where = _index([k for _, k in late], prev.device)
+            counts.index_put_((_index([j for j, _ in late], dev), prev[where].to(dev)),
                               torch.ones(len(late), device=dev), accumulate=True)
-        sub = logits[rows]
+        index = _index(rows, dev)
+        sub = logits[index]
         params = [reqs[i].params for i in rows]
-        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+        # the three penalties of each row, in one staged copy
+        per_row = to_device([v for p in params for v in (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)],
+                            torch.float32, dev).view(len(rows), 3)
+        rep, freq, pres = per_row[:, 0:1], per_row[:, 1:2], per_row[:, 2:3]
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = counts > 0
             if seen_ids:
-                seen[torch.tensor(seen_at, device=dev), torch.tensor(seen_ids, device=dev)] = True
+                seen[_index(seen_at, dev), _index(seen_ids, dev)] = True
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
-        logits[rows] = sub - freq * counts - pres * (counts > 0)
+        logits[index] = sub - freq * counts - pres * (counts > 0)
 
     @staticmethod
     def _probs(logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:
         # logits: [M, vocab] -> probabilities after temperature, top-k and top-p
-        dev = logits.device
-        temps = torch.tensor([r.params.temperature for r in reqs], device=dev)
-        logits = logits / temps[:, None]
+        dev, vocab = logits.device, logits.shape[1]
         top_k = [r.params.top_k for r in reqs]
         top_p = [r.params.top_p for r in reqs]
+        # each row's temperature, top-k and top-p, in one staged copy
+        per_row = to_device([v for r, kk, pp in zip(reqs, top_k, top_p) for v in (r.params.temperature, kk or vocab, pp)],
+                            torch.float32, dev).view(len(reqs), 3)
+        logits = logits / per_row[:, 0:1]
         if any(top_k) or any(p < 1.0 for p in top_p):
-            vocab = logits.shape[1]
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            k = torch.tensor([kk if kk else vocab for kk in top_k], device=dev)
+            k = per_row[:, 1]
             rank = torch.arange(vocab, device=dev)[None, :]
             sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
             sorted_probs = sorted_logits.softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            p = torch.tensor(top_p, device=dev)
+            p = per_row[:, 2]
             # Rows with top_p = 1 keep everything: fp32 cumsum saturates below 1 over a large vocab.
             drop = (before >= p[:, None]) & (p[:, None] < 1.0)
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
         return logits.softmax(dim=-1)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """Row or token indices as an int64 tensor on `device`, staged (engine/staging.py): indexing a
+    CUDA tensor with a Python list copies the list from pageable memory."""
+    return to_device(values, torch.int64, device)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs, PageQuery
+from tokenflowd.engine.staging import host_tensor, to_device
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 LN2 = math.log(2.0)  # flashinfer's log-sum-exp is base 2; the seam's is base e
@@ -29,15 +30,29 @@ class PageTable:
     last_page_len: torch.Tensor  # [B] int32, host
 
     @classmethod
-    def build(cls, inputs: AttentionInputs, page_size: int) -> "PageTable":
+    def build(cls, inputs: AttentionInputs, page_size: int, device: torch.device, pad_to: int = 0,
+              pad_page: int = 0) -> "PageTable":
+        """The step's page table, in page-locked memory when `device` is a GPU (flashinfer's plan
+        copies it there, engine/staging.py); padded to `pad_to` rows of one `pad_page` each (a CUDA
+        graph's batch)."""
         indptr, indices, last = [0], [], []
         for table, n in zip(inputs.block_tables, inputs.seq_lens):
             pages = -(-n // page_size)
             indices.extend(table[:pages])
             indptr.append(indptr[-1] + pages)
             last.append(n - (pages - 1) * page_size)
-        i32 = dict(dtype=torch.int32)
-        return cls(torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32))
+        pad = max(0, pad_to - len(last))
+        end = indptr[-1]
+        indptr.extend(end + k for k in range(1, pad + 1))
+        indices.extend([pad_page] * pad)
+        last.extend([1] * pad)
+        return cls(*(_host_i32(v, device) for v in (indptr, indices, last)))
+
+
+def _host_i32(values: list[int], device: torch.device) -> torch.Tensor:
+    t = host_tensor(len(values), torch.int32, device)
+    t.numpy()[:] = values
+    return t
 
 
 @dataclass
@@ -80,7 +95,7 @@ class FlashInferBackend(AttentionBackend):
 
     def plan_decode(self, wrapper: object, table: PageTable) -> None:
         wrapper.plan(
-            table.indptr, table.indices.to(self.device, non_blocking=True), table.last_page_len,
+            table.indptr, to_device(table.indices.numpy(), torch.int32, self.device), table.last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
             pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
         )
@@ -92,14 +107,14 @@ class FlashInferBackend(AttentionBackend):
         return slot_mapping // self.page_size, slot_mapping % self.page_size
 
     def prepare(self, inputs: AttentionInputs) -> FlashInferMeta:
-        table = PageTable.build(inputs, self.page_size)
+        table = PageTable.build(inputs, self.page_size, self.device)
         is_decode = all(inputs.query_len(i) == 1 for i in range(inputs.num_requests))
         if is_decode:
             self.plan_decode(self.decode, table)
             return FlashInferMeta(*self.slots(inputs.slot_mapping), self.decode)
-        qo_indptr = torch.tensor(inputs.query_start, dtype=torch.int32)
+        qo_indptr = _host_i32(inputs.query_start, self.device)
         self.prefill.plan(
-            qo_indptr, table.indptr, table.indices.to(self.device, non_blocking=True), table.last_page_len,
+            qo_indptr, table.indptr, to_device(table.indices.numpy(), torch.int32, self.device), table.last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
             causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
             q_data_type=self.dtype, kv_data_type=self.dtype,
@@ -130,11 +145,11 @@ class FlashInferBackend(AttentionBackend):
         rows = [r for i in held for r in range(query.query_start[i], query.query_start[i + 1])]
         qo_indptr = [0, *itertools.accumulate(query.query_start[i + 1] - query.query_start[i] for i in held)]
         indptr = [0, *itertools.accumulate(len(query.pages[i]) for i in held)]
-        indices = torch.tensor([p for i in held for p in query.pages[i]], **i32)
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        indices = to_device([p for i in held for p in query.pages[i]], torch.int32, self.device)
+        index = to_device(rows, torch.int64, self.device)
         with self._pages_lock:  # the pool's query service and the engine's own step share the wrapper
             self.pages_prefill.plan(
-                torch.tensor(qo_indptr, **i32), torch.tensor(indptr, **i32), indices.to(self.device, non_blocking=True),
+                torch.tensor(qo_indptr, **i32), torch.tensor(indptr, **i32), indices,
                 torch.full((len(held),), ps, **i32), self.num_heads, self.num_kv_heads, self.head_dim, ps,
                 causal=False, pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype,
                 kv_data_type=self.dtype,

@@ -1,0 +1,31 @@
+"""engine/staging.py's CPU twin and the flashinfer page table it fills (the GPU side, page-locked
+memory and non-blocking copies, is tests/gpu/test_gpu.py's no-pageable-copy test)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenflowd.engine.attention.base import AttentionInputs
+from tokenflowd.engine.attention.flashinfer_backend import PageTable
+from tokenflowd.engine.staging import concat_to_device, to_device
+
+CPU = torch.device("cpu")
+
+
+def test_values_reach_the_cpu_as_they_were():
+    assert to_device([3, 1, 2], torch.int64, CPU).tolist() == [3, 1, 2]
+    assert to_device(np.array([0.5, 2.0]), torch.float32, CPU).dtype == torch.float32
+    flat = concat_to_device([np.arange(3), np.array([], dtype=np.int64), np.array([9])], np.int64, CPU)
+    assert flat.tolist() == [0, 1, 2, 9] and flat.dtype == torch.int64
+    assert concat_to_device([], np.int64, CPU).numel() == 0
+
+
+def test_a_page_table_padded_for_a_graph_gives_each_padding_row_one_scratch_page():
+    inputs = AttentionInputs([0, 1, 2], [5, 9], [[4, 7], [1, 2, 3]], torch.zeros(2, dtype=torch.int64))
+    t = PageTable.build(inputs, 4, CPU, pad_to=4, pad_page=99)
+    assert t.indptr.tolist() == [0, 2, 5, 6, 7]
+    assert t.indices.tolist() == [4, 7, 1, 2, 3, 99, 99]
+    assert t.last_page_len.tolist() == [1, 1, 1, 1]
+    assert all(x.dtype == torch.int32 for x in (t.indptr, t.indices, t.last_page_len))
+    unpadded = PageTable.build(inputs, 4, CPU)
+    assert unpadded.indptr.tolist() == [0, 2, 5] and unpadded.last_page_len.tolist() == [1, 1]
