@@ -275,9 +275,11 @@ def test_torch_backend_on_gpu_matches_transformers(gpu_dirs):
         torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
 
 
-def test_cuda_copier_round_trip_is_byte_identical():
+@pytest.mark.parametrize("max_run_copies", [8, 0])  # page runs copied as they are; and gathered by index
+def test_cuda_copier_round_trip_is_byte_identical(max_run_copies):
     """Pages gathered from the flashinfer layout to pinned host memory on the write stream and
-    scattered back on the load stream come back bit for bit."""
+    scattered back on the load stream come back bit for bit; the jobs a step submits start in one
+    launch per lane."""
     from tokenflowd.kv.copier import LOAD, WRITE, CopyJob
     from tokenflowd.offload.copier import CudaCopier
 
@@ -285,14 +287,20 @@ def test_cuda_copier_round_trip_is_byte_identical():
     dev = cache.movedim(2, 0)
     host = torch.zeros(dev.shape[0], *dev.shape[1:], dtype=dev.dtype, pin_memory=True)
     copier = CudaCopier(dev, host)
+    copier.max_run_copies = max_run_copies
     before = dev.clone()
-    copier.submit(CopyJob(WRITE, [7, 2, 5, 6], [3, 4, 0, 1], 0))
+    jobs = [([7, 2, 5, 6], [3, 4, 0, 1]), ([9, 10, 11], [6, 7, 8]), ([0], [11])]
+    for d, h in jobs:
+        copier.submit(CopyJob(WRITE, d, h, 0))
+    copier.flush()
     copier.wait()
-    assert len(copier.poll()) == 1
-    dev[[7, 2, 5, 6]] = 0
-    copier.submit(CopyJob(LOAD, [7, 2, 5, 6], [3, 4, 0, 1], 0))
-    copier.wait()
-    copier.poll()
+    assert len(copier.poll()) == 3 and copier.num_launches == 1
+    pages = [p for d, _ in jobs for p in d]
+    dev[pages] = 0
+    for d, h in jobs:
+        copier.submit(CopyJob(LOAD, d, h, 0))
+    copier.wait()  # a wait starts what is held
+    assert len(copier.poll()) == 3 and copier.num_launches == 2
     torch.cuda.synchronize()
     assert torch.equal(dev.view(torch.int16), before.view(torch.int16))
 

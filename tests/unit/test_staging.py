@@ -1,5 +1,6 @@
-"""engine/staging.py's CPU twin and the flashinfer page table it fills (the GPU side, page-locked
-memory and non-blocking copies, is tests/gpu/test_gpu.py's no-pageable-copy test)."""
+"""engine/staging.py's CPU twin, the flashinfer page table it fills, and the GPU copier's page runs
+(the GPU sides, page-locked memory, non-blocking copies and one launch per lane per step, are
+tests/gpu/test_gpu.py's no-pageable-copy and copier round-trip tests)."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,3 +30,11 @@ def test_a_page_table_padded_for_a_graph_gives_each_padding_row_one_scratch_page
     assert all(x.dtype == torch.int32 for x in (t.indptr, t.indices, t.last_page_len))
     unpadded = PageTable.build(inputs, 4, CPU)
     assert unpadded.indptr.tolist() == [0, 2, 5] and unpadded.last_page_len.tolist() == [1, 1]
+
+
+def test_page_runs_are_consecutive_on_both_sides():
+    from tokenflowd.offload.copier import pair_runs
+
+    assert pair_runs([7, 2, 5, 6, 7], [3, 4, 0, 1, 2]) == [(0, 1), (1, 2), (2, 5)]
+    assert pair_runs([1, 2, 3], [5, 9, 10]) == [(0, 1), (1, 3)]
+    assert pair_runs([], []) == []

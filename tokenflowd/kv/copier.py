@@ -102,6 +102,11 @@ class Copier(abc.ABC):
         self._start(job)
         return job
 
+    def flush(self) -> None:
+        """Start the jobs submitted since the last flush, where a copier holds them to start them
+        together (a GPU's one launch per lane per step); the offloader flushes after each step's
+        copies are issued, and a copier that holds jobs flushes before it polls or waits."""
+
     def poll(self) -> list[CopyJob]:
         """Jobs finished since the last call, each lane in submission order."""
         done = []

@@ -107,63 +107,120 @@ def _stop_workers(queues: list[queue.SimpleQueue]) -> None:
 
 
 class CudaCopier(Copier):
-    """GPU: one CUDA stream per lane, each ordered after the compute stream at submit.
+    """GPU: one CUDA stream per lane, each ordered after the compute stream at launch.
 
-    A write gathers the job's device pages into one contiguous block on the copy stream, then
-    copies each run of consecutive host pages with one cudaMemcpyAsync into pinned memory; a load
-    does the reverse (one copy per host run into a device block, then one scatter). A lane holds
-    at most `staging_limit` bytes of such blocks (the engine's KV budget counts both lanes').
+    The jobs a step submits (write-through chunks of several requests, evictions, loads) are held
+    and launched together at flush: one launch per lane per step, not one per job. A launch copies
+    each run of pages consecutive on both sides with one copy (the device side is strided across
+    layers: torch packs it on the copy stream and moves it with one cudaMemcpyAsync). A launch of
+    more than `max_run_copies` runs gathers instead: the device pages' index goes up from
+    page-locked memory, one index_select packs them into a block, and each run of consecutive host
+    pages moves with one copy (a load: the reverse, then one index_copy_). Every copy is
+    non-blocking; the jobs of a launch share its events, and each takes its share of its time.
+
+    A lane holds at most `staging_limit` bytes of gather blocks at a time (the engine's KV budget
+    counts both lanes').
 
     NOTE: without the limit, a step with nothing to compute issued every queued load at once,
     each job with its own device block: gigabytes no budget had counted."""
 
     staging_limit = 512 << 20
+    max_run_copies = 8
 
     def __init__(self, device_pages: torch.Tensor, host_pages: torch.Tensor, prior_bandwidth: float = 20e9) -> None:
         super().__init__(device_pages, host_pages, prior_bandwidth)
         self.device = device_pages.device
         self._streams = {lane: torch.cuda.Stream(self.device) for lane in (WRITE, LOAD)}
+        self._held: dict[str, list[CopyJob]] = {WRITE: [], LOAD: []}
+        self.num_launches = 0  # tests read it: launches, not jobs
 
     def _start(self, job: CopyJob) -> None:
-        try:
-            self._enqueue(job)
-        except RuntimeError as e:  # a CUDA error is sticky: nothing on this device can be trusted
-            raise CopierDead(f"the KV {job.lane} lane could not start a copy: {e}") from e
+        job._events = None
+        self._held[job.lane].append(job)
 
-    def _enqueue(self, job: CopyJob) -> None:
-        stream = self._streams[job.lane]
+    def flush(self) -> None:
+        for lane, jobs in self._held.items():
+            if not jobs:
+                continue
+            self._held[lane] = []
+            try:
+                self._launch(lane, jobs)
+            except RuntimeError as e:  # a CUDA error is sticky: nothing on this device can be trusted
+                raise CopierDead(f"the KV {lane} lane could not start a copy: {e}") from e
+
+    def _launch(self, lane: str, jobs: list[CopyJob]) -> None:
+        stream = self._streams[lane]
         stream.wait_stream(torch.cuda.current_stream(self.device))  # after the step that wrote the pages
+        device_pages = [d for job in jobs for d in job.device_pages]
+        host_pages = [h for job in jobs for h in job.host_pages]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        keep: list[torch.Tensor] = []  # blocks and indices live until the launch is done
         with torch.cuda.stream(stream):
             start.record(stream)
-            idx = torch.tensor(job.device_pages, dtype=torch.int64).to(self.device, non_blocking=True)
-            if job.lane == WRITE:
-                block = self.dev.index_select(0, idx)  # [n, layers, *rest] contiguous, on the copy stream
-                for i, j, h in _runs(job.host_pages):
-                    self.host[h : h + j - i].copy_(block[i:j], non_blocking=True)
+            runs = pair_runs(device_pages, host_pages)
+            if len(runs) <= self.max_run_copies:
+                for i, j in runs:
+                    d, h, n = device_pages[i], host_pages[i], j - i
+                    if lane == WRITE:
+                        self.host[h : h + n].copy_(self.dev[d : d + n], non_blocking=True)
+                    else:
+                        self.dev[d : d + n].copy_(self.host[h : h + n], non_blocking=True)
             else:
-                block = torch.empty((len(idx), *self.dev.shape[1:]), dtype=self.dev.dtype, device=self.device)
-                for i, j, h in _runs(job.host_pages):
-                    block[i:j].copy_(self.host[h : h + j - i], non_blocking=True)
-                self.dev.index_copy_(0, idx, block)
+                page_bytes = self.dev[0].numel() * self.dev.element_size()
+                per = max(1, self.staging_limit // page_bytes)
+                for k in range(0, len(device_pages), per):
+                    keep += self._gather(lane, device_pages[k : k + per], host_pages[k : k + per])
             end.record(stream)
-        job._events = (start, end, block, idx)  # the block and index live until the copy is done
+        self.num_launches += 1
+        total = len(device_pages) or 1
+        for job in jobs:
+            job._events = (start, end, keep, len(job.device_pages) / total)
+
+    def _gather(self, lane: str, device_pages: list[int], host_pages: list[int]) -> list[torch.Tensor]:
+        staged = torch.empty(len(device_pages), dtype=torch.int64, pin_memory=True)
+        staged.numpy()[:] = device_pages
+        idx = staged.to(self.device, non_blocking=True)
+        if lane == WRITE:
+            block = self.dev.index_select(0, idx)  # [n, layers, *rest] contiguous, on the copy stream
+            for i, j, h in _runs(host_pages):
+                self.host[h : h + j - i].copy_(block[i:j], non_blocking=True)
+        else:
+            block = torch.empty((len(idx), *self.dev.shape[1:]), dtype=self.dev.dtype, device=self.device)
+            for i, j, h in _runs(host_pages):
+                block[i:j].copy_(self.host[h : h + j - i], non_blocking=True)
+            self.dev.index_copy_(0, idx, block)
+        return [block, idx]
 
     def _finished(self, job: CopyJob) -> bool:
-        start, end, _, _ = job._events
+        if job._events is None:
+            self.flush()
+        start, end, _, share = job._events
         try:
             if not end.query():
                 return False
         except RuntimeError as e:  # the copy's CUDA error, surfacing here
             raise CopierDead(f"the KV {job.lane} lane failed: {e}") from e
-        job.seconds = start.elapsed_time(end) / 1e3
+        job.seconds = start.elapsed_time(end) / 1e3 * share
         return True
 
     def _wait(self, job: CopyJob) -> None:
+        if job._events is None:
+            self.flush()
         try:
             job._events[1].synchronize()
         except RuntimeError as e:
             raise CopierDead(f"the KV {job.lane} lane failed: {e}") from e
+
+
+def pair_runs(device_pages: list[int], host_pages: list[int]) -> list[tuple[int, int]]:
+    """(i, j) of each maximal run where device_pages[i:j] and host_pages[i:j] both go up by one."""
+    runs, i = [], 0
+    for k in range(1, len(device_pages) + 1):
+        if (k == len(device_pages) or device_pages[k] != device_pages[k - 1] + 1
+                or host_pages[k] != host_pages[k - 1] + 1):
+            runs.append((i, k))
+            i = k
+    return runs
 
 
 def _runs(host_pages: list[int]) -> list[tuple[int, int, int]]:

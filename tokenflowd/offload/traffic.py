@@ -295,6 +295,7 @@ class HostOffloader(Offloader):
         self._issue_loads(step_seconds, loading)
         if self.mode == WRITE_THROUGH:
             self._issue_writes(step_seconds, running, buffer_of)
+        self.copier.flush()  # the step's jobs, with the evictions its scheduling queued, start together
 
     def _budget_pages(self, lane: str, step_seconds: float) -> int:
         """Pages `lane` may take on now: what its bandwidth moves in `step_seconds`, within the
