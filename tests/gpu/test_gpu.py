@@ -414,3 +414,73 @@ def test_a_decode_step_copies_nothing_from_pageable_memory(gpu_dirs):
 
     assert pageable_copies(decode) == []
     assert sum(core.runner.graphs.num_replays.values()) >= replays + 12  # the steps were graph replays
+
+
+@needs_flashinfer
+def test_fused_layer_ops_match_the_plain_ones_and_the_flashinfer_engine_runs_them(gpu_dirs):
+    """flashinfer's add+RMSNorm, RMSNorm, RoPE (in place, on the strided q and k of a q|k|v
+    projection) and SiLU-and-mul against the plain ops, in bf16; and an engine on flashinfer built
+    its model's fused ops while the torch backend's did not."""
+    from tokenflowd.engine.model.fused import FlashInferOps, TorchOps
+    from tokenflowd.engine.model.llama import rope_inv_freq
+    from tokenflowd.engine.model.config import ModelConfig
+
+    core = make(gpu_dirs["llama-128"])
+    assert_paths(core, FLASHINFER_GRAPHS)
+    fused = core.runner.model._fused_ops
+    assert isinstance(fused, FlashInferOps)
+    cfg: ModelConfig = core.runner.model_config
+    plain = core.runner.model.plain_ops
+    assert isinstance(plain, TorchOps) and not isinstance(plain, FlashInferOps)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, hidden = 37, cfg.hidden_size
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x, res, w = (torch.randn(T, hidden, generator=g, **bf) for _ in range(3))
+
+    def close(a, b, what):
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= 0.02 * b.float().abs().max().item() + 1e-2, f"{what}: {err}"
+
+    close(fused.rms_norm(x.clone(), w), plain.rms_norm(x, w), "rms_norm")
+    want_x, want_res = plain.add_rms_norm(x, res, w)
+    got_x, got_res = fused.add_rms_norm(x.clone(), res.clone(), w)
+    close(got_res, want_res, "add: residual")
+    close(got_x, want_x, "add: norm")
+    width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    qkv = torch.randn(T, width, generator=g, **bf)
+    positions = torch.randint(0, 500, (T,), device="cuda", generator=g)
+    want_q, want_k = plain.rope(qkv, plain.rope_of(positions))
+    got_q, got_k = fused.rope(qkv.clone(), fused.rope_of(positions))
+    close(got_q, want_q, "rope q")
+    close(got_k, want_k, "rope k")
+    gate_up = torch.randn(T, 2 * cfg.intermediate_size, generator=g, **bf)
+    close(fused.silu_and_mul(gate_up), plain.silu_and_mul(gate_up), "silu_and_mul")
+    torch_core = make(gpu_dirs["llama-128"], attention_backend="torch", cuda_graphs=False)
+    assert torch_core.runner.model._fused_ops is None
+    assert rope_inv_freq(cfg).shape[0] == cfg.head_dim // 2
+
+
+def test_unseeded_rows_with_top_k_and_top_p_draw_in_flashinfers_kernel_and_seeded_rows_repeat():
+    """Unseeded sampled rows go through flashinfer's top-k/top-p kernel (counted), each draw within
+    its row's top k; a seeded row draws the same tokens whatever shares its batch."""
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer not installed")
+    from tokenflowd.engine.sampler import Sampler
+
+    logits = torch.randn(3, 5000, device="cuda")
+    free = [Request(f"f{i}", [1, 2], SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=4)).sampling_row()
+            for i in range(2)]
+    sampler = Sampler(seed=0)
+    for _ in range(20):
+        tokens = sampler.sample(logits[:2].clone(), free).tolist()
+        for row, t in enumerate(tokens):
+            assert t in logits[row].topk(5).indices.tolist()
+    assert sampler.fused is True and sampler.num_fused_draws == 40
+
+    def seeded_run(with_others: bool) -> list[int]:
+        s = Sampler(seed=1)
+        row = Request("s", [1, 2], SamplingParams(temperature=1.0, seed=11, max_tokens=4)).sampling_row()
+        rows = [row, *free] if with_others else [row]
+        return [s.sample(logits[: len(rows)].clone(), rows).tolist()[0] for _ in range(8)]
+
+    assert seeded_run(False) == seeded_run(True)

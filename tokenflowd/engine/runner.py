@@ -46,6 +46,7 @@ class LayerHook:
     def __init__(self, inner, after: Callable[[int], None]) -> None:
         self.inner = inner
         self.after = after
+        self.fused_ops = getattr(inner, "fused_ops", False)  # the layers' small ops: as the inner one's
 
     def forward(self, layer: int, q, k, v, kv_cache, meta):
         o = self.inner.forward(layer, q, k, v, kv_cache, meta)

@@ -2,7 +2,8 @@
 
 Rows are filtered together (one sort of the vocabulary for the rows that need top-k/top-p); the draw
 is per row only where a request brings its own seeded generator, so a seeded request samples the
-same tokens whatever else shares its batch.
+same tokens whatever else shares its batch. On a GPU with flashinfer, the unseeded rows go through
+its top-k/top-p sampling kernel instead (no sort), from the sampler's device generator.
 
 Penalties (presence, frequency, repetition) are applied to the logits first, on their device, to
 the rows that ask for them only: one [rows, vocab] count of each such row's output tokens (a token
@@ -15,6 +16,7 @@ where the logits are, in three tensors for all such rows (one copy each to the h
 """
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -22,6 +24,9 @@ import torch
 from tokenflowd.engine.grammar import apply_masks
 from tokenflowd.engine.request import PLACEHOLDER, SamplingRow
 from tokenflowd.engine.staging import to_device
+from tokenflowd.engine.startup import describe_error
+
+log = logging.getLogger(__name__)
 
 
 class Logprobs(NamedTuple):
@@ -38,6 +43,9 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)  # the rows without a seed of their own
+        # flashinfer's sampling kernel for unseeded rows on a GPU: None until tried, then whether it runs
+        self.fused: bool | None = None
+        self.num_fused_draws = 0  # rows it drew (tests read it)
 
     def _shared(self, device: torch.device) -> torch.Generator:
         """The unseeded rows' generator, on the device of the logits: their [rows, vocab] draw
@@ -92,6 +100,14 @@ class Sampler:
             return logits.argmax(dim=-1)
         out = logits.argmax(dim=-1)
         rows = [i for i, g in enumerate(greedy) if not g]
+        if logits.is_cuda and self.fused is not False:
+            # unseeded rows: temperature, top-k and top-p in flashinfer's sampling kernel (no sort
+            # of the vocabulary); seeded rows draw below, from their own generators
+            fused = [i for i in rows if reqs[i].generator is None]
+            if fused and self._draw_fused(logits, [reqs[i] for i in fused], fused, out):
+                rows = [i for i in rows if reqs[i].generator is not None]
+                if not rows:
+                    return out
         index = _index(rows, logits.device)
         sub = [reqs[i] for i in rows]
         probs = self._probs(logits[index], sub)
@@ -115,6 +131,32 @@ class Sampler:
                 race[j] = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
         out[index] = (probs / race).argmax(dim=-1)
         return out
+
+    def _draw_fused(self, logits: torch.Tensor, reqs: list[SamplingRow], rows: list[int], out: torch.Tensor) -> bool:
+        """out[rows] drawn by flashinfer's top-k/top-p sampling from the rows' logits at their
+        temperatures; False (nothing drawn, and never tried again) where flashinfer is missing or
+        its kernel refuses, so the torch draw below takes them."""
+        dev, vocab = logits.device, logits.shape[1]
+        try:
+            if self.fused is None:
+                import flashinfer.sampling
+
+                self._fi_sampling = flashinfer.sampling
+            index = _index(rows, dev)
+            per_row = to_device([v for r in reqs for v in (r.params.temperature, r.params.top_p)], torch.float32,
+                                dev).view(len(rows), 2)
+            top_k = to_device([r.params.top_k or vocab for r in reqs], torch.int32, dev)
+            drawn = self._fi_sampling.top_k_top_p_sampling_from_logits(
+                logits[index] / per_row[:, 0:1], top_k, per_row[:, 1].contiguous(), filter_apply_order="top_k_first",
+                generator=self._shared(dev))
+        except Exception as e:  # noqa: BLE001 - an import, an API or a build that is not there: the torch draw
+            log.warning("flashinfer's sampling is not used (%s); rows are drawn by torch", describe_error(e))
+            self.fused = False
+            return False
+        self.fused = True
+        out[index] = drawn.to(out.dtype)
+        self.num_fused_draws += len(rows)
+        return True
 
     @staticmethod
     def penalize(logits: torch.Tensor, reqs: list[SamplingRow], prev: torch.Tensor | None = None,

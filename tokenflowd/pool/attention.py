@@ -83,6 +83,7 @@ class PooledAttention:
         self.backend = backend
         self.holders = holders
         self._index: list[torch.Tensor | None] = [None] * len(holders)
+        self.fused_ops = getattr(backend, "fused_ops", False)  # the layers' small ops: as the backend's
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: object) -> torch.Tensor:

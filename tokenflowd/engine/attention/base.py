@@ -52,6 +52,7 @@ class AttentionBackend(abc.ABC):
     the output has q's shape and dtype. A backend keeps no per-request state between steps."""
 
     name: str  # what /health calls it
+    fused_ops = False  # whether the model's layers run fused kernels beside it (engine/model/fused.py)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:

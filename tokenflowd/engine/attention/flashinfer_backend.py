@@ -64,6 +64,9 @@ class FlashInferMeta:
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    # the model's layers run flashinfer's fused norm, RoPE and SiLU-and-mul (engine/model/fused.py):
+    # the start-up check of this backend against the torch one covers them too
+    fused_ops = True
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from tokenflowd.engine.attention.base import AttentionBackend
 from tokenflowd.engine.model.config import ModelConfig
+from tokenflowd.engine.model.fused import FlashInferOps, TorchOps
 from tokenflowd.engine.model.logits import FastLogits
 from tokenflowd.engine.model.packed import PackedDense
 from tokenflowd.engine.model.quant import GROUP_SIZE, Int4Codes, Int4Weight, Int8Rows, quantize
@@ -42,22 +43,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return scaled.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim/2] in x's dtype. rotate_half convention.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, (Int4Weight, Int8Rows, PackedDense)):
         y = w.matmul(x)
         return y if bias is None else y + bias
     return F.linear(x, w, bias)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # torch's fused kernel accumulates in fp32 for bf16/fp16 input, as the reference models do.
-    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class LlamaModel(torch.nn.Module):
@@ -77,6 +67,20 @@ class LlamaModel(torch.nn.Module):
         self.register_buffer("rope_sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
         self.layers: list[dict[str, Weight]] = []
         self.logits: FastLogits | None = None  # int4, int8: the lm_head through int8 candidates
+        # the per-layer small ops: plain, and flashinfer's fused kernels for a backend that asks
+        # for them (engine/model/fused.py), built on first use
+        shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        self.plain_ops = TorchOps(*shape, self.rope_cos, self.rope_sin)
+        self._fused_ops: FlashInferOps | None = None
+
+    def ops_for(self, attn: object) -> TorchOps:
+        if not getattr(attn, "fused_ops", False):
+            return self.plain_ops
+        if self._fused_ops is None:
+            cfg = self.cfg
+            self._fused_ops = FlashInferOps(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                            self.rope_cos, self.rope_sin, rope_inv_freq(cfg))
+        return self._fused_ops
 
     def load_weights(self, w: dict[str, torch.Tensor | Int4Codes]) -> None:
         """Take Hugging Face-named weights (already in dtype/device, or int4 codes), fusing q|k|v and
@@ -153,22 +157,20 @@ class LlamaModel(torch.nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         cfg = self.cfg
         T = input_ids.shape[0]
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, head_dim/2]
-        sin = self.rope_sin[positions].unsqueeze(1)
+        ops = self.ops_for(attn)
+        rope = ops.rope_of(positions)
         h = F.embedding(input_ids, self.embed)  # the residual stream
+        x = ops.rms_norm(h, self.layers[0]["attn_norm"]) if self.layers else h
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
             qkv = linear(x, layer["qkv"], layer.get("qkv_bias"))
-            # q and k heads side by side take RoPE in one pass: [T, heads + kv_heads, head_dim]
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, -1, cfg.head_dim), cos, sin)
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            q, k = ops.rope(qkv, rope)  # [T, heads, head_dim], [T, kv_heads, head_dim]
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             o = attn.forward(i, q, k, v, kv_caches[i], attn_meta)  # [T, heads, head_dim]
-            h = h + linear(o.reshape(T, self.q_size), layer["o"])
-            x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer["down"])
-        return rms_norm(h, self.norm, cfg.rms_norm_eps)
+            x, h = ops.add_rms_norm(linear(o.reshape(T, self.q_size), layer["o"]), h, layer["mlp_norm"])
+            out = linear(ops.silu_and_mul(linear(x, layer["gate_up"])), layer["down"])
+            # the residual add and the next norm (the next layer's input norm, or the final one)
+            x, h = ops.add_rms_norm(out, h, self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] fp32
