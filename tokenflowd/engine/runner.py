@@ -300,10 +300,10 @@ class ModelRunner(Executor):
         computes it (torch's kernels drop the GIL) while the engine schedules the next one."""
         x = self._prepare(batch)
         if self.device.type == "cuda":
-            if self._last_end is not None and self.attn.name == "flashinfer":
-                # NOTE: flashinfer's plan writes host buffers that the step before may still be
-                # copying from: planning waits for it (the host work before this point overlapped it).
-                self._last_end.synchronize()
+            # NOTE: flashinfer's plan writes a page-locked host buffer that the last plan's copy may
+            # not have read yet: planning waits for that copy (queued before the last step's
+            # kernels, so it has run as soon as the step before ended), not for the last step.
+            self.attn.wait_planned()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             tokens, sampling, lp = self._sample(batch, x)

@@ -74,6 +74,10 @@ class AttentionBackend(abc.ABC):
         a, b = self.kv_cache_shape(1), self.kv_cache_shape(2)
         return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
+    def wait_planned(self) -> None:
+        """Block until the copies the last prepare() queued from host buffers it reuses have run
+        (a backend whose plan reuses none has nothing to wait for)."""
+
     @abc.abstractmethod
     def prepare(self, inputs: AttentionInputs) -> object:
         """Per-step metadata shared by every layer."""

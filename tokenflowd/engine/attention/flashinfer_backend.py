@@ -83,6 +83,7 @@ class FlashInferBackend(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         # Tensor cores pay off for decode once several query heads share a KV head.
         self.decode_tensor_cores = group >= 4
+        self._planned = None  # the event behind the last plan's copies (wait_planned)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "HND", use_tensor_cores=self.decode_tensor_cores
         )
@@ -96,12 +97,22 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len,
         )
 
+    def wait_planned(self) -> None:
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def _plan_queued(self) -> None:
+        """An event behind the copies the plan just queued from its page-locked buffer."""
+        self._planned = torch.cuda.Event()
+        self._planned.record()
+
     def plan_decode(self, wrapper: object, table: PageTable) -> None:
         wrapper.plan(
             table.indptr, to_device(table.indices.numpy(), torch.int32, self.device), table.last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
             pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
         )
+        self._plan_queued()
 
     def kv_cache_shape(self, num_pages: int) -> tuple[int, ...]:
         return (2, num_pages, self.num_kv_heads, self.page_size, self.head_dim)  # HND
@@ -122,6 +133,7 @@ class FlashInferBackend(AttentionBackend):
             causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
             q_data_type=self.dtype, kv_data_type=self.dtype,
         )
+        self._plan_queued()
         return FlashInferMeta(*self.slots(inputs.slot_mapping), self.prefill)
 
     def forward(self, layer, q, k, v, kv_cache, meta: FlashInferMeta):
