@@ -7,7 +7,7 @@ Two figures, each a ratio within one run:
   run in turn four times each in subprocesses (each side first half the time): a request that asks for none of the features
   must cost what it cost before them.
 
-    python bench/features_cost.py [--against REV] [--out bench/results/features_cost.json]
+    python bench/features_cost.py [--against REV] [--plain-batches 1,16] [--no-schema] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -70,12 +70,14 @@ def _at(rev_dir: Path, batch: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", help="a revision whose plain greedy decode this checkout's is compared with")
+    ap.add_argument("--plain-batches", default="1,16", help="batch sizes of the plain greedy comparison")
+    ap.add_argument("--no-schema", action="store_true", help="only the comparison with --against")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     result: dict = {"cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                                  if line.startswith("model name")), "?"), "schema": SCHEMA}
     decode_rate(1, False)  # a first engine in a process pays one-time costs: not one side's
-    for batch in (1, 16):
+    for batch in () if args.no_schema else (1, 16):
         runs = [(decode_rate(batch, False), decode_rate(batch, True)) for _ in range(2)]  # in turn
         free, constrained = max(r[0] for r in runs), max(r[1] for r in runs)
         result[f"batch_{batch}"] = {"free_tokens_per_s": round(free, 1), "json_schema_tokens_per_s": round(constrained, 1),
@@ -87,7 +89,7 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(other), args.against],
                            check=True, capture_output=True)
             try:
-                for batch in (1, 16):
+                for batch in (int(b) for b in args.plain_batches.split(",")):
                     here, there = [], []
                     for k in range(4):  # in turn, each first half the time: load or order is not one side's
                         pair = [(here, ROOT), (there, other)]
