@@ -455,6 +455,11 @@ def test_fused_layer_ops_match_the_plain_ones_and_the_flashinfer_engine_runs_the
     close(got_k, want_k, "rope k")
     gate_up = torch.randn(T, 2 * cfg.intermediate_size, generator=g, **bf)
     close(fused.silu_and_mul(gate_up), plain.silu_and_mul(gate_up), "silu_and_mul")
+    from tokenflowd.engine.attention.base import AttentionInputs
+    from tokenflowd.engine.attention.flashinfer_backend import Append
+
+    meta = core.runner.attn.prepare(AttentionInputs([0, 3], [3], [[0]], torch.tensor([0, 1, 2], device="cuda")))
+    assert isinstance(meta.append, Append)  # the step's K/V go in through flashinfer's append
     torch_core = make(gpu_dirs["llama-128"], attention_backend="torch", cuda_graphs=False)
     assert torch_core.runner.model._fused_ops is None
     assert rope_inv_freq(cfg).shape[0] == cfg.head_dim // 2

@@ -38,3 +38,27 @@ def test_page_runs_are_consecutive_on_both_sides():
     assert pair_runs([7, 2, 5, 6, 7], [3, 4, 0, 1, 2]) == [(0, 1), (1, 2), (2, 5)]
     assert pair_runs([1, 2, 3], [5, 9, 10]) == [(0, 1), (1, 3)]
     assert pair_runs([], []) == []
+
+
+def test_the_append_puts_each_new_token_where_its_slot_is():
+    """flashinfer's paged-KV append finds a token's page as indices[indptr[b] + pos // page_size]: for
+    a step mixing a prompt chunk, a decode and a first chunk, that is the slot the torch path writes."""
+    from types import SimpleNamespace
+
+    from tokenflowd.engine.attention.flashinfer_backend import FlashInferBackend
+
+    ps = 4
+    tables = [[3, 8, 5], [1, 2], [9, 6, 7]]
+    chunks = [(4, 5), (6, 1), (0, 7)]  # (tokens already in its KV, new tokens) per request
+    query_start, seq_lens, slots = [0], [], []
+    for table, (past, n) in zip(tables, chunks):
+        query_start.append(query_start[-1] + n)
+        seq_lens.append(past + n)
+        slots += [table[p // ps] * ps + p % ps for p in range(past, past + n)]
+    inputs = AttentionInputs(query_start, seq_lens, tables, torch.tensor(slots))
+    table = PageTable.build(inputs, ps, CPU)
+    a = FlashInferBackend._append(SimpleNamespace(device=CPU), inputs, table, table.indices)
+    indices, indptr = a.indices.tolist(), a.indptr.tolist()
+    got = [indices[indptr[b] + pos // ps] * ps + pos % ps for b, pos in zip(a.batch_indices.tolist(), a.positions.tolist())]
+    assert got == slots
+    assert a.batch_indices.dtype == a.positions.dtype == torch.int32

@@ -15,7 +15,8 @@ from collections import Counter
 import torch
 
 from tokenflowd.engine.attention.base import AttentionInputs
-from tokenflowd.engine.attention.flashinfer_backend import FlashInferBackend, FlashInferMeta, PageTable
+from tokenflowd.engine.attention.flashinfer_backend import Append, FlashInferBackend, FlashInferMeta, PageTable
+from tokenflowd.engine.staging import to_device
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,9 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slot_page = torch.full((n,), scratch_page, dtype=torch.int64, device=dev)
         self.slot_offset = torch.zeros(n, dtype=torch.int64, device=dev)
+        # the paged-KV append's: row b appends to request b, at its position in that request's KV
+        self.batch_indices = torch.arange(n, dtype=torch.int32, device=dev)
+        self.kv_positions = torch.zeros(n, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         self.num_replays: Counter[int] = Counter()  # by graph size: what ran, for tests and /health
         # Shared prefix pages count once per request in the index buffer: size it for the worst case.
@@ -57,7 +61,8 @@ class DecodeGraphs:
             empty = PageTable.build(AttentionInputs([0], [], [], self.slot_page[:0]), self.page_size, dev, pad_to=bs,
                                     pad_page=self.scratch_page)
             self.attn.plan_decode(wrapper, empty)
-            meta = FlashInferMeta(self.slot_page[:bs], self.slot_offset[:bs], wrapper)
+            append = Append(self.batch_indices[:bs], self.kv_positions[:bs], indices, indptr[: bs + 1], last_page_len[:bs])
+            meta = FlashInferMeta(self.slot_page[:bs], self.slot_offset[:bs], wrapper, append)
             args = (self.input_ids[:bs], self.positions[:bs], self.kv_layers, self.attn, meta)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -85,6 +90,8 @@ class DecodeGraphs:
         self.positions[B:bs].zero_()
         self.slot_page[B:bs].fill_(self.scratch_page)
         self.slot_offset[B:bs].zero_()
+        self.kv_positions[:B].copy_(to_device([n - 1 for n in inputs.seq_lens], torch.int32, self.kv_positions.device))
+        self.kv_positions[B:bs].zero_()  # the padding rows' one scratch page
         self.attn.plan_decode(wrapper, PageTable.build(inputs, self.page_size, self.input_ids.device, pad_to=bs,
                                                        pad_page=self.scratch_page))
         graph.replay()

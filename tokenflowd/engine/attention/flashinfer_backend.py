@@ -6,6 +6,10 @@ Page table as flashinfer wants it, per request i (int32 on the device):
     kv_indices[kv_indptr[i] : kv_indptr[i+1]]  = its pages covering seq_lens[i] tokens
     kv_last_page_len[i]                        = tokens in its last page, 1..page_size
     qo_indptr                                  = AttentionInputs.query_start
+
+A step's new K and V go into the cache with flashinfer's paged-KV append, one kernel a layer (each
+token's request and its position in that request's KV, staged with the page table); a CUDA graph
+reads the same from fixed buffers.
 """
 from __future__ import annotations
 
@@ -13,11 +17,13 @@ import itertools
 import math
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs, PageQuery
-from tokenflowd.engine.staging import host_tensor, to_device
+from tokenflowd.engine.staging import concat_to_device, host_tensor, to_device
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 LN2 = math.log(2.0)  # flashinfer's log-sum-exp is base 2; the seam's is base e
@@ -55,11 +61,24 @@ def _host_i32(values: list[int], device: torch.device) -> torch.Tensor:
     return t
 
 
+class Append(NamedTuple):
+    """What flashinfer's paged-KV append reads (int32 on the device): each new token's request and
+    position in that request's KV, and the step's page table."""
+
+    batch_indices: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    indices: torch.Tensor
+    indptr: torch.Tensor  # [B+1]
+    last_page_len: torch.Tensor  # [B]
+
+
 @dataclass
 class FlashInferMeta:
     slot_page: torch.Tensor
     slot_offset: torch.Tensor
     wrapper: object  # a planned flashinfer prefill or decode wrapper
+    # the step's K/V go in with one append kernel a layer; None: written at slot_page/slot_offset
+    append: Append | None = None
 
 
 class FlashInferBackend(AttentionBackend):
@@ -106,9 +125,11 @@ class FlashInferBackend(AttentionBackend):
         self._planned = torch.cuda.Event()
         self._planned.record()
 
-    def plan_decode(self, wrapper: object, table: PageTable) -> None:
+    def plan_decode(self, wrapper: object, table: PageTable, indices: torch.Tensor | None = None) -> None:
+        """Plan `wrapper` for `table`; `indices`: the table's indices already on the device."""
         wrapper.plan(
-            table.indptr, to_device(table.indices.numpy(), torch.int32, self.device), table.last_page_len,
+            table.indptr, to_device(table.indices.numpy(), torch.int32, self.device) if indices is None else indices,
+            table.last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
             pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
         )
@@ -122,28 +143,51 @@ class FlashInferBackend(AttentionBackend):
 
     def prepare(self, inputs: AttentionInputs) -> FlashInferMeta:
         table = PageTable.build(inputs, self.page_size, self.device)
+        indices = to_device(table.indices.numpy(), torch.int32, self.device)
+        append = self._append(inputs, table, indices)
         is_decode = all(inputs.query_len(i) == 1 for i in range(inputs.num_requests))
         if is_decode:
-            self.plan_decode(self.decode, table)
-            return FlashInferMeta(*self.slots(inputs.slot_mapping), self.decode)
+            self.plan_decode(self.decode, table, indices)
+            return FlashInferMeta(*self.slots(inputs.slot_mapping), self.decode, append)
         qo_indptr = _host_i32(inputs.query_start, self.device)
         self.prefill.plan(
-            qo_indptr, table.indptr, to_device(table.indices.numpy(), torch.int32, self.device), table.last_page_len,
+            qo_indptr, table.indptr, indices, table.last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
             causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
             q_data_type=self.dtype, kv_data_type=self.dtype,
         )
         self._plan_queued()
-        return FlashInferMeta(*self.slots(inputs.slot_mapping), self.prefill)
+        return FlashInferMeta(*self.slots(inputs.slot_mapping), self.prefill, append)
+
+    def _append(self, inputs: AttentionInputs, table: PageTable, indices: torch.Tensor) -> Append:
+        """The append's inputs for the step, staged in one copy (with the page table's indices)."""
+        starts = np.asarray(inputs.query_start, dtype=np.int32)
+        lens = np.diff(starts)
+        rows = np.repeat(np.arange(len(lens), dtype=np.int32), lens)
+        # a token's place in its request's KV: its seq_len less its chunk's length, plus its index in it
+        first = np.asarray(inputs.seq_lens, dtype=np.int32) - lens
+        positions = (first - starts[:-1])[rows] + np.arange(starts[-1], dtype=np.int32)
+        flat = concat_to_device([rows, positions, table.indptr.numpy(), table.last_page_len.numpy()], np.int32,
+                                self.device)
+        T, B = len(rows), len(lens)
+        batch_indices, pos, indptr, last = flat.split([T, T, B + 1, B])
+        return Append(batch_indices, pos, indices, indptr, last)
+
+    def _write_kv(self, k, v, kv_cache, meta: FlashInferMeta) -> None:
+        a = meta.append
+        if a is not None:
+            self._fi.page.append_paged_kv_cache(k, v, a.batch_indices, a.positions, (kv_cache[0], kv_cache[1]),
+                                                a.indices, a.indptr, a.last_page_len, kv_layout="HND")
+        else:
+            kv_cache[0][meta.slot_page, :, meta.slot_offset] = k  # [T, kv_heads, d]
+            kv_cache[1][meta.slot_page, :, meta.slot_offset] = v
 
     def forward(self, layer, q, k, v, kv_cache, meta: FlashInferMeta):
-        kv_cache[0][meta.slot_page, :, meta.slot_offset] = k  # [T, kv_heads, d]
-        kv_cache[1][meta.slot_page, :, meta.slot_offset] = v
+        self._write_kv(k, v, kv_cache, meta)
         return meta.wrapper.run(q, (kv_cache[0], kv_cache[1]))
 
     def forward_with_lse(self, layer, q, k, v, kv_cache, meta: FlashInferMeta):
-        kv_cache[0][meta.slot_page, :, meta.slot_offset] = k
-        kv_cache[1][meta.slot_page, :, meta.slot_offset] = v
+        self._write_kv(k, v, kv_cache, meta)
         out, lse2 = meta.wrapper.run(q, (kv_cache[0], kv_cache[1]), return_lse=True)
         return out, lse2.float() * LN2
 
