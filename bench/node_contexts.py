@@ -3,7 +3,7 @@ against the pool, placing new segments at their homes (`pool`) or keeping them w
 computed (`pool-local`), 8 engines, at a light load and in overload, per cost model.
 
     python bench/node_contexts.py [--presets a100-llama2-7b,calibrated:FILE] [--num-prompts 300]
-                                  [--workloads documents,...] [--out FILE]
+                                  [--workloads documents,...] [--runs SPEC@LIGHT/OVER;...] [--out FILE]
 
 Workloads (sim/workload.py CONTEXT_SHAPES, synthetic with the datasets' published shapes, Poisson
 arrivals), each at two rates (requests/s) per cost model; contexts are scaled where one engine's
@@ -53,6 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default=f"a100-llama2-7b,{H200}")
     ap.add_argument("--workloads", help="only these (comma-separated names from RUNS, e.g. documents:active=32,trace)")
+    ap.add_argument("--runs", help="instead of RUNS, for every preset: workloads with their light and overload "
+                    "rates, e.g. 'documents:active=36:uses=32@1/4;documents:active=32:skew=1@1/4'")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
@@ -60,7 +62,10 @@ def main() -> None:
     rows = []
     for preset in a.presets.split(","):
         cost = cost_model(preset)
-        for spec, *rates in RUNS["calibrated" if preset.startswith("calibrated") else preset]:
+        runs = RUNS["calibrated" if preset.startswith("calibrated") else preset]
+        if a.runs:
+            runs = [(spec, *map(float, rates.split("/"))) for spec, rates in (r.split("@") for r in a.runs.split(";"))]
+        for spec, *rates in runs:
             if a.workloads and spec not in a.workloads.split(","):
                 continue
             for load, rate in zip(("light", "overload"), rates):
