@@ -166,6 +166,9 @@ class ModelRunner(Executor):
             from tokenflowd.engine.attention.flashinfer_backend import FlashInferBackend
 
             self.attn: AttentionBackend = FlashInferBackend(*args)
+            # its fused layer ops (their fp32 RoPE cache included) are built before the KV budget counts
+            # what this process holds
+            self.model.ops_for(self.attn)
         else:
             from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
 
