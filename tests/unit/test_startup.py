@@ -15,7 +15,7 @@ from tokenflowd.engine.model.llama import LlamaModel
 from tokenflowd.engine.errors import FastPathFailed
 from tokenflowd.engine.self_check import check_attention, logits_differ, self_check
 from tokenflowd.engine import startup
-from tokenflowd.engine.startup import ATTENTION, GRAPHS, FastPaths, guarded, start, supported
+from tokenflowd.engine.startup import ATTENTION, FUSED, GRAPHS, FastPaths, guarded, start, supported
 
 
 class Skewed(TorchAttentionBackend):
@@ -97,8 +97,9 @@ class FakeRunner:
 
 
 def fake_engine(faults: set[str], device: str = "cpu"):
-    """build and check for start(): flashinfer fails at "build" or "check", graphs at "capture" or
-    "graph-check", each only when that path is asked for; records what was built."""
+    """build and check for start(): flashinfer fails at "build" or "check", its fused layer ops at
+    "ops-build" or "ops-check", graphs at "capture" or "graph-check", each only when that path is
+    asked for; records what was built."""
     built: list[FastPaths] = []
 
     def fail(message):
@@ -110,6 +111,8 @@ def fake_engine(faults: set[str], device: str = "cpu"):
         built.append(paths)
         if paths.attention_backend == "flashinfer" and "build" in faults:
             guarded(ATTENTION, fail("Unsupported head_dim: 16"), device)
+        if paths.attention_backend == "flashinfer" and not paths.plain_ops and "ops-build" in faults:
+            guarded(FUSED, fail("rope: no kernel for this architecture"), device)
         if paths.cuda_graphs and "capture" in faults:
             guarded(GRAPHS, fail("VariableLengthMergeStates: invalid configuration"), device)
         return FakeRunner(paths)
@@ -118,6 +121,8 @@ def fake_engine(faults: set[str], device: str = "cpu"):
         failed = {}
         if runner.paths.attention_backend == "flashinfer" and "check" in faults:
             failed[ATTENTION] = "flashinfer against the torch backend: greedy tokens [3] != [5]"
+        elif runner.paths.attention_backend == "flashinfer" and not runner.paths.plain_ops and "ops-check" in faults:
+            failed[FUSED] = "flashinfer's fused layer ops against the torch backend: logits differ by 3.1"
         elif runner.paths.cuda_graphs and "graph-check" in faults:
             failed[GRAPHS] = "CUDA graph replay against eager: batch of 256: non-finite logits"
         return failed
@@ -128,6 +133,7 @@ def fake_engine(faults: set[str], device: str = "cpu"):
 ASKED = FastPaths("flashinfer", True, False)
 FLASHINFER_EAGER = FastPaths("flashinfer", False, False)
 TORCH = FastPaths("torch", False, False)
+PLAIN_OPS = FastPaths("flashinfer", True, False, plain_ops=True)
 
 
 @pytest.mark.parametrize("faults, lands_on, reason", [
@@ -137,6 +143,9 @@ TORCH = FastPaths("torch", False, False)
     ({"build"}, TORCH, "Unsupported head_dim"),
     ({"check"}, TORCH, "greedy tokens"),
     ({"capture", "check"}, TORCH, "greedy tokens"),  # graphs first, then flashinfer itself
+    ({"ops-check"}, PLAIN_OPS, "fused layer ops"),  # flashinfer and its graphs stay
+    ({"ops-build"}, PLAIN_OPS, "no kernel for this architecture"),
+    ({"ops-check", "capture"}, FastPaths("flashinfer", False, False, plain_ops=True), "fused layer ops"),
 ])
 def test_start_up_steps_down_one_path_at_a_time(faults, lands_on, reason):
     build, check, built = fake_engine(faults)
@@ -180,3 +189,34 @@ def test_the_plain_path_failing_is_the_engines_failure():
         start(TORCH, build, lambda runner: {})
     assert FastPaths("torch", False, True).without(ATTENTION) == TORCH and TORCH.without(ATTENTION) is None
     assert isinstance(FastPathFailed("graphs", "x"), RuntimeError)
+
+
+def test_the_check_tells_failing_fused_layer_ops_from_failing_attention(hf_dirs, monkeypatch):
+    """A backend whose fused layer ops are wrong fails "fused ops" alone (the same check with plain
+    ops passes), so only they step down; one whose attention is wrong too fails "attention"."""
+    from types import SimpleNamespace
+
+    from tokenflowd.engine.model.fused import TorchOps
+
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler for the paged decode kernel (the checked fast path here)")
+    model, vocab, args = model_and_backends(hf_dirs)
+
+    class WrongOps(TorchOps):
+        def silu_and_mul(self, gate_up):
+            return super().silu_and_mul(gate_up) * 1.5
+
+    cfg = model.cfg
+    wrong = WrongOps(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.rope_cos, model.rope_sin)
+    monkeypatch.setattr(model, "ops_for", lambda attn: wrong if attn.fused_ops else model.plain_ops)
+
+    def checked(backend):
+        backend.fused_ops = True  # (an instance's: the class's stays as it is)
+        assert backend.kernel is not None
+        return self_check(SimpleNamespace(attn=backend, model=model, model_config=SimpleNamespace(vocab_size=vocab),
+                                          graphs=None))
+
+    failed = checked(TorchAttentionBackend(*args, paged_kernel=True))
+    assert list(failed) == [FUSED] and "fused layer ops" in failed[FUSED], failed
+    failed = checked(Skewed(*args, paged_kernel=True))
+    assert list(failed) == [ATTENTION], failed

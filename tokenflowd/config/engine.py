@@ -92,6 +92,9 @@ class EngineConfig:
     # torch backend on a CPU: decodes read K/V in place through the C++ kernel (attention/cpu_kernels.py,
     # off also by TOKENFLOWD_CPU_KERNELS=0); off, or where it cannot be built: pages are gathered
     paged_kernel: bool = True
+    # flashinfer: the model's layers run plain ops beside it instead of its fused kernels
+    # (engine/model/fused.py); set by start-up where the fused ones failed its check
+    plain_layer_ops: bool = False
     cuda_graphs: bool = False
     # overlap scheduling (engine/core.py): the next step is scheduled and launched while one runs,
     # its tokens a step late; off where the node's pool or federation hooks run (engine/process)

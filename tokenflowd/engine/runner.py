@@ -20,7 +20,7 @@ from tokenflowd.engine.model.weights import LoadedModel
 from tokenflowd.engine.sampler import Logprobs, Sampler
 from tokenflowd.engine.scheduler import ScheduledBatch
 from tokenflowd.engine.staging import concat_to_device
-from tokenflowd.engine.startup import ATTENTION, GRAPHS, FastPaths, guarded
+from tokenflowd.engine.startup import ATTENTION, FUSED, GRAPHS, FastPaths, guarded
 from tokenflowd.protocol import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,10 @@ class ModelRunner(Executor):
             guarded(ATTENTION, self._init_attention, device)
         else:
             self._init_attention()
+        if self.attn.fused_ops:
+            # the fused layer ops (their fp32 RoPE cache included), before the KV budget counts what
+            # this process holds
+            guarded(FUSED, lambda: self.model.ops_for(self.attn), device)
         self._init_kv_cache()
         self.graphs = None
         if config.cuda_graphs:
@@ -166,9 +170,7 @@ class ModelRunner(Executor):
             from tokenflowd.engine.attention.flashinfer_backend import FlashInferBackend
 
             self.attn: AttentionBackend = FlashInferBackend(*args)
-            # its fused layer ops (their fp32 RoPE cache included) are built before the KV budget counts
-            # what this process holds
-            self.model.ops_for(self.attn)
+            self.attn.fused_ops = not self.config.plain_layer_ops
         else:
             from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -183,7 +185,8 @@ class ModelRunner(Executor):
     @property
     def paths(self) -> FastPaths:
         """The fast paths this runner actually runs (a CPU kernel that could not be built is not one)."""
-        return FastPaths(self.attn.name, self.graphs is not None, getattr(self.attn, "kernel", None) is not None)
+        return FastPaths(self.attn.name, self.graphs is not None, getattr(self.attn, "kernel", None) is not None,
+                         self.attn.name == "flashinfer" and not self.attn.fused_ops)
 
     @property
     def logits_width(self) -> int:

@@ -3,6 +3,8 @@
     attention   the configured backend (flashinfer on CUDA; on a CPU the torch backend with its
                 paged decode kernel) against the torch backend gathering pages: one tiny prefill
                 and one decode, each on a private KV cache of a few pages
+    fused ops   where the attention check fails with flashinfer's fused layer ops, the same check
+                with plain ops: passing, it is the fused ops that failed (only they step down)
     graphs      CUDA-graph decode replays (one request, and the largest captured batch) against the
                 same decodes run eagerly, on the runner's own cache (no request holds a page yet)
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs
-from tokenflowd.engine.startup import ATTENTION, GRAPHS, describe_error
+from tokenflowd.engine.startup import ATTENTION, FUSED, GRAPHS, describe_error
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +111,19 @@ def self_check(runner) -> dict[str, str]:
         reference = TorchAttentionBackend(a.num_heads, a.num_kv_heads, a.head_dim, a.page_size, a.dtype, a.device,
                                           paged_kernel=False)
         problem = check_attention(runner.model, a, reference, runner.model_config.vocab_size)
+        if problem and a.fused_ops:
+            # the backend's fused layer ops, or its attention? The same check with plain ops tells.
+            a.fused_ops = False
+            try:
+                plain = check_attention(runner.model, a, reference, runner.model_config.vocab_size)
+            finally:
+                a.fused_ops = True
+            if plain is None:
+                failed[FUSED] = f"{a.name}'s fused layer ops against the torch backend: {problem}"
+                problem = None
         if problem:
             failed[ATTENTION] = f"{a.name} against the torch backend: {problem}"
-    if runner.graphs is not None and ATTENTION not in failed:
+    if runner.graphs is not None and not failed:
         problem = check_graphs(runner)
         if problem:
             failed[GRAPHS] = f"CUDA graph replay against eager: {problem}"

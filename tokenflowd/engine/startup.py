@@ -4,6 +4,7 @@ against the plain ones (self_check.py), and on any failure step down one path at
     flashinfer + CUDA graphs ──graphs fail──────► flashinfer, eager
              │                                      │
              └──────────flashinfer fails────────────┴──► torch attention, eager (pages gathered)
+    flashinfer's fused layer ops ──they fail──► the same attention, plain layer ops
     torch + paged decode kernel (CPU) ──kernel fails──► torch attention, pages gathered
 
 A failure is anything raised while building the backend, capturing the graphs or running either
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 # Head dims flashinfer 0.2-0.7 compiles its prefill and decode kernels for; others fail at plan or
 # capture time ("Unsupported head_dim").
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
-ATTENTION, GRAPHS = "attention", "graphs"
+ATTENTION, GRAPHS, FUSED = "attention", "graphs", "fused ops"
 
 R = TypeVar("R")
 
@@ -43,18 +44,20 @@ class FastPaths:
     attention_backend: str  # "flashinfer" | "torch"
     cuda_graphs: bool
     paged_kernel: bool  # the torch backend's CPU decode kernel
+    plain_ops: bool = False  # flashinfer stepped down to plain layer ops (its fused ones failed)
 
     @classmethod
     def of(cls, config) -> "FastPaths":
-        return cls(config.attention_backend, config.cuda_graphs, config.paged_kernel)
+        return cls(config.attention_backend, config.cuda_graphs, config.paged_kernel, config.plain_layer_ops)
 
     def apply(self, config):
         return dataclasses.replace(config, attention_backend=self.attention_backend, cuda_graphs=self.cuda_graphs,
-                                   paged_kernel=self.paged_kernel)
+                                   paged_kernel=self.paged_kernel, plain_layer_ops=self.plain_ops)
 
     def describe(self, device: str = "cpu") -> str:
         if self.attention_backend == "flashinfer":
-            return "flashinfer, CUDA graphs" if self.cuda_graphs else "flashinfer, eager"
+            text = "flashinfer, CUDA graphs" if self.cuda_graphs else "flashinfer, eager"
+            return text + ", plain layer ops" if self.plain_ops else text
         if self.paged_kernel and device == "cpu":
             return "torch, paged decode kernel"
         return "torch, pages gathered"
@@ -63,6 +66,8 @@ class FastPaths:
         """The paths one step down from a failure of `path`; None: there is nothing lower."""
         if path == GRAPHS and self.cuda_graphs:
             return dataclasses.replace(self, cuda_graphs=False)
+        if path == FUSED and self.attention_backend == "flashinfer" and not self.plain_ops:
+            return dataclasses.replace(self, plain_ops=True)
         if path == ATTENTION and self.attention_backend == "flashinfer":
             return FastPaths("torch", False, False)
         if path == ATTENTION and self.paged_kernel:
@@ -117,7 +122,7 @@ def start(paths: FastPaths, build: Callable[[FastPaths], R], check: Callable[[R]
             return runner, paths, "; ".join(steps)
         del runner
         release(device)
-        path = ATTENTION if ATTENTION in failed else GRAPHS
+        path = next(p for p in (ATTENTION, FUSED, GRAPHS) if p in failed)
         paths = step_down(path, failed[path])
 
 
