@@ -16,9 +16,9 @@ CPU = torch.device("cpu")
 def test_values_reach_the_cpu_as_they_were():
     assert to_device([3, 1, 2], torch.int64, CPU).tolist() == [3, 1, 2]
     assert to_device(np.array([0.5, 2.0]), torch.float32, CPU).dtype == torch.float32
-    flat = concat_to_device([np.arange(3), np.array([], dtype=np.int64), np.array([9])], np.int64, CPU)
+    flat = concat_to_device([np.arange(3), np.array([], dtype=np.int64), np.array([9])], torch.int64, CPU)
     assert flat.tolist() == [0, 1, 2, 9] and flat.dtype == torch.int64
-    assert concat_to_device([], np.int64, CPU).numel() == 0
+    assert concat_to_device([], torch.int64, CPU).numel() == 0
 
 
 def test_a_page_table_padded_for_a_graph_gives_each_padding_row_one_scratch_page():

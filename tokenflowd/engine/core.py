@@ -35,6 +35,7 @@ from tokenflowd.engine.grammar import Grammars
 from tokenflowd.engine.model.loader import LoadedModel, load_model_source
 from tokenflowd.engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from tokenflowd.engine.runner import ModelRunner
+from tokenflowd.engine.sampler import Sampler
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.engine.self_check import self_check
 from tokenflowd.engine.startup import ATTENTION, FastPaths, start, supported, why_not_flashinfer
@@ -248,7 +249,7 @@ class EngineCore:
             first_token = None  # a prefill node that sent nonsense: compute it here
         if first_token is not None and req.generator is not None and not req.sampling_params.greedy:
             # the prefill node drew the first token from the same seed: the next draw here is the second
-            torch.empty(getattr(self.executor, "logits_width", self.vocab_size)).exponential_(generator=req.generator)
+            Sampler.draw_seed(req.generator)
         ended = self.scheduler.remote_arrived(req, first_token, settled)
         if first_token is None:
             return None

@@ -221,7 +221,7 @@ class ModelRunner(Executor):
         T = query_start[-1]
         # one host buffer (page-locked on a GPU) and one non-blocking copy for every index of the step
         flat = concat_to_device([*ids, *pos, *slots, np.asarray(sample_rows + sub_at + sub_from, dtype=np.int64)],
-                                np.int64, self.device)
+                                torch.int64, self.device)
         S, U = len(sample_rows), len(sub_at)
         input_ids, positions, slot_mapping, rows, at, src = flat.split([T, T, T, S, U, U])
         return _Inputs(input_ids, positions, AttentionInputs(query_start, seq_lens, tables, slot_mapping),

@@ -119,18 +119,19 @@ class Sampler:
             race[_index(shared, dev)] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
                 generator=self._shared(dev))
         for j, r in enumerate(sub):
-            if r.generator is None:
-                continue
-            if dev.type == "cuda":
+            if r.generator is not None:
                 # drawn where the logits are, from a seed the request's own generator gives (its
-                # sequence of draws, whatever shares the batch), not a vocabulary-wide draw on the
-                # CPU copied over every step
-                seed = int(torch.randint(1 << 62, (1,), generator=r.generator))
-                race[j].exponential_(generator=torch.Generator(device=dev).manual_seed(seed))
-            else:
-                race[j] = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
+                # sequence of draws, whatever shares the batch), on every device alike: no
+                # vocabulary-wide draw on the CPU copied to a GPU every step
+                race[j].exponential_(generator=torch.Generator(device=dev).manual_seed(self.draw_seed(r.generator)))
         out[index] = (probs / race).argmax(dim=-1)
         return out
+
+    @staticmethod
+    def draw_seed(generator: torch.Generator) -> int:
+        """The seed of a seeded row's next draw, taken from its request's generator: one call per
+        sampled token (a token drawn elsewhere, such as a prefill node's first, is skipped by one call)."""
+        return int(torch.randint(1 << 62, (1,), generator=generator))
 
     def _draw_fused(self, logits: torch.Tensor, reqs: list[SamplingRow], rows: list[int], out: torch.Tensor) -> bool:
         """out[rows] drawn by flashinfer's top-k/top-p sampling from the rows' logits at their

@@ -33,11 +33,11 @@ def to_device(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch
     return host.to(device, non_blocking=True)
 
 
-def concat_to_device(parts: Sequence[np.ndarray], dtype: np.dtype, device: torch.device) -> torch.Tensor:
-    """The concatenation of `parts` on `device`, written straight into the staging memory (one copy
-    on the host, one non-blocking copy to a GPU)."""
+def concat_to_device(parts: Sequence[np.ndarray], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The concatenation of `parts` (integer arrays) as `dtype` on `device`, written straight into the
+    staging memory (one copy on the host, one non-blocking copy to a GPU)."""
     n = sum(len(p) for p in parts)
-    host = host_tensor(n, torch.from_numpy(np.empty(0, dtype=dtype)).dtype, device)
+    host = host_tensor(n, dtype, device)
     if n:
         np.concatenate(parts, out=host.numpy())
     return host.to(device, non_blocking=True) if device.type == "cuda" else host

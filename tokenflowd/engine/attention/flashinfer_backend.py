@@ -167,7 +167,7 @@ class FlashInferBackend(AttentionBackend):
         # a token's place in its request's KV: its seq_len less its chunk's length, plus its index in it
         first = np.asarray(inputs.seq_lens, dtype=np.int32) - lens
         positions = (first - starts[:-1])[rows] + np.arange(starts[-1], dtype=np.int32)
-        flat = concat_to_device([rows, positions, table.indptr.numpy(), table.last_page_len.numpy()], np.int32,
+        flat = concat_to_device([rows, positions, table.indptr.numpy(), table.last_page_len.numpy()], torch.int32,
                                 self.device)
         T, B = len(rows), len(lens)
         batch_indices, pos, indptr, last = flat.split([T, T, B + 1, B])
