@@ -198,8 +198,17 @@ class PoolPeers(msgspec.Struct, tag=True):
     peers: list[PoolPeer]
 
 
+class ChainEnds(msgspec.Struct, tag=True):
+    """The pool's word on where the node's chains end (daemon/prefix_index.py): `inner` keys are
+    followed by a page some engine holds, so this engine evicts them last; `ends` are a chain's end
+    again, or follow a page gone from the node, so it evicts them first (kv/pages.py set_inner)."""
+
+    inner: list[bytes]
+    ends: list[bytes]
+
+
 ToEngine = (AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure
-            | AbortFront | QueryKeys | PoolPeers | RemoteArrived | KeepKV | KeptKV | GiveKV)
+            | AbortFront | QueryKeys | PoolPeers | RemoteArrived | KeepKV | KeptKV | GiveKV | ChainEnds)
 
 
 # -- engine → supervisor ---------------------------------------------------------------------

@@ -103,3 +103,40 @@ def test_a_key_published_and_removed_between_drains_reads_as_removed():
     pool.register(a, b"k")
     index.update(0, *pool.drain_key_events())
     assert index.holders(b"k") == [0]
+
+
+def test_inner_pages_are_evicted_last_and_ends_first():
+    """The pool's marks (set_inner): a page that a page cached elsewhere follows waits while any
+    other cached page is left; a page marked a chain's end again (or orphaned) goes next."""
+    pool = PagePool(4)
+    pages = [pool.allocate() for _ in range(4)]
+    for i, page in enumerate(pages):
+        pool.register(page, b"k%d" % i)
+    assert pool.set_inner([b"k0", b"k1"], True) == 0  # in use: only the mark moves
+    assert pool.set_inner([b"gone"], True) == 0
+    for page in pages:
+        pool.decref(page)
+    assert pool.num_cached == 4 and pool.num_free == 4
+    assert pool.allocate() == pages[2]  # k0 and k1 are older, but inner
+    pool.set_inner([b"k1"], False)  # what followed k1 left the node: k1 goes before k3
+    assert pool.allocate() == pages[1]
+    assert pool.allocate() == pages[3]
+    assert pool.allocate() == pages[0]  # an inner page goes only when nothing else is cached
+    with pytest.raises(OutOfPages):
+        pool.allocate()
+
+
+def test_inner_marks_survive_use_and_leave_with_the_key():
+    pool = PagePool(3)
+    a, b, c = (pool.allocate() for _ in range(3))
+    pool.register(a, b"a")
+    pool.register(b, b"b")
+    for page in (a, b, c):
+        pool.decref(page)
+    assert pool.set_inner([b"a"], True) == 1  # cached: it moves
+    pool.incref(a)
+    pool.decref(a)  # back among the inner pages, not the LRU
+    assert pool.allocate() == c and pool.allocate() == b and pool.allocate() == a
+    pool.register(a, b"a2")  # a reused page under another key is not inner
+    pool.decref(a)
+    assert pool.unpublish([b"a2"]) == 1 and pool.num_free == 1 and pool.num_cached == 0

@@ -123,6 +123,7 @@ class Router:
         the homes of the new segments it computes (else they stay where it runs). `target`: the engine
         it runs on, chosen already (`dispatch`)."""
         keys = self.prompt_keys(prompt_token_ids)
+        self.index.link(keys)
         load = {e.engine_id: e.load for e in engines}
         if target is None:
             target = min(engines, key=lambda e: (e.load, -self.index.cached_pages(e.engine_id, keys),

@@ -124,6 +124,7 @@ class Supervisor:
             unlink(cache_name(str(self.runtime_dir), handle.engine_id, handle.incarnation))
         handle.retire()
         self.index.forget(handle.engine_id)
+        self._send_chain_ends()  # what followed its pages elsewhere is orphaned
         if self.on_keys is not None:
             self.on_keys(None, None)
         self._announce_pool(gone=handle)
@@ -183,6 +184,7 @@ class Supervisor:
                      msg.max_model_len)
         elif isinstance(msg, p.KeySnapshot):
             self.index.replace(msg.engine_id, msg.keys)
+            self._send_chain_ends()
             if self.on_keys is not None:
                 self.on_keys(None, None)
         elif isinstance(msg, p.QueryReply):
@@ -197,6 +199,7 @@ class Supervisor:
     def _on_step(self, slot: EngineHandle, msg: p.StepOutputs) -> None:
         slot.stats = msg.stats
         self.index.update(slot.engine_id, msg.keys_added, msg.keys_removed)
+        self._send_chain_ends()
         if self.on_keys is not None and (msg.keys_added or msg.keys_removed):
             self.on_keys(msg.keys_added, msg.keys_removed)
         for delta in msg.deltas:
@@ -273,6 +276,14 @@ class Supervisor:
             slot.config = replace(slot.config, policy_params=policy_params)
             if slot.state in ("starting", "ready") and slot.inbox is not None:
                 self.send(slot, msg)
+
+    def _send_chain_ends(self) -> None:
+        """The index's word on where the pool's chains end, to the engines holding those keys
+        (nothing without the pool: only its picks link keys)."""
+        for engine_id, (inner, ends) in self.index.drain_marks().items():
+            slot = self.slots[engine_id] if engine_id < len(self.slots) else None
+            if slot is not None and slot.state == "ready" and slot.inbox is not None:
+                self.send(slot, p.ChainEnds(inner, ends))
 
     def send(self, slot: EngineHandle, msg: p.ToEngine) -> bool:
         """False when the slot has no socket (its engine is gone)."""

@@ -3,12 +3,19 @@
 A page is in exactly one of three states:
 
     free      ref == 0, no key        in `_free`
-    cached    ref == 0, has a key     in `_lru` (evictable, oldest first) and `_by_key`
+    cached    ref == 0, has a key     in `_lru` or `_kept` (evictable, oldest first) and `_by_key`
     in use    ref >= 1                held by the block tables of ref requests (key optional)
 
 A full page's key chains over the previous page's key, so equal keys mean equal whole prefixes:
 
     key(page i) = H(key(page i-1) || tokens of page i)
+
+With the node's pool, a prompt's pages are spread over several engines, and an engine's LRU alone
+would evict a page in the middle of a chain whose later pages other engines hold: every reader's
+match then ends there, and those later pages occupy room no match reaches. The pool marks pages
+that a cached page elsewhere follows as inner (`set_inner`): a cached inner page waits in `_kept`
+and goes only when no other cached page is left, so eviction takes chains from their ends,
+node-wide (what one engine's LRU does for its own chains, as a request frees its pages end first).
 """
 from __future__ import annotations
 
@@ -67,6 +74,8 @@ class PagePool:
         self._key: list[bytes | None] = [None] * num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._lru: OrderedDict[int, None] = OrderedDict()
+        self._kept: OrderedDict[int, None] = OrderedDict()  # cached inner pages, oldest first
+        self._inner: set[bytes] = set()  # keys here that a page cached elsewhere follows (the pool's)
         self._by_key: dict[bytes, int] = {}
         self.num_evictions = 0  # cached pages taken for reuse: a prefix match taken before is stale if it moved
         # pages in or out of the LRU (evictable or not any more): a match's evictable count may have moved
@@ -81,11 +90,11 @@ class PagePool:
     @property
     def num_free(self) -> int:
         """Pages an allocation can take now: free plus evictable cached ones."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + len(self._lru) + len(self._kept)
 
     @property
     def num_cached(self) -> int:
-        return len(self._lru)
+        return len(self._lru) + len(self._kept)
 
     @property
     def num_used(self) -> int:
@@ -95,15 +104,16 @@ class PagePool:
         return self._ref[page]
 
     def is_evictable(self, page: int) -> bool:
-        return page in self._lru
+        return page in self._lru or page in self._kept
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self) -> int:
-        """A fresh page with ref 1; evicts the least recently used cached page if none is free."""
+        """A fresh page with ref 1; evicts the least recently used cached page if none is free
+        (an inner one only when no other is left)."""
         if self._free:
             page = self._free.popleft()
-        elif self._lru:
-            page, _ = self._lru.popitem(last=False)
+        elif self._lru or self._kept:
+            page, _ = (self._lru or self._kept).popitem(last=False)
             self.num_evictions += 1
             self.num_lru_changes += 1
             key = self._key[page]
@@ -112,6 +122,7 @@ class PagePool:
             del self._by_key[key]  # type: ignore[arg-type]
             if self.track_key_events:
                 self._key_removed(key)  # type: ignore[arg-type]
+            self._inner.discard(key)  # type: ignore[arg-type]
             self._key[page] = None
         else:
             raise OutOfPages("no free or evictable KV page")
@@ -120,7 +131,8 @@ class PagePool:
 
     def incref(self, page: int) -> None:
         if self._ref[page] == 0:
-            self._lru.pop(page)  # only a cached page can be revived from ref 0
+            if self._lru.pop(page, 0) is not None:  # only a cached page can be revived from ref 0
+                del self._kept[page]
             self.num_lru_changes += 1
         self._ref[page] += 1
 
@@ -128,8 +140,9 @@ class PagePool:
         assert self._ref[page] > 0, f"page {page} freed twice"
         self._ref[page] -= 1
         if self._ref[page] == 0:
-            if self._key[page] is not None:
-                self._lru[page] = None  # most recently used end
+            key = self._key[page]
+            if key is not None:
+                (self._kept if key in self._inner else self._lru)[page] = None  # most recently used end
                 self.num_lru_changes += 1
             elif self.reuse_first:
                 self._free.appendleft(page)
@@ -169,10 +182,39 @@ class PagePool:
             self.num_evictions += 1  # a prefix match taken before may name it: stale
             if self.track_key_events:
                 self._key_removed(key)
+            self._inner.discard(key)
             if self._ref[page] == 0:
-                del self._lru[page]
+                if self._lru.pop(page, 0) is not None:
+                    del self._kept[page]
                 self.num_lru_changes += 1
                 self._free.append(page)
+        return n
+
+    def set_inner(self, keys: Sequence[bytes], inner: bool) -> int:
+        """The pool's word on where chains end (see the module docstring). `inner`: a page cached on
+        some engine follows each of `keys`, so a cached page of theirs here waits until no other
+        cached page is left. Else each is a chain's end again, or follows a page gone from the node
+        (no match can reach it): a cached page of theirs is evicted next. Keys not published here
+        are skipped. -> pages whose place in eviction moved."""
+        n = 0
+        for key in keys:
+            page = self._by_key.get(key)
+            if page is None:
+                continue
+            if inner:
+                if key not in self._inner:
+                    self._inner.add(key)
+                    if self._lru.pop(page, 0) is None:  # cached: it waits now
+                        self._kept[page] = None
+                        n += 1
+            else:
+                self._inner.discard(key)
+                if self._kept.pop(page, 0) is None or self._lru.pop(page, 0) is None:  # cached: next out
+                    self._lru[page] = None
+                    self._lru.move_to_end(page, last=False)
+                    n += 1
+        if n:
+            self.num_lru_changes += 1
         return n
 
     def cached_keys(self) -> list[bytes]:

@@ -263,7 +263,7 @@ class NodeSimulator:
             pinned.append((home, taken))
             keys_done += keys
             written += 1
-            self.index.update(home_id, *home.pool.drain_key_events())
+            self._update(home_id, *home.pool.drain_key_events())
         n = len(keys_done) * self.cost.page_size
         if not pinned or n >= req.num_prompt_tokens:
             for holder, pages in pinned:
@@ -298,7 +298,15 @@ class NodeSimulator:
                 sent = held * cost.page_size * cost.kv_bytes_per_token
                 e.debt += self.config.link_alpha + sent / self.config.link_bandwidth
                 added, removed = home.pool.drain_key_events()
-                self.index.update(home_id, added, removed)
+                self._update(home_id, added, removed)
+
+    def _update(self, engine_id: int, added: list[bytes], removed: list[bytes]) -> None:
+        """An engine's key events into the router's index, and the index's word on where chains end
+        back to the engines (the daemon's PoolMarks)."""
+        self.index.update(engine_id, added, removed)
+        for e, (inner, ends) in self.index.drain_marks().items():
+            self.engines[e].pool.set_inner(inner, True)
+            self.engines[e].pool.set_inner(ends, False)
 
     def run(self) -> NodeResult:
         pending = deque(self.workload)
@@ -333,7 +341,7 @@ class NodeSimulator:
             if e.places:
                 self._place(e)
             added, removed = e.pool.drain_key_events()
-            self.index.update(e.engine_id, added, removed)
+            self._update(e.engine_id, added, removed)
             for out in outs:
                 rec = records[out.request_id]
                 if out.new_token_ids:

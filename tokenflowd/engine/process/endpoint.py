@@ -84,6 +84,9 @@ class EngineEndpoint(abc.ABC):
     def pool_peers(self, msg: p.PoolPeers) -> None:
         """The pool's engines changed (an engine without the pool ignores it)."""
 
+    def chain_ends(self, msg: p.ChainEnds) -> None:
+        """Where the node's chains end moved: the prefix cache's eviction order follows it."""
+
     def remote_arrived(self, msg: p.RemoteArrived) -> None:
         """A prefill node answered for a request this decode node reserved pages for (federation/)."""
 
@@ -158,6 +161,8 @@ class EngineEndpoint(abc.ABC):
                 self._send_front(msg.front, self.encoder.encode(snapshot))
         elif isinstance(msg, p.PoolPeers):
             self.pool_peers(msg)
+        elif isinstance(msg, p.ChainEnds):
+            self.chain_ends(msg)
         elif isinstance(msg, p.RemoteArrived):
             self.remote_arrived(msg)
         elif isinstance(msg, (p.KeepKV, p.KeptKV, p.GiveKV)):

@@ -159,6 +159,10 @@ class EngineProcess(EngineEndpoint):
         if self.pool is not None:
             self.pool.set_peers(msg)
 
+    def chain_ends(self, msg: p.ChainEnds) -> None:
+        self.core.pool.set_inner(msg.inner, True)
+        self.core.pool.set_inner(msg.ends, False)
+
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
         if self.federation is not None:

@@ -1,0 +1,118 @@
+"""Where the pool's chains end (daemon/prefix_index.py link / drain_marks, kv/pages.py set_inner):
+a prompt's pages spread over engines are evicted from the chain's end, node-wide."""
+from __future__ import annotations
+
+from tokenflowd.daemon.prefix_index import PrefixIndex
+from tokenflowd.kv.pages import PagePool
+
+
+def chain(n: int) -> list[bytes]:
+    return [b"k%d" % i for i in range(n)]
+
+
+def test_a_page_is_inner_while_a_page_after_it_is_held_anywhere():
+    idx, k = PrefixIndex(), chain(4)
+    idx.link(k)
+    idx.update(0, k[:2], [])  # engine 0 holds k0 k1, engine 1 k2 k3
+    assert idx.drain_marks() == {0: ([b"k0"], [])}
+    idx.update(1, k[2:], [])
+    assert idx.drain_marks() == {0: ([b"k1"], []), 1: ([b"k2"], [])}
+    idx.update(1, [], [b"k3"])  # the end evicted: k2 is the end now
+    assert idx.drain_marks() == {1: ([], [b"k2"])}
+    idx.update(1, [], [b"k2"])
+    assert idx.drain_marks() == {0: ([], [b"k1"])}
+
+
+def test_a_page_cut_from_the_middle_orphans_what_follows_and_a_refill_brings_it_back():
+    idx, k = PrefixIndex(), chain(5)
+    idx.link(k)
+    idx.update(0, [k[0], k[2]], [])
+    idx.update(1, [k[1], k[3], k[4]], [])
+    idx.update(2, [k[3]], [])  # a replica is as inner as the others
+    assert idx.drain_marks() == {0: ([b"k0", b"k2"], []), 1: ([b"k1", b"k3"], []), 2: ([b"k3"], [])}
+    idx.update(1, [], [b"k1"])  # k2.. are out of every match's reach: evicted first wherever they are
+    marks = idx.drain_marks()
+    assert marks[0] == ([], [b"k0", b"k2"]) and sorted(marks[1][1]) == [b"k3", b"k4"] and marks[2] == ([], [b"k3"])
+    idx.update(3, [b"k1"], [])  # a reader computed k1 again: the chain is whole
+    marks = idx.drain_marks()
+    assert marks[0][0] == [b"k0", b"k2"] and marks[3] == ([b"k1"], []) and marks[1] == ([b"k3"], [])
+
+
+def test_an_engine_gone_orphans_what_followed_its_pages():
+    idx, k = PrefixIndex(), chain(3)
+    idx.link(k)
+    idx.update(0, k[:1], [])
+    idx.update(1, k[1:], [])
+    idx.drain_marks()
+    idx.forget(0)
+    assert idx.drain_marks() == {1: ([], [b"k1", b"k2"])}
+
+
+def test_links_are_pruned_but_a_later_reader_links_again(monkeypatch):
+    import tokenflowd.daemon.prefix_index as m
+    monkeypatch.setattr(m, "MIN_LINKS", 4)
+    idx = PrefixIndex()
+    for i in range(10):  # prompts never computed
+        idx.link([b"p%d" % i, b"q%d" % i, b"r%d" % i])
+    assert len(idx._parent) <= 5
+    idx.update(0, [b"a", b"b"], [])
+    idx.link([b"a", b"b"])  # both held when linked
+    assert idx.drain_marks() == {0: ([b"a"], [])}
+
+
+def test_engines_apply_the_marks_so_an_engine_evicts_a_chains_end_not_its_middle():
+    """Two engines, a 4-page chain alternating between them, each with one more page of its own
+    (a question's, used later). Engine 0 must evict: without the marks its LRU takes k0 (the oldest),
+    which cuts the whole chain for every reader; with them it takes its own leaf."""
+    for marks in (False, True):
+        idx, k = PrefixIndex(), chain(4)
+        pools = [PagePool(3), PagePool(2)]
+        idx.link(k)
+        placed = {0: [k[0], k[2]], 1: [k[1], k[3]]}
+        for e, keys in placed.items():
+            for key in keys:
+                page = pools[e].allocate()
+                pools[e].register(page, key)
+                pools[e].decref(page)
+            idx.update(e, keys, [])
+        own = pools[0].allocate()
+        pools[0].register(own, b"q")
+        pools[0].decref(own)
+        if marks:
+            for e, (inner, ends) in idx.drain_marks().items():
+                pools[e].set_inner(inner, True)
+                pools[e].set_inner(ends, False)
+        pools[0].allocate()
+        assert pools[0].holds(b"k0") is marks and pools[0].holds(b"q") is not marks
+
+
+def test_the_supervisor_sends_each_holder_its_marks_after_a_step_and_the_engine_applies_them():
+    from types import SimpleNamespace
+
+    from tokenflowd import protocol as p
+    from tokenflowd.config import EngineConfig, ServerConfig
+    from tokenflowd.daemon.supervisor import Supervisor
+    from tokenflowd.engine.process.loop import EngineProcess
+
+    sup = Supervisor(ServerConfig(engines=2), EngineConfig())
+    sent = []
+    for slot in sup.slots:
+        slot.state, slot.inbox = "ready", object()
+    sup.send = lambda slot, msg: sent.append((slot.engine_id, msg)) or True
+    k = chain(3)
+    sup.index.link(k)  # as the pool's pick does
+    stats = p.EngineStats(0, 0, 0, 0, 0, 0, 0, 0.0)
+    sup._on_step(sup.slots[0], p.StepOutputs(0, 0, 0.0, [], stats, keys_added=k[:2]))
+    sup._on_step(sup.slots[1], p.StepOutputs(1, 0, 0.0, [], stats, keys_added=k[2:]))
+    assert sent == [(0, p.ChainEnds([b"k0"], [])), (0, p.ChainEnds([b"k1"], []))]
+    sup._on_step(sup.slots[0], p.StepOutputs(0, 0, 0.0, [], stats, keys_removed=[b"k0"]))
+    assert sent[2:] == [(0, p.ChainEnds([], [b"k1"])), (1, p.ChainEnds([], [b"k2"]))]  # orphans
+
+    pool = PagePool(2)
+    for key in (b"k1", b"x"):
+        page = pool.allocate()
+        pool.register(page, key)
+        pool.decref(page)
+    engine = SimpleNamespace(core=SimpleNamespace(pool=pool))
+    EngineProcess.chain_ends(engine, p.ChainEnds([b"k1"], []))
+    assert pool.allocate() == 1  # x goes first: k1 is inner
