@@ -3,7 +3,8 @@ against the pool, placing new segments at their homes (`pool`) or keeping them w
 computed (`pool-local`), 8 engines, at a light load and in overload, per cost model.
 
     python bench/node_contexts.py [--presets a100-llama2-7b,calibrated:FILE] [--num-prompts 300]
-                                  [--workloads documents,...] [--runs SPEC@LIGHT/OVER;...] [--out FILE]
+                                  [--workloads documents,...] [--runs SPEC@LIGHT/OVER;...]
+                                  [--kv-scale F] [--out FILE]
 
 Workloads (sim/workload.py CONTEXT_SHAPES, synthetic with the datasets' published shapes, Poisson
 arrivals), each at two rates (requests/s) per cost model; contexts are scaled where one engine's
@@ -42,11 +43,11 @@ RUNS = {
 KEYS = ("hit_rate", "throughput", "ttft_p99", "busy_cv")
 
 
-def workload(spec: str, rate: float, n: int, seed: int):
+def workload(spec: str, rate: float, n: int, seed: int, max_prompt_len: int = 32_768):
     if spec == "trace":  # rate: the time scale (3: three times slower than recorded)
-        return build_workload(WorkloadSpec("trace", n, time_scale=rate, max_prompt_len=32_768, seed=seed))
+        return build_workload(WorkloadSpec("trace", n, time_scale=rate, max_prompt_len=max_prompt_len, seed=seed))
     return build_workload(WorkloadSpec("poisson", n, rate=rate, seed=seed, contexts=parse_context_shape(spec),
-                                       max_prompt_len=32_768))
+                                       max_prompt_len=max_prompt_len))
 
 
 def main() -> None:
@@ -55,6 +56,9 @@ def main() -> None:
     ap.add_argument("--workloads", help="only these (comma-separated names from RUNS, e.g. documents:active=32,trace)")
     ap.add_argument("--runs", help="instead of RUNS, for every preset: workloads with their light and overload "
                     "rates, e.g. 'documents:active=36:uses=32@1/4;documents:active=32:skew=1@1/4'")
+    ap.add_argument("--kv-scale", type=float, default=1.0,
+                    help="each engine's KV memory times this (a cache one engine's working set outgrows); prompts "
+                         "are capped at half an engine's pool")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
@@ -62,6 +66,8 @@ def main() -> None:
     rows = []
     for preset in a.presets.split(","):
         cost = cost_model(preset)
+        cost = cost.replace(kv_memory=int(cost.kv_memory * a.kv_scale))
+        cap = min(32_768, cost.max_tokens_in_pool // 2)
         runs = RUNS["calibrated" if preset.startswith("calibrated") else preset]
         if a.runs:
             runs = [(spec, *map(float, rates.split("/"))) for spec, rates in (r.split("@") for r in a.runs.split(";"))]
@@ -70,7 +76,7 @@ def main() -> None:
                 continue
             for load, rate in zip(("light", "overload"), rates):
                 t0 = time.perf_counter()
-                results = simulate_node(cost, workload(spec, rate, a.num_prompts, a.seed), MODES,
+                results = simulate_node(cost, workload(spec, rate, a.num_prompts, a.seed, cap), MODES,
                                         NodeConfig(seed=a.seed))
                 s = {m: r.summary() for m, r in results.items()}
                 row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
@@ -87,6 +93,7 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(json_safe({"machine": platform.processor() or platform.machine(), "engines": 8,
+                                 "kv_scale": a.kv_scale,
                                  "num_prompts": a.num_prompts, "seed": a.seed, "rows": rows}), f, indent=1)
         print("wrote", a.out)
 

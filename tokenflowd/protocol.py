@@ -245,6 +245,11 @@ class EngineStats(msgspec.Struct):
     step_per_token: float = 0.0
     waiting_tokens: int = 0  # prompt tokens queued here and not yet computed
     pool_share: float = 0.0  # of the engine's time, the share serving its peers took lately (its step model's)
+    # how it reads peers' pages: "shared memory" (read mode, CPU), "cuda ipc" (read mode, GPU) or
+    # "host staging (query mode)"; "": no pool. And the peers it queries instead, with why (their
+    # cache cannot be mapped here: another GPU, IPC refused)
+    pool_path: str = ""
+    pool_staged: dict[int, str] = {}
     kv_links: dict[str, float] = {}  # federation: peer transfer engine -> bytes/s its writes there achieved
     kv_egress: float = 0.0  # ... and bytes/s of its writes to all peers together (transport.egress_bandwidth)
 
@@ -270,6 +275,9 @@ class Ready(msgspec.Struct, tag=True):
     cuda_graphs: bool = False  # decodes replay CUDA graphs
     overlap: bool = False  # overlap scheduling: the next step launched while one runs (engine/core.py)
     attention_note: str = ""  # why a GPU engine left to choose runs the torch backend
+    # a GPU engine's CUDA MPS: the control daemon's pipe directory it is a client of; "": none runs
+    # (its kernels time-slice with the other engines on its GPU), or a CPU engine
+    mps: str = ""
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True):

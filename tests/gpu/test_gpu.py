@@ -487,3 +487,57 @@ def test_unseeded_rows_with_top_k_and_top_p_draw_in_flashinfers_kernel_and_seede
         return [s.sample(logits[: len(rows)].clone(), rows).tolist()[0] for _ in range(8)]
 
     assert seeded_run(False) == seeded_run(True)
+
+
+@pytest.mark.parametrize("ipc", [True, False], ids=["cuda-ipc", "ipc-off"])
+def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_tokens(gpu_dirs, ipc):
+    """Read mode, two engines on one GPU: each opens the other's KV cache over CUDA IPC and attends
+    to its pages in place (/health: path "cuda ipc", no peer staged), and every stream's greedy
+    tokens equal one engine's. With --no-pool-ipc each queries the other through the host instead,
+    and /health names the peer it stages, with why; the tokens are the same."""
+    import asyncio
+
+    import httpx
+    from daemon import Daemon
+
+    from tokenflowd.engine.offline import Engine
+
+    model = str(gpu_dirs["llama-64"])
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(10, 1000, (512,), generator=gen).tolist()  # 8 segments, homed on both engines
+    prompts = [prefix + torch.randint(10, 1000, (9,), generator=gen).tolist() for _ in range(8)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference = Engine(EngineConfig.resolve(model=model, device="cuda", dtype="float32", kv_cache_memory="256MiB"))
+    out = reference.generate({f"r{i}": {"prompt": q, "sampling_params": params} for i, q in enumerate(prompts)})
+    want = [out[f"r{i}"].text for i in range(len(prompts))]
+    del reference
+    torch.cuda.empty_cache()
+
+    async def complete(base_url: str, prompt: list[int]) -> str:
+        async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
+            r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                         "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+    async def run(base_url: str) -> list[str]:
+        first = await complete(base_url, prompts[0])  # computes the prefix into its segments' homes
+        return [first, *await asyncio.gather(*[complete(base_url, q) for q in prompts[1:]])]
+
+    d = Daemon("--model", model, "--device", "cuda", "--engines", "2", "--dtype", "float32", "--kv-cache-memory",
+               "256MiB", "--pool-mode", "read", "--pool-segment-tokens", "64", *(() if ipc else ("--no-pool-ipc",)),
+               start_timeout=600)
+    try:
+        d.wait_all_engines(600)
+        got = asyncio.run(run(d.base_url))
+        peer = sum(d.metric("tokenflowd_prompt_token_sources_total", engine=str(e), source="peer") for e in (0, 1))
+        engines = d.health()["engines"]
+    finally:
+        assert d.stop() == 0
+    assert peer >= 64, "requests read segments the other engine holds"
+    if ipc:
+        assert all(e["pool"] == {"path": "cuda ipc", "staged": {}} for e in engines), engines
+    else:
+        assert all(e["pool"]["path"] == "host staging (--no-pool-ipc)" for e in engines), engines
+        assert any(e["pool"]["staged"] for e in engines), "a reader names the peer it queries instead"
+    assert got == want

@@ -93,6 +93,31 @@ def test_engines_beyond_the_gpus_share_them_round_robin_with_a_share_of_the_memo
         launcher.engine_configs(cfg, None)
 
 
+def test_engines_sharing_a_gpu_run_under_the_mps_daemon_that_runs_and_mps_is_reported(monkeypatch, tmp_path, caplog):
+    """The MPS unit's pipe directory is found with CUDA_MPS_PIPE_DIRECTORY unset, and engines that
+    share a GPU get it; where no control daemon runs, the launcher warns, and an engine reports
+    none (/health `mps`)."""
+    from tokenflowd.config import EngineConfig
+    from tokenflowd.config.platform import mps_pipe_directory
+    from tokenflowd.daemon import launcher
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr("tokenflowd.config.platform.MPS_DEFAULT_PIPE", str(tmp_path / "none"))
+    monkeypatch.setattr(launcher, "UNIT_MPS_PIPE", str(tmp_path / "pipe"))
+    cfg = EngineConfig(device="cuda", dtype="bfloat16")
+    assert mps_pipe_directory() == ""
+    assert all("CUDA_MPS_PIPE_DIRECTORY" not in env for _, env in launcher.engine_configs(cfg, 2))
+    assert "without CUDA MPS" in caplog.text
+    (tmp_path / "pipe").mkdir()
+    (tmp_path / "pipe" / "control").touch()  # the control daemon's pipe
+    placed = launcher.engine_configs(cfg, 2)
+    assert [env["CUDA_MPS_PIPE_DIRECTORY"] for _, env in placed] == [str(tmp_path / "pipe")] * 2
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in launcher.engine_configs(cfg, 1)[0][1], "one engine a GPU: no need"
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "pipe"))
+    assert mps_pipe_directory() == str(tmp_path / "pipe")
+
+
 @pytest.mark.parametrize("text,msg", [
     ('[server]\nport = "x"\n', "[server] port must be an integer, got 'x'"),
     ("[engine]\nenable_prefix_caching = 1\n", "enable_prefix_caching must be true or false"),

@@ -35,7 +35,7 @@ def make_front(tokenizer, ready: bool = True, **server) -> Front:
     for slot in front.supervisor.slots:
         slot.state = "ready" if ready else "starting"
         slot.info = SimpleNamespace(max_model_len=MAX_LEN, fallback="", attention="torch", cuda_graphs=False, overlap=False,
-                                    attention_note="", pool_segment_pages=0)
+                                    attention_note="", mps="", pool_segment_pages=0)
     return front
 
 

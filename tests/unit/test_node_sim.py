@@ -2,6 +2,8 @@
 router, with the pool (requests read prefix pages where engines hold them) or without."""
 from __future__ import annotations
 
+import pytest
+
 from tokenflowd.cli import main
 from tokenflowd.sim.cost import cost_model
 from tokenflowd.sim.node import NodeConfig, simulate_node
@@ -74,3 +76,49 @@ def test_sim_node_command_prints_both_modes(tmp_path, capsys):
                  "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "routing" in text and "pool" in text and out.exists()
+
+
+def small_cache_documents(rate: float, n: int = 150):
+    """A100 preset with a quarter of its KV (28K tokens an engine, 227K the node) and 16 documents of
+    12K tokens in play, 32 questions each: the working set (~190K) is several engines' caches and
+    fits in the node's."""
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
+
+    cost = cost_model("a100-llama2-7b")
+    cost = cost.replace(kv_memory=cost.kv_memory // 4)
+    shape = parse_context_shape("documents:active=16:scale=0.5:uses=32")
+    return cost, build_workload(WorkloadSpec("poisson", n, rate=rate, seed=0, contexts=shape,
+                                             max_prompt_len=cost.max_tokens_in_pool // 2))
+
+
+def test_where_one_engine_cannot_hold_the_documents_the_pool_hits_more_and_in_overload_serves_more():
+    """pool-write is the pool as the daemon runs it: one copy of each segment, at its home. Routing
+    keeps each document on the engine that computed it first (a document's hit outweighs any queue),
+    so at a light load the engines that took more documents than they hold thrash, and in overload
+    the engines holding busy documents queue while others idle."""
+    cost, light = small_cache_documents(2.0)
+    r = {m: x.summary() for m, x in simulate_node(cost, light, ("routing", "pool-write")).items()}
+    assert r["pool-write"]["hit_rate"] >= 1.2 * r["routing"]["hit_rate"], r
+    cost, over = small_cache_documents(16.0)
+    r = {m: x.summary() for m, x in simulate_node(cost, over, ("routing", "pool-write")).items()}
+    assert r["pool-write"]["throughput"] >= 1.3 * r["routing"]["throughput"], r
+    assert r["pool-write"]["hit_rate"] >= r["routing"]["hit_rate"]
+    assert r["pool-write"]["busy_cv"] < 0.15 < r["routing"]["busy_cv"]
+
+
+@pytest.mark.xfail(strict=True, reason="TokenLake's 1.5x hit rate over cache-aware routing is not reached: routing "
+                   "here never splits a document, so it loses hits only where an engine took more documents than "
+                   "it holds (1.32x at most found: bench/results/node_contexts_small_cache.json)")
+def test_the_pools_hit_rate_is_one_and_a_half_routings_where_one_engine_cannot_hold_the_documents():
+    cost, light = small_cache_documents(2.0)
+    r = {m: x.summary() for m, x in simulate_node(cost, light, ("routing", "pool-write")).items()}
+    assert r["pool-write"]["hit_rate"] >= 1.5 * r["routing"]["hit_rate"]
+
+
+def test_on_the_mooncake_trace_in_overload_the_pool_serves_at_least_routings_throughput():
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload
+
+    w = build_workload(WorkloadSpec("trace", 150, time_scale=1.0, max_prompt_len=32_768, seed=0))
+    r = {m: x.summary() for m, x in simulate_node(cost_model("a100-llama2-7b"), w, ("routing", "pool-write")).items()}
+    assert r["pool-write"]["throughput"] >= r["routing"]["throughput"], r
+    assert r["pool-write"]["busy_cv"] < 0.15, r

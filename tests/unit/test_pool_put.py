@@ -151,3 +151,30 @@ def test_a_store_whose_copy_fails_frees_the_pages_it_took(pair, monkeypatch):
     monkeypatch.setattr(b, "_write", broken)
     assert b._store(keys, torch.zeros(LAYERS, 3, 2, KV_HEADS, PAGE, HEAD_DIM)) == 1, "only what it held before"
     assert b.pool.lookup(keys) == [page] and b.pool.num_used == 0 and b.pool.num_free == 6
+
+
+def test_read_mode_serves_a_peer_it_cannot_map_through_host_staging_and_says_so(tmp_path):
+    """Read mode maps each peer's cache (shared memory here, CUDA IPC on a GPU). A peer whose cache
+    cannot be mapped (no block of its name: on a GPU, another GPU or IPC refused) is served as in
+    query mode: its pins hold, a write into it is a put, and sharing() names it for /health."""
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float32, torch.device("cpu"),
+                                    paged_kernel=False)
+    layers = [torch.randn(backend.kv_cache_shape(16)) for _ in range(LAYERS)]
+    a = PoolMember(0, 1, "read", str(tmp_path), backend, layers, PagePool(16), threading.Lock(), 8)
+    b = member(1, 6, str(tmp_path))
+    try:
+        a.set_peers([p.PoolPeer(1, 1, os.getpid(), 6)])
+        assert a.sharing() == ("shared memory", {})
+        keys = chain_page_keys(list(range(2 * PAGE + 1)), PAGE, [])
+        local = [a.pool.allocate() for _ in keys]
+        theirs = a._write_home(1, "r", keys, local)
+        assert len(theirs) == 2 and a.stats["put_pages"] == 2 and b.service.pinned_pages == 2
+        for layer_a, layer_b in zip(a.kv_layers, b.kv_layers):
+            for mine, home in zip(local, theirs):
+                assert torch.equal(layer_b[:, :, home], layer_a[:, :, mine])
+        path, staged = a.sharing()
+        assert path == "shared memory" and list(staged) == [1] and "exports no cache" in staged[1]
+        assert a.pin("s", [p.PrefixRun(1, keys)]) == 2, "its pins hold: the request reads them by query"
+    finally:
+        a.close()
+        b.close()

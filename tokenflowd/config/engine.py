@@ -118,8 +118,12 @@ class EngineConfig:
     # The node's prefix-cache pool across engines (pool/): off (each engine its own cache, the
     # router follows prefixes), query (a request's prefix pages held by a peer stay there; its
     # query rows go to the peer each layer and come back as partial attention merged by LSE), or
-    # read (the engine maps the peer's KV cache and attends to its pages in place; CPU only)
+    # read (the engine maps the peer's KV cache and attends to its pages in place: shared memory on a
+    # CPU, CUDA IPC between engines on one GPU; a peer it cannot map is queried through the host)
     pool_mode: str = "off"
+    # read mode on a GPU: export the KV cache over CUDA IPC for the peers on its GPU (false: they
+    # query it through the host, for a container that refuses IPC)
+    pool_ipc: bool = True
     # tokens of a pool segment, the unit a request reads from one holder; 0: the threshold of
     # pool/segments.py with α, B and k_comp measured at start-up (logged)
     pool_segment_tokens: int = 0
@@ -193,9 +197,6 @@ class EngineConfig:
             raise ValueError(f"pool_placement must be home or local, got {self.pool_placement!r}")
         if self.pool_mode != "off" and not self.enable_prefix_caching:
             raise ValueError("the pool shares prefix-cache pages: it needs prefix caching on")
-        if self.pool_mode == "read" and self.device != "cpu":
-            raise ValueError("pool_mode read maps peers' caches through host shared memory: on a GPU use "
-                             "pool_mode query (CUDA IPC of the caches is not built)")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.role != "both" and self.pool_mode != "off":

@@ -46,7 +46,11 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pool-mode", choices=["off", "query", "read"],
                    help="one prefix cache across this node's engines: off (the default: each engine its own, "
                         "requests follow their prefixes), query (a peer's prefix pages stay there and each layer's "
-                        "queries go to it; LSE-merged) or read (peers' caches mapped and read in place; CPU)")
+                        "queries go to it; LSE-merged) or read (peers' caches mapped and read in place: shared memory "
+                        "on a CPU, CUDA IPC between engines on one GPU; other peers are queried)")
+    g.add_argument("--no-pool-ipc", action="store_true",
+                   help="read mode on a GPU: export no KV cache over CUDA IPC (where the container refuses it); "
+                        "peers query each other through the host, as /health reports")
     g.add_argument("--pool-segment-tokens", type=int,
                    help="tokens of a pool segment, a multiple of the page size (default: the break-even length "
                         "measured at start-up, logged)")
@@ -139,6 +143,8 @@ def engine_config(a: argparse.Namespace, file_values: dict | None = None,
         kw["enable_prefix_caching"] = False
     if getattr(a, "no_cuda_graphs", False):
         kw["cuda_graphs"] = False
+    if getattr(a, "no_pool_ipc", False):
+        kw["pool_ipc"] = False
     if getattr(a, "no_load_evict_overlap", False):
         kw["load_evict_overlap"] = False
     if getattr(a, "overlap", None) is not None:

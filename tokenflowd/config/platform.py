@@ -41,6 +41,16 @@ def cuda_device_count() -> int:
         return 0
 
 
+MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"  # where CUDA clients look when CUDA_MPS_PIPE_DIRECTORY is unset
+
+
+def mps_pipe_directory() -> str:
+    """The CUDA MPS control daemon's pipe directory when one runs there (its `control` pipe exists),
+    so this process's CUDA context is one of its clients; "" when none runs."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE
+    return pipe if os.path.exists(os.path.join(pipe, "control")) else ""
+
+
 @functools.cache
 def cpu_has_fast_bf16() -> bool:
     """bf16 matmuls beat fp32 ~3x on CPUs with AVX512-BF16 or AMX (measured on the CI machine);

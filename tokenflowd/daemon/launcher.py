@@ -25,6 +25,7 @@ import zmq
 
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, ServerConfig
+from tokenflowd.config.platform import mps_pipe_directory
 from tokenflowd.daemon.engine_handle import EngineHandle
 
 log = logging.getLogger("tokenflowd.daemon.supervisor")
@@ -146,6 +147,9 @@ def engine_input_address(runtime_dir: Path, engine_id: int, incarnation: int) ->
     return f"ipc://{runtime_dir}/in-{engine_id}-{incarnation}"
 
 
+UNIT_MPS_PIPE = "/run/tokenflowd-mps/pipe"  # systemd/tokenflowd-mps.service's pipe directory
+
+
 def engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[EngineConfig, dict[str, str]]]:
     """One (config, environment) per engine: a GPU each on CUDA, a share of the cores on CPU.
 
@@ -161,14 +165,23 @@ def engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[Engi
             raise ValueError("device cuda was asked for, but no CUDA device is visible")
         n = engines or len(ids)
         placement = [ids[i % len(ids)] for i in range(n)]
+        mps = {}
+        if n > len(ids):  # engines share GPUs: under the MPS control daemon where one runs
+            pipe = mps_pipe_directory()
+            if not pipe and not os.environ.get("CUDA_MPS_PIPE_DIRECTORY") and \
+                    os.path.exists(os.path.join(UNIT_MPS_PIPE, "control")):
+                pipe = UNIT_MPS_PIPE  # systemd/tokenflowd-mps.service's, with the variable left unset
+                mps = {"CUDA_MPS_PIPE_DIRECTORY": pipe}
+            if pipe:
+                log.info("%d engines share %d GPU(s) under CUDA MPS (%s)", n, len(ids), pipe)
+            else:
+                log.warning("%d engines share %d GPU(s) without CUDA MPS (no control daemon's pipe found): "
+                            "their kernels will time-slice instead of running side by side", n, len(ids))
         configs = []
         for gpu in placement:
             sharing = placement.count(gpu)
             cfg = replace(config, gpu_memory_utilization=config.gpu_memory_utilization / sharing, engines_on_node=n)
-            configs.append((cfg, {"CUDA_VISIBLE_DEVICES": gpu}))
-        if n > len(ids) and not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
-            log.warning("%d engines share %d GPU(s) without CUDA MPS (CUDA_MPS_PIPE_DIRECTORY is unset): "
-                        "their kernels will time-slice instead of running side by side", n, len(ids))
+            configs.append((cfg, {"CUDA_VISIBLE_DEVICES": gpu, **mps}))
         return configs
     n = engines or 1
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)

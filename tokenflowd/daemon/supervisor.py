@@ -15,8 +15,10 @@ error delta at once and the engine restarts with exponential backoff.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -33,7 +35,7 @@ from tokenflowd.config import EngineConfig, PolicyConfig, ServerConfig
 from tokenflowd.daemon.engine_handle import EngineHandle, Stream
 from tokenflowd.daemon.launcher import LocalLauncher, engine_configs
 from tokenflowd.daemon.prefix_index import PrefixIndex
-from tokenflowd.pool.names import cache_name, sweep_stale, unlink
+from tokenflowd.pool.names import cache_name, export_path, sweep_stale, unlink
 
 log = logging.getLogger("tokenflowd.daemon.supervisor")
 
@@ -122,6 +124,8 @@ class Supervisor:
         handle.fail_streams(message)
         if self.engine_config.pool_mode != "off" and self.runtime_dir is not None:
             unlink(cache_name(str(self.runtime_dir), handle.engine_id, handle.incarnation))
+            with contextlib.suppress(OSError):  # (a GPU's export names memory that died with it)
+                os.remove(export_path(str(self.runtime_dir), handle.engine_id, handle.incarnation))
         handle.retire()
         self.index.forget(handle.engine_id)
         self._send_chain_ends()  # what followed its pages elsewhere is orphaned

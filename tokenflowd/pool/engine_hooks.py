@@ -27,7 +27,8 @@ from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, RequestStatus
 from tokenflowd.pool.member import PoolMember
-from tokenflowd.pool.names import cache_name
+from tokenflowd.pool import cuda_ipc
+from tokenflowd.pool.names import cache_name, export_path
 from tokenflowd.pool.shared_kv import SharedKV
 
 log = logging.getLogger("tokenflowd.engine")
@@ -57,8 +58,9 @@ class PoolHooks:
 
     @property
     def kv_memory(self):
-        """What EngineCore.from_config takes as `kv_memory`: shared memory in read mode, else None."""
-        return self._shared_cache if self.config.pool_mode == "read" else None
+        """What EngineCore.from_config takes as `kv_memory`: shared memory in read mode on a CPU, else
+        None (on a GPU the cache is allocated as usual and exported over CUDA IPC in `join`)."""
+        return self._shared_cache if self.config.pool_mode == "read" and self.config.device == "cpu" else None
 
     def _shared_cache(self, shape: tuple[int, ...], dtype) -> torch.Tensor:
         """The KV cache in shared memory, where the pool's peers can map it (read mode)."""
@@ -73,9 +75,16 @@ class PoolHooks:
         self.core, self.config = core, core.config  # (as it runs: a fast path that failed may be replaced)
         core.lock = threading.Lock()  # the query service reads the cache between steps (core.py `unlocked`)
         runner, config = core.runner, self.config
+        if config.pool_mode == "read" and runner.kv_cache.is_cuda and config.pool_ipc:
+            try:
+                cuda_ipc.export(runner.kv_cache, export_path(self.spec.runtime_dir, self.spec.engine_id,
+                                                             self.spec.incarnation))
+            except (RuntimeError, OSError) as e:  # peers find no export and query it instead
+                log.warning("pool: the KV cache cannot be exported over CUDA IPC (%s): peers query it", e)
         self.member = PoolMember(
             self.spec.engine_id, self.spec.incarnation, config.pool_mode, self.spec.runtime_dir, runner.attn,
-            runner.kv_layers, core.pool, core.lock, config.max_num_batched_tokens)
+            runner.kv_layers, core.pool, core.lock, config.max_num_batched_tokens,
+            map_peers=config.pool_ipc or not runner.kv_cache.is_cuda)
         log.info("pool: %s mode, serving %d pages to peers", config.pool_mode, runner.num_pages)
         self.member.size_segments(config.pool_segment_tokens)
         runner.step_attention.append(self.member.step_attention)
@@ -232,7 +241,8 @@ class PoolHooks:
         return dict(pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
                     pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages,
                     pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
-                    pool_share=self.member.share, pool_unblocked=self.unblocked)
+                    pool_share=self.member.share, pool_unblocked=self.unblocked,
+                    **dict(zip(("pool_path", "pool_staged"), self.member.sharing())))
 
     def close(self) -> None:
         if self.member is not None:

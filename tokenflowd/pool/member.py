@@ -12,7 +12,8 @@ attends to theirs.
             No second copy outlives the prompt
     a step  every layer: own causal attention with LSE, merged with each holder's partial attention
             over its pinned pages (attention.py): query mode ships the rows, read mode maps the
-            holder's cache (shared_kv.py) and attends in place
+            holder's cache (shared_kv.py on a CPU, cuda_ipc.py on a GPU) and attends in place; a
+            holder whose cache cannot be mapped here is queried instead (host staging)
     the end unpin (`sweep`, once a request is gone or recomputes its prefix)
     a peer goes (PoolPeers without it, or a wait on it finds its process gone): the requests that
             read its pages recompute them here (core.py ForeignPrefixLost), its pins here are dropped
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,7 +42,8 @@ from tokenflowd.engine.scheduler import ScheduledBatch
 from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.kv.staging import gather_pages, scatter_pages
 from tokenflowd.pool.attention import HolderRows, PeerCache, PooledAttention, QueriedHolder
-from tokenflowd.pool.names import cache_name, service_address
+from tokenflowd.pool.cuda_ipc import DeviceKV
+from tokenflowd.pool.names import cache_name, export_path, service_address
 from tokenflowd.pool.query import PeerGone, QueryClient, QueryService
 from tokenflowd.pool.segments import (
     SegmentCosts,
@@ -65,7 +68,10 @@ MAX_SHARE = 0.9  # the step-time model is slowed by at most 10x
 class Peer:
     info: p.PoolPeer
     client: QueryClient | None = None
-    cache: SharedKV | None = None
+    cache: SharedKV | DeviceKV | None = None
+    # read mode: why its cache cannot be mapped here, so it is served through host staging (query
+    # mode's path: the rows go to it, the partial attention comes back); "": mapped, or not tried
+    staged: str = ""
 
 
 @dataclass
@@ -84,8 +90,11 @@ class ForeignPrefix:
 
 class PoolMember:
     def __init__(self, engine: int, incarnation: int, mode: str, runtime_dir: str, backend,
-                 kv_layers: Sequence[torch.Tensor], pool: PagePool, lock: threading.Lock, max_rows: int) -> None:
+                 kv_layers: Sequence[torch.Tensor], pool: PagePool, lock: threading.Lock, max_rows: int,
+                 map_peers: bool = True) -> None:
+        """`map_peers` (read mode): False where CUDA IPC is off (--no-pool-ipc): peers are queried."""
         assert mode in ("query", "read")
+        self.map_peers = map_peers
         self.engine, self.incarnation, self.mode, self.runtime_dir = engine, incarnation, mode, runtime_dir
         self.backend = backend
         self.kv_layers = list(kv_layers)
@@ -298,7 +307,7 @@ class PoolMember:
             return []
         client = self._client(peer)
         try:
-            if self.mode == "query":  # no mapping: the KV crosses in the put
+            if not self._mapped(peer):  # no mapping: the KV crosses in the put
                 held = client.put(keys, self.stage(local))
                 self.stats["put_pages"] += held
                 return client.pin(request_id, keys[:held]).pages if held else []
@@ -351,12 +360,46 @@ class PoolMember:
                                       incarnation=self.incarnation)
         return peer.client
 
-    def _cache(self, peer: Peer) -> SharedKV:
+    def _cache(self, peer: Peer) -> SharedKV | DeviceKV:
         if peer.cache is None:
             shape = self.backend.kv_cache_shape(peer.info.num_pages + 1)  # its scratch page too (runner.py)
-            peer.cache = SharedKV.attach(cache_name(self.runtime_dir, peer.info.engine, peer.info.incarnation),
-                                         len(self.kv_layers), shape, self.backend.dtype)
+            info = peer.info
+            if self.kv_layers[0].is_cuda:
+                peer.cache = DeviceKV.open(export_path(self.runtime_dir, info.engine, info.incarnation),
+                                           len(self.kv_layers), shape, self.backend.dtype)
+            else:
+                peer.cache = SharedKV.attach(cache_name(self.runtime_dir, info.engine, info.incarnation),
+                                             len(self.kv_layers), shape, self.backend.dtype)
         return peer.cache
+
+    def _mapped(self, peer: Peer) -> bool:
+        """Read mode with the peer's cache mapped here (opened at the first need); False: query mode,
+        or a peer served through host staging because its cache cannot be mapped."""
+        if self.mode != "read" or peer.staged:
+            return False
+        try:
+            if not self.map_peers:
+                raise ValueError("CUDA IPC is off (--no-pool-ipc)")
+            self._cache(peer)
+            return True
+        except FileNotFoundError as e:
+            peer.staged = f"it exports no cache to map ({e.filename or e}: its export failed, or --no-pool-ipc)"
+        except (OSError, ValueError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
+            peer.staged = str(e) or type(e).__name__
+        if peer.staged:
+            log.warning("pool: engine %d's cache cannot be mapped here (%s): it is served through host staging",
+                        peer.info.engine, peer.staged)
+        return False
+
+    def sharing(self) -> tuple[str, dict[int, str]]:
+        """How peers' pages are read here: (the path, {peer: why it is staged through the host})."""
+        if self.mode == "query":
+            path = "host staging (query mode)"
+        elif not self.map_peers:
+            path = "host staging (--no-pool-ipc)"
+        else:
+            path = "cuda ipc" if self.kv_layers[0].is_cuda else "shared memory"
+        return path, {e: peer.staged for e, peer in self.peers.items() if peer.staged}
 
     # -- a request --------------------------------------------------------------------------
     def pin(self, request_id: str, runs: list[p.PrefixRun]) -> int:
@@ -400,13 +443,7 @@ class PoolMember:
         except (PeerGone, RuntimeError, zmq.ZMQError) as e:
             log.warning("pool: pin on engine %d failed (%s); the request computes those tokens", run.engine, e)
             return []
-        if self.mode == "read":
-            try:
-                self._cache(peer)
-            except (OSError, ValueError) as e:
-                log.warning("pool: engine %d's cache cannot be mapped (%s)", run.engine, e)
-                self._unpin(request_id, run.engine)
-                return []
+        self._mapped(peer)  # (read mode: mapped now, or staged from here on)
         return pinned.pages
 
     def release(self, request_id: str) -> None:
@@ -463,7 +500,7 @@ class PoolMember:
         for engine, r in rows.items():
             if engine == self.engine:
                 sources.append(PeerCache(r, self.backend, self.kv_layers))
-            elif self.mode == "read":
+            elif self._mapped(self.peers[engine]):
                 sources.append(PeerCache(r, self.backend, self._cache(self.peers[engine]).layers))
             else:
                 sources.append(QueriedHolder(r, self._client(self.peers[engine]), self.stats))

@@ -1,5 +1,5 @@
 """Where an engine's pool endpoints live, by engine and incarnation: its query service's socket and
-its shared KV cache. Torch-free: the supervisor cleans up after a killed engine with it."""
+its shared KV cache (or its CUDA IPC export). Torch-free: the supervisor cleans up after a killed engine with it."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,11 @@ def cache_name(runtime_dir: str, engine: int, incarnation: int) -> str:
     """The shared memory block of an engine's KV cache (read mode): one per incarnation, so a
     peer never reads a successor's pages through a dead engine's mapping."""
     return f"{os.path.basename(runtime_dir.rstrip('/'))}-kv-{engine}-{incarnation}"
+
+
+def export_path(runtime_dir: str, engine: int, incarnation: int) -> str:
+    """The file of an engine's KV cache exported over CUDA IPC (read mode on a GPU, cuda_ipc.py)."""
+    return os.path.join(runtime_dir, f"kv-{engine}-{incarnation}.cudaipc")
 
 
 def attach_untracked(name: str) -> shared_memory.SharedMemory:

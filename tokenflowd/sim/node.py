@@ -19,9 +19,10 @@ where a request runs and what it computes.
                 (optimistic by the write's time)
     then the engine whose clock is earliest takes a step, until every request has finished.
 
-The pool's costs (query mode, TokenLake §3.3). Per layer of a step, each holder that the step's
-rows read costs one round trip and the rows' payload on the link, 2α + rows·payload/B, added to
-the requester's step (not overlapped with its own attention: conservative). The holder's attention
+The pool's costs (query mode, TokenLake §3.3). Per layer of a step, the holders that the step's
+rows read are asked together, as the daemon's PooledAttention does: one round trip and the rows'
+payload on the link, 2α + rows·payload/B, added to the requester's step (not overlapped with its
+own attention, which the daemon does: conservative). The holder's attention
 over its pages for those rows, 4·heads·head_dim FLOPs per row, prefix token and layer, is added to
 the holder's next step. A put costs the sender its pages' KV on the link, added to its next step.
 Pins hold the pages until the request ends. Each engine's prefix-cache key
@@ -110,8 +111,8 @@ class _Executor(CostModelExecutor):
                     flops = 4.0 * cost.num_layers * cost.num_heads * cost.head_dim * n * pages * cost.page_size
                     holder.debt += flops / (cost.peak_flops * cost.compute_efficiency)
         payload = 2 * cost.num_heads * cost.head_dim * cost.kv_dtype_bytes + 4 * cost.num_heads
-        for r in rows.values():
-            t += cost.num_layers * (2 * node.link_alpha + r * payload / node.link_bandwidth)
+        if rows:  # the holders are asked together and answer in parallel (pool/attention.py)
+            t += cost.num_layers * (2 * node.link_alpha + sum(rows.values()) * payload / node.link_bandwidth)
         return t
 
 

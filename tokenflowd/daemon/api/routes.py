@@ -385,6 +385,8 @@ class Routes:
                     "cuda_graphs": slot.info.cuda_graphs if slot.info else None,
                     "overlap": slot.info.overlap if slot.info else None,
                     "attention_note": slot.info.attention_note if slot.info else None,
+                    "mps": (slot.info.mps or None) if slot.info else None,
+                    "pool": _pool_health(slot),
                     "prefix_pages_known": self.front.supervisor.index.num_keys(slot.engine_id),  # as the router sees it
                     "process": _figures(slot)}
                    for slot in self.front.supervisor.slots]
@@ -401,6 +403,14 @@ class Routes:
         lens = [slot.info.max_model_len for slot in self.front.supervisor.slots if slot.info]
         served = s.Served((self.front.model_name,), min(lens) if lens else None, self.front.tokenizer.vocab_size)
         return _json(s.openapi(served))
+
+
+def _pool_health(slot) -> dict | None:
+    """How the engine reads its pool peers' pages, and which it queries through the host instead."""
+    stats = slot.stats
+    if stats is None or not stats.pool_path:
+        return None
+    return {"path": stats.pool_path, "staged": {str(e): why for e, why in stats.pool_staged.items()}}
 
 
 async def _first_pieces(gen: Generation) -> list[Piece]:

@@ -31,7 +31,7 @@ import msgspec
 
 from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig, PolicyConfig
-from tokenflowd.config.platform import die_with_parent
+from tokenflowd.config.platform import die_with_parent, mps_pipe_directory
 from tokenflowd.engine.admission import QueueDelayExceeded
 from tokenflowd.engine.core import EngineCore, EngineCoreOutput
 from tokenflowd.engine.errors import EngineFailed
@@ -83,7 +83,8 @@ class EngineProcess(EngineEndpoint):
                           kv_endpoint=self.federation.transport.endpoint if self.federation is not None else "",
                           attention=core.runner.paths.describe(self.config.device),
                           cuda_graphs=core.runner.graphs is not None, overlap=core.overlap,
-                          attention_note=core.attention_note))
+                          attention_note=core.attention_note,
+                          mps=mps_pipe_directory() if self.config.device.startswith("cuda") else ""))
         heartbeat_ms = int(self.spec.heartbeat_interval * 1000)
         last_sent = time.monotonic()
         trimmed = True  # nothing freed since the heap was last handed back
