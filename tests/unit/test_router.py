@@ -278,3 +278,30 @@ def test_the_traffic_dispatch_weighs_is_query_rows_to_other_holders_and_new_segm
     want = [sum(8 * 30 for h in homes if h != e) for e in (0, 1, 2)]
     assert fresh._traffic(k, Arrival(a, 8), [0, 1, 2], 2, cost, True) == want
     assert fresh._traffic(k, Arrival(a, 8), [0, 1, 2], 2, cost, False) == [0, 0, 0]
+
+
+@dataclass
+class WorkEngine:
+    engine_id: int
+    load: int = 0
+    work: int = 0  # prompt tokens of the requests it holds
+
+
+def test_pooled_pick_weighs_prompt_tokens_before_the_request_count():
+    """Two 32K prompts fill an engine's KV as forty short chats do not: the pool sends the next
+    request to the engine with fewer prompt tokens, then fewer requests."""
+    tokens = list(range(33))
+    r = router_with({})
+    engines = [WorkEngine(0, load=2, work=64_000), WorkEngine(1, load=40, work=8_000), WorkEngine(2, load=3, work=8_000)]
+    assert r.pick_pooled(engines, tokens, segment_pages=4).engine_id == 2
+    engines[2].work = 8_001
+    assert r.pick_pooled(engines, tokens, segment_pages=4).engine_id == 1
+
+
+def test_an_engine_handles_work_is_the_prompt_tokens_of_its_streams():
+    from tokenflowd.config import EngineConfig
+    from tokenflowd.daemon.engine_handle import EngineHandle, Stream
+
+    h = EngineHandle(0, EngineConfig(), {})
+    h.streams = {"a": Stream("a", h, 30_000, print), "b": Stream("b", h, 12, print)}
+    assert (h.load, h.work) == (2, 30_012)

@@ -67,6 +67,11 @@ class EngineHandle:
         return len(self.streams)
 
     @property
+    def work(self) -> int:
+        """The prompt tokens of the requests it holds (the pool's router balances by it)."""
+        return sum(s.num_prompt_tokens for s in self.streams.values())
+
+    @property
     def num_preemptions(self) -> int:
         return self.preemptions_before + (self.stats.num_preemptions if self.stats else 0)
 

@@ -13,8 +13,9 @@ load_weight 1, so the router gives up a match only for a clearly busier engine.
 
 With the node's pool on (`--pool-mode query|read`, pool/), where a prefix lives no longer decides
 where a request runs: any engine reads any engine's pages. `pick_pooled` takes the least loaded
-engine (ties: the one holding more of the prefix, then the lower id) and names, for the prompt's
-longest prefix held anywhere, which engine each segment is read from: the chosen engine's own where
+engine (by the prompt tokens its requests hold, then their number; ties: the one holding more of
+the prefix, then the lower id) and names, for the prompt's longest prefix held anywhere, which
+engine each segment is read from: the chosen engine's own where
 it has it, else the previous segment's holder while it has it, else the less loaded of two random
 holders (power of two choices). A hot segment (a heavy hitter, pool/heat.py) whose holders are all
 busier than the chosen engine by more than a slack is not read there: the chosen engine computes
@@ -52,6 +53,10 @@ REPLICATE_SLACK = 0.5  # a holder busier than 1.5x the chosen engine's load, plu
 
 
 class EngineLoad(Protocol):
+    """An engine as the router weighs it: `load`, the requests it holds; and, where known, `work`,
+    the prompt tokens of those requests (the pool picks by it first: a few long prompts fill an
+    engine's KV as many short ones do not)."""
+
     engine_id: int
 
     @property
@@ -125,9 +130,9 @@ class Router:
         keys = self.prompt_keys(prompt_token_ids)
         self.index.link(keys)
         load = {e.engine_id: e.load for e in engines}
-        if target is None:
-            target = min(engines, key=lambda e: (e.load, -self.index.cached_pages(e.engine_id, keys),
-                                                 e.engine_id)).engine_id
+        if target is None:  # the least work (prompt tokens held), then the fewest requests
+            target = min(engines, key=lambda e: (getattr(e, "work", 0), e.load,
+                                                 -self.index.cached_pages(e.engine_id, keys), e.engine_id)).engine_id
         rng = rng or random
         now = self.clock()
         runs: list[tuple[int, list[bytes]]] = []

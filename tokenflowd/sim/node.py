@@ -139,6 +139,10 @@ class _Engine:
     def load(self) -> int:
         return len(self.scheduler.requests)
 
+    @property
+    def work(self) -> int:
+        return sum(r.num_prompt_tokens for r in self.scheduler.requests.values())
+
     def release(self, request_id: str) -> None:
         for holder, pages in self.pins.pop(request_id, ()):
             _release(holder.pool, pages)
