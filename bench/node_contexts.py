@@ -59,10 +59,15 @@ def main() -> None:
     ap.add_argument("--kv-scale", type=float, default=1.0,
                     help="each engine's KV memory times this (a cache one engine's working set outgrows); prompts "
                          "are capped at half an engine's pool")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="routing and the pool modes to run (routing always); pool, which puts new segments at "
+                         "their homes after the prompt while the request keeps its copy, can stall in overload "
+                         "at a small cache (every engine's pages held)")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
     a = ap.parse_args()
+    modes = ("routing", *[m for m in a.modes.split(",") if m in MODES and m != "routing"])
     rows = []
     for preset in a.presets.split(","):
         cost = cost_model(preset)
@@ -76,20 +81,20 @@ def main() -> None:
                 continue
             for load, rate in zip(("light", "overload"), rates):
                 t0 = time.perf_counter()
-                results = simulate_node(cost, workload(spec, rate, a.num_prompts, a.seed, cap), MODES,
+                results = simulate_node(cost, workload(spec, rate, a.num_prompts, a.seed, cap), modes,
                                         NodeConfig(seed=a.seed))
                 s = {m: r.summary() for m, r in results.items()}
                 row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
                        "load": load, "rate": rate, "seconds": time.perf_counter() - t0,
-                       **{m: {k: s[m][k] for k in KEYS} | {"put_pages": results[m].put_pages} for m in MODES}}
-                for m in MODES[1:]:
+                       **{m: {k: s[m][k] for k in KEYS} | {"put_pages": results[m].put_pages} for m in modes}}
+                for m in modes[1:]:
                     row[m]["throughput_vs_routing"] = s[m]["throughput"] / s["routing"]["throughput"]
                     row[m]["hit_rate_vs_routing"] = (s[m]["hit_rate"] / s["routing"]["hit_rate"]
                                                      if s["routing"]["hit_rate"] else None)
                 rows.append(row)
                 print(f"{cost.name:>15} {spec:>22} {load:>8} {rate:>6g} " + "  ".join(
                     f"{m}: hit {row[m]['hit_rate']:.3f} thr {row[m]['throughput']:7.1f} p99 {row[m]['ttft_p99']:7.2f} "
-                    f"cv {row[m]['busy_cv']:.2f}" for m in MODES), flush=True)
+                    f"cv {row[m]['busy_cv']:.2f}" for m in modes), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(json_safe({"machine": platform.processor() or platform.machine(), "engines": 8,
