@@ -11,8 +11,7 @@ A peer opens only a cache on its own GPU: torch ties a tensor to one device, so 
 GPU would need every kernel that reads it to run there. Engines on different GPUs are served
 through host staging (query mode's path) instead, and so is a peer whose export cannot be opened
 (IPC refused: a container without it, MPS limits); /health names the peers served so (PoolMember
-`sharing`). `peer_access` says whether two GPUs could read each other directly (NVLink, PCIe
-P2P), which /health reports for what a later path could use.
+`sharing`).
 """
 from __future__ import annotations
 
@@ -37,11 +36,6 @@ def export(kv: torch.Tensor, path: str) -> None:
     with open(tmp, "wb") as f:
         pickle.dump({"gpu": device_uuid(kv.device), "rebuild": rebuild, "args": args}, f)
     os.replace(tmp, path)
-
-
-def peer_access(a: int, b: int) -> bool:
-    """Whether GPU `a` can read GPU `b`'s memory directly (NVLink or PCIe P2P)."""
-    return a == b or torch.cuda.can_device_access_peer(a, b)
 
 
 @dataclass

@@ -238,11 +238,11 @@ class PoolHooks:
 
     def stats(self) -> dict:
         m = self.member.stats
+        path, staged = self.member.sharing()
         return dict(pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
                     pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages,
                     pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
-                    pool_share=self.member.share, pool_unblocked=self.unblocked,
-                    **dict(zip(("pool_path", "pool_staged"), self.member.sharing())))
+                    pool_share=self.member.share, pool_unblocked=self.unblocked, pool_path=path, pool_staged=staged)
 
     def close(self) -> None:
         if self.member is not None:

@@ -320,6 +320,8 @@ class PoolMember:
                 dst = torch.tensor([reserved.pages[i] for i in fresh], device=src.device)
                 for mine, theirs in zip(self.kv_layers, cache.layers):
                     theirs.index_copy_(axis, dst, mine.index_select(axis, src))
+                if src.is_cuda:  # the copy is queued on this stream: the home publishes the pages at
+                    torch.cuda.current_stream(src.device).synchronize()  # Commit, so they must have landed
                 client.commit(request_id, [keys[i] for i in fresh], [reserved.pages[i] for i in fresh])
                 self.stats["put_pages"] += len(fresh)
             return reserved.pages
@@ -500,8 +502,8 @@ class PoolMember:
         for engine, r in rows.items():
             if engine == self.engine:
                 sources.append(PeerCache(r, self.backend, self.kv_layers))
-            elif self._mapped(self.peers[engine]):
-                sources.append(PeerCache(r, self.backend, self._cache(self.peers[engine]).layers))
+            elif self._mapped(peer := self.peers[engine]):
+                sources.append(PeerCache(r, self.backend, peer.cache.layers))
             else:
                 sources.append(QueriedHolder(r, self._client(self.peers[engine]), self.stats))
         return sources
