@@ -4,7 +4,7 @@ computed (`pool-local`), 8 engines, at a light load and in overload, per cost mo
 
     python bench/node_contexts.py [--presets a100-llama2-7b,calibrated:FILE] [--num-prompts 300]
                                   [--workloads documents,...] [--runs SPEC@LIGHT/OVER;...]
-                                  [--kv-scale F] [--out FILE]
+                                  [--kv-scale F] [--policy fcfs|tokenflow] [--out FILE]
 
 Workloads (sim/workload.py CONTEXT_SHAPES, synthetic with the datasets' published shapes, Poisson
 arrivals), each at two rates (requests/s) per cost model; contexts are scaled where one engine's
@@ -63,6 +63,9 @@ def main() -> None:
                     help="routing and the pool modes to run (routing always); pool, which puts new segments at "
                          "their homes after the prompt while the request keeps its copy, can stall in overload "
                          "at a small cache (every engine's pages held)")
+    ap.add_argument("--policy", default="fcfs", help="every engine's scheduling policy (the daemon's default is "
+                    "tokenflow; fcfs admits a long prompt by its first chunk and, where KV is short, preempts and "
+                    "recomputes often)")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
@@ -82,7 +85,7 @@ def main() -> None:
             for load, rate in zip(("light", "overload"), rates):
                 t0 = time.perf_counter()
                 results = simulate_node(cost, workload(spec, rate, a.num_prompts, a.seed, cap), modes,
-                                        NodeConfig(seed=a.seed))
+                                        NodeConfig(seed=a.seed, policy=a.policy))
                 s = {m: r.summary() for m, r in results.items()}
                 row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
                        "load": load, "rate": rate, "seconds": time.perf_counter() - t0,
@@ -98,7 +101,7 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(json_safe({"machine": platform.processor() or platform.machine(), "engines": 8,
-                                 "kv_scale": a.kv_scale,
+                                 "kv_scale": a.kv_scale, "policy": a.policy,
                                  "num_prompts": a.num_prompts, "seed": a.seed, "rows": rows}), f, indent=1)
         print("wrote", a.out)
 

@@ -32,17 +32,17 @@ def test_the_pool_computes_a_shared_prefix_once_where_routing_computes_it_on_eac
         assert pool["computed_tokens"] < routing["computed_tokens"]
         assert pool["hit_rate"] >= routing["hit_rate"]
         assert results[mode].busy_seconds.count(0.0) <= results["routing"].busy_seconds.count(0.0)
-    # Placement: the shared prefix's segments (and each reader's own) went to their homes; with
-    # pool-write they were computed into their homes' pages, so nothing was copied there.
-    assert results["pool"].put_pages > 0 and results["pool-local"].put_pages == 0
-    assert results["pool-write"].put_pages < results["pool"].put_pages
+    # Placement: the shared prefix's segments (and each reader's own) went to their homes.
+    assert results["pool"].put_pages > 0 and results["pool-write"].put_pages > 0
+    assert results["pool-local"].put_pages == 0
 
 
 def test_pool_write_keeps_one_copy_of_each_segment_in_the_node():
     """Documents read by several requests each, arriving while others compute them: placing after
     the prompt copies a segment to its home while the engine that computed it still holds its own
-    (a second copy); pool-write computes it into its home's pages, so the node never holds more
-    pages than its segments need once."""
+    (a second copy); pool-write writes it into its home and lets go of its own pages of it, reading
+    it there (the daemon's write into the home), so the node holds fewer pages at its peak and
+    each segment is cached on one engine."""
     from tokenflowd.sim.node import NodeSimulator
     from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
 
@@ -65,9 +65,35 @@ def test_pool_write_keeps_one_copy_of_each_segment_in_the_node():
                 holders[key] = holders.get(key, 0) + 1
         if mode == "pool-write":  # (placing after the prompt leaves some cached twice here)
             assert max(holders.values()) == 1, "a segment cached on two engines"
-    assert sum(sim.written.values()) > 0 and results["pool-write"].put_pages == 0
+    assert results["pool-write"].put_pages > 0
     assert peaks["pool-write"] < peaks["pool"], peaks
     assert results["pool-write"].summary()["hit_rate"] >= results["pool"].summary()["hit_rate"]
+
+
+def test_a_reader_cannot_read_a_segment_before_it_is_computed():
+    """Two requests for the same 4K-token document at once: the second arrives before the first has
+    computed anything, so there is nothing to read; each computes the document (pool-write writes it
+    into its homes only once its prompt is computed). A model that let the second read pages the
+    first had only reserved at their homes counted hits that no KV stood behind."""
+    doc = tuple(range(1, 4097))
+    w = [WorkloadRequest("a", 0.0, 4160, 8, 20.0, doc + (5000,)), WorkloadRequest("b", 0.0, 4160, 8, 20.0, doc + (6000,))]
+    for mode in ("pool", "pool-write", "pool-local"):
+        r = simulate_node(cost_model("a100-llama2-7b"), w, (mode,), NodeConfig(engines=2))[mode]
+        assert r.peer_tokens == 0 and r.local_tokens == 0, mode
+        assert r.computed_tokens >= 2 * 4096, mode
+
+
+def test_engines_whose_waiting_requests_pin_each_others_pages_give_the_pins_back_and_finish():
+    """Where one engine cannot hold the documents, in overload, placing after the prompt (`pool`)
+    left every engine's pages pinned by requests waiting on the others, and no engine could admit
+    anything: the simulator ran for ever. As the daemon's engines do (PoolHooks._unblock), an engine
+    that has run nothing for STUCK_SECONDS with requests waiting gives their pins back."""
+    from tokenflowd.sim.node import NodeSimulator
+
+    cost, over = small_cache_documents(16.0, 100)
+    sim = NodeSimulator(cost, over, "pool", NodeConfig())
+    assert sim.run().summary()["requests_served"] == 100
+    assert sim.unblocked > 0
 
 
 def test_sim_node_command_prints_both_modes(tmp_path, capsys):
@@ -91,24 +117,32 @@ def small_cache_documents(rate: float, n: int = 150):
                                              max_prompt_len=cost.max_tokens_in_pool // 2))
 
 
-def test_where_one_engine_cannot_hold_the_documents_the_pool_hits_more_and_in_overload_serves_more():
+def test_where_one_engine_cannot_hold_the_documents_at_a_light_load_the_pool_balances_the_engines():
     """pool-write is the pool as the daemon runs it: one copy of each segment, at its home. Routing
     keeps each document on the engine that computed it first (a document's hit outweighs any queue),
-    so at a light load the engines that took more documents than they hold thrash, and in overload
-    the engines holding busy documents queue while others idle."""
+    so at a light load a few engines do most of the work."""
+    cost, light = small_cache_documents(2.0)
+    r = {m: x.summary() for m, x in simulate_node(cost, light, ("routing", "pool-write")).items()}
+    assert r["pool-write"]["throughput"] >= r["routing"]["throughput"], r
+    assert r["pool-write"]["busy_cv"] < 0.5 * r["routing"]["busy_cv"], r
+    assert r["pool-write"]["ttft_p99"] < r["routing"]["ttft_p99"], r
+
+
+@pytest.mark.xfail(strict=True, reason="not met where one engine cannot hold the documents: with each document "
+                   "written into its homes once its prompt is computed (as the daemon does) and read only once "
+                   "computed, the pool hits less than routing (0.568 against 0.660 at a light load); in overload it serves "
+                   "0.67x routing's throughput (fcfs; 0.77x with tokenflow)")
+def test_where_one_engine_cannot_hold_the_documents_the_pool_hits_more_and_in_overload_serves_more():
     cost, light = small_cache_documents(2.0)
     r = {m: x.summary() for m, x in simulate_node(cost, light, ("routing", "pool-write")).items()}
     assert r["pool-write"]["hit_rate"] >= 1.2 * r["routing"]["hit_rate"], r
     cost, over = small_cache_documents(16.0)
     r = {m: x.summary() for m, x in simulate_node(cost, over, ("routing", "pool-write")).items()}
     assert r["pool-write"]["throughput"] >= 1.3 * r["routing"]["throughput"], r
-    assert r["pool-write"]["hit_rate"] >= r["routing"]["hit_rate"]
-    assert r["pool-write"]["busy_cv"] < 0.15 < r["routing"]["busy_cv"]
 
 
-@pytest.mark.xfail(strict=True, reason="TokenLake's 1.5x hit rate over cache-aware routing is not reached: routing "
-                   "here never splits a document, so it loses hits only where an engine took more documents than "
-                   "it holds (1.32x at most found: bench/results/node_contexts_small_cache.json)")
+@pytest.mark.xfail(strict=True, reason="TokenLake's 1.5x hit rate over cache-aware routing is not reached where "
+                   "one engine cannot hold the documents (0.86x at a light load: see the test above)")
 def test_the_pools_hit_rate_is_one_and_a_half_routings_where_one_engine_cannot_hold_the_documents():
     cost, light = small_cache_documents(2.0)
     r = {m: x.summary() for m, x in simulate_node(cost, light, ("routing", "pool-write")).items()}

@@ -30,13 +30,10 @@ from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool import cuda_ipc
 from tokenflowd.pool.names import cache_name, export_path
 from tokenflowd.pool.shared_kv import SharedKV
+from tokenflowd.pool.stuck import STUCK_SECONDS
 
 log = logging.getLogger("tokenflowd.engine")
 
-# s an engine may sit with requests waiting, none running and nothing admitted before its waiting
-# requests give their pins back (a few steps' worth: a step that admits nothing now and then is not
-# a deadlock)
-STUCK_SECONDS = 0.5
 
 
 class PoolHooks:

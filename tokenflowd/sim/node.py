@@ -11,25 +11,31 @@ where a request runs and what it computes.
                 computed, and no longer cached where it ran (what the daemon's --pool-placement
                 home did before it wrote into the home)
       pool-local  the same, new segments kept where they are computed (--pool-placement local)
-      pool-write  the same, but the new segments that follow what it reads are computed into pages
-                taken at their homes when it arrives (TokenLake: no second copy; the daemon's
-                --pool-placement home moves them into their homes once the prompt is computed): it
-                reads them there as it reads a peer's prefix, and the node holds each segment once.
-                Readers that arrive meanwhile read those pages at once, not after the write
-                (optimistic by the write's time)
-    then the engine whose clock is earliest takes a step, until every request has finished.
+      pool-write  the same, but once its prompt is computed its new segments are written into
+                their homes and it lets go of its own pages of them, reading them at the homes
+                from then on (the daemon's --pool-placement home, PoolHooks._hand_off): the node
+                holds each segment once. Readers that arrive before the write read the pages
+                where they are being computed, once computed (the engine publishes them as it goes)
+    then the engine whose clock is earliest takes a step, until every request has finished. What a
+    step does beyond its engine (prefix events into the router's index, pages put or written into
+    homes, pins let go of) takes effect at the step's end: an engine whose clock is behind, or an
+    arrival before it, does not see it. An engine that has run nothing for STUCK_SECONDS while
+    requests wait gives their pins back, as the daemon's PoolHooks._unblock does (engines whose
+    waiting requests pin each other's pages would otherwise leave each other no room for ever).
 
 The pool's costs (query mode, TokenLake §3.3). Per layer of a step, the holders that the step's
 rows read are asked together, as the daemon's PooledAttention does: one round trip and the rows'
 payload on the link, 2α + rows·payload/B, added to the requester's step (not overlapped with its
 own attention, which the daemon does: conservative). The holder's attention
 over its pages for those rows, 4·heads·head_dim FLOPs per row, prefix token and layer, is added to
-the holder's next step. A put costs the sender its pages' KV on the link, added to its next step.
+the holder's next step. A put, or a write into a home, costs the sender the pages' KV the home
+lacked on the link, added to its next step.
 Pins hold the pages until the request ends. Each engine's prefix-cache key
-events are applied to the router's index after each of its steps, so the index is exact.
+events are applied to the router's index at the end of each of its steps.
 """
 from __future__ import annotations
 
+import heapq
 import random
 import statistics
 from collections import deque
@@ -42,10 +48,11 @@ from tokenflowd.config import PolicyConfig
 from tokenflowd.daemon.prefix_index import PrefixIndex
 from tokenflowd.daemon.router import Router
 from tokenflowd.engine.core import EngineCore
-from tokenflowd.engine.request import Request, SamplingParams
+from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool
+from tokenflowd.pool.stuck import STUCK_SECONDS
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.cost import CostModel
 from tokenflowd.sim.executor import CostModelExecutor
@@ -99,8 +106,6 @@ class _Executor(CostModelExecutor):
     def step_time(self, batch: ScheduledBatch) -> float:
         t = super().step_time(batch) + self.engine.debt
         self.engine.debt = 0.0
-        for rid in batch.request_ids:
-            t += self.engine.write_seconds.pop(rid, 0.0)
         cost, node = self.cost, self.engine.node
         rows: dict[int, int] = {}
         for rid, n in zip(batch.request_ids, batch.num_tokens):
@@ -130,10 +135,12 @@ class _Engine:
         self.core = EngineCore(self.executor, self.scheduler, max_model_len=cost.max_model_len,
                                vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(SIM_EOS,))
         self.debt = 0.0  # s of peers' queries answered, charged to the next step
+        self.stuck_since: float | None = None  # since when it has run nothing with requests waiting
         self.busy = 0.0
         self.pins: dict[str, list[tuple[_Engine, list[int]]]] = {}  # request -> (holder, its pages) it reads
-        self.write_seconds: dict[str, float] = {}  # pool-write: request -> s computing what it writes at homes
-        self.places: dict[str, list[tuple[int, list[bytes]]]] = {}  # request -> (home, keys) of its new segments
+        self.places: dict[str, list[tuple[int, list[bytes]]]] = {}  # pool: request -> (home, keys) of its new segments
+        # pool-write: request -> (each new page's home, the keys that end its segments), as the daemon's
+        self.homes: dict[str, tuple[dict[bytes, int], set[bytes]]] = {}
 
     @property
     def load(self) -> int:
@@ -194,7 +201,8 @@ class NodeSimulator:
         self.prompt_tokens = sum(r.prompt_len for r in workload)
         self.peer_tokens = 0
         self.put_pages = 0
-        self.written: dict[str, int] = {}  # pool-write: request -> prompt tokens it computed into homes' pages
+        self.read_peer: dict[str, int] = {}  # request -> prompt tokens it reads where peers hold them
+        self.unblocked = 0  # requests that gave their pins back (_unblock)
 
     def _route(self, w: WorkloadRequest) -> None:
         self._now = w.arrival_time
@@ -208,42 +216,21 @@ class NodeSimulator:
             choice = self.router.pick_pooled(self.engines, ids, self.config.segment_pages, self.rng,
                                              place=self.mode != "pool-local")
             target = self.engines[choice.engine_id]
-            write = self._writable(ids, choice) if self.mode == "pool-write" else []
-            n_written = self._pin(target, req, choice.runs, write)
-            written = {key for _, keys in write[:n_written] for key in keys}
-            # what it did not write at their homes is placed there after its prompt
-            places = [(home, [k for k in keys if k not in written]) for home, keys in choice.places]
-            places = [(home, keys) for home, keys in places if keys]
-            if places:
-                target.places[req.request_id] = places
+            self._pin(target, req, choice.runs)
+            seg = self.config.segment_pages
+            if choice.places and self.mode == "pool-write":
+                target.homes[req.request_id] = (
+                    {k: home for home, keys in choice.places for k in keys},
+                    {keys[j] for _, keys in choice.places for j in range(seg - 1, len(keys), seg)})
+            elif choice.places:
+                target.places[req.request_id] = choice.places
         req.max_model_len = max_len - req.prefix_offset
         if not target.scheduler.has_unfinished():
             target.clock.now = max(target.clock.now, w.arrival_time)  # it was idle until now
         target.scheduler.add(req)
 
-    def _writable(self, ids: list[int], choice) -> list[tuple[int, list[bytes]]]:
-        """pool-write: the new whole segments that follow what it reads without a gap (a foreign
-        prefix can only come before every token computed here), each with its home (the target's
-        own included: it writes those into its own pages, read as its own run)."""
-        keys = self.router.prompt_keys(ids)
-        at = sum(len(k) for _, k in choice.runs) if choice.runs else choice.cached_pages
-        if not choice.runs and at:
-            return []  # its leading pages are the target's own: what follows is computed here
-        out = []
-        for home, seg in self.router.places(keys, at, self.config.segment_pages, None, list(range(len(self.engines)))):
-            if keys[at : at + len(seg)] != seg:
-                break
-            out.append((home, seg))
-            at += len(seg)
-        return out
-
-    def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]],
-             write: list[tuple[int, list[bytes]]]) -> int:
-        """The runs' pages, where they are, up to the first that is gone (as the engine's PoolMember).
-        `write` (pool-write): new segments after them, up to the first home without room, get pages
-        at their homes now, published there, and the request computes into them: one copy in the
-        node. (Readers that come meanwhile read them at once: the write is not waited for.) -> how
-        many segments of `write` it writes there (the rest are placed after its prompt)."""
+    def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]]) -> None:
+        """The runs' pages, where they are, up to the first that is gone (as the engine's PoolMember)."""
         pinned, keys_done = [], []
         for engine_id, keys in runs:
             holder = self.engines[engine_id]
@@ -254,35 +241,17 @@ class NodeSimulator:
                 pinned.append((holder, pages))
             keys_done += keys[: len(pages)]
             if len(pages) < len(keys):
-                write = ()
                 break
-        read = len(keys_done)
-        read_peer = sum(len(p) for h, p in pinned if h is not target)
-        written = 0
-        for home_id, keys in write:
-            home = self.engines[home_id]
-            taken = _hold(home.pool, keys)
-            if len(taken) < len(keys):  # the home has no room: the rest is computed here
-                _release(home.pool, taken)
-                break
-            pinned.append((home, taken))
-            keys_done += keys
-            written += 1
-            self._update(home_id, *home.pool.drain_key_events())
         n = len(keys_done) * self.cost.page_size
         if not pinned or n >= req.num_prompt_tokens:
             for holder, pages in pinned:
                 _release(holder.pool, pages)
-            return 0
+            return
         req.set_foreign_prefix(n, keys_done[-1])
         target.pins[req.request_id] = pinned
-        self.peer_tokens += read_peer * self.cost.page_size
-        if written:  # computed here, into the homes' pages: charged to the request's first step
-            ps = self.cost.page_size
-            target.write_seconds[req.request_id] = self.cost.step_time([(read * ps, n - read * ps)]) - \
-                self.cost.step_overhead
-            self.written[req.request_id] = n - read * ps
-        return written
+        read_peer = sum(len(p) for h, p in pinned if h is not target) * self.cost.page_size
+        self.peer_tokens += read_peer
+        self.read_peer[req.request_id] = read_peer
 
     def _place(self, e: _Engine) -> None:
         """Put the new segments of e's requests whose prompts are computed at their homes (as the
@@ -305,6 +274,95 @@ class NodeSimulator:
                 added, removed = home.pool.drain_key_events()
                 self._update(home_id, added, removed)
 
+    def _hand_off(self, e: _Engine) -> None:
+        """Write into the home, as the daemon's PoolHooks._hand_off: once a running request's prompt
+        is computed, its leading pages up to its last whole new segment are read where their segments
+        live from then on: its own segments' pages pinned where they are, a peer's written into the
+        peer (the pages it lacks; the sender pays their KV on the link) and pinned there, up to the
+        first home without room. The request lets go of its pages of those, and they stop being cached
+        here; what no home took stays its own. Tried once per request."""
+        ps, cost = self.cost.page_size, self.cost
+        for rid in list(e.homes):
+            req = e.scheduler.requests.get(rid)
+            if req is None or req.is_finished:
+                del e.homes[rid]
+                continue
+            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens < req.num_prompt_tokens:
+                continue
+            homes, ends = e.homes.pop(rid)
+            st = e.kv.state(req)
+            computed = min(st.num_published_pages, (req.num_prompt_tokens - 1) // ps)
+            n = max((i + 1 for i, key in enumerate(st.page_hashes[:computed]) if key in ends), default=0)
+            if not n:
+                continue
+            keys = st.page_hashes[:n]
+            runs: list[tuple[int, list[bytes]]] = []
+            for key in keys:
+                home = homes.get(key, e.engine_id)
+                if runs and runs[-1][0] == home:
+                    runs[-1][1].append(key)
+                else:
+                    runs.append((home, [key]))
+            got, pinned = 0, e.pins.setdefault(rid, [])
+            for home_id, run in runs:
+                home = self.engines[home_id]
+                if home is e:
+                    held = e.pool.lookup(run)
+                    for page in held:
+                        e.pool.incref(page)
+                else:
+                    fresh = sum(not home.pool.lookup([key]) for key in run)
+                    held = _hold(home.pool, run)
+                    fresh = min(fresh, len(held))
+                    self.put_pages += fresh
+                    e.debt += self.config.link_alpha + fresh * ps * cost.kv_bytes_per_token / self.config.link_bandwidth
+                    self._update(home_id, *home.pool.drain_key_events())
+                if held:
+                    pinned.append((home, held))
+                got += len(held)
+                if len(held) < len(run):
+                    break
+            if not pinned:
+                del e.pins[rid]
+            if not got:
+                continue
+            for page in reversed(e.kv.hand_off(req, got)):
+                e.pool.decref(page)
+            req.extend_foreign_prefix(got * ps, keys[got - 1])
+            e.pool.unpublish([k for k in keys[:got] if homes.get(k, e.engine_id) != e.engine_id])
+
+    def _unblock(self, e: _Engine, now: float) -> None:
+        """As the daemon's PoolHooks._unblock: an engine that has run nothing for STUCK_SECONDS while
+        requests wait, none running, gives its waiting requests' pins back (they compute their prefix
+        here)."""
+        sched = e.scheduler
+        if sched.running or sched.loading or not sched.waiting:
+            e.stuck_since = None
+            return
+        if e.stuck_since is None:
+            e.stuck_since = now
+            return
+        if now - e.stuck_since < STUCK_SECONDS:
+            return
+        e.stuck_since = None
+        for req in [r for r in sched.waiting if r.foreign_token_ids]:
+            read = self.read_peer.pop(req.request_id, 0)
+            if self.records[req.request_id].admit_time is None:  # (hits count at the first admission)
+                self.peer_tokens -= read
+            sched.take_foreign_prefix(req)
+            e.release(req.request_id)
+            self.unblocked += 1
+
+    def _effects(self, e: _Engine, finished: list[str]) -> None:
+        """What e's step did beyond e, at the step's end."""
+        if e.places:
+            self._place(e)
+        if e.homes:
+            self._hand_off(e)
+        self._update(e.engine_id, *e.pool.drain_key_events())
+        for rid in finished:
+            e.release(rid)
+
     def _update(self, engine_id: int, added: list[bytes], removed: list[bytes]) -> None:
         """An engine's key events into the router's index, and the index's word on where chains end
         back to the engines (the daemon's PoolMarks)."""
@@ -316,9 +374,19 @@ class NodeSimulator:
     def run(self) -> NodeResult:
         pending = deque(self.workload)
         records, computed, local = self.records, 0, 0
+        # A step's effects beyond its engine (its prefix events in the router's index, segments put
+        # or written into homes, pins let go of) happen when the step ends, not when it starts: an
+        # engine whose clock is behind that must not see them yet, nor an arrival before it.
+        effects: list[tuple[float, int, _Engine, list[str]]] = []
+        seq = 0
         while True:
             busy = [e for e in self.engines if e.scheduler.has_unfinished()]
             t = min((e.clock.now for e in busy), default=float("inf"))
+            now = min(t, pending[0].arrival_time if pending else float("inf"))
+            if effects and effects[0][0] <= now:
+                _, _, done, finished = heapq.heappop(effects)
+                self._effects(done, finished)
+                continue
             if pending and pending[0].arrival_time <= t:
                 self._route(pending.popleft())
                 continue
@@ -331,7 +399,9 @@ class NodeSimulator:
             if not len(batch):
                 if e.clock.now == start:  # the policy ran nothing: let time pass to the next event
                     e.clock.now = start + max(self.cost.step_overhead, 1e-3)
+                self._unblock(e, start)
                 continue
+            e.stuck_since = None
             e.busy += e.clock.now - start
             computed += batch.total_tokens
             for rid in batch.request_ids:
@@ -341,19 +411,17 @@ class NodeSimulator:
                     req = e.scheduler.requests.get(rid)
                     cached = req.prefix_offset + req.num_cached_tokens if req is not None else \
                         next(o.num_cached_tokens for o in outs if o.request_id == rid)
-                    rec.num_cached_tokens = cached - self.written.get(rid, 0)
-                    computed += self.written.get(rid, 0)
-            if e.places:
-                self._place(e)
-            added, removed = e.pool.drain_key_events()
-            self._update(e.engine_id, added, removed)
+                    rec.num_cached_tokens = cached
+            finished = []
             for out in outs:
                 rec = records[out.request_id]
                 if out.new_token_ids:
                     rec.token_times.append(e.clock.now)
                 if out.finished:
                     rec.finish_time = e.clock.now
-                    e.release(out.request_id)
+                    finished.append(out.request_id)
+            heapq.heappush(effects, (e.clock.now, seq, e, finished))
+            seq += 1
         for e in self.engines:
             if e.pool.num_used:
                 raise SimulationError(f"engine {e.engine_id}: {e.pool.num_used} KV pages held after every "
