@@ -4,7 +4,8 @@ computed (`pool-local`), 8 engines, at a light load and in overload, per cost mo
 
     python bench/node_contexts.py [--presets a100-llama2-7b,calibrated:FILE] [--num-prompts 300]
                                   [--workloads documents,...] [--runs SPEC@LIGHT/OVER;...]
-                                  [--kv-scale F] [--policy fcfs|tokenflow] [--out FILE]
+                                  [--kv-scale F] [--policy fcfs|tokenflow] [--hand-off prompt|segment]
+                                  [--out FILE]
 
 Workloads (sim/workload.py CONTEXT_SHAPES, synthetic with the datasets' published shapes, Poisson
 arrivals), each at two rates (requests/s) per cost model; contexts are scaled where one engine's
@@ -66,6 +67,9 @@ def main() -> None:
     ap.add_argument("--policy", default="fcfs", help="every engine's scheduling policy (the daemon's default is "
                     "tokenflow; fcfs admits a long prompt by its first chunk and, where KV is short, preempts and "
                     "recomputes often)")
+    ap.add_argument("--hand-off", default="prompt", choices=["prompt", "segment"],
+                    help="pool-write: new segments go to their homes once the prompt is computed (the daemon's "
+                         "default) or each as it is computed (--pool-hand-off segment)")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
@@ -85,7 +89,7 @@ def main() -> None:
             for load, rate in zip(("light", "overload"), rates):
                 t0 = time.perf_counter()
                 results = simulate_node(cost, workload(spec, rate, a.num_prompts, a.seed, cap), modes,
-                                        NodeConfig(seed=a.seed, policy=a.policy))
+                                        NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off))
                 s = {m: r.summary() for m, r in results.items()}
                 row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
                        "load": load, "rate": rate, "seconds": time.perf_counter() - t0,
@@ -101,7 +105,7 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(json_safe({"machine": platform.processor() or platform.machine(), "engines": 8,
-                                 "kv_scale": a.kv_scale, "policy": a.policy,
+                                 "kv_scale": a.kv_scale, "policy": a.policy, "hand_off": a.hand_off,
                                  "num_prompts": a.num_prompts, "seed": a.seed, "rows": rows}), f, indent=1)
         print("wrote", a.out)
 

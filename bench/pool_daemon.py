@@ -49,13 +49,16 @@ SOURCES = ("local", "peer", "miss")
 
 
 def flags(engines: int, kv: str, mode: str, segment_tokens: int = 0) -> list[str]:
-    """`mode`: off, query or read (placement by home, the default), or query-local, read-local (new
-    segments stay where they are computed). `segment_tokens`: the pool's segment (0: the break-even
-    length the engines measure at start-up)."""
+    """`mode`: off, query or read (placement by home, the default), query-local, read-local (new
+    segments stay where they are computed), or query-segment, read-segment (placement by home, each
+    segment written into its home as it is computed: --pool-hand-off segment). `segment_tokens`: the
+    pool's segment (0: the break-even length the engines measure at start-up)."""
     pool, _, placement = mode.partition("-")
     segment = ["--pool-segment-tokens", str(segment_tokens)] if segment_tokens and pool != "off" else []
+    where = ["--pool-hand-off", "segment"] if placement == "segment" else \
+        ["--pool-placement", placement] if placement else []
     return ["--engines", str(engines), "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", kv,
-            "--pool-mode", pool, *(["--pool-placement", placement] if placement else []), *segment]
+            "--pool-mode", pool, *where, *segment]
 
 
 def counters(d: Daemon) -> dict[str, float]:

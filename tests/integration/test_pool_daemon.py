@@ -324,3 +324,46 @@ def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_ki
         d.wait_all_engines()  # the home comes back
     finally:
         assert d.stop() == 0
+
+
+def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_with_the_greedy_tokens():
+    """--pool-hand-off segment: the engine computing a new 4,096-token prefix writes each segment homed
+    on its peer into it as soon as it is computed, 256-token chunks apart, so the peer holds pages of
+    it before the request's first token; the rest of the prompt reads them there, and the tokens are
+    one engine's."""
+    reference = Engine(EngineConfig.resolve(model=MODEL, dtype="float32", quantization="none",
+                                            kv_cache_memory="512MiB"))
+    prefix, prompts = long_prompts(reference, "Map", 4)
+    want = greedy(reference, prompts[:1], MAX_TOKENS) + greedy(reference, prompts[1:], MAX_TOKENS)
+    home = homes(prefix)
+    d = Daemon(*LONG_FLAGS, "--pool-hand-off", "segment")
+    try:
+        d.wait_all_engines()
+        seen: dict = {}
+
+        async def first():
+            task = asyncio.create_task(stream_text(d.base_url, prompts[0], MAX_TOKENS,
+                                                   lambda text: _first_token(seen)))
+            while not task.done():
+                if "first_token" not in seen and max((await asyncio.to_thread(put, d)).values()):
+                    seen["put_before_first_token"] = True
+                await asyncio.sleep(0.02)
+            return await task
+
+        text, error = asyncio.run(first())
+        assert error is None and text == want[0], (error, text, want[0])
+        assert seen.get("put_before_first_token"), "nothing reached the home before the prompt was computed"
+        now = put(d)
+        writer = max((0, 1), key=now.__getitem__)
+        assert now[writer] == home[1 - writer] and now[1 - writer] == 0, (now, home)
+        responses = asyncio.run(post_all(d.base_url, [body(q) for q in prompts[1:]]))
+        assert [r.json()["choices"][0]["text"] for r in responses] == want[1:], [r.text for r in responses]
+        for e in ("0", "1"):
+            wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
+            assert d.metric("tokenflowd_pool_pinned_pages", engine=e) == 0
+    finally:
+        assert d.stop() == 0
+
+
+async def _first_token(seen: dict) -> None:
+    seen.setdefault("first_token", True)

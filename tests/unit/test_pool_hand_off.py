@@ -29,7 +29,7 @@ class Member:
         return n if self.takes is None else min(n, self.takes)
 
 
-def setup(takes: int | None = None):
+def setup(takes: int | None = None, hand_off: str = "prompt"):
     pool = PagePool(64)
     kv = KVCacheManager(pool, PS)
     req = Request("r", list(range(100, 100 + 6 * PS + 5)), SamplingParams(max_tokens=4))  # 6 whole pages and 5
@@ -39,7 +39,7 @@ def setup(takes: int | None = None):
     req.status = RequestStatus.RUNNING
     h = PoolHooks.__new__(PoolHooks)
     h.spec = SimpleNamespace(engine_id=0, heartbeat_interval=0.5)
-    h.config = SimpleNamespace(page_size=PS)
+    h.config = SimpleNamespace(page_size=PS, pool_hand_off=hand_off)
     h.core = SimpleNamespace(scheduler=SimpleNamespace(requests={"r": req}), kv=kv, pool=pool, unlocked=_nothing)
     h.member = Member(takes)
     h.homes, h.ends, h.placed = {}, {}, deque()
@@ -93,3 +93,28 @@ def test_what_the_home_does_not_take_stays_here_and_is_not_tried_again():
     assert req.prefix_offset == 3 * PS and len(kv.block_table(req)) == 4
     h._hand_off(2.0)
     assert len(h.member.runs) == 1 and "r" not in h.homes
+
+
+def test_segment_by_segment_each_segment_moves_once_it_is_computed():
+    """--pool-hand-off segment: the engine needs room for a segment of a long prompt, not all of it."""
+    h, req, kv, pool, keys = setup(hand_off="segment")
+    before = list(kv.block_table(req))
+    req.num_computed_tokens = 3 * PS  # segment 0 (this engine's own) whole, segment 1 not yet
+    kv.commit(req)
+    h._hand_off(1.0)
+    assert h.member.runs == [], "nothing homed on a peer is whole yet"
+    req.num_computed_tokens = 4 * PS  # segment 1 whole: it goes, with segment 0 pinned where it is
+    kv.commit(req)
+    h._hand_off(2.0)
+    (runs,) = h.member.runs
+    assert [(e, k) for e, k, _ in runs] == [(0, keys[0:2]), (1, keys[2:4])]
+    assert req.prefix_offset == 4 * PS and kv.block_table(req) == before[4:]
+    for page in before[2:4]:
+        assert pool.ref_count(page) == 0, "its own copy of what went to the peer is gone"
+    assert h.placed[-1][1] == keys[2:4] and "r" in h.homes, "segment 2 is still to come"
+    req.num_computed_tokens = req.num_prompt_tokens  # the rest of the prompt (what is left of it here)
+    kv.commit(req)
+    h._hand_off(3.0)
+    assert [(e, k) for e, k, _ in h.member.runs[-1]] == [(1, keys[4:6])]
+    assert req.prefix_offset == 6 * PS and req.num_prompt_tokens == 5 and "r" not in h.homes
+    assert kv.block_table(req) == before[6:]

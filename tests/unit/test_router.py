@@ -178,6 +178,34 @@ def test_pooled_pick_places_nothing_held_anywhere_and_nothing_of_a_hot_replica()
     assert c.engine_id == 0 and c.places == ([] if home == 0 else [(1, k[:4])])
 
 
+def test_a_segment_its_home_still_holds_past_a_cut_is_put_back_there_and_one_held_elsewhere_is_not():
+    """The chain was cut before segment 2 (segment 1 evicted): the request computes segments 1-3.
+    Segment 2, still at its home, is put there (only the pages the home lacks cross), so the chain is
+    whole at the homes again and no second copy stays where the request ran; segment 3, held by an
+    engine that is not its home (a replica), stays where it is computed."""
+    from tokenflowd.pool.homes import rendezvous_home
+
+    tokens = list(range(33))  # 8 pages before the last token: 4 segments of 2
+    k = keys_of(tokens)
+    engines = [0, 1, 2]
+    home = {s: rendezvous_home(k[s + 1], engines) for s in (0, 2, 4, 6)}
+    elsewhere = next(e for e in engines if e != home[6])
+    r = router_with({home[4]: k[4:6], elsewhere: k[6:8]})
+    c = r.pick_pooled([FakeEngine(e, load=0 if e == 0 else 5) for e in engines], tokens, segment_pages=2)
+    assert c.engine_id == 0 and c.runs == []
+    placed = {tuple(run[i : i + 2]) : e for e, run in c.places for i in range(0, len(run), 2)}
+    want = {tuple(k[s : s + 2]): home[s] for s in (0, 2, 4) if home[s] != 0}
+    assert placed == want
+    # with its home's copy gone too, a segment another engine holds is never put
+    held: dict[int, list[bytes]] = {}
+    held.setdefault(next(e for e in engines if e != home[4]), []).extend(k[4:6])
+    held.setdefault(elsewhere, []).extend(k[6:8])
+    r = router_with(held)
+    c = r.pick_pooled([FakeEngine(e, load=0 if e == 0 else 5) for e in engines], tokens, segment_pages=2)
+    placed = {tuple(run[i : i + 2]) for _, run in c.places for i in range(0, len(run), 2)}
+    assert placed == {tuple(k[s : s + 2]) for s in (0, 2) if home[s] != 0}
+
+
 def test_dispatch_of_arrivals_balances_load_then_moves_the_fewest_bytes():
     import itertools
     import random

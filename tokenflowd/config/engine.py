@@ -130,6 +130,11 @@ class EngineConfig:
     # where the pool keeps a new segment: home (the engine its key hashes to, pool/homes.py;
     # the engine computing it writes it there once its prompt is computed) or local (where it was computed)
     pool_placement: str = "home"
+    # placement home: when the engine computing a new segment writes it into its home: once the
+    # request's whole prompt is computed (prompt), or as each segment is computed (segment: the
+    # engine needs room for a segment of the prompt, not all of it, and the rest of the prompt
+    # attends to what went through the pool's path)
+    pool_hand_off: str = "prompt"
     # Federation (federation/): both (prefill and decode here), prefill (prompts computed here have
     # their KV written to decode nodes, layer by layer) or decode (prompts' KV comes from prefill nodes)
     role: str = "both"
@@ -195,6 +200,8 @@ class EngineConfig:
                              f"got {self.pool_segment_tokens}")
         if self.pool_placement not in ("home", "local"):
             raise ValueError(f"pool_placement must be home or local, got {self.pool_placement!r}")
+        if self.pool_hand_off not in ("prompt", "segment"):
+            raise ValueError(f"pool_hand_off must be prompt or segment, got {self.pool_hand_off!r}")
         if self.pool_mode != "off" and not self.enable_prefix_caching:
             raise ValueError("the pool shares prefix-cache pages: it needs prefix caching on")
         if self.role not in ("both", "prefill", "decode"):

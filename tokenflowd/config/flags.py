@@ -58,6 +58,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="where the pool keeps a new segment: home (the default: the engine its key hashes to; "
                         "the engine computing it writes it there once its prompt is computed) or local (where it "
                         "was computed)")
+    g.add_argument("--pool-hand-off", choices=["prompt", "segment"],
+                   help="with --pool-placement home, when a new segment is written into its home: prompt (the "
+                        "default: once the request's prompt is computed) or segment (as each is computed: the "
+                        "engine needs room for one segment of a long prompt, not all of it, where KV is short)")
     g.add_argument("--role", choices=["both", "prefill", "decode"],
                    help="this node in a federated cluster (tokenflowd conductor): both (the default: prefill and "
                         "decode here), prefill (compute prompts and write their KV to decode nodes) or decode "
@@ -113,6 +117,7 @@ ENGINE_FLAGS = {
     "policy": "policy", "offload": "offload", "host_kv_memory": "host_kv_memory",
     "disk_kv_memory": "disk_kv_memory", "disk_kv_dir": "disk_kv_dir", "max_queue_delay": "max_queue_delay",
     "pool_mode": "pool_mode", "pool_segment_tokens": "pool_segment_tokens", "pool_placement": "pool_placement",
+    "pool_hand_off": "pool_hand_off",
     "role": "role", "kv_host": "kv_host", "kv_transfer_timeout": "kv_transfer_timeout",
     "federation_peers": "federation_peers",
 }

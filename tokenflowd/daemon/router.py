@@ -137,6 +137,7 @@ class Router:
         now = self.clock()
         runs: list[tuple[int, list[bytes]]] = []
         seg = max(1, segment_pages)
+        replica = False
         for start in range(0, len(keys), seg):
             chunk = keys[start : start + seg]
             held = {e: self.index.cached_pages(e, chunk) for e in load}
@@ -146,6 +147,7 @@ class Router:
                 self.heat.hit(chunk[-1], now)
             if (whole and target not in whole and self.heat.is_heavy(chunk[-1], len(load), now)
                     and all(self._overloaded(load[e], load[target]) for e in whole)):
+                replica = True
                 break  # a hot segment on busy engines only: the target computes it (a replica)
             if not whole:
                 best = max(held, key=lambda e: (held[e], e == target, -e))
@@ -161,7 +163,7 @@ class Router:
                 holder = min(two, key=lambda e: (load[e], e))
             self._extend(runs, holder, chunk)
         own = sum(len(k) for e, k in runs if e == target)
-        places = self.places(keys, sum(len(k) for _, k in runs), seg, target, list(load)) if place else []
+        places = self.places(keys, sum(len(k) for _, k in runs), seg, target, list(load), not replica) if place else []
         if all(e == target for e, _ in runs):
             return Choice(target, own, [], places)  # all of it here: the engine's own prefix cache serves it
         return Choice(target, own, runs, places)
@@ -218,16 +220,21 @@ class Router:
         return out
 
     def places(self, keys: Sequence[bytes], read: int, seg: int, target: int | None,
-                engines: list[int]) -> list[tuple[int, list[bytes]]]:
-        """The homes of the whole segments past the `read` pages that no engine holds any page of:
-        the target computes them and puts each at its home (rendezvous hashing over the serving
-        engines; its own are kept; target None: all of them)."""
+                engines: list[int], rejoin: bool = True) -> list[tuple[int, list[bytes]]]:
+        """The homes of the whole segments past the `read` pages that the target computes and puts
+        at their homes (rendezvous hashing over the serving engines; its own are kept; target None:
+        all of them): those no engine but the home holds any page of. A segment its home holds
+        (whole or in part) is one the read could not reach, the chain cut before it: put there, it
+        costs only the pages the home lacks, and the chain is whole at the homes again instead of
+        a second copy staying where the request ran. One another engine holds (a replica made by
+        use, a copy a full home did not take), or any held segment where `rejoin` is off (the
+        target computes a replica of a hot segment), stays where it is computed."""
         places: list[tuple[int, list[bytes]]] = []
         for start in range(-(-read // seg) * seg, len(keys) - seg + 1, seg):
             chunk = keys[start : start + seg]
-            if any(self.index.holders(key) for key in chunk):
-                continue
             home = rendezvous_home(chunk[-1], engines)
+            if any(e != home or not rejoin for key in chunk for e in self.index.holders(key)):
+                continue
             if home != target:
                 self._extend(places, home, chunk)
         return places

@@ -171,27 +171,36 @@ class PoolHooks:
                 member.sweep(reading)
 
     def _hand_off(self, now: float) -> None:
-        """Write into the home: once a running request's prompt is computed, its new segments whose
-        home is a peer move there, and it reads them there from then on (with the pages before
-        them: its own segments stay in this cache, pinned where they are, so that what it reads
-        stays one leading run). Its pages of them here go: no second copy outlives its prompt.
+        """Write into the home: once a running request's prompt is computed (or each whole segment,
+        with --pool-hand-off segment), its new segments whose home is a peer move there, and it
+        reads them there from then on (with the pages before them: its own segments stay in this
+        cache, pinned where they are, so that what it reads stays one leading run). Its pages of
+        them here go: no second copy outlives its prompt.
         What a home gone or full did not take stays here, as the request's own, and is not tried
         again. The keys stop being cached here once the homes' reports have reached the front (two
         heartbeats: until then the front would find them nowhere).
 
-        Why at the prompt's end and not segment by segment as they are computed: every chunk of
-        the prompt after a segment moved would attend to it where it now lives, through the pool's
-        path (its query rows shipped, or the holder's pages gathered and merged by LSE). On a 2-core
-        CPU, --engines 2, handing off segment by segment shipped 2.7-4.4x the query bytes in query
-        mode and made read mode's mean TTFT 2.2-2.4x, for about the same effective throughput
-        (bench/results/pool_daemon_hand_off.json)."""
+        With --pool-hand-off segment, each whole segment moves as soon as it is computed, so the
+        engine needs room for a segment of a long prompt, not the whole prompt, before the homes
+        take it: where KV is short, computing a whole document here first evicts as much of this
+        cache as the document is long, only to let those pages go once it moves (the node simulator,
+        a quarter of the A100's KV, 16 documents of 12K tokens at a light load: hit rate 0.830
+        segment by segment against 0.595 at the prompt's end and routing's 0.660).
+
+        Why the prompt's end is the default: every chunk of the prompt after a segment moved
+        attends to it where it now lives, through the pool's path (its query rows shipped, or the
+        holder's pages gathered and merged by LSE). On a 2-core CPU, --engines 2, handing off
+        segment by segment shipped 2.7-4.4x the query bytes in query mode and made read mode's mean
+        TTFT 2.2-2.4x, for about the same effective throughput (bench/results/pool_daemon_hand_off.json,
+        measured before decodes went through the paged LSE kernel)."""
         reqs, kv, ps = self.core.scheduler.requests, self.core.kv, self.config.page_size
         for rid in list(self.homes):
             req = reqs.get(rid)
             if req is None or req.is_finished:
                 del self.homes[rid], self.ends[rid]
                 continue
-            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens < req.num_prompt_tokens:
+            if req.status is not RequestStatus.RUNNING or (
+                    self.config.pool_hand_off != "segment" and req.num_computed_tokens < req.num_prompt_tokens):
                 continue
             st = kv.state(req)
             homes, ends = self.homes[rid], self.ends[rid]

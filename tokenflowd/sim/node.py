@@ -15,7 +15,9 @@ where a request runs and what it computes.
                 their homes and it lets go of its own pages of them, reading them at the homes
                 from then on (the daemon's --pool-placement home, PoolHooks._hand_off): the node
                 holds each segment once. Readers that arrive before the write read the pages
-                where they are being computed, once computed (the engine publishes them as it goes)
+                where they are being computed, once computed (the engine publishes them as it goes).
+                With NodeConfig.hand_off "segment" (--pool-hand-off segment) each whole segment
+                goes as soon as it is computed
     then the engine whose clock is earliest takes a step, until every request has finished. What a
     step does beyond its engine (prefix events into the router's index, pages put or written into
     homes, pins let go of) takes effect at the step's end: an engine whose clock is behind, or an
@@ -72,6 +74,8 @@ class NodeConfig:
     link_bandwidth: float = 150e9  # bytes/s, effective
     segment_pages: int = 32  # the pool's segment: 512 tokens, near the paper's threshold of 568
     seed: int = 0
+    hand_off: str = "prompt"  # pool-write: new segments go to their homes once the prompt is computed, or each
+    # once it is ("segment"), as the daemon's --pool-hand-off
 
 
 @dataclass
@@ -183,6 +187,8 @@ class NodeSimulator:
     def __init__(self, cost: CostModel, workload: Sequence[WorkloadRequest], mode: str, config: NodeConfig) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if config.hand_off not in ("prompt", "segment"):
+            raise ValueError(f"hand_off must be prompt or segment, got {config.hand_off!r}")
         room = cost.max_tokens_in_pool
         for r in workload:
             if r.prompt_len + r.output_len > room:
@@ -276,33 +282,40 @@ class NodeSimulator:
 
     def _hand_off(self, e: _Engine) -> None:
         """Write into the home, as the daemon's PoolHooks._hand_off: once a running request's prompt
-        is computed, its leading pages up to its last whole new segment are read where their segments
-        live from then on: its own segments' pages pinned where they are, a peer's written into the
-        peer (the pages it lacks; the sender pays their KV on the link) and pinned there, up to the
-        first home without room. The request lets go of its pages of those, and they stop being cached
-        here; what no home took stays its own. Tried once per request."""
+        is computed (hand_off "segment": once a new segment is), its leading pages up to its last
+        whole new segment are read where their segments live from then on: its own segments' pages
+        pinned where they are, a peer's written into the peer (the pages it lacks; the sender pays
+        their KV on the link) and pinned there, up to the first home without room. The request lets
+        go of its pages of those, and they stop being cached here; what no home took stays its own
+        and is not tried again."""
         ps, cost = self.cost.page_size, self.cost
         for rid in list(e.homes):
             req = e.scheduler.requests.get(rid)
             if req is None or req.is_finished:
                 del e.homes[rid]
                 continue
-            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens < req.num_prompt_tokens:
+            whole = req.num_computed_tokens >= req.num_prompt_tokens
+            if req.status is not RequestStatus.RUNNING or (not whole and self.config.hand_off == "prompt"):
                 continue
-            homes, ends = e.homes.pop(rid)
+            homes, ends = e.homes[rid]
             st = e.kv.state(req)
             computed = min(st.num_published_pages, (req.num_prompt_tokens - 1) // ps)
             n = max((i + 1 for i, key in enumerate(st.page_hashes[:computed]) if key in ends), default=0)
             if not n:
+                if whole:
+                    del e.homes[rid]
                 continue
             keys = st.page_hashes[:n]
             runs: list[tuple[int, list[bytes]]] = []
             for key in keys:
-                home = homes.get(key, e.engine_id)
+                home = homes.pop(key, e.engine_id)
+                ends.discard(key)
                 if runs and runs[-1][0] == home:
                     runs[-1][1].append(key)
                 else:
                     runs.append((home, [key]))
+            if whole or not ends:
+                del e.homes[rid]
             got, pinned = 0, e.pins.setdefault(rid, [])
             for home_id, run in runs:
                 home = self.engines[home_id]
@@ -329,7 +342,8 @@ class NodeSimulator:
             for page in reversed(e.kv.hand_off(req, got)):
                 e.pool.decref(page)
             req.extend_foreign_prefix(got * ps, keys[got - 1])
-            e.pool.unpublish([k for k in keys[:got] if homes.get(k, e.engine_id) != e.engine_id])
+            away = {k for home, run in runs if home != e.engine_id for k in run}
+            e.pool.unpublish([k for k in keys[:got] if k in away])
 
     def _unblock(self, e: _Engine, now: float) -> None:
         """As the daemon's PoolHooks._unblock: an engine that has run nothing for STUCK_SECONDS while
