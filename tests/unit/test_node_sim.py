@@ -130,8 +130,9 @@ def test_where_one_engine_cannot_hold_the_documents_at_a_light_load_the_pool_bal
 
 @pytest.mark.xfail(strict=True, reason="not met where one engine cannot hold the documents: with each document "
                    "written into its homes once its prompt is computed (as the daemon does) and read only once "
-                   "computed, the pool hits less than routing (0.568 against 0.660 at a light load); in overload it serves "
-                   "0.67x routing's throughput (fcfs; 0.77x with tokenflow)")
+                   "computed, the pool hits less than routing (0.595 against 0.660 at a light load; 0.830 with "
+                   "--pool-hand-off segment); in overload it serves 0.18x routing's throughput with fcfs, 0.79x "
+                   "with tokenflow (engines preempt and recompute, and give waiting requests' pins back)")
 def test_where_one_engine_cannot_hold_the_documents_the_pool_hits_more_and_in_overload_serves_more():
     cost, light = small_cache_documents(2.0)
     r = {m: x.summary() for m, x in simulate_node(cost, light, ("routing", "pool-write")).items()}
@@ -142,7 +143,8 @@ def test_where_one_engine_cannot_hold_the_documents_the_pool_hits_more_and_in_ov
 
 
 @pytest.mark.xfail(strict=True, reason="TokenLake's 1.5x hit rate over cache-aware routing is not reached where "
-                   "one engine cannot hold the documents (0.86x at a light load: see the test above)")
+                   "one engine cannot hold the documents (0.90x at a light load, 1.26x with --pool-hand-off segment: "
+                   "see the test above)")
 def test_the_pools_hit_rate_is_one_and_a_half_routings_where_one_engine_cannot_hold_the_documents():
     cost, light = small_cache_documents(2.0)
     r = {m: x.summary() for m, x in simulate_node(cost, light, ("routing", "pool-write")).items()}
