@@ -12,7 +12,8 @@ from tokenflowd.engine.request import Request, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import PagePool
-from tokenflowd.pool.engine_hooks import STUCK_SECONDS, PoolHooks
+from tokenflowd.pool.engine_hooks import PoolHooks
+from tokenflowd.pool.stuck import STUCK_SECONDS, StuckTimer
 
 
 def scheduler(waiting: list[Request]) -> Scheduler:
@@ -33,7 +34,7 @@ def reader(rid: str) -> Request:
 def hooks(sched: Scheduler) -> PoolHooks:
     h = PoolHooks.__new__(PoolHooks)
     h.core = SimpleNamespace(scheduler=sched, last_batch=ScheduledBatch())
-    h.stuck_since, h.unblocked = None, 0
+    h.stuck, h.unblocked = StuckTimer(), 0
     h.config = SimpleNamespace(page_size=16)
     h.member = SimpleNamespace(count=lambda rid: (2, 0))  # each reader pinned 2 pages on a peer
     h.peer_tokens, h.own_tokens = 2 * 2 * 16, 0  # as counted when the two readers came
@@ -66,7 +67,7 @@ def test_an_engine_that_runs_or_admits_keeps_the_pins():
     h.core.last_batch = [("a", 1)]  # a step that ran something
     for t in (3.0, 4.0, 5.0):
         h._unblock(t)
-    assert a.foreign_token_ids and h.unblocked == 0 and h.stuck_since is None
+    assert a.foreign_token_ids and h.unblocked == 0 and h.stuck.since is None
 
 
 def test_a_core_whose_last_step_ran_nothing_is_stalled_only_while_requests_wait():

@@ -30,7 +30,7 @@ from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool import cuda_ipc
 from tokenflowd.pool.names import cache_name, export_path
 from tokenflowd.pool.shared_kv import SharedKV
-from tokenflowd.pool.stuck import STUCK_SECONDS
+from tokenflowd.pool.stuck import STUCK_SECONDS, StuckTimer
 
 log = logging.getLogger("tokenflowd.engine")
 
@@ -50,7 +50,7 @@ class PoolHooks:
         # (when, keys): segments their homes took, cached here until the homes have told the front
         self.placed: deque[tuple[float, list[bytes]]] = deque()
         self.peer_tokens = self.own_tokens = 0  # prompt tokens read where peers hold them, or from this cache
-        self.stuck_since: float | None = None  # when this engine last began to run nothing while requests wait
+        self.stuck = StuckTimer()  # since when this engine has run nothing while requests wait
         self.unblocked = 0  # waiting requests that gave their pins back to unblock the node
 
     @property
@@ -142,15 +142,9 @@ class PoolHooks:
         its waiting requests' pins back (here and on peers): they compute those tokens here, and
         the pages they held come free for whoever can run."""
         sched = self.core.scheduler
-        if sched.running or sched.loading or not sched.waiting or len(self.core.last_batch):
-            self.stuck_since = None
+        stuck = not (sched.running or sched.loading or len(self.core.last_batch)) and bool(sched.waiting)
+        if not self.stuck.expired(now, stuck):
             return
-        if self.stuck_since is None:
-            self.stuck_since = now
-            return
-        if now - self.stuck_since < STUCK_SECONDS:
-            return
-        self.stuck_since = None
         pinned = [r for r in sched.waiting if r.foreign_token_ids]
         for req in pinned:
             peer, own = self.member.count(req.request_id)  # counted when it came: it computes them now

@@ -54,7 +54,7 @@ from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool
-from tokenflowd.pool.stuck import STUCK_SECONDS
+from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.cost import CostModel
 from tokenflowd.sim.executor import CostModelExecutor
@@ -139,7 +139,7 @@ class _Engine:
         self.core = EngineCore(self.executor, self.scheduler, max_model_len=cost.max_model_len,
                                vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(SIM_EOS,))
         self.debt = 0.0  # s of peers' queries answered, charged to the next step
-        self.stuck_since: float | None = None  # since when it has run nothing with requests waiting
+        self.stuck = StuckTimer()  # since when it has run nothing with requests waiting
         self.busy = 0.0
         self.pins: dict[str, list[tuple[_Engine, list[int]]]] = {}  # request -> (holder, its pages) it reads
         self.places: dict[str, list[tuple[int, list[bytes]]]] = {}  # pool: request -> (home, keys) of its new segments
@@ -350,15 +350,8 @@ class NodeSimulator:
         requests wait, none running, gives its waiting requests' pins back (they compute their prefix
         here)."""
         sched = e.scheduler
-        if sched.running or sched.loading or not sched.waiting:
-            e.stuck_since = None
+        if not e.stuck.expired(now, not (sched.running or sched.loading) and bool(sched.waiting)):
             return
-        if e.stuck_since is None:
-            e.stuck_since = now
-            return
-        if now - e.stuck_since < STUCK_SECONDS:
-            return
-        e.stuck_since = None
         for req in [r for r in sched.waiting if r.foreign_token_ids]:
             read = self.read_peer.pop(req.request_id, 0)
             if self.records[req.request_id].admit_time is None:  # (hits count at the first admission)
@@ -415,7 +408,7 @@ class NodeSimulator:
                     e.clock.now = start + max(self.cost.step_overhead, 1e-3)
                 self._unblock(e, start)
                 continue
-            e.stuck_since = None
+            e.stuck.since = None
             e.busy += e.clock.now - start
             computed += batch.total_tokens
             for rid in batch.request_ids:
