@@ -35,7 +35,6 @@ from tokenflowd.pool.stuck import STUCK_SECONDS, StuckTimer
 log = logging.getLogger("tokenflowd.engine")
 
 
-
 class PoolHooks:
     def __init__(self, spec: p.EngineSpec, config: EngineConfig) -> None:
         self.spec = spec
