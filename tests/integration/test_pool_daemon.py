@@ -336,6 +336,11 @@ def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_
     prefix, prompts = long_prompts(reference, "Map", 4)
     want = greedy(reference, prompts[:1], MAX_TOKENS) + greedy(reference, prompts[1:], MAX_TOKENS)
     home = homes(prefix)
+    keys = chain_page_keys(prefix, 16, [], len(prefix))
+    early = {rendezvous_home(keys[s + SEGMENT_PAGES - 1], [0, 1]) for s in range(0, len(keys) // 2, SEGMENT_PAGES)}
+    # whichever engine writes, a segment homed on its peer is whole half a prompt before the first
+    # token (not in the last chunk, whose step also samples it): the order seen does not race
+    assert early == {0, 1}, "the test needs segments homed on both engines in the prefix's first half"
     d = Daemon(*LONG_FLAGS, "--pool-hand-off", "segment")
     try:
         d.wait_all_engines()

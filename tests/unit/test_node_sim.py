@@ -75,7 +75,7 @@ def test_a_reader_cannot_read_a_segment_before_it_is_computed():
     computed anything, so there is nothing to read; each computes the document (pool-write writes it
     into its homes only once its prompt is computed). A model that let the second read pages the
     first had only reserved at their homes counted hits that no KV stood behind."""
-    doc = tuple(range(1, 4097))
+    doc = tuple(range(1, 9))  # 8 blocks of 512 tokens
     w = [WorkloadRequest("a", 0.0, 4160, 8, 20.0, doc + (5000,)), WorkloadRequest("b", 0.0, 4160, 8, 20.0, doc + (6000,))]
     for mode in ("pool", "pool-write", "pool-local"):
         r = simulate_node(cost_model("a100-llama2-7b"), w, (mode,), NodeConfig(engines=2))[mode]
