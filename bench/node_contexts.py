@@ -12,8 +12,10 @@ arrivals), each at two rates (requests/s) per cost model; contexts are scaled wh
 KV pool could not hold one (sessions' 227K-token mean on an A100's 113K). The Mooncake trace
 (its first --num-prompts requests, prompts capped at 32K) runs at its own rate and 3x slower.
 Prompts are capped at 32K tokens (a longer context is cut, a session that would outgrow it ends).
-Per run: hit rate, throughput (output tokens/s), P99 TTFT and the load CV (busy time across
-engines), with each pool mode's ratios to routing.
+Per run: hit rate, throughput (output tokens/s), P99 TTFT, the load CV (busy time across engines)
+and the SLO's attainment and throughput (output tokens/s of the requests that met it; TokenLake's
+SLO, sim/node.py SLO_FACTOR), with each pool mode's ratios to routing. bench/node_goodput.py finds
+the highest rate at which 90% of requests meet it.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ RUNS = {
     "calibrated": [("documents:active=64", 4.0, 16.0), ("documents:active=128", 4.0, 16.0),
                    ("sessions:scale=0.1", 4.0, 16.0), ("system-prompt", 40.0, 160.0), ("trace", 3.0, 1.0)],
 }
-KEYS = ("hit_rate", "throughput", "ttft_p99", "busy_cv")
+KEYS = ("hit_rate", "throughput", "ttft_p99", "busy_cv", "slo_attainment", "slo_throughput")
 
 
 def workload(spec: str, rate: float, n: int, seed: int, max_prompt_len: int = 32_768):
@@ -101,7 +103,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"{cost.name:>15} {spec:>22} {load:>8} {rate:>6g} " + "  ".join(
                     f"{m}: hit {row[m]['hit_rate']:.3f} thr {row[m]['throughput']:7.1f} p99 {row[m]['ttft_p99']:7.2f} "
-                    f"cv {row[m]['busy_cv']:.2f}" for m in modes), flush=True)
+                    f"cv {row[m]['busy_cv']:.2f} slo {row[m]['slo_attainment']:.2f}" for m in modes), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(json_safe({"machine": platform.processor() or platform.machine(), "engines": 8,

@@ -6,7 +6,7 @@ import pytest
 
 from tokenflowd.cli import main
 from tokenflowd.sim.cost import cost_model
-from tokenflowd.sim.node import NodeConfig, simulate_node
+from tokenflowd.sim.node import NodeConfig, NodeSimulator, simulate_node
 from tokenflowd.sim.workload import WorkloadRequest
 
 
@@ -128,11 +128,28 @@ def test_where_one_engine_cannot_hold_the_documents_at_a_light_load_the_pool_bal
     assert r["pool-write"]["ttft_p99"] < r["routing"]["ttft_p99"], r
 
 
+def test_in_overload_requests_pin_what_they_read_as_they_near_the_front_and_give_fewer_pins_back(monkeypatch):
+    """pool/ahead.py. Pinned as they came, the requests queued on each engine held their peers' memory
+    while they waited: engines could admit nothing, and gave their waiting requests' pins back
+    (`_unblock`), each then computing its whole prompt."""
+    from tokenflowd.sim import node
+
+    cost, over = small_cache_documents(16.0)
+    late = NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow"))
+    late.run()
+    monkeypatch.setattr(node, "pins_now", lambda *_: True)
+    early = NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow"))
+    early.run()
+    assert late.pinned_queued > 0 and early.pinned_queued == 0
+    assert late.unblocked < 0.5 * early.unblocked, (late.unblocked, early.unblocked)
+
+
 @pytest.mark.xfail(strict=True, reason="not met where one engine cannot hold the documents: with each document "
                    "written into its homes once its prompt is computed (as the daemon does) and read only once "
                    "computed, the pool hits less than routing (0.595 against 0.660 at a light load; 0.830 with "
-                   "--pool-hand-off segment); in overload it serves 0.18x routing's throughput with fcfs, 0.79x "
-                   "with tokenflow (engines preempt and recompute, and give waiting requests' pins back)")
+                   "--pool-hand-off segment); in overload it serves 0.53x routing's throughput with fcfs, 0.80x "
+                   "with tokenflow (an engine's memory goes to its peers' reads and to prompts it computes "
+                   "whole; engines preempt and recompute)")
 def test_where_one_engine_cannot_hold_the_documents_the_pool_hits_more_and_in_overload_serves_more():
     cost, light = small_cache_documents(2.0)
     r = {m: x.summary() for m, x in simulate_node(cost, light, ("routing", "pool-write")).items()}

@@ -532,6 +532,18 @@ class Scheduler:
         else:
             self._leave_queue(req)
 
+    def give_foreign_prefix(self, req: Request, num_tokens: int, key_seed: bytes) -> None:
+        """A queued request that has computed nothing reads its first `num_tokens` prompt tokens
+        (whole pages) where peers of the pool hold them from now on (its pins are taken as it
+        nears the front: pool/ahead.py); `key_seed` is the key of the last of those pages."""
+        assert req.status is RequestStatus.WAITING and not req.num_computed_tokens, "only a fresh queued request"
+        self._leave_queue(req)
+        self.kv.drop(req)
+        req.set_foreign_prefix(num_tokens, key_seed)
+        req.max_model_len -= num_tokens  # its own tokens' room (EngineCore.add_request)
+        self.kv.track(req)
+        self._requeue(req)
+
     def take_foreign_prefix(self, req: Request) -> None:
         """The peers holding `req`'s leading KV are gone (pool/member.py): it lets go of its KV
         and waits again with the whole prompt as its own, to recompute it here; the tokens it

@@ -8,15 +8,19 @@ In the daemon (`--pool-mode query|read`):
                    puts of new segments to their homes
     shared_kv.py   read mode's path: an engine's KV cache in shared memory, mapped by its peers
     names.py       where each engine's endpoints live (torch-free)
+    ahead.py       when a queued request pins what it reads: near its engine's queue's front
+    stuck.py       how long an engine may run nothing while requests wait before they give pins back
+    engine_hooks.py  the pool's part of an engine process (the loop calls it)
     heat.py        decayed segment accesses and the heavy hitters (the front's router reads it)
     segments.py    a prefix cache cut into segments of whole pages; the segment size threshold
     dispatch.py    arrivals (or batches) to engines by minimum-cost bipartite matching (scipy)
-    placement.py   homes by rendezvous hash (the front's router places new segments by it)
+    cuda_ipc.py    read mode on a GPU: a KV cache's allocation exported once, opened by its peers
 
 The front's side is router.py (`pick_pooled`, `dispatch`) and daemon/api/arrivals.py. Beside them, the
 segment-level model of the same policies drives the simulator (sim/pool.py):
 
     tree.py        the node-wide prefix tree of segments and where each has replicas
-    placement.py   homes by hash, heavy-hitter replication, power of two choices, global LRU
+    homes.py       homes by rendezvous hash (the front's router places new segments by it too),
+                   heavy-hitter replication, power of two choices, global LRU
     index.py       the control plane: get_prefix_tree, get_cache_load, gen_plans
 """

@@ -2,10 +2,13 @@
 
     before the core:  kv_memory          read mode: the KV cache in shared memory, for peers to map
     after the core:   join(core)         the member: its query service, its step-attention wrapper
-    each request:     take_prefix        pin the prompt's leading pages where the pool holds them
+    each request:     take_prefix        pin the prompt's leading pages where the pool holds them,
+                                         if it joins near the queue's front (pool/ahead.py; else
+                                         its reads wait, and it pins them once it is)
                       added              count the tokens peers (or this cache) hold; note its new
                                          segments that belong on other engines
-    each iteration:   before_step        the engine's share of the node's traffic, for the scheduler
+    each iteration:   before_step        queued requests near the front pin their reads; the
+                                         engine's share of the node's traffic, for the scheduler
                       after_step         unpin ended requests' foreign prefixes; move the new
                                          segments of prompts computed into their homes (write into
                                          the home); stop caching what the homes took; an engine
@@ -26,6 +29,7 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, RequestStatus
+from tokenflowd.pool.ahead import due, pages_of, pins_now
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool import cuda_ipc
 from tokenflowd.pool.names import cache_name, export_path
@@ -48,6 +52,7 @@ class PoolHooks:
         self.ends: dict[str, set[bytes]] = {}
         # (when, keys): segments their homes took, cached here until the homes have told the front
         self.placed: deque[tuple[float, list[bytes]]] = deque()
+        self.deferred: dict[str, list[p.PrefixRun]] = {}  # queued request -> the reads it pins near the front
         self.peer_tokens = self.own_tokens = 0  # prompt tokens read where peers hold them, or from this cache
         self.stuck = StuckTimer()  # since when this engine has run nothing while requests wait
         self.unblocked = 0  # waiting requests that gave their pins back to unblock the node
@@ -90,10 +95,22 @@ class PoolHooks:
         return self.member.segment_pages, *self.member.traffic_bytes()
 
     def take_prefix(self, req: Request, runs: list[p.PrefixRun]) -> bool:
-        """Pin the prompt's leading pages where the pool holds them; the request keeps the rest.
-        -> whether it pinned any (for this request: what a failed add releases)."""
+        """Pin the prompt's leading pages where the pool holds them, if the request joins the queue
+        near its front (pool/ahead.py); the request keeps the rest. Else its runs wait for
+        `_pin_due`. -> whether it pinned any (for this request: what a failed add releases)."""
+        self.deferred.pop(req.request_id, None)
         if not runs:
             return False
+        sched, ps = self.core.scheduler, self.config.page_size
+        if not pins_now(len(sched.waiting), sum(pages_of(r, ps) for r in sched.waiting) + pages_of(req, ps),
+                        self.core.pool.num_free):
+            self.deferred[req.request_id] = runs
+            return False
+        return self._pin(req, runs, queued=False)
+
+    def _pin(self, req: Request, runs: list[p.PrefixRun], queued: bool) -> bool:
+        """Pin `runs` for `req` and make what was pinned its foreign prefix (`queued`: it waits in
+        the scheduler's queue already). -> whether it pinned any."""
         ps = self.config.page_size
         with self.core.unlocked():
             pages = self.member.pin(req.request_id, runs)
@@ -103,10 +120,27 @@ class PoolHooks:
             self.release_pins(req.request_id, True)
             return False
         keys = [k for run in runs for k in run.keys]
-        req.set_foreign_prefix(pages * ps, keys[pages - 1])
+        if queued:
+            self.core.scheduler.give_foreign_prefix(req, pages * ps, keys[pages - 1])
+        else:
+            req.set_foreign_prefix(pages * ps, keys[pages - 1])
         return True
 
+    def _pin_due(self) -> None:
+        """Queued requests whose reads wait pin them once they are near the front (pool/ahead.py);
+        one admitted without them (its own prefix cache serves what it holds) or gone forgets them.
+        What the holders evicted meanwhile it computes."""
+        sched = self.core.scheduler
+        for rid in list(self.deferred):
+            req = sched.requests.get(rid)
+            if req is None or req.status is not RequestStatus.WAITING or req.num_computed_tokens:
+                del self.deferred[rid]
+        for req in due(sched.waiting, self.deferred, self.core.pool.num_free, self.config.page_size):
+            if self._pin(req, self.deferred.pop(req.request_id), queued=True):
+                self._count(req.request_id)
+
     def release_pins(self, request_id: str, pinned: bool) -> None:
+        self.deferred.pop(request_id, None)
         if pinned:
             with self.core.unlocked():
                 self.member.release(request_id)
@@ -118,11 +152,17 @@ class PoolHooks:
             self.homes[msg.request_id] = {k: run.engine for run in msg.place for k in run.keys}
             self.ends[msg.request_id] = {run.keys[j] for run in msg.place for j in range(seg - 1, len(run.keys), seg)}
         if pinned:
-            peer, own = self.member.count(msg.request_id)
-            self.peer_tokens += peer * self.config.page_size
-            self.own_tokens += own * self.config.page_size
+            self._count(msg.request_id)
+
+    def _count(self, request_id: str) -> None:
+        """The tokens a request that pinned its reads takes from peers and from this cache."""
+        peer, own = self.member.count(request_id)
+        self.peer_tokens += peer * self.config.page_size
+        self.own_tokens += own * self.config.page_size
 
     def before_step(self) -> None:
+        if self.deferred:
+            self._pin_due()
         self.core.scheduler.pool_share = self.member.measure_share(time.monotonic())
 
     def after_step(self, now: float) -> None:

@@ -6,7 +6,9 @@ where a request runs and what it computes.
     an arrival is routed when it arrives (router.py, the daemon's own code):
       routing   Router.pick: the engine with the longest cached prefix unless it is clearly busier
       pool      Router.pick_pooled: the least loaded engine; the prompt's prefix pages that engines
-                hold are pinned where they are and read there, so the request computes only the rest;
+                hold are pinned where they are and read there, so the request computes only the rest
+                (pinned once the request is near the front of its engine's queue, pool/ahead.py: what
+                was evicted before then it computes);
                 its new whole segments are put at their homes (rendezvous hash) once its prompt is
                 computed, and no longer cached where it ran (what the daemon's --pool-placement
                 home did before it wrote into the home)
@@ -32,8 +34,9 @@ own attention, which the daemon does: conservative). The holder's attention
 over its pages for those rows, 4·heads·head_dim FLOPs per row, prefix token and layer, is added to
 the holder's next step. A put, or a write into a home, costs the sender the pages' KV the home
 lacked on the link, added to its next step.
-Pins hold the pages until the request ends. Each engine's prefix-cache key
-events are applied to the router's index at the end of each of its steps.
+Pins are taken as the request nears the front of its engine's queue (pool/ahead.py) and hold the
+pages until the request ends. Each engine's prefix-cache key events are applied to the router's
+index at the end of each of its steps.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool
+from tokenflowd.pool.ahead import due, pages_of, pins_now
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.cost import CostModel
@@ -62,6 +66,10 @@ from tokenflowd.sim.simulator import SIM_EOS, SIM_VOCAB_SIZE, RequestRecord, Sim
 from tokenflowd.sim.workload import WorkloadRequest, prompt_token_ids
 
 MODES = ("routing", "pool", "pool-write", "pool-local")
+# TokenLake's SLO (§7): every input and output token within 10x its latency at a batch of one (a
+# request's TTFT within 10x its prompt's prefill alone, its mean time between tokens within 10x a
+# decode step of one request at its mean context)
+SLO_FACTOR = 10.0
 
 
 @dataclass(frozen=True)
@@ -88,9 +96,22 @@ class NodeResult:
     computed_tokens: int  # over all steps, recomputation included
     busy_seconds: list[float] = field(default_factory=list)  # per engine
     put_pages: int = 0  # pages of new segments put at their homes (pool)
+    slo: list[tuple[float, float]] = field(default_factory=list)  # per record: its TTFT and mean TBT bounds
+
+    def meets_slo(self) -> list[bool]:
+        """Per record: whether it met its SLO (SLO_FACTOR)."""
+        out = []
+        for r, (ttft, tbt) in zip(self.records, self.slo):
+            t = r.token_times
+            out.append(bool(t) and t[0] - r.arrival <= ttft and (len(t) < 2 or (t[-1] - t[0]) / (len(t) - 1) <= tbt))
+        return out
 
     def summary(self) -> dict:
         out = summarize([Timeline(r.arrival, r.reading_rate, r.token_times) for r in self.records])
+        if self.slo:
+            met = self.meets_slo()
+            out.update(slo_attainment=sum(met) / len(met), slo_throughput=sum(
+                len(r.token_times) for r, ok in zip(self.records, met) if ok) / out["span"] if out["span"] else 0.0)
         busy = self.busy_seconds
         out.update(hit_rate=(self.local_tokens + self.peer_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0,
                    local_tokens=self.local_tokens, peer_tokens=self.peer_tokens, computed_tokens=self.computed_tokens,
@@ -142,6 +163,7 @@ class _Engine:
         self.stuck = StuckTimer()  # since when it has run nothing with requests waiting
         self.busy = 0.0
         self.pins: dict[str, list[tuple[_Engine, list[int]]]] = {}  # request -> (holder, its pages) it reads
+        self.deferred: dict[str, list[tuple[int, list[bytes]]]] = {}  # queued request -> its reads, not pinned yet
         self.places: dict[str, list[tuple[int, list[bytes]]]] = {}  # pool: request -> (home, keys) of its new segments
         # pool-write: request -> (each new page's home, the keys that end its segments), as the daemon's
         self.homes: dict[str, tuple[dict[bytes, int], set[bytes]]] = {}
@@ -152,7 +174,9 @@ class _Engine:
 
     @property
     def work(self) -> int:
-        return sum(r.num_prompt_tokens for r in self.scheduler.requests.values())
+        """As the daemon's EngineHandle.work: the whole prompts of the requests it holds, the tokens
+        read where the pool holds them included."""
+        return sum(r.prefix_offset + r.num_prompt_tokens for r in self.scheduler.requests.values())
 
     def release(self, request_id: str) -> None:
         for holder, pages in self.pins.pop(request_id, ()):
@@ -209,6 +233,7 @@ class NodeSimulator:
         self.put_pages = 0
         self.read_peer: dict[str, int] = {}  # request -> prompt tokens it reads where peers hold them
         self.unblocked = 0  # requests that gave their pins back (_unblock)
+        self.pinned_queued = 0  # requests that pinned their reads while queued (pool/ahead.py)
 
     def _route(self, w: WorkloadRequest) -> None:
         self._now = w.arrival_time
@@ -222,7 +247,11 @@ class NodeSimulator:
             choice = self.router.pick_pooled(self.engines, ids, self.config.segment_pages, self.rng,
                                              place=self.mode != "pool-local")
             target = self.engines[choice.engine_id]
-            self._pin(target, req, choice.runs)
+            waiting, ps = target.scheduler.waiting, self.cost.page_size
+            if pins_now(len(waiting), sum(pages_of(r, ps) for r in waiting) + pages_of(req, ps), target.pool.num_free):
+                self._pin(target, req, choice.runs)
+            elif choice.runs:
+                target.deferred[req.request_id] = choice.runs
             seg = self.config.segment_pages
             if choice.places and self.mode == "pool-write":
                 target.homes[req.request_id] = (
@@ -235,8 +264,9 @@ class NodeSimulator:
             target.clock.now = max(target.clock.now, w.arrival_time)  # it was idle until now
         target.scheduler.add(req)
 
-    def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]]) -> None:
-        """The runs' pages, where they are, up to the first that is gone (as the engine's PoolMember)."""
+    def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]], queued: bool = False) -> None:
+        """The runs' pages, where they are, up to the first that is gone (as the engine's PoolMember);
+        `queued`: the request waits in target's queue already."""
         pinned, keys_done = [], []
         for engine_id, keys in runs:
             holder = self.engines[engine_id]
@@ -253,11 +283,26 @@ class NodeSimulator:
             for holder, pages in pinned:
                 _release(holder.pool, pages)
             return
-        req.set_foreign_prefix(n, keys_done[-1])
+        if queued:
+            target.scheduler.give_foreign_prefix(req, n, keys_done[-1])
+            self.pinned_queued += 1
+        else:
+            req.set_foreign_prefix(n, keys_done[-1])
         target.pins[req.request_id] = pinned
         read_peer = sum(len(p) for h, p in pinned if h is not target) * self.cost.page_size
         self.peer_tokens += read_peer
         self.read_peer[req.request_id] = read_peer
+
+    def _pin_due(self, e: _Engine) -> None:
+        """Before e's step, as the daemon's PoolHooks._pin_due: its queued requests near the front pin
+        their reads (pool/ahead.py); those admitted without them, or gone, forget theirs."""
+        sched = e.scheduler
+        for rid in list(e.deferred):
+            req = sched.requests.get(rid)
+            if req is None or req.status is not RequestStatus.WAITING or req.num_computed_tokens:
+                del e.deferred[rid]
+        for req in due(sched.waiting, e.deferred, e.pool.num_free, self.cost.page_size):
+            self._pin(e, req, e.deferred.pop(req.request_id), queued=True)
 
     def _place(self, e: _Engine) -> None:
         """Put the new segments of e's requests whose prompts are computed at their homes (as the
@@ -401,6 +446,8 @@ class NodeSimulator:
                 break
             e = min(busy, key=lambda x: (x.clock.now, x.engine_id))
             start = e.clock.now
+            if e.deferred:
+                self._pin_due(e)
             outs = e.core.step()
             batch = e.core.last_batch
             if not len(batch):
@@ -436,8 +483,11 @@ class NodeSimulator:
         ordered = [records[w.request_id] for w in self.workload]
         # num_cached_tokens of a pool request counts its peers' prefix too (EngineCoreOutput)
         local = sum(r.num_cached_tokens for r in ordered) - self.peer_tokens
+        cost = self.cost
+        slo = [(SLO_FACTOR * cost.prefill_time(r.prompt_len),
+                SLO_FACTOR * cost.decode_step_time(1, r.prompt_len + r.output_len // 2)) for r in ordered]
         return NodeResult(self.mode, ordered, self.prompt_tokens, local, self.peer_tokens, computed,
-                          [e.busy for e in self.engines], self.put_pages)
+                          [e.busy for e in self.engines], self.put_pages, slo)
 
 
 def simulate_node(cost: CostModel, workload: Sequence[WorkloadRequest], modes: Sequence[str] = MODES,

@@ -1,0 +1,109 @@
+"""A queued request pins the prefix it reads once it nears the front of its engine's queue
+(pool/ahead.py; pool/engine_hooks.py `take_prefix`, `_pin_due`): until then it holds none of its
+peers' memory."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from tokenflowd.buffer import make_policy
+from tokenflowd.config import PolicyConfig
+from tokenflowd.engine.request import Request, SamplingParams
+from tokenflowd.engine.scheduler import Scheduler
+from tokenflowd.kv.manager import KVCacheManager
+from tokenflowd.kv.pages import PagePool
+from tokenflowd.pool.ahead import PIN_AHEAD, due, pins_now
+from tokenflowd.pool.engine_hooks import PoolHooks
+
+PS = 16
+
+
+def request(rid: str, tokens: int) -> Request:
+    req = Request(rid, list(range(1000, 1000 + tokens)), SamplingParams(max_tokens=4))
+    req.max_model_len = 1024
+    return req
+
+
+def test_the_first_pin_ahead_of_the_queue_pin_and_past_them_only_what_fits_the_free_pages():
+    assert all(pins_now(i, 10**9, 0) for i in range(PIN_AHEAD))
+    assert not pins_now(PIN_AHEAD, 65, 64) and pins_now(PIN_AHEAD, 64, 64)
+    queue = [request(f"q{i}", 160) for i in range(PIN_AHEAD + 2)]  # 10 pages each
+    reads = {r.request_id for r in queue[1:]}
+    assert [r.request_id for r in due(queue, reads, 0, PS)] == [f"q{i}" for i in range(1, PIN_AHEAD)]
+    assert [r.request_id for r in due(queue, reads, 10 * (PIN_AHEAD + 1), PS)] == \
+        [f"q{i}" for i in range(1, PIN_AHEAD + 1)], "an engine with room pins what it could admit"
+
+
+class Member:
+    """The pool member, recorded: every run is pinned whole on its holder (engine 1)."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[str, int] = {}
+
+    def pin(self, rid, runs):
+        self.pinned[rid] = sum(len(run.keys) for run in runs)
+        return self.pinned[rid]
+
+    def count(self, rid):
+        return self.pinned.get(rid, 0), 0
+
+    def release(self, rid):
+        self.pinned.pop(rid, None)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def engine(queued: int):
+    """An engine's scheduler with 64 pages and `queued` requests of 25 pages each waiting, and its hooks."""
+    sched = Scheduler(KVCacheManager(PagePool(64), PS), make_policy("fcfs", PolicyConfig()), 512, 8)
+    for i in range(queued):
+        sched.add(request(f"q{i}", 400))
+    h = PoolHooks.__new__(PoolHooks)
+    h.core = SimpleNamespace(scheduler=sched, pool=sched.kv.pool, unlocked=_nothing)
+    h.config = SimpleNamespace(page_size=PS)
+    h.member, h.deferred, h.peer_tokens, h.own_tokens = Member(), {}, 0, 0
+    return sched, h
+
+
+def runs(pages: int):
+    return [SimpleNamespace(engine=1, keys=[bytes([i]) for i in range(pages)])]
+
+
+def test_a_reader_near_the_front_pins_as_it_comes():
+    sched, h = engine(PIN_AHEAD - 1)
+    req = request("r", 64)
+    assert h.take_prefix(req, runs(2))
+    assert h.member.pinned == {"r": 2} and req.prefix_offset == 2 * PS and not h.deferred
+
+
+def test_a_reader_behind_a_long_queue_pins_its_reads_only_once_it_nears_the_front():
+    sched, h = engine(PIN_AHEAD)
+    req = request("r", 64)
+    assert not h.take_prefix(req, runs(2)), "four prompts of 25 pages ahead of it, 64 pages free"
+    sched.add(req)
+    req.max_model_len = 1024
+    h._pin_due()
+    assert h.member.pinned == {} and req.prefix_offset == 0 and "r" in h.deferred
+    sched.abort("q1")  # one ahead of it leaves: it is among the first PIN_AHEAD now
+    h._pin_due()
+    assert h.member.pinned == {"r": 2} and "r" not in h.deferred
+    assert req.prefix_offset == 2 * PS and req.num_prompt_tokens == 64 - 2 * PS
+    assert req.max_model_len == 1024 - 2 * PS, "its own tokens' room shrinks by what it reads"
+    assert [r.request_id for r in sched.waiting] == ["q0", "q2", "q3", "r"], "it keeps its place"
+    assert h.peer_tokens == 2 * PS, "counted as read on a peer when pinned"
+
+
+def test_a_reader_that_left_the_queue_before_its_turn_forgets_its_reads():
+    sched, h = engine(PIN_AHEAD)
+    gone, failed = request("gone", 64), request("failed", 64)
+    assert not h.take_prefix(gone, runs(2)) and not h.take_prefix(failed, runs(2))
+    sched.add(gone)
+    h.release_pins("failed", False)  # its add failed (engine/process/loop.py)
+    sched.abort("gone")
+    h._pin_due()
+    assert h.deferred == {} and h.member.pinned == {}
