@@ -107,3 +107,16 @@ def test_a_reader_that_left_the_queue_before_its_turn_forgets_its_reads():
     sched.abort("gone")
     h._pin_due()
     assert h.deferred == {} and h.member.pinned == {}
+
+
+def test_a_request_whose_reads_are_not_pinned_yet_is_not_admitted_nor_anything_behind_it():
+    """Scheduler.held (the hooks' deferred reads): admitted first, it would compute what it could
+    have read; it waits a step, and the next step's pins reach it."""
+    sched = Scheduler(KVCacheManager(PagePool(64), PS), make_policy("fcfs", PolicyConfig()), 512, 8)
+    r, behind = request("r", 64), request("behind", 64)
+    sched.add(r)
+    sched.add(behind)
+    sched.held = {"r": []}
+    assert len(sched.schedule()) == 0 and [q.request_id for q in sched.waiting] == ["r", "behind"]
+    sched.held = {}
+    assert sched.schedule().request_ids == ["r", "behind"]

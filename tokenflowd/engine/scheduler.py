@@ -22,7 +22,7 @@ import bisect
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Container
 
 import numpy as np
 
@@ -129,6 +129,9 @@ class Scheduler:
         # of this engine's time, the share its pool peers take (their queries and puts, pool/member.py):
         # the model fits the engine's own work, and `cost` slows it by this share
         self.pool_share = 0.0
+        # queued requests not to be admitted yet: the pool pins what they read first (pool/ahead.py);
+        # like one that does not fit, such a request stops the queue behind it for the step
+        self.held: Container[str] = ()
         # fed by the requests that finish; the view's expected output lengths (the prior until then)
         self.output_lengths = OutputLengthModel(expected_output_len)
         # of batches scheduled ahead: request id -> (seq of the batch, index among its sampling rows) of the step whose
@@ -378,7 +381,8 @@ class Scheduler:
                 if ahead and self._ending(req):  # its token in flight is its last: it ends when that comes back
                     continue
                 ok = self.kv.grow(req, n)
-            elif blocked:
+            elif blocked or rid in self.held:
+                blocked = True
                 deferred.append(rid)
                 continue  # keep arrival order: nothing jumps a request that could not be admitted
             else:
@@ -540,7 +544,7 @@ class Scheduler:
         self._leave_queue(req)
         self.kv.drop(req)
         req.set_foreign_prefix(num_tokens, key_seed)
-        req.max_model_len -= num_tokens  # its own tokens' room (EngineCore.add_request)
+        req.max_model_len -= num_tokens  # its own tokens' room (EngineCore._validate)
         self.kv.track(req)
         self._requeue(req)
 

@@ -11,7 +11,11 @@ computing its whole prompt. Pinned near the front: 4-27.
 So a request pins once it is near the front of its engine's queue: among its first PIN_AHEAD, or
 while the prompts queued up to it would fit in the pages the engine can give now (an engine with
 room pins a whole burst as it comes, since its next step may admit all of it). Until then its reads
-wait with it (the router's runs), and what their holders evict meanwhile it computes.
+wait with it (the router's runs), and what their holders evict meanwhile it computes. It is not
+admitted before it has pinned them (Scheduler.held): one the step would admit past the window waits
+a step, and the next step's pins reach it. Until pinned it counts its whole prompt, so where
+--max-queue-delay predicts its TTFT (engine/admission.py) the prediction counts the tokens it will
+read as ones to compute.
 """
 from __future__ import annotations
 

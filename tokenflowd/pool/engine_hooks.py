@@ -88,6 +88,7 @@ class PoolHooks:
             map_peers=config.pool_ipc or not runner.kv_cache.is_cuda)
         log.info("pool: %s mode, serving %d pages to peers", config.pool_mode, runner.num_pages)
         self.member.size_segments(config.pool_segment_tokens)
+        core.scheduler.held = self.deferred  # not admitted before their reads are pinned (`_pin_due`)
         runner.step_attention.append(self.member.step_attention)
 
     def ready_fields(self) -> tuple[int, int, int]:
@@ -174,8 +175,9 @@ class PoolHooks:
             self.core.pool.unpublish(self.placed.popleft()[1])
 
     def _unblock(self, now: float) -> None:
-        """Pins are taken when a request arrives, and a waiting request holds them. Engines whose
-        waiting requests pin each other's pages can leave each other no room to admit anything:
+        """Pins are taken as a request nears the front of the queue (pool/ahead.py), and a waiting
+        request holds them. Engines whose waiting requests pin each other's pages can leave each
+        other no room to admit anything:
         seen with --engines 2 in query mode on shared documents, every stream stalled and both
         engines idle. An engine that has run nothing for STUCK_SECONDS while requests wait gives
         its waiting requests' pins back (here and on peers): they compute those tokens here, and

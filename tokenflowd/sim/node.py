@@ -34,8 +34,8 @@ own attention, which the daemon does: conservative). The holder's attention
 over its pages for those rows, 4·heads·head_dim FLOPs per row, prefix token and layer, is added to
 the holder's next step. A put, or a write into a home, costs the sender the pages' KV the home
 lacked on the link, added to its next step.
-Pins are taken as the request nears the front of its engine's queue (pool/ahead.py) and hold the
-pages until the request ends. Each engine's prefix-cache key events are applied to the router's
+Pins are taken as the request nears the front of its engine's queue (pool/ahead.py; it is not
+admitted before) and hold the pages until the request ends or gives them back. Each engine's prefix-cache key events are applied to the router's
 index at the end of each of its steps.
 """
 from __future__ import annotations
@@ -98,12 +98,13 @@ class NodeResult:
     put_pages: int = 0  # pages of new segments put at their homes (pool)
     slo: list[tuple[float, float]] = field(default_factory=list)  # per record: its TTFT and mean TBT bounds
 
-    def meets_slo(self) -> list[bool]:
-        """Per record: whether it met its SLO (SLO_FACTOR)."""
+    def meets_slo(self, tbt: bool = True) -> list[bool]:
+        """Per record: whether it met its SLO (SLO_FACTOR); `tbt` False: its TTFT bound alone."""
         out = []
-        for r, (ttft, tbt) in zip(self.records, self.slo):
+        for r, (ttft, gap) in zip(self.records, self.slo):
             t = r.token_times
-            out.append(bool(t) and t[0] - r.arrival <= ttft and (len(t) < 2 or (t[-1] - t[0]) / (len(t) - 1) <= tbt))
+            out.append(bool(t) and t[0] - r.arrival <= ttft
+                       and (not tbt or len(t) < 2 or (t[-1] - t[0]) / (len(t) - 1) <= gap))
         return out
 
     def summary(self) -> dict:
@@ -111,7 +112,8 @@ class NodeResult:
         if self.slo:
             met = self.meets_slo()
             out.update(slo_attainment=sum(met) / len(met), slo_throughput=sum(
-                len(r.token_times) for r, ok in zip(self.records, met) if ok) / out["span"] if out["span"] else 0.0)
+                len(r.token_times) for r, ok in zip(self.records, met) if ok) / out["span"] if out["span"] else 0.0,
+                ttft_slo_attainment=sum(self.meets_slo(tbt=False)) / len(met))
         busy = self.busy_seconds
         out.update(hit_rate=(self.local_tokens + self.peer_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0,
                    local_tokens=self.local_tokens, peer_tokens=self.peer_tokens, computed_tokens=self.computed_tokens,
@@ -164,6 +166,7 @@ class _Engine:
         self.busy = 0.0
         self.pins: dict[str, list[tuple[_Engine, list[int]]]] = {}  # request -> (holder, its pages) it reads
         self.deferred: dict[str, list[tuple[int, list[bytes]]]] = {}  # queued request -> its reads, not pinned yet
+        self.scheduler.held = self.deferred  # not admitted before its reads are pinned
         self.places: dict[str, list[tuple[int, list[bytes]]]] = {}  # pool: request -> (home, keys) of its new segments
         # pool-write: request -> (each new page's home, the keys that end its segments), as the daemon's
         self.homes: dict[str, tuple[dict[bytes, int], set[bytes]]] = {}
