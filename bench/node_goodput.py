@@ -75,7 +75,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default=f"a100-llama2-7b,{H200}")
     ap.add_argument("--runs", help="instead of RUNS: workloads with the rate to start from, e.g. "
-                    "'documents:active=16:scale=0.5:uses=32@2;system-prompt@20' (the trace: its time scale, as in RUNS)")
+                    "'documents:active=16:scale=0.5:uses=32@2;system-prompt@20' (the trace: its time scale, "
+                    "as in RUNS)")
     ap.add_argument("--kv-scale", type=float, default=1.0)
     ap.add_argument("--modes", default="routing,pool-write")
     ap.add_argument("--policy", default="tokenflow")
@@ -116,7 +117,8 @@ def main() -> None:
         with open(a.out, "w") as f:
             json.dump(json_safe({"machine": platform.processor() or platform.machine(), "engines": 8,
                                  "attainment": ATTAINMENT, "slo": a.slo, "slo_factor": SLO_FACTOR,
-                                 "seconds": a.seconds, "max_prompts": a.max_prompts, "kv_scale": a.kv_scale, "policy": a.policy,
+                                 "seconds": a.seconds, "max_prompts": a.max_prompts, "kv_scale": a.kv_scale,
+                                 "policy": a.policy,
                                  "hand_off": a.hand_off, "num_prompts": a.num_prompts, "seed": a.seed,
                                  "rows": rows}), f, indent=1)
         print("wrote", a.out)

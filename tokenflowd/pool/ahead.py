@@ -5,8 +5,8 @@ A pin keeps the holder from evicting those pages. A request that pins them as it
 waits holds its peers' memory for as long as it waits, and in overload it waits long: with short KV
 (the node simulator, a quarter of an A100's KV an engine, 16 documents of 6K tokens, 16 req/s) an
 engine's memory was at times mostly pages pinned by requests queued on its peers (1,312 of 1,774
-pages in one probe), its own queue could not be admitted, and the stuck engines gave 33-171 of 300 requests' pins back (`_unblock`), each then
-computing its whole prompt. Pinned near the front: 4-27.
+pages in one probe), its own queue could not be admitted, and the stuck engines gave 33-171 of 300
+requests' pins back (`_unblock`), each then computing its whole prompt. Pinned near the front: 4-27.
 
 So a request pins once it is near the front of its engine's queue: among its first PIN_AHEAD, or
 while the prompts queued up to it would fit in the pages the engine can give now (an engine with

@@ -35,8 +35,8 @@ over its pages for those rows, 4·heads·head_dim FLOPs per row, prefix token an
 the holder's next step. A put, or a write into a home, costs the sender the pages' KV the home
 lacked on the link, added to its next step.
 Pins are taken as the request nears the front of its engine's queue (pool/ahead.py; it is not
-admitted before) and hold the pages until the request ends or gives them back. Each engine's prefix-cache key events are applied to the router's
-index at the end of each of its steps.
+admitted before) and hold the pages until the request ends or gives them back. Each engine's
+prefix-cache key events are applied to the router's index at the end of each of its steps.
 """
 from __future__ import annotations
 
