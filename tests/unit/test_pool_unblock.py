@@ -1,4 +1,4 @@
-"""Pins taken at arrival can leave two engines no room: an engine that runs nothing while requests
+"""Pins taken by waiting requests can leave two engines no room: an engine that runs nothing while requests
 wait gives its waiting requests' pins back (pool/engine_hooks.py `_unblock`), and its loop waits
 instead of spinning (EngineCore.stalled)."""
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_an_engine_running_nothing_while_readers_wait_gives_their_pins_back_afte
     assert a.foreign_token_ids and b.foreign_token_ids, "a moment with nothing admitted is not a deadlock"
     h._unblock(10.0 + STUCK_SECONDS)
     assert h.unblocked == 2
-    assert h.peer_tokens == 0, "the peer tokens counted at their arrival are taken back"
+    assert h.peer_tokens == 0, "the peer tokens counted when they pinned are taken back"
     for req in (a, b):  # they wait on, the whole prompt theirs to compute here (their pins then swept)
         assert req.num_prompt_tokens == 64 and not req.foreign_token_ids and req in sched.waiting
     assert not own.foreign_token_ids and own in sched.waiting
