@@ -137,7 +137,7 @@ def test_in_overload_requests_pin_what_they_read_as_they_near_the_front_and_give
     cost, over = small_cache_documents(16.0)
     late = NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow"))
     late.run()
-    monkeypatch.setattr(node, "pins_now", lambda *_: True)
+    monkeypatch.setattr(node, "pins_on_arrival", lambda *_: True)
     early = NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow"))
     early.run()
     assert late.pinned_queued > 0 and early.pinned_queued == 0

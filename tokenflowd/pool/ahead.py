@@ -19,7 +19,7 @@ read as ones to compute.
 """
 from __future__ import annotations
 
-from typing import Container, Iterable, Protocol
+from typing import Container, Iterable, Protocol, Sequence
 
 # The node simulator (a quarter of the A100's KV, four document workloads in overload, seeds 0-3):
 # throughput 0.82x, 0.83x, 0.82x and 0.76x routing's (geometric mean of 16 runs) pinning among the
@@ -40,6 +40,12 @@ def pins_now(position: int, pages_to_here: int, free_pages: int) -> bool:
 
 def pages_of(req: Queued, page_size: int) -> int:
     return -(-req.num_tokens // page_size)
+
+
+def pins_on_arrival(waiting: Sequence[Queued], req: Queued, free_pages: int, page_size: int) -> bool:
+    """Whether `req`, joining the end of `waiting`, pins its reads as it comes."""
+    return pins_now(len(waiting), sum(pages_of(r, page_size) for r in waiting) + pages_of(req, page_size),
+                    free_pages)
 
 
 def due(waiting: Iterable[Queued], deferred: Container[str], free_pages: int, page_size: int) -> list:

@@ -29,7 +29,7 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, RequestStatus
-from tokenflowd.pool.ahead import due, pages_of, pins_now
+from tokenflowd.pool.ahead import due, pins_on_arrival
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool import cuda_ipc
 from tokenflowd.pool.names import cache_name, export_path
@@ -102,9 +102,7 @@ class PoolHooks:
         self.deferred.pop(req.request_id, None)
         if not runs:
             return False
-        sched, ps = self.core.scheduler, self.config.page_size
-        if not pins_now(len(sched.waiting), sum(pages_of(r, ps) for r in sched.waiting) + pages_of(req, ps),
-                        self.core.pool.num_free):
+        if not pins_on_arrival(self.core.scheduler.waiting, req, self.core.pool.num_free, self.config.page_size):
             self.deferred[req.request_id] = runs
             return False
         return self._pin(req, runs, queued=False)

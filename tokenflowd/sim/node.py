@@ -57,7 +57,7 @@ from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool
-from tokenflowd.pool.ahead import due, pages_of, pins_now
+from tokenflowd.pool.ahead import due, pins_on_arrival
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.cost import CostModel
@@ -250,8 +250,7 @@ class NodeSimulator:
             choice = self.router.pick_pooled(self.engines, ids, self.config.segment_pages, self.rng,
                                              place=self.mode != "pool-local")
             target = self.engines[choice.engine_id]
-            waiting, ps = target.scheduler.waiting, self.cost.page_size
-            if pins_now(len(waiting), sum(pages_of(r, ps) for r in waiting) + pages_of(req, ps), target.pool.num_free):
+            if pins_on_arrival(target.scheduler.waiting, req, target.pool.num_free, self.cost.page_size):
                 self._pin(target, req, choice.runs)
             elif choice.runs:
                 target.deferred[req.request_id] = choice.runs
