@@ -175,3 +175,19 @@ def test_on_the_mooncake_trace_in_overload_the_pool_serves_at_least_routings_thr
     r = {m: x.summary() for m, x in simulate_node(cost_model("a100-llama2-7b"), w, ("routing", "pool-write")).items()}
     assert r["pool-write"]["throughput"] >= r["routing"]["throughput"], r
     assert r["pool-write"]["busy_cv"] < 0.15, r
+
+
+def test_with_segments_kept_where_computed_a_request_goes_where_its_prefix_is_unless_that_engine_is_much_busier(
+        monkeypatch):
+    """router.AFFINITY_SLACK: with --pool-placement local, the least loaded engine took every request
+    and read its document wherever it was, pinning it there; where one engine cannot hold the
+    documents, in overload, the engines' memory went to their peers' reads and the hit rate fell.
+    Kept where its document is unless that engine is much busier, a request reads it for nothing."""
+    from tokenflowd.daemon import router
+
+    cost, over = small_cache_documents(16.0)
+    near = simulate_node(cost, over, ("pool-local",), NodeConfig(policy="tokenflow"))["pool-local"].summary()
+    monkeypatch.setattr(router, "AFFINITY_SLACK", 0.0)
+    least = simulate_node(cost, over, ("pool-local",), NodeConfig(policy="tokenflow"))["pool-local"].summary()
+    assert near["hit_rate"] > least["hit_rate"] and near["local_tokens"] > least["local_tokens"], (near, least)
+    assert near["throughput"] > 1.1 * least["throughput"], (near, least)

@@ -326,6 +326,25 @@ def test_pooled_pick_weighs_prompt_tokens_before_the_request_count():
     assert r.pick_pooled(engines, tokens, segment_pages=4).engine_id == 1
 
 
+def test_pooled_pick_keeps_a_request_where_its_prefix_is_while_that_engine_is_not_much_busier():
+    """Where segments stay where they are computed (place=False), the engine holding the prefix
+    reads it for nothing: it gets the request while its work is within AFFINITY_SLACK prompts of
+    the least loaded engine's. With placement at homes, the least work wins."""
+    from tokenflowd.daemon.router import AFFINITY_SLACK
+
+    tokens = list(range(33))  # a 33-token prompt, its 8 leading pages held by engine 1
+    k = keys_of(tokens)
+    r = router_with({1: k[:8], 2: k[:4]})
+    near = 1000 + int(AFFINITY_SLACK * len(tokens))
+    engines = [WorkEngine(0, load=1, work=1000), WorkEngine(1, load=9, work=near), WorkEngine(2, load=1, work=1000)]
+    c = r.pick_pooled(engines, tokens, segment_pages=4, place=False)
+    assert (c.engine_id, c.runs) == (1, [])
+    assert r.pick_pooled(engines, tokens, segment_pages=4).engine_id == 2
+    engines[1].work = near + 1  # too busy now: the least loaded of the others, holding more, reads it there
+    c = r.pick_pooled(engines, tokens, segment_pages=4, place=False)
+    assert (c.engine_id, c.runs) == (2, [(2, k[:4]), (1, k[4:8])])
+
+
 def test_an_engine_handles_work_is_the_prompt_tokens_of_its_streams():
     from tokenflowd.config import EngineConfig
     from tokenflowd.daemon.engine_handle import EngineHandle, Stream

@@ -12,7 +12,9 @@ where a request runs and what it computes.
                 its new whole segments are put at their homes (rendezvous hash) once its prompt is
                 computed, and no longer cached where it ran (what the daemon's --pool-placement
                 home did before it wrote into the home)
-      pool-local  the same, new segments kept where they are computed (--pool-placement local)
+      pool-local  the same, new segments kept where they are computed (--pool-placement local); the
+                request goes to the engine holding most of its prefix among those whose work is
+                within router.AFFINITY_SLACK prompts of the least (it reads that part for nothing)
       pool-write  the same, but once its prompt is computed its new segments are written into
                 their homes and it lets go of its own pages of them, reading them at the homes
                 from then on (the daemon's --pool-placement home, PoolHooks._hand_off): the node
