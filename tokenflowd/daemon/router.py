@@ -57,10 +57,10 @@ from tokenflowd.pool.homes import rendezvous_home
 
 # The pool's pick with --pool-placement local: an engine holding more of the prefix is preferred
 # while its work is within this many of the prompt's own tokens of the least loaded engine's. Node
-# simulator, a quarter of the A100's KV, four document workloads in overload (seed 0): pool-local's
-# throughput 0.97-1.14x routing's at 2, against 0.90-1.18x when only ties in work went to the
-# holder; 0.5 and 8 did worse (0.5: the load spread wider than locality can follow; 8: routing's
-# imbalance back).
+# simulator, a quarter of the A100's KV, four document workloads in overload, seeds 0-3: pool-local's
+# throughput 0.94x routing's (geometric mean; 0.74-1.13x) at 2, against 0.81x (0.43-1.18x) when
+# only ties in work went to the holder (bench/results/node_contexts_small_cache_seeds.json). On
+# seed 0, 0.5 and 4-8 did worse than 2.
 AFFINITY_SLACK = 2.0
 REPLICATE_SLACK = 0.5  # a holder busier than 1.5x the chosen engine's load, plus one request, is overloaded
 

@@ -5,7 +5,7 @@ where a request runs and what it computes.
 
     an arrival is routed when it arrives (router.py, the daemon's own code):
       routing   Router.pick: the engine with the longest cached prefix unless it is clearly busier
-      pool      Router.pick_pooled: the least loaded engine; the prompt's prefix pages that engines
+      pool      Router.pick_pooled: the least loaded engine (by work); the prompt's prefix pages that engines
                 hold are pinned where they are and read there, so the request computes only the rest
                 (pinned once the request is near the front of its engine's queue, pool/ahead.py: what
                 was evicted before then it computes);
