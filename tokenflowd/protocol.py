@@ -239,6 +239,7 @@ class EngineStats(msgspec.Struct):
     pool_put_pages: int = 0  # pages of new segments written into their homes on peers (placement)
     pool_stored_pages: int = 0  # pages peers put here, this engine being their segments' home
     pool_unblocked: int = 0  # waiting requests that gave their pins back: nothing could run (engine_hooks.py)
+    pool_pinned_queued: int = 0  # requests whose reads waited, pinned once near the queue's front (pool/ahead.py)
     kv_remote_pages: int = 0  # federation: pages held for KV other nodes write or may still write
     # the step-time model (a conductor predicts TTFT and TBT from it): s per step and per token
     step_base: float = 0.0

@@ -96,15 +96,26 @@ def wait_for(condition, within: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("mode", ["query", "read"])
+@pytest.mark.parametrize("mode,seats", [("query", None), ("read", None), ("query", 2)])
 def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_tokens_held_once(
-        mode, reference, prompts):
+        mode, seats, reference, prompts):
+    """`seats` (--max-num-seqs): with 2, most of the burst waits in the engines' queues; each prompt has
+    ~200 tokens of its own (less than a segment: nothing new to place), so the prompts queued on an
+    engine outgrow its free pages, and those far back pin their reads only as they near the front
+    (pool/ahead.py, Scheduler.held)."""
     system, prompts = prompts
+    if seats:
+        tok = reference.tokenizer
+        notes = [tok.encode(" ".join(f"note {i}-{j}." for j in range(30)), add_special_tokens=False)
+                 for i in range(len(prompts))]
+        prompts = [p[:SYSTEM_TOKENS] + n + p[SYSTEM_TOKENS:] for p, n in zip(prompts, notes)]
+    own = (max(map(len, prompts)) - SYSTEM_TOKENS + MAX_TOKENS) // 16  # full pages a request adds where it runs
+    assert all(len(p) + MAX_TOKENS < SYSTEM_TOKENS + 16 * SEGMENT_PAGES for p in prompts), "no new whole segment"
     want = greedy(reference, prompts, MAX_TOKENS)
     # The first request is not one of the burst's: a prompt computed twice would hold its last page,
     # prompt and output, twice, and that page is no segment of the shared prefix.
     asked, want_first, want = prompts[1:], want[0], want[1:]
-    d = Daemon(*FLAGS, "--pool-mode", mode)
+    d = Daemon(*FLAGS, "--pool-mode", mode, *(("--max-num-seqs", str(seats)) if seats else ()))
     try:
         d.wait_all_engines()
         replicated_before = d.metric("tokenflowd_pool_replicated_pages")  # the warm-up's chat-template head
@@ -114,7 +125,7 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
         first = d.http.post("/v1/completions", json=body(prompts[0]))
         assert first.status_code == 200, first.text
         assert first.json()["choices"][0]["text"] == want_first
-        wait_for(lambda: placed(d, base, home, 1), 10,
+        wait_for(lambda: placed(d, base, home, own), 10,
                  f"the system prompt's segments never settled at their homes: {pool_pages(d)}, want {base} + {home}")
         assert d.metric("tokenflowd_pool_put_pages_total", engine="0") == home[1]
         assert d.metric("tokenflowd_pool_stored_pages_total", engine="1") == home[1]
@@ -127,11 +138,14 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
             usage = r.json()["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= SYSTEM_TOKENS, usage
         assert source_tokens(d, "peer") >= SYSTEM_TOKENS, "no request read its prefix on the other engine"
+        queued = sum(d.metric("tokenflowd_pool_pinned_queued_requests_total", engine=str(e)) for e in (0, 1))
+        if seats:
+            assert queued > 0, "no request waited to pin its reads"
         # Deduplication: the system prompt's 64 pages are held once, each at its home (each request
-        # adds its own last page, prompt and output, to where it ran).
+        # adds its own pages, prompt and output, to where it ran).
         after = pool_pages(d)
         assert d.metric("tokenflowd_pool_replicated_pages") == replicated_before, (after, base, home)
-        assert all(after[e] <= base[e] + home[e] + len(prompts) for e in (0, 1)), (after, base, home)
+        assert all(after[e] <= base[e] + home[e] + own * len(prompts) for e in (0, 1)), (after, base, home)
         assert d.metric("tokenflowd_pool_put_pages_total", engine="1") == 0, "nothing new to place"
         wait_for(lambda: d.metric("tokenflowd_pool_pinned_pages", engine="0") == 0, 10,
                  "pins outlived their requests")

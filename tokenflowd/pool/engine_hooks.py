@@ -56,6 +56,7 @@ class PoolHooks:
         self.peer_tokens = self.own_tokens = 0  # prompt tokens read where peers hold them, or from this cache
         self.stuck = StuckTimer()  # since when this engine has run nothing while requests wait
         self.unblocked = 0  # waiting requests that gave their pins back to unblock the node
+        self.pinned_queued = 0  # requests whose reads waited (`deferred`) and were pinned near the front
 
     @property
     def kv_memory(self):
@@ -136,6 +137,7 @@ class PoolHooks:
                 del self.deferred[rid]
         for req in due(sched.waiting, self.deferred, self.core.pool.num_free, self.config.page_size):
             if self._pin(req, self.deferred.pop(req.request_id), queued=True):
+                self.pinned_queued += 1
                 self._count(req.request_id)
 
     def release_pins(self, request_id: str, pinned: bool) -> None:
@@ -281,7 +283,8 @@ class PoolHooks:
         return dict(pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
                     pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages,
                     pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
-                    pool_share=self.member.share, pool_unblocked=self.unblocked, pool_path=path, pool_staged=staged)
+                    pool_share=self.member.share, pool_unblocked=self.unblocked,
+                    pool_pinned_queued=self.pinned_queued, pool_path=path, pool_staged=staged)
 
     def close(self) -> None:
         if self.member is not None:

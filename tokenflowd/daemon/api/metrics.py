@@ -161,6 +161,9 @@ class EngineCollector(Collector):
             "tokenflowd_pool_unblocked_requests": ("Waiting requests that gave their pool pins back because their "
                                                    "engine could run nothing (pins held by waiting requests "
                                                    "left no room)", lambda s: s.pool_unblocked),
+            "tokenflowd_pool_pinned_queued_requests": ("Requests whose pool reads waited while they were far back in "
+                                                       "the queue, pinned once they neared its front",
+                                                       lambda s: s.pool_pinned_queued),
         }
         for name, (doc, value) in figures.items():
             yield _per_engine(CounterMetricFamily(name, doc, labels=["engine"]), slots, value)
