@@ -66,7 +66,7 @@ def engine(queued: int):
     h = PoolHooks.__new__(PoolHooks)
     h.core = SimpleNamespace(scheduler=sched, pool=sched.kv.pool, unlocked=_nothing)
     h.config = SimpleNamespace(page_size=PS)
-    h.member, h.deferred, h.peer_tokens, h.own_tokens = Member(), {}, 0, 0
+    h.member, h.deferred, h.peer_tokens, h.own_tokens, h.pinned_queued = Member(), {}, 0, 0, 0
     return sched, h
 
 
@@ -88,10 +88,10 @@ def test_a_reader_behind_a_long_queue_pins_its_reads_only_once_it_nears_the_fron
     sched.add(req)
     req.max_model_len = 1024
     h._pin_due()
-    assert h.member.pinned == {} and req.prefix_offset == 0 and "r" in h.deferred
+    assert h.member.pinned == {} and req.prefix_offset == 0 and "r" in h.deferred and h.pinned_queued == 0
     sched.abort("q1")  # one ahead of it leaves: it is among the first PIN_AHEAD now
     h._pin_due()
-    assert h.member.pinned == {"r": 2} and "r" not in h.deferred
+    assert h.member.pinned == {"r": 2} and "r" not in h.deferred and h.pinned_queued == 1
     assert req.prefix_offset == 2 * PS and req.num_prompt_tokens == 64 - 2 * PS
     assert req.max_model_len == 1024 - 2 * PS, "its own tokens' room shrinks by what it reads"
     assert [r.request_id for r in sched.waiting] == ["q0", "q2", "q3", "r"], "it keeps its place"
