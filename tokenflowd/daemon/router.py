@@ -59,8 +59,8 @@ from tokenflowd.pool.homes import rendezvous_home
 # while its work is within this many of the prompt's own tokens of the least loaded engine's. Node
 # simulator, a quarter of the A100's KV, four document workloads in overload, seeds 0-3: pool-local's
 # throughput 0.94x routing's (geometric mean; 0.74-1.13x) at 2, against 0.81x (0.43-1.18x) when
-# only ties in work went to the holder (bench/results/node_contexts_small_cache_seeds.json). On
-# seed 0, 0.5 and 4-8 did worse than 2.
+# only ties in work went to the holder (bench/results/node_contexts_small_cache_seeds.json). In a
+# first sweep on seed 0 (with an eviction change in the tree since reverted), 0.5, 4 and 8 did worse.
 AFFINITY_SLACK = 2.0
 REPLICATE_SLACK = 0.5  # a holder busier than 1.5x the chosen engine's load, plus one request, is overloaded
 
