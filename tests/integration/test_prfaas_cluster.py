@@ -11,6 +11,7 @@ crosses its own link, which `tc tbf` limits mid-run.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -36,6 +37,7 @@ NODE_ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--kv-transfer
              "--log-level", "INFO")
 CONDUCTOR = (f'ttft_slo = 600\ntbt_slo = 60\nrejection = "off"\nprfaas_threshold = {START_T}\n'
              f"prfaas_period = {PERIOD}\nprfaas_probe_period = {PROBE}\nprfaas_replan_period = 0\nprfaas_output_tokens = 8\n")
+LONGEST_T = 1500  # tokens: the longest prompt a test sends to get past t (~70 MB of fp32 KV of the 128)
 LONGEST = 12  # paragraphs (about 500 tokens): longer than the mix of 0 to 9 (about 20 to 380) t is solved on
 PARAGRAPH = ("The harbour town wakes before dawn: fishing boats slip their moorings, gulls circle the market, "
              "and the baker on the hill sets out the first loaves while the lighthouse keeper climbs down. ")
@@ -113,6 +115,19 @@ def test_only_prompts_whose_uncached_part_is_longer_than_t_go_remote_and_outputs
     assert len(decided) >= 8, [(s["tokens"], s["t"]) for s in served]
     for s in decided:
         assert (s["prefill"] == "remote") == (s["tokens"] > max(s["t"])), s
+    for i in range(3):
+        if any(s["prefill"] == "remote" for s in served):
+            break
+        # t stood above the whole mix: solved high from a link or a remote node measured slow on a
+        # loaded box, or still raised by the slower-link test when that one ran first (the suite's
+        # order is random). A prompt longer than t goes remote all the same (t may move while it
+        # is served: then once more).
+        t = max(served[-1]["t"])
+        if t > LONGEST_T:
+            pytest.skip(f"t stood at {t} tokens, above the prompts this cluster's KV takes: {[s['t'] for s in served]}")
+        served.append(longer := complete(cluster, prompt(tag, 100 + i, paragraphs=math.ceil((t - 20) / 40) + 2)))
+        if longer["tokens"] > max(longer["t"]):
+            assert longer["prefill"] == "remote", longer
     assert {s["prefill"] for s in served} == {"remote", "prefill"}, served
     for s in [*[s for s in served if s["prefill"] == "remote"][:2], *[s for s in served if s["prefill"] == "prefill"][:2]]:
         assert s["text"] == alone(cluster.decode, s["prompt"]), s
