@@ -207,8 +207,16 @@ class ChainEnds(msgspec.Struct, tag=True):
     ends: list[bytes]
 
 
+class Reads(msgspec.Struct, tag=True):
+    """The front's answer to ResolveReads: where the pool holds the queued request's prefix now
+    (runs as AddRequest.prefix; []: nowhere but, at most, the engine's own cache)."""
+
+    request_id: str
+    prefix: list[PrefixRun] = []
+
+
 ToEngine = (AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure
-            | AbortFront | QueryKeys | PoolPeers | RemoteArrived | KeepKV | KeptKV | GiveKV | ChainEnds)
+            | AbortFront | QueryKeys | PoolPeers | RemoteArrived | KeepKV | KeptKV | GiveKV | ChainEnds | Reads)
 
 
 # -- engine → supervisor ---------------------------------------------------------------------
@@ -240,6 +248,7 @@ class EngineStats(msgspec.Struct):
     pool_stored_pages: int = 0  # pages peers put here, this engine being their segments' home
     pool_unblocked: int = 0  # waiting requests that gave their pins back: nothing could run (engine_hooks.py)
     pool_pinned_queued: int = 0  # requests whose reads waited, pinned once near the queue's front (pool/ahead.py)
+    pool_resolved: int = 0  # ... of them, those that pinned reads their front named again then (ResolveReads)
     kv_remote_pages: int = 0  # federation: pages held for KV other nodes write or may still write
     # the step-time model (a conductor predicts TTFT and TBT from it): s per step and per token
     step_base: float = 0.0
@@ -383,7 +392,17 @@ class Prefilled(msgspec.Struct, tag=True):
     unwritten: bool = False  # GiveKV: refused before any write (nothing can land at the target)
 
 
-FromEngine = Ready | StepOutputs | QueryReply | Reconfigured | KeySnapshot | Reserved | Prefilled
+class ResolveReads(msgspec.Struct, tag=True):
+    """The pool: a queued request nears the front of its engine's queue (pool/ahead.py) and asks the
+    front that placed it where the pool holds its prompt's prefix now, not where it did when the
+    request came (a document a request before it was still computing). The front answers Reads."""
+
+    engine_id: int
+    incarnation: int
+    request_id: str
+
+
+FromEngine = Ready | StepOutputs | QueryReply | Reconfigured | KeySnapshot | Reserved | Prefilled | ResolveReads
 
 
 class EngineSpec(msgspec.Struct):

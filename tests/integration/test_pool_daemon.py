@@ -102,7 +102,7 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
     """`seats` (--max-num-seqs): with 2, most of the burst waits in the engines' queues; each prompt has
     ~200 tokens of its own (less than a segment: nothing new to place), so the prompts queued on an
     engine outgrow its free pages, and those far back pin their reads only as they near the front
-    (pool/ahead.py, Scheduler.held)."""
+    (pool/ahead.py, Scheduler.held), where their front names them again (protocol.ResolveReads)."""
     system, prompts = prompts
     if seats:
         tok = reference.tokenizer
@@ -139,8 +139,12 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
             assert usage["prompt_tokens_details"]["cached_tokens"] >= SYSTEM_TOKENS, usage
         assert source_tokens(d, "peer") >= SYSTEM_TOKENS, "no request read its prefix on the other engine"
         queued = sum(d.metric("tokenflowd_pool_pinned_queued_requests_total", engine=str(e)) for e in (0, 1))
+        resolved = sum(d.metric("tokenflowd_pool_resolved_requests_total", engine=str(e)) for e in (0, 1))
         if seats:
             assert queued > 0, "no request waited to pin its reads"
+            # near the front, each asked its front where its reads were then (ResolveReads), and
+            # pinned what the front named: none waited the 2 s for a front that did not answer
+            assert resolved == queued, (resolved, queued)
         # Deduplication: the system prompt's 64 pages are held once, each at its home (each request
         # adds its own pages, prompt and output, to where it ran).
         after = pool_pages(d)

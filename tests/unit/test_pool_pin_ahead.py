@@ -1,6 +1,6 @@
 """A queued request pins the prefix it reads once it nears the front of its engine's queue
-(pool/ahead.py; pool/engine_hooks.py `take_prefix`, `_pin_due`): until then it holds none of its
-peers' memory."""
+(pool/ahead.py; pool/engine_hooks.py `take_prefix`, `_pin_due`, `reads`): until then it holds none
+of its peers' memory, and then it reads where its front says the pool holds its prefix now."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -12,6 +12,8 @@ from tokenflowd.engine.scheduler import Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import PagePool
 from tokenflowd.pool.ahead import PIN_AHEAD, due, pins_now
+from tokenflowd import protocol as p
+from tokenflowd.pool import engine_hooks
 from tokenflowd.pool.engine_hooks import PoolHooks
 
 PS = 16
@@ -67,6 +69,7 @@ def engine(queued: int):
     h.core = SimpleNamespace(scheduler=sched, pool=sched.kv.pool, unlocked=_nothing)
     h.config = SimpleNamespace(page_size=PS)
     h.member, h.deferred, h.peer_tokens, h.own_tokens, h.pinned_queued = Member(), {}, 0, 0, 0
+    h.asked, h.asking, h.resolved = {}, [], 0
     return sched, h
 
 
@@ -84,18 +87,57 @@ def test_a_reader_near_the_front_pins_as_it_comes():
 def test_a_reader_behind_a_long_queue_pins_its_reads_only_once_it_nears_the_front():
     sched, h = engine(PIN_AHEAD)
     req = request("r", 64)
-    assert not h.take_prefix(req, runs(2)), "four prompts of 25 pages ahead of it, 64 pages free"
+    assert not h.take_prefix(req, runs(1)), "four prompts of 25 pages ahead of it, 64 pages free"
     sched.add(req)
     req.max_model_len = 1024
     h._pin_due()
-    assert h.member.pinned == {} and req.prefix_offset == 0 and "r" in h.deferred and h.pinned_queued == 0
+    assert h.member.pinned == {} and req.prefix_offset == 0 and "r" in h.deferred and h.take_asking() == []
     sched.abort("q1")  # one ahead of it leaves: it is among the first PIN_AHEAD now
     h._pin_due()
-    assert h.member.pinned == {"r": 2} and "r" not in h.deferred and h.pinned_queued == 1
+    assert h.take_asking() == ["r"], "near the front, it asks its front where its reads are now"
+    h._pin_due()
+    assert h.take_asking() == [] and h.member.pinned == {}, "once, and it waits for the answer"
+    h.reads(p.Reads("r", runs(2)))  # the pool holds more of its prefix than when it came
+    assert h.member.pinned == {"r": 2} and "r" not in h.deferred and h.pinned_queued == h.resolved == 1
     assert req.prefix_offset == 2 * PS and req.num_prompt_tokens == 64 - 2 * PS
     assert req.max_model_len == 1024 - 2 * PS, "its own tokens' room shrinks by what it reads"
     assert [r.request_id for r in sched.waiting] == ["q0", "q2", "q3", "r"], "it keeps its place"
     assert h.peer_tokens == 2 * PS, "counted as read on a peer when pinned"
+    h.reads(p.Reads("r", runs(3)))
+    assert h.member.pinned == {"r": 2}, "an answer it no longer waits for changes nothing"
+
+
+def test_a_reader_that_found_nothing_as_it_came_reads_what_was_computed_while_it_waited():
+    """In a burst over one document, the requests after the first came while it was still queued:
+    nothing to read then, but by their turn it has been computed."""
+    sched, h = engine(0)
+    req = request("r", 64)
+    assert not h.take_prefix(req, []) and "r" in h.deferred, "nothing held anywhere as it came"
+    sched.add(req)
+    sched.held = h.deferred
+    h._pin_due()
+    assert h.take_asking() == ["r"]
+    assert len(sched.schedule()) == 0, "not admitted before the answer: it would compute what it can read"
+    h.reads(p.Reads("r", runs(3)))
+    assert h.member.pinned == {"r": 3} and req.prefix_offset == 3 * PS and h.resolved == 1
+    assert sched.schedule().request_ids == ["r"]
+    short = request("short", PS)
+    assert not h.take_prefix(short, []) and "short" not in h.deferred, "no whole page: nothing to ask"
+
+
+def test_a_reader_whose_front_does_not_answer_reads_what_it_came_with(monkeypatch):
+    sched, h = engine(PIN_AHEAD)
+    req = request("r", 64)
+    assert not h.take_prefix(req, runs(1))
+    sched.add(req)
+    sched.abort("q0")
+    h._pin_due()
+    assert h.take_asking() == ["r"]
+    monkeypatch.setattr(engine_hooks, "RESOLVE_SECONDS", 0.0)
+    h._pin_due()
+    assert h.member.pinned == {"r": 1} and "r" not in h.deferred and h.resolved == 0 and h.pinned_queued == 1
+    h.reads(p.Reads("r", runs(2)))
+    assert h.member.pinned == {"r": 1}, "a late answer changes nothing"
 
 
 def test_a_reader_that_left_the_queue_before_its_turn_forgets_its_reads():

@@ -142,25 +142,45 @@ class Router:
         it runs on, chosen already (`dispatch`)."""
         keys = self.prompt_keys(prompt_token_ids)
         self.index.link(keys)
-        load = {e.engine_id: e.load for e in engines}
         if target is None:
             target = self._near(engines, keys, len(prompt_token_ids), AFFINITY_SLACK if not place else 0.0)
-        rng = rng or random
+        runs, replica = self._runs(engines, keys, segment_pages, rng or random, target, count=True)
+        own = sum(len(k) for e, k in runs if e == target)
+        places = self.places(keys, sum(len(k) for _, k in runs), max(1, segment_pages), target,
+                             [e.engine_id for e in engines], not replica) if place else []
+        if all(e == target for e, _ in runs):
+            return Choice(target, own, [], places)  # all of it here: the engine's own prefix cache serves it
+        return Choice(target, own, runs, places)
+
+    def reads(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int, target: int,
+              rng: random.Random | None = None) -> list[tuple[int, list[bytes]]]:
+        """The runs a request queued on `target` reads, named as `pick_pooled` names them but from
+        where the pool holds its prefix now (the request nears the front of its queue: pool/ahead.py),
+        its use of hot segments counted once, when it came ([]: none, or all of it on `target`)."""
+        keys = self.prompt_keys(prompt_token_ids)
+        self.index.link(keys)
+        runs, _ = self._runs(engines, keys, segment_pages, rng or random, target, count=False)
+        return [] if all(e == target for e, _ in runs) else runs
+
+    def _runs(self, engines: Sequence[EngineLoad], keys: Sequence[bytes], segment_pages: int, rng: random.Random,
+              target: int, count: bool) -> tuple[list[tuple[int, list[bytes]]], bool]:
+        """(the (engine, keys) runs of the prompt's leading pages to read where they are, whether a
+        hot segment on busy engines only stopped them: the target computes a replica of it);
+        `count`: the request's use of each whole segment counts towards its heat."""
+        load = {e.engine_id: e.load for e in engines}
         now = self.clock()
         runs: list[tuple[int, list[bytes]]] = []
         seg = max(1, segment_pages)
-        replica = False
         for start in range(0, len(keys), seg):
             chunk = keys[start : start + seg]
             held = {e: self.index.cached_pages(e, chunk) for e in load}
             whole = [e for e, n in held.items() if n == len(chunk)]
             current = runs[-1][0] if runs else None
-            if len(chunk) == seg:
+            if count and len(chunk) == seg:
                 self.heat.hit(chunk[-1], now)
             if (whole and target not in whole and self.heat.is_heavy(chunk[-1], len(load), now)
                     and all(self._overloaded(load[e], load[target]) for e in whole)):
-                replica = True
-                break  # a hot segment on busy engines only: the target computes it (a replica)
+                return runs, True  # a hot segment on busy engines only: the target computes it (a replica)
             if not whole:
                 best = max(held, key=lambda e: (held[e], e == target, -e))
                 if held[best]:
@@ -174,11 +194,7 @@ class Router:
                 two = rng.sample(whole, 2) if len(whole) > 2 else whole
                 holder = min(two, key=lambda e: (load[e], e))
             self._extend(runs, holder, chunk)
-        own = sum(len(k) for e, k in runs if e == target)
-        places = self.places(keys, sum(len(k) for _, k in runs), seg, target, list(load), not replica) if place else []
-        if all(e == target for e, _ in runs):
-            return Choice(target, own, [], places)  # all of it here: the engine's own prefix cache serves it
-        return Choice(target, own, runs, places)
+        return runs, False
 
     def _near(self, engines: Sequence[EngineLoad], keys: Sequence[bytes], prompt_tokens: int, slack: float) -> int:
         """The pool's target (module docstring): among the engines whose work is within `slack`

@@ -60,6 +60,8 @@ class Supervisor:
         self.on_change: Callable[[], None] = lambda: None  # an engine came, went or was reconfigured
         # the index changed: (keys added, keys removed), or (None, None) when it was rebuilt
         self.on_keys: Callable[[list[bytes] | None, list[bytes] | None], None] | None = None
+        # the pool: a queued request asks where its prefix is now (the front that routes answers)
+        self.on_resolve: Callable[[EngineHandle, Stream], None] | None = None
         self.slots = [
             EngineHandle(i, cfg, env)
             for i, (cfg, env) in enumerate(placement or engine_configs(engine, server.engines))
@@ -195,6 +197,10 @@ class Supervisor:
             fut = self._queries.pop(msg.query_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg.requests)
+        elif isinstance(msg, p.ResolveReads):
+            stream = slot.streams.get(msg.request_id)  # (none: not this front's, or ended)
+            if stream is not None and self.on_resolve is not None:
+                self.on_resolve(slot, stream)
         elif isinstance(msg, (p.Reserved, p.Prefilled)):
             fut = self._answers.pop(msg.request_id, None)
             if fut is not None and not fut.done():
@@ -215,7 +221,7 @@ class Supervisor:
             raise NoEngineReady(f"engine {slot.engine_id} is not serving")
         if add.request_id in slot.streams:
             raise ValueError(f"request id {add.request_id!r} is already in use")
-        stream = Stream(add.request_id, slot, len(add.prompt_token_ids), on_delta)
+        stream = Stream(add.request_id, slot, len(add.prompt_token_ids), on_delta, add.prompt_token_ids)
         slot.streams[add.request_id] = stream
         slot.num_waiting += 1
         if not self.send(slot, add):

@@ -7,14 +7,16 @@
                                          its reads wait, and it pins them once it is)
                       added              count the tokens peers (or this cache) hold; note its new
                                          segments that belong on other engines
-    each iteration:   before_step        queued requests near the front pin their reads; the
-                                         engine's share of the node's traffic, for the scheduler
+    each iteration:   before_step        queued requests near the front ask their front where their
+                                         reads are now (take_asking: ResolveReads); the engine's
+                                         share of the node's traffic, for the scheduler
                       after_step         unpin ended requests' foreign prefixes; move the new
                                          segments of prompts computed into their homes (write into
                                          the home); stop caching what the homes took; an engine
                                          stuck with nothing to run gives its waiting requests' pins
                                          back
-    messages:         set_peers          a peer gone: its readers recompute their prefix here
+    messages:         reads              the front's answer: pin the reads it names
+                      set_peers          a peer gone: its readers recompute their prefix here
 """
 from __future__ import annotations
 
@@ -38,6 +40,10 @@ from tokenflowd.pool.stuck import STUCK_SECONDS, StuckTimer
 
 log = logging.getLogger("tokenflowd.engine")
 
+# s a queued request waits for its front to name its reads again (ResolveReads) before it pins the
+# runs it came with; an answer takes a round trip through the front's event loop (milliseconds)
+RESOLVE_SECONDS = 2.0
+
 
 class PoolHooks:
     def __init__(self, spec: p.EngineSpec, config: EngineConfig) -> None:
@@ -53,6 +59,9 @@ class PoolHooks:
         # (when, keys): segments their homes took, cached here until the homes have told the front
         self.placed: deque[tuple[float, list[bytes]]] = deque()
         self.deferred: dict[str, list[p.PrefixRun]] = {}  # queued request -> the reads it pins near the front
+        self.asked: dict[str, float] = {}  # deferred request -> when it asked its front where its reads are now
+        self.asking: list[str] = []  # ... and those to ask with this iteration (the loop sends ResolveReads)
+        self.resolved = 0  # requests that pinned reads their front named again near the queue's front
         self.peer_tokens = self.own_tokens = 0  # prompt tokens read where peers hold them, or from this cache
         self.stuck = StuckTimer()  # since when this engine has run nothing while requests wait
         self.unblocked = 0  # waiting requests that gave their pins back to unblock the node
@@ -98,15 +107,16 @@ class PoolHooks:
 
     def take_prefix(self, req: Request, runs: list[p.PrefixRun]) -> bool:
         """Pin the prompt's leading pages where the pool holds them, if the request joins the queue
-        near its front (pool/ahead.py); the request keeps the rest. Else its runs wait for
-        `_pin_due`. -> whether it pinned any (for this request: what a failed add releases)."""
+        near its front (pool/ahead.py); the request keeps the rest. Else, or where nothing could be
+        pinned (the prefix not computed yet: a request before it may be computing it), it waits for
+        `_pin_due` and, near the front, asks where its reads are then. -> whether it pinned any (for
+        this request: what a failed add releases)."""
         self.deferred.pop(req.request_id, None)
-        if not runs:
-            return False
-        if not pins_on_arrival(self.core.scheduler.waiting, req, self.core.pool.num_free, self.config.page_size):
+        pinned = bool(runs) and pins_on_arrival(self.core.scheduler.waiting, req, self.core.pool.num_free,
+                                                self.config.page_size) and self._pin(req, runs, queued=False)
+        if not pinned and req.num_prompt_tokens > self.config.page_size:
             self.deferred[req.request_id] = runs
-            return False
-        return self._pin(req, runs, queued=False)
+        return pinned
 
     def _pin(self, req: Request, runs: list[p.PrefixRun], queued: bool) -> bool:
         """Pin `runs` for `req` and make what was pinned its foreign prefix (`queued`: it waits in
@@ -127,21 +137,54 @@ class PoolHooks:
         return True
 
     def _pin_due(self) -> None:
-        """Queued requests whose reads wait pin them once they are near the front (pool/ahead.py);
-        one admitted without them (its own prefix cache serves what it holds) or gone forgets them.
+        """Queued requests whose reads wait name them again once they are near the front (pool/ahead.py):
+        each asks its front where the pool holds its prefix now (ResolveReads; `reads` pins what it
+        answers), and pins the runs it came with if no answer comes within RESOLVE_SECONDS. One
+        admitted without them (its own prefix cache serves what it holds) or gone forgets them.
         What the holders evicted meanwhile it computes."""
         sched = self.core.scheduler
         for rid in list(self.deferred):
             req = sched.requests.get(rid)
             if req is None or req.status is not RequestStatus.WAITING or req.num_computed_tokens:
                 del self.deferred[rid]
+                self.asked.pop(rid, None)
+        now = time.monotonic()
         for req in due(sched.waiting, self.deferred, self.core.pool.num_free, self.config.page_size):
-            if self._pin(req, self.deferred.pop(req.request_id), queued=True):
-                self.pinned_queued += 1
-                self._count(req.request_id)
+            rid = req.request_id
+            asked = self.asked.get(rid)
+            if asked is None:
+                self.asked[rid] = now
+                self.asking.append(rid)
+            elif now - asked > RESOLVE_SECONDS:  # its front is gone or far behind
+                log.warning("pool: no word from the front on request %s's reads for %.1f s; it reads "
+                            "where its prefix was when it came", rid, now - asked)
+                del self.asked[rid]
+                self._pin_queued(req, self.deferred.pop(rid))
+
+    def take_asking(self) -> list[str]:
+        asking, self.asking = self.asking, []
+        return asking
+
+    def reads(self, msg: p.Reads) -> None:
+        """The front's answer to ResolveReads: pin the runs it names, if the request still waits."""
+        if self.asked.pop(msg.request_id, None) is None or msg.request_id not in self.deferred:
+            return  # answered already (its arrival runs pinned), or admitted, or gone
+        del self.deferred[msg.request_id]
+        req = self.core.scheduler.requests.get(msg.request_id)
+        if req is not None and req.status is RequestStatus.WAITING and not req.num_computed_tokens:
+            if self._pin_queued(req, msg.prefix):
+                self.resolved += 1
+
+    def _pin_queued(self, req: Request, runs: list[p.PrefixRun]) -> bool:
+        if not runs or not self._pin(req, runs, queued=True):
+            return False
+        self.pinned_queued += 1
+        self._count(req.request_id)
+        return True
 
     def release_pins(self, request_id: str, pinned: bool) -> None:
         self.deferred.pop(request_id, None)
+        self.asked.pop(request_id, None)
         if pinned:
             with self.core.unlocked():
                 self.member.release(request_id)
@@ -284,7 +327,7 @@ class PoolHooks:
                     pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages,
                     pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
                     pool_share=self.member.share, pool_unblocked=self.unblocked,
-                    pool_pinned_queued=self.pinned_queued, pool_path=path, pool_staged=staged)
+                    pool_pinned_queued=self.pinned_queued, pool_resolved=self.resolved, pool_path=path, pool_staged=staged)
 
     def close(self) -> None:
         if self.member is not None:

@@ -254,7 +254,8 @@ class NodeSimulator:
             target = self.engines[choice.engine_id]
             if pins_on_arrival(target.scheduler.waiting, req, target.pool.num_free, self.cost.page_size):
                 self._pin(target, req, choice.runs)
-            elif choice.runs:
+            if not req.foreign_token_ids and req.num_prompt_tokens > self.cost.page_size:
+                # its reads are named when it nears the front, from where the pool holds them then
                 target.deferred[req.request_id] = choice.runs
             seg = self.config.segment_pages
             if choice.places and self.mode == "pool-write":
@@ -306,7 +307,11 @@ class NodeSimulator:
             if req is None or req.status is not RequestStatus.WAITING or req.num_computed_tokens:
                 del e.deferred[rid]
         for req in due(sched.waiting, e.deferred, e.pool.num_free, self.cost.page_size):
-            self._pin(e, req, e.deferred.pop(req.request_id), queued=True)
+            del e.deferred[req.request_id]
+            runs = self.router.reads(self.engines, req.prompt_token_ids, self.config.segment_pages, e.engine_id,
+                                     self.rng)
+            if runs:
+                self._pin(e, req, runs, queued=True)
 
     def _place(self, e: _Engine) -> None:
         """Put the new segments of e's requests whose prompts are computed at their homes (as the

@@ -32,7 +32,7 @@ from tokenflowd.daemon.supervisor import NoEngineReady, Supervisor
 from tokenflowd.federation.wire import PrefillOrder
 from tokenflowd.openai_api import schema as s
 from tokenflowd.openai_api.errors import APIError, not_utf8
-from tokenflowd.protocol import AddRequest, Coalesce, PrefixRun, Sampling
+from tokenflowd.protocol import AddRequest, Coalesce, PrefixRun, Reads, Sampling
 from tokenflowd.text import tools
 from tokenflowd.text.structured import ANY_OBJECT, json_grammar
 from tokenflowd.text.tokenizer import Tokenizer
@@ -115,6 +115,7 @@ class Front:
         self.metrics = Metrics(supervisor)
         self.router = Router(supervisor.engine_config.page_size, supervisor.index)
         self.arrivals: Arrivals[Arrival, Choice] = Arrivals(self._place)  # the pool's dispatch groups
+        supervisor.on_resolve = self._resolve
         self.draining = False
         self.created = int(time.time())
         self.chat_decoder = msgspec.json.Decoder(s.ChatCompletionRequest)
@@ -390,10 +391,22 @@ class Front:
         """A group of arrivals with the pool on (daemon/api/arrivals.py)."""
         slots = self.ready_slots()
         infos = [slot.info for slot in slots if slot.info is not None]
-        segment = min(i.pool_segment_pages for i in infos) or 1
+        segment = self._segment_pages(slots)
         cost = TrafficCost(max(i.pool_query_row_bytes for i in infos), max(i.pool_kv_token_bytes for i in infos))
         place = self.supervisor.engine_config.pool_placement == "home"
         return self.router.dispatch(slots, arrivals, segment, cost, place=place)
+
+    @staticmethod
+    def _segment_pages(slots: Sequence) -> int:
+        return min((slot.info.pool_segment_pages for slot in slots if slot.info is not None), default=1) or 1
+
+    def _resolve(self, slot, stream) -> None:
+        """A request queued on `slot` nears the front of its queue (protocol.ResolveReads): its reads
+        named again, from where the pool holds its prefix now."""
+        slots = [x for x in self.supervisor.slots if x.ready]
+        runs = self.router.reads(slots, stream.prompt_token_ids, self._segment_pages(slots), slot.engine_id) \
+            if slot in slots else []
+        self.supervisor.send(slot, Reads(stream.request_id, [PrefixRun(e, keys) for e, keys in runs]))
 
     def ready_slots(self) -> list:
         slots = [slot for slot in self.supervisor.slots if slot.ready]

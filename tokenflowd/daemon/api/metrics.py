@@ -164,6 +164,9 @@ class EngineCollector(Collector):
             "tokenflowd_pool_pinned_queued_requests": ("Requests whose pool reads waited while they were far back in "
                                                        "the queue, pinned once they neared its front",
                                                        lambda s: s.pool_pinned_queued),
+            "tokenflowd_pool_resolved_requests": ("Of those, the requests that pinned reads their front named again "
+                                                  "as they neared the queue's front (where the pool held their "
+                                                  "prefix then)", lambda s: s.pool_resolved),
         }
         for name, (doc, value) in figures.items():
             yield _per_engine(CounterMetricFamily(name, doc, labels=["engine"]), slots, value)

@@ -87,6 +87,9 @@ class EngineEndpoint(abc.ABC):
     def chain_ends(self, msg: p.ChainEnds) -> None:
         """Where the node's chains end moved: the prefix cache's eviction order follows it."""
 
+    def pool_reads(self, msg: p.Reads) -> None:
+        """Where the pool holds a queued request's prefix now, as its front names it (pool/engine_hooks.py)."""
+
     def remote_arrived(self, msg: p.RemoteArrived) -> None:
         """A prefill node answered for a request this decode node reserved pages for (federation/)."""
 
@@ -163,6 +166,8 @@ class EngineEndpoint(abc.ABC):
             self.pool_peers(msg)
         elif isinstance(msg, p.ChainEnds):
             self.chain_ends(msg)
+        elif isinstance(msg, p.Reads):
+            self.pool_reads(msg)
         elif isinstance(msg, p.RemoteArrived):
             self.remote_arrived(msg)
         elif isinstance(msg, (p.KeepKV, p.KeptKV, p.GiveKV)):

@@ -129,6 +129,8 @@ class EngineProcess(EngineEndpoint):
                 deltas += [_delta(out) for out in fed.outputs()]
             if self.pool is not None:
                 self.pool.before_step()
+                for rid in self.pool.take_asking():  # where are their reads now? (answered: pool_reads)
+                    self.reply(rid, p.ResolveReads(self.spec.engine_id, self.spec.incarnation, rid))
             if core.has_unfinished():
                 outs = core.step()
                 if fed is not None:
@@ -159,6 +161,10 @@ class EngineProcess(EngineEndpoint):
     def pool_peers(self, msg: p.PoolPeers) -> None:
         if self.pool is not None:
             self.pool.set_peers(msg)
+
+    def pool_reads(self, msg: p.Reads) -> None:
+        if self.pool is not None:
+            self.pool.reads(msg)
 
     def chain_ends(self, msg: p.ChainEnds) -> None:
         self.core.pool.set_inner(msg.inner, True)
