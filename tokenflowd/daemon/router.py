@@ -28,6 +28,10 @@ busier than the chosen engine by more than a slack is not read there: the chosen
 it and what follows, and so holds a replica of it. Heavy hitters are replicated to the least
 loaded engines that lack them, by use (Mooncake's hot prefixes replicate the same way).
 
+A request queued behind others has its reads named again as it nears the front of its engine's
+queue (`reads`, asked by the engine: protocol.ResolveReads): from where the pool holds its prefix
+then, which in a burst over a document is where the first request over it computed it meanwhile.
+
 Requests that reach the front together are placed together (`dispatch`, TokenLake §5): the engines
 are topped up to an even load, and within that each request goes where it moves the fewest bytes
 (its query rows to the other engines holding what it reads, its new segments to their homes), by

@@ -7,8 +7,9 @@ where a request runs and what it computes.
       routing   Router.pick: the engine with the longest cached prefix unless it is clearly busier
       pool      Router.pick_pooled: the least loaded engine (by work); the prompt's prefix pages that engines
                 hold are pinned where they are and read there, so the request computes only the rest
-                (pinned once the request is near the front of its engine's queue, pool/ahead.py: what
-                was evicted before then it computes);
+                (named again and pinned once the request is near the front of its engine's queue,
+                pool/ahead.py, Router.reads: from where the pool holds them then, as the daemon's
+                engine asks its front with ResolveReads);
                 its new whole segments are put at their homes (rendezvous hash) once its prompt is
                 computed, and no longer cached where it ran (what the daemon's --pool-placement
                 home did before it wrote into the home)
