@@ -48,6 +48,14 @@ def pins_on_arrival(waiting: Sequence[Queued], req: Queued, free_pages: int, pag
                     free_pages)
 
 
+def waits(waiting: Sequence[Queued], req: Queued, free_pages: int, page_size: int) -> bool:
+    """Whether `req`, joining the end of `waiting`, waits for its turn (others are queued ahead of it,
+    or its pages do not fit those free) rather than going in at the next step. One that found nothing
+    to read as it came asks again when it is due: by then a request ahead of it may have computed
+    its prefix. One that goes straight in does not hold its step for the answer."""
+    return bool(waiting) or pages_of(req, page_size) > free_pages
+
+
 def due(waiting: Iterable[Queued], deferred: Container[str], free_pages: int, page_size: int) -> list:
     """The requests of `waiting` (in queue order) whose reads wait in `deferred` and that pin now."""
     out, pages = [], 0

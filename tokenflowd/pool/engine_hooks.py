@@ -31,7 +31,7 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, RequestStatus
-from tokenflowd.pool.ahead import due, pins_on_arrival
+from tokenflowd.pool.ahead import due, pins_on_arrival, waits
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool import cuda_ipc
 from tokenflowd.pool.names import cache_name, export_path
@@ -108,13 +108,14 @@ class PoolHooks:
     def take_prefix(self, req: Request, runs: list[p.PrefixRun]) -> bool:
         """Pin the prompt's leading pages where the pool holds them, if the request joins the queue
         near its front (pool/ahead.py); the request keeps the rest. Else, or where nothing could be
-        pinned (the prefix not computed yet: a request before it may be computing it), it waits for
-        `_pin_due` and, near the front, asks where its reads are then. -> whether it pinned any (for
+        pinned (the prefix not computed yet: a request before it may be computing it) and it waits
+        for its turn (`waits`), it waits for `_pin_due` and, near the front, asks where its reads are
+        then. -> whether it pinned any (for
         this request: what a failed add releases)."""
         self.deferred.pop(req.request_id, None)
-        pinned = bool(runs) and pins_on_arrival(self.core.scheduler.waiting, req, self.core.pool.num_free,
-                                                self.config.page_size) and self._pin(req, runs, queued=False)
-        if not pinned and req.num_prompt_tokens > self.config.page_size:
+        waiting, free, ps = self.core.scheduler.waiting, self.core.pool.num_free, self.config.page_size
+        pinned = bool(runs) and pins_on_arrival(waiting, req, free, ps) and self._pin(req, runs, queued=False)
+        if not pinned and req.num_prompt_tokens > ps and waits(waiting, req, free, ps):
             self.deferred[req.request_id] = runs
         return pinned
 

@@ -60,7 +60,7 @@ from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool
-from tokenflowd.pool.ahead import due, pins_on_arrival
+from tokenflowd.pool.ahead import due, pins_on_arrival, waits
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.cost import CostModel
@@ -253,9 +253,10 @@ class NodeSimulator:
             choice = self.router.pick_pooled(self.engines, ids, self.config.segment_pages, self.rng,
                                              place=self.mode != "pool-local")
             target = self.engines[choice.engine_id]
-            if pins_on_arrival(target.scheduler.waiting, req, target.pool.num_free, self.cost.page_size):
+            waiting, free, ps = target.scheduler.waiting, target.pool.num_free, self.cost.page_size
+            if pins_on_arrival(waiting, req, free, ps):
                 self._pin(target, req, choice.runs)
-            if not req.foreign_token_ids and req.num_prompt_tokens > self.cost.page_size:
+            if not req.foreign_token_ids and req.num_prompt_tokens > ps and waits(waiting, req, free, ps):
                 # its reads are named when it nears the front, from where the pool holds them then
                 target.deferred[req.request_id] = choice.runs
             seg = self.config.segment_pages
