@@ -65,7 +65,8 @@ def counters(d: Daemon) -> dict[str, float]:
     out = {}
     for s in SOURCES:
         out[s] = d.metric("tokenflowd_prompt_token_sources_total", source=s)
-    for name in ("queries", "query_bytes", "query_seconds", "put_pages", "unblocked_requests"):
+    for name in ("queries", "query_bytes", "query_seconds", "put_pages", "unblocked_requests", "pinned_queued_requests",
+                 "resolved_requests"):
         try:
             out[name] = d.metric(f"tokenflowd_pool_{name}_total")
         except KeyError:  # pool off: no such metric
@@ -135,6 +136,8 @@ def run_mode(mode: str, a, workload: LoadWorkload, log_dir: Path) -> dict:
         "pool_query_ms_mean": 1000 * delta["query_seconds"] / delta["queries"] if delta["queries"] else None,
         "pool_put_pages": delta["put_pages"],
         "pool_unblocked": delta["unblocked_requests"],  # waiting requests that gave their pins back
+        "pool_pinned_queued": delta["pinned_queued_requests"],  # requests that pinned their reads near the front
+        "pool_resolved": delta["resolved_requests"],  # ... named again then by their front (ResolveReads)
     }
     print(f"[bench] {mode}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                           for k, v in out.items() if k not in ("mode", "sources")), flush=True)

@@ -110,8 +110,7 @@ class PoolHooks:
         near its front (pool/ahead.py); the request keeps the rest. Else, or where nothing could be
         pinned (the prefix not computed yet: a request before it may be computing it) and it waits
         for its turn (`waits`), it waits for `_pin_due` and, near the front, asks where its reads are
-        then. -> whether it pinned any (for
-        this request: what a failed add releases)."""
+        then. -> whether it pinned any (for this request: what a failed add releases)."""
         self.deferred.pop(req.request_id, None)
         waiting, free, ps = self.core.scheduler.waiting, self.core.pool.num_free, self.config.page_size
         pinned = bool(runs) and pins_on_arrival(waiting, req, free, ps) and self._pin(req, runs, queued=False)
