@@ -40,6 +40,7 @@ class Member:
 
     def __init__(self) -> None:
         self.pinned: dict[str, int] = {}
+        self.peers = {1: None}
 
     def pin(self, rid, runs):
         self.pinned[rid] = sum(len(run.keys) for run in runs)
@@ -128,6 +129,8 @@ def test_a_reader_that_goes_straight_in_or_has_no_whole_page_asks_nothing():
     assert not h.take_prefix(request("alone", 64), []) and not h.deferred, "an idle engine admits it at once"
     sched, h = engine(1)
     assert not h.take_prefix(request("short", PS), []) and not h.deferred, "no whole page: nothing to read"
+    h.member.peers = {}
+    assert not h.take_prefix(request("alone", 64), []) and not h.deferred, "no peer: nothing to ask about"
 
 
 def test_a_reader_whose_front_does_not_answer_reads_what_it_came_with(monkeypatch):

@@ -114,8 +114,8 @@ class PoolHooks:
         self.deferred.pop(req.request_id, None)
         waiting, free, ps = self.core.scheduler.waiting, self.core.pool.num_free, self.config.page_size
         pinned = bool(runs) and pins_on_arrival(waiting, req, free, ps) and self._pin(req, runs, queued=False)
-        if not pinned and req.num_prompt_tokens > ps and waits(waiting, req, free, ps):
-            self.deferred[req.request_id] = runs
+        if not pinned and req.num_prompt_tokens > ps and waits(waiting, req, free, ps) and (runs or self.member.peers):
+            self.deferred[req.request_id] = runs  # (an engine alone in its pool has nothing to ask about)
         return pinned
 
     def _pin(self, req: Request, runs: list[p.PrefixRun], queued: bool) -> bool:
@@ -327,7 +327,8 @@ class PoolHooks:
                     pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages,
                     pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
                     pool_share=self.member.share, pool_unblocked=self.unblocked,
-                    pool_pinned_queued=self.pinned_queued, pool_resolved=self.resolved, pool_path=path, pool_staged=staged)
+                    pool_pinned_queued=self.pinned_queued, pool_resolved=self.resolved, pool_path=path,
+                    pool_staged=staged)
 
     def close(self) -> None:
         if self.member is not None:
