@@ -142,9 +142,9 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
         resolved = sum(d.metric("tokenflowd_pool_resolved_requests_total", engine=str(e)) for e in (0, 1))
         if seats:
             assert queued > 0, "no request waited to pin its reads"
-            # near the front, each asked its front where its reads were then (ResolveReads), and
-            # pinned what the front named: none waited the 2 s for a front that did not answer
-            assert resolved == queued, (resolved, queued)
+            # near the front, they asked their front where their reads were then (ResolveReads) and
+            # pinned what it named (one whose answer took over RESOLVE_SECONDS pins what it came with)
+            assert 0 < resolved <= queued, (resolved, queued)
         # Deduplication: the system prompt's 64 pages are held once, each at its home (each request
         # adds its own pages, prompt and output, to where it ran).
         after = pool_pages(d)
