@@ -279,7 +279,8 @@ def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_ki
                         seen.update(writer=max((0, 1), key=now.__getitem__), put=now, since=time.monotonic())
                     return
                 pages = await asyncio.to_thread(used, d)
-                if pages[1 - seen["writer"]] or time.monotonic() - seen["since"] > 3:
+                # (the home's figure can come mid-write, with part of the segments in: wait for all)
+                if pages[1 - seen["writer"]] >= home[1 - seen["writer"]] or time.monotonic() - seen["since"] > 3:
                     seen.update(used=pages, at=len(text))
             return await stream_text(d.base_url, prompts[0], 96, look)
 
