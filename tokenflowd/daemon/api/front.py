@@ -403,7 +403,7 @@ class Front:
     def _resolve(self, slot, stream) -> None:
         """A request queued on `slot` nears the front of its queue (protocol.ResolveReads): its reads
         named again, from where the pool holds its prefix now."""
-        slots = [x for x in self.supervisor.slots if x.ready]
+        slots = [x for x in self.supervisor.slots if x.ready]  # (not ready_slots: none ready is no error here)
         runs = self.router.reads(slots, stream.prompt_token_ids, self._segment_pages(slots), slot.engine_id) \
             if slot in slots else []
         self.supervisor.send(slot, Reads(stream.request_id, [PrefixRun(e, keys) for e, keys in runs]))
