@@ -1,6 +1,8 @@
 """The node simulator (tokenflowd/sim/node.py) on TokenLake's kind of workload: cache-aware routing
 against the pool, placing new segments at their homes (`pool`) or keeping them where they were
-computed (`pool-local`), 8 engines, at a light load and in overload, per cost model.
+computed (`pool-local`), 8 engines, at a light load and in overload, per cost model. Idle engines
+take queued requests from busy ones in every pool mode (pool/steal.py) unless the mode is named
+with -nosteal (`--modes routing,pool-local,pool-local-nosteal`).
 
     python bench/node_contexts.py [--presets a100-llama2-7b,calibrated:FILE] [--num-prompts 300]
                                   [--workloads documents,...] [--runs SPEC@LIGHT/OVER;...]
@@ -25,11 +27,12 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenflowd.sim.cost import cost_model  # noqa: E402
-from tokenflowd.sim.node import MODES, NodeConfig, simulate_node  # noqa: E402
+from tokenflowd.sim.node import MODES, NodeConfig, NodeResult, NodeSimulator  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape  # noqa: E402
 
@@ -53,6 +56,12 @@ def workload(spec: str, rate: float, n: int, seed: int, max_prompt_len: int = 32
                                        max_prompt_len=max_prompt_len))
 
 
+def simulate(cost, w, mode: str, config: NodeConfig) -> NodeResult:
+    """One mode's run; a pool mode named with -nosteal runs without pool/steal.py (--no-pool-steal)."""
+    base = mode.removesuffix("-nosteal")
+    return NodeSimulator(cost, w, base, replace(config, steal=base == mode)).run()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default=f"a100-llama2-7b,{H200}")
@@ -63,7 +72,8 @@ def main() -> None:
                     help="each engine's KV memory times this (a cache one engine's working set outgrows); prompts "
                          "are capped at half an engine's pool")
     ap.add_argument("--modes", default=",".join(MODES),
-                    help="routing and the pool modes to run (routing always); pool, which puts new segments at "
+                    help="routing and the pool modes to run (routing always; a pool mode with -nosteal: without "
+                         "idle engines taking queued requests, pool/steal.py); pool, which puts new segments at "
                          "their homes after the prompt while the request keeps its copy, can stall in overload "
                          "at a small cache (every engine's pages held)")
     ap.add_argument("--policy", default="fcfs", help="every engine's scheduling policy (the daemon's default is "
@@ -76,7 +86,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
     a = ap.parse_args()
-    modes = ("routing", *[m for m in a.modes.split(",") if m in MODES and m != "routing"])
+    modes = ("routing", *[m for m in a.modes.split(",") if m.removesuffix("-nosteal") in MODES and m != "routing"])
     rows = []
     for preset in a.presets.split(","):
         cost = cost_model(preset)
@@ -90,8 +100,9 @@ def main() -> None:
                 continue
             for load, rate in zip(("light", "overload"), rates):
                 t0 = time.perf_counter()
-                results = simulate_node(cost, workload(spec, rate, a.num_prompts, a.seed, cap), modes,
-                                        NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off))
+                w = workload(spec, rate, a.num_prompts, a.seed, cap)
+                results = {m: simulate(cost, w, m, NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off))
+                           for m in modes}
                 s = {m: r.summary() for m, r in results.items()}
                 row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
                        "load": load, "rate": rate, "seconds": time.perf_counter() - t0,

@@ -30,9 +30,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from node_contexts import H200, RUNS, workload  # noqa: E402
+from node_contexts import H200, RUNS, simulate, workload  # noqa: E402
 from tokenflowd.sim.cost import cost_model  # noqa: E402
-from tokenflowd.sim.node import MODES, SLO_FACTOR, NodeConfig, NodeSimulator  # noqa: E402
+from tokenflowd.sim.node import MODES, SLO_FACTOR, NodeConfig  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 
 ATTAINMENT = 0.9
@@ -41,8 +41,8 @@ ATTAINMENT = 0.9
 def probe(cost, spec: str, rate: float, mode: str, a, cap: int) -> dict:
     knob = 1.0 / rate if spec == "trace" else rate
     n = a.num_prompts if spec == "trace" else min(a.max_prompts, max(a.num_prompts, round(rate * a.seconds)))
-    r = NodeSimulator(cost, workload(spec, knob, n, a.seed, cap), mode,
-                      NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off)).run().summary()
+    r = simulate(cost, workload(spec, knob, n, a.seed, cap), mode,
+                 NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off)).summary()
     return {"rate": rate, "requests": n,
             "slo_attainment": r["ttft_slo_attainment" if a.slo == "ttft" else "slo_attainment"],
             "throughput": r["throughput"], "hit_rate": r["hit_rate"], "ttft_p99": r["ttft_p99"]}
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
     a = ap.parse_args()
-    modes = [m for m in a.modes.split(",") if m in MODES]
+    modes = [m for m in a.modes.split(",") if m.removesuffix("-nosteal") in MODES]
     rows = []
     for preset in a.presets.split(","):
         cost = cost_model(preset)

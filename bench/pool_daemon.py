@@ -51,14 +51,16 @@ SOURCES = ("local", "peer", "miss")
 def flags(engines: int, kv: str, mode: str, segment_tokens: int = 0) -> list[str]:
     """`mode`: off, query or read (placement by home, the default), query-local, read-local (new
     segments stay where they are computed), or query-segment, read-segment (placement by home, each
-    segment written into its home as it is computed: --pool-hand-off segment). `segment_tokens`: the
+    segment written into its home as it is computed: --pool-hand-off segment); any with -nosteal: no idle
+    engine takes queued requests (--no-pool-steal, pool/steal.py). `segment_tokens`: the
     pool's segment (0: the break-even length the engines measure at start-up)."""
+    mode, steal = mode.removesuffix("-nosteal"), [] if not mode.endswith("-nosteal") else ["--no-pool-steal"]
     pool, _, placement = mode.partition("-")
     segment = ["--pool-segment-tokens", str(segment_tokens)] if segment_tokens and pool != "off" else []
     where = ["--pool-hand-off", "segment"] if placement == "segment" else \
         ["--pool-placement", placement] if placement else []
     return ["--engines", str(engines), "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", kv,
-            "--pool-mode", pool, *where, *segment]
+            "--pool-mode", pool, *where, *segment, *(steal if pool != "off" else [])]
 
 
 def counters(d: Daemon) -> dict[str, float]:
@@ -66,7 +68,7 @@ def counters(d: Daemon) -> dict[str, float]:
     for s in SOURCES:
         out[s] = d.metric("tokenflowd_prompt_token_sources_total", source=s)
     for name in ("queries", "query_bytes", "query_seconds", "put_pages", "unblocked_requests", "pinned_queued_requests",
-                 "resolved_requests"):
+                 "resolved_requests", "moved_requests"):
         try:
             out[name] = d.metric(f"tokenflowd_pool_{name}_total")
         except KeyError:  # pool off: no such metric
@@ -138,6 +140,7 @@ def run_mode(mode: str, a, workload: LoadWorkload, log_dir: Path) -> dict:
         "pool_unblocked": delta["unblocked_requests"],  # waiting requests that gave their pins back
         "pool_pinned_queued": delta["pinned_queued_requests"],  # requests that pinned their reads near the front
         "pool_resolved": delta["resolved_requests"],  # ... named again then by their front (ResolveReads)
+        "pool_moved": delta["moved_requests"],  # queued requests an idle engine took (pool/steal.py)
     }
     print(f"[bench] {mode}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                           for k, v in out.items() if k not in ("mode", "sources")), flush=True)

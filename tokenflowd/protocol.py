@@ -215,8 +215,17 @@ class Reads(msgspec.Struct, tag=True):
     prefix: list[PrefixRun] = []
 
 
+class Withdraw(msgspec.Struct, tag=True):
+    """The pool: a peer is idle and this engine's queue is long (pool/steal.py). The engine gives
+    back the last request of `front` queued here that has started nothing, for the front to send
+    to the idle engine; it answers Withdrawn."""
+
+    front: int = 0
+
+
 ToEngine = (AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure
-            | AbortFront | QueryKeys | PoolPeers | RemoteArrived | KeepKV | KeptKV | GiveKV | ChainEnds | Reads)
+            | AbortFront | QueryKeys | PoolPeers | RemoteArrived | KeepKV | KeptKV | GiveKV | ChainEnds | Reads
+            | Withdraw)
 
 
 # -- engine → supervisor ---------------------------------------------------------------------
@@ -402,7 +411,17 @@ class ResolveReads(msgspec.Struct, tag=True):
     request_id: str
 
 
-FromEngine = Ready | StepOutputs | QueryReply | Reconfigured | KeySnapshot | Reserved | Prefilled | ResolveReads
+class Withdrawn(msgspec.Struct, tag=True):
+    """The answer to Withdraw: the requests the engine gave back ([]: none could go). Each is gone
+    from the engine, its pages and pins let go of; it has sent nothing of it."""
+
+    engine_id: int
+    incarnation: int
+    request_ids: list[str]
+
+
+FromEngine = (Ready | StepOutputs | QueryReply | Reconfigured | KeySnapshot | Reserved | Prefilled | ResolveReads
+              | Withdrawn)
 
 
 class EngineSpec(msgspec.Struct):

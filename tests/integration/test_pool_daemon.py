@@ -391,3 +391,44 @@ def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_
 
 async def _first_token(seen: dict) -> None:
     seen.setdefault("first_token", True)
+
+
+def test_an_idle_engine_takes_requests_queued_on_the_busy_one_with_a_single_engines_greedy_tokens(reference):
+    """One seat an engine (--max-num-seqs 1). A long prompt goes first, to one engine; twelve short
+    ones then come one at a time, and each goes where the work is least: the other engine, where
+    they queue. Once the long one ends, its engine is idle and takes the last of the other's queue,
+    again and again (pool/steal.py; protocol.Withdraw). Every reply is a single engine's."""
+    tok = reference.tokenizer
+    long = tok.encode(" ".join(f"Fact {i}: rivers run to the sea." for i in range(120)), add_special_tokens=True)[:600]
+    topics = ["a lake", "a color", "a fruit", "a city", "a river", "a tree", "a bird", "a metal", "a planet",
+              "a flower", "a sport", "a fish"]
+    shorts = [tok.encode(f"Question: name {t}.\nAnswer:", add_special_tokens=True) for t in topics]
+    want_long, want = greedy(reference, [long], 48)[0], greedy(reference, shorts, 32)
+    d = Daemon(*FLAGS, "--pool-mode", "query", "--max-num-seqs", "1")
+    try:
+        d.wait_all_engines()
+
+        async def run():
+            async with httpx.AsyncClient(base_url=d.base_url, timeout=300) as http:
+                first = asyncio.ensure_future(http.post("/v1/completions", json=body(long, 48)))
+                await asyncio.sleep(0.3)  # (sent: the front counts its prompt as its engine's work)
+                rest = []
+                for prompt in shorts:  # one at a time: each placed alone, where the work is least
+                    rest.append(asyncio.ensure_future(http.post("/v1/completions", json=body(prompt, 32))))
+                    await asyncio.sleep(0.05)
+                return await first, await asyncio.gather(*rest)
+
+        first, rest = asyncio.run(run())
+        assert first.status_code == 200 and first.json()["choices"][0]["text"] == want_long, first.text
+        assert [r.json()["choices"][0]["text"] for r in rest] == want, [r.text for r in rest]
+        moved = sum(d.metric("tokenflowd_pool_moved_requests_total", engine=str(e)) for e in (0, 1))
+        assert moved >= 1, "the idle engine took nothing from the busy one's queue"
+        took = {e: sum(d.metric("tokenflowd_prompt_token_sources_total", engine=str(e), source=s)
+                       for s in ("local", "peer", "miss")) for e in (0, 1)}
+        ran_long = max(took, key=took.__getitem__)
+        assert took[ran_long] > len(long), ("the engine that ran the long prompt ran no short one", took)
+        for e in ("0", "1"):
+            wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
+            assert d.metric("tokenflowd_pool_pinned_pages", engine=e) == 0
+    finally:
+        assert d.stop() == 0

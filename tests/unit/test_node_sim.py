@@ -91,7 +91,7 @@ def test_engines_whose_waiting_requests_pin_each_others_pages_give_the_pins_back
     from tokenflowd.sim.node import NodeSimulator
 
     cost, over = small_cache_documents(16.0, 100)
-    sim = NodeSimulator(cost, over, "pool", NodeConfig())
+    sim = NodeSimulator(cost, over, "pool", NodeConfig(steal=False))  # (an idle engine taking work unsticks it too)
     assert sim.run().summary()["requests_served"] == 100
     assert sim.unblocked > 0
 
@@ -135,10 +135,11 @@ def test_in_overload_requests_pin_what_they_read_as_they_near_the_front_and_give
     from tokenflowd.sim import node
 
     cost, over = small_cache_documents(16.0)
-    late = NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow"))
+    config = NodeConfig(policy="tokenflow", steal=False)  # (an idle engine taking work frees pins its own way)
+    late = NodeSimulator(cost, over, "pool-write", config)
     late.run()
     monkeypatch.setattr(node, "pins_on_arrival", lambda *_: True)
-    early = NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow"))
+    early = NodeSimulator(cost, over, "pool-write", config)
     early.run()
     # (pinned on arrival, only those that found nothing to read then pin near the front)
     assert late.pinned_queued > 2 * early.pinned_queued, (late.pinned_queued, early.pinned_queued)
@@ -218,3 +219,23 @@ def test_in_overload_where_one_engine_cannot_hold_the_documents_requests_read_wh
     assert q["hit_rate"] >= 1.5 * r["hit_rate"], (q, r)
     assert q["throughput"] >= 1.3 * r["throughput"], (q, r)
     assert q["busy_cv"] < 0.15, q
+
+
+def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_throughput():
+    """pool/steal.py: the pool places each request as it comes, and in overload one engine's queue
+    grows while another empties (prompts of very different lengths). With the pool, where a request
+    runs does not decide what it reads: an idle engine takes the last queued request that has started
+    nothing from the longest queue, and reads its prefix where the pool holds it."""
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
+
+    cost = cost_model("a100-llama2-7b")
+    cost = cost.replace(kv_memory=cost.kv_memory // 4)
+    w = build_workload(WorkloadSpec("poisson", 300, rate=16.0, seed=0,
+                                    contexts=parse_context_shape("documents:active=16:scale=0.5:uses=32"),
+                                    max_prompt_len=cost.max_tokens_in_pool // 2))
+    stealing = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow"))
+    fixed = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow", steal=False))
+    s, f = stealing.run().summary(), fixed.run().summary()
+    assert stealing.stolen > 10 and fixed.stolen == 0
+    assert s["throughput"] >= 1.2 * f["throughput"], (s, f)
+    assert s["busy_cv"] < f["busy_cv"], (s, f)

@@ -135,6 +135,9 @@ class EngineConfig:
     # engine needs room for a segment of the prompt, not all of it, and the rest of the prompt
     # attends to what went through the pool's path)
     pool_hand_off: str = "prompt"
+    # an idle engine takes the last queued request that has started nothing from the engine with the
+    # longest queue (pool/steal.py; the front asks: protocol.Withdraw)
+    pool_steal: bool = True
     # Federation (federation/): both (prefill and decode here), prefill (prompts computed here have
     # their KV written to decode nodes, layer by layer) or decode (prompts' KV comes from prefill nodes)
     role: str = "both"

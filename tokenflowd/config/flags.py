@@ -62,6 +62,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --pool-placement home, when a new segment is written into its home: prompt (the "
                         "default: once the request's prompt is computed) or segment (as each is computed: the "
                         "engine needs room for one segment of a long prompt, not all of it, where KV is short)")
+    g.add_argument("--no-pool-steal", action="store_true",
+                   help="with the pool on, an idle engine takes no queued request from a busy one (by default the "
+                        "engine with the longest queue gives it the last request that has started nothing)")
     g.add_argument("--role", choices=["both", "prefill", "decode"],
                    help="this node in a federated cluster (tokenflowd conductor): both (the default: prefill and "
                         "decode here), prefill (compute prompts and write their KV to decode nodes) or decode "
@@ -150,6 +153,8 @@ def engine_config(a: argparse.Namespace, file_values: dict | None = None,
         kw["cuda_graphs"] = False
     if getattr(a, "no_pool_ipc", False):
         kw["pool_ipc"] = False
+    if getattr(a, "no_pool_steal", False):
+        kw["pool_steal"] = False
     if getattr(a, "no_load_evict_overlap", False):
         kw["load_evict_overlap"] = False
     if getattr(a, "overlap", None) is not None:

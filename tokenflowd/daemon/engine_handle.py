@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import zmq
 
@@ -32,7 +32,7 @@ class Stream:
     engine: EngineHandle
     num_prompt_tokens: int
     on_delta: Callable[[p.Delta], None]
-    prompt_token_ids: Sequence[int] = ()  # (the pool: to name its reads again while it waits)
+    add: p.AddRequest | None = None  # as sent (the pool: to name its reads again, or send it elsewhere, while it waits)
     started: bool = False  # a token or the end has arrived: no longer counted as waiting
     finished: bool = False
 

@@ -2,6 +2,7 @@
 
     Supervisor ──AddRequest/Abort/SetReadingRate/SetReadCursor/Query──► engine i (zmq PUSH, one per incarnation)
                ◄──Ready/StepOutputs/QueryReply─────────────────────── all engines (one zmq PULL)
+    (and the pool's: Reads and Withdraw out, ResolveReads and Withdrawn in)
 
     engine_handle.py   EngineHandle: one engine's state, input socket and streams
     launcher.py        LocalLauncher: spawns, watches and restarts the engine processes
@@ -62,6 +63,10 @@ class Supervisor:
         self.on_keys: Callable[[list[bytes] | None, list[bytes] | None], None] | None = None
         # the pool: a queued request asks where its prefix is now (the front that routes answers)
         self.on_resolve: Callable[[EngineHandle, Stream], None] | None = None
+        # the pool: an engine reported its state (StepOutputs: an idle one may take a queued request),
+        # and an engine gave queued requests back (Withdrawn)
+        self.on_report: Callable[[EngineHandle], None] | None = None
+        self.on_withdrawn: Callable[[EngineHandle, p.Withdrawn], None] | None = None
         self.slots = [
             EngineHandle(i, cfg, env)
             for i, (cfg, env) in enumerate(placement or engine_configs(engine, server.engines))
@@ -201,6 +206,9 @@ class Supervisor:
             stream = slot.streams.get(msg.request_id)  # (none: not this front's, or ended)
             if stream is not None and self.on_resolve is not None:
                 self.on_resolve(slot, stream)
+        elif isinstance(msg, p.Withdrawn):
+            if self.on_withdrawn is not None:
+                self.on_withdrawn(slot, msg)
         elif isinstance(msg, (p.Reserved, p.Prefilled)):
             fut = self._answers.pop(msg.request_id, None)
             if fut is not None and not fut.done():
@@ -214,6 +222,8 @@ class Supervisor:
             self.on_keys(msg.keys_added, msg.keys_removed)
         for delta in msg.deltas:
             slot.deliver(delta)
+        if self.on_report is not None:
+            self.on_report(slot)
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, slot: EngineHandle, add: p.AddRequest, on_delta: Callable[[p.Delta], None]) -> Stream:
@@ -221,7 +231,7 @@ class Supervisor:
             raise NoEngineReady(f"engine {slot.engine_id} is not serving")
         if add.request_id in slot.streams:
             raise ValueError(f"request id {add.request_id!r} is already in use")
-        stream = Stream(add.request_id, slot, len(add.prompt_token_ids), on_delta, add.prompt_token_ids)
+        stream = Stream(add.request_id, slot, len(add.prompt_token_ids), on_delta, add)
         slot.streams[add.request_id] = stream
         slot.num_waiting += 1
         if not self.send(slot, add):
@@ -229,6 +239,24 @@ class Supervisor:
             slot.num_waiting -= 1
             raise NoEngineReady(f"engine {slot.engine_id} is not serving")
         return stream
+
+    def move(self, stream: Stream, slot: EngineHandle, add: p.AddRequest) -> bool:
+        """A queued request its engine gave back (Withdrawn: it sent nothing of it) goes to `slot`
+        (another engine, or the same one again) as `add`; its stream follows. False: `slot` is not
+        serving (the stream is where it was)."""
+        old = stream.engine
+        if not slot.ready or slot.inbox is None or (slot is not old and add.request_id in slot.streams):
+            return False
+        if not self.send(slot, add):
+            return False
+        stream.add = add
+        if slot is not old:
+            del old.streams[stream.request_id]
+            old.num_waiting -= 1
+            stream.engine = slot
+            slot.streams[add.request_id] = stream
+            slot.num_waiting += 1
+        return True
 
     def expect(self, request_id: str) -> asyncio.Future:
         """The engine's federation answer about `request_id` (Reserved or Prefilled), once it comes;

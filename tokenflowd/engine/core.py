@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Container
 
 import torch
 
@@ -216,6 +216,11 @@ class EngineCore:
             self._forks.setdefault(parent.request_id, []).append(req)
             return
         self.scheduler.add(req)
+
+    @property
+    def leaders(self) -> Container[str]:
+        """Requests whose other choices (n > 1) wait here for their first token."""
+        return self._forks.keys()
 
     def _release_forks(self) -> None:
         """Queue the choices whose first choice has its first token (or has ended)."""

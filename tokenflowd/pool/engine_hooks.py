@@ -16,6 +16,8 @@
                                          stuck with nothing to run gives its waiting requests' pins
                                          back
     messages:         reads              the front's answer: pin the reads it names
+                      withdrawable       an idle peer takes a queued request (pool/steal.py,
+                      withdrawn          protocol.Withdraw): which one, and forgetting it here
                       set_peers          a peer gone: its readers recompute their prefix here
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 import torch
 
@@ -36,6 +39,7 @@ from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool import cuda_ipc
 from tokenflowd.pool.names import cache_name, export_path
 from tokenflowd.pool.shared_kv import SharedKV
+from tokenflowd.pool.steal import MIN_QUEUE, withdrawable
 from tokenflowd.pool.stuck import STUCK_SECONDS, StuckTimer
 
 log = logging.getLogger("tokenflowd.engine")
@@ -181,6 +185,22 @@ class PoolHooks:
         self.pinned_queued += 1
         self._count(req.request_id)
         return True
+
+    def withdrawable(self, mine: Callable[[str], bool]) -> Request | None:
+        """The request this engine gives an idle peer (pool/steal.py), of those `mine` accepts: not
+        one whose other choices (n > 1) wait here for its first token, nor one asking its front where
+        its reads are (it is near the front); None while fewer than MIN_QUEUE wait."""
+        sched = self.core.scheduler
+        if len(sched.waiting) < MIN_QUEUE:
+            return None
+        keep = {*self.core.leaders, *self.asked, *(r.request_id for r in sched.waiting if not mine(r.request_id))}
+        return withdrawable(sched.waiting, keep)
+
+    def withdrawn(self, request_id: str) -> None:
+        """It went to a peer (its pages are let go of already): forget its reads and its homes."""
+        self.release_pins(request_id, False)
+        self.homes.pop(request_id, None)
+        self.ends.pop(request_id, None)
 
     def release_pins(self, request_id: str, pinned: bool) -> None:
         self.deferred.pop(request_id, None)

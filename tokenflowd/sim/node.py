@@ -23,6 +23,10 @@ where a request runs and what it computes.
                 where they are being computed, once computed (the engine publishes them as it goes).
                 With NodeConfig.hand_off "segment" (--pool-hand-off segment) each whole segment
                 goes as soon as it is computed
+    in every pool mode (NodeConfig.steal, the daemon's default), at the end of each step an idle
+    engine (nothing queued, a seat and a quarter of its pages free) takes the last queued request
+    that has started nothing from the engine with the longest queue, as the daemon's front has it
+    do (pool/steal.py; Router.move names its reads and homes for where it runs now)
     then the engine whose clock is earliest takes a step, until every request has finished. What a
     step does beyond its engine (prefix events into the router's index, pages put or written into
     homes, pins let go of) takes effect at the step's end: an engine whose clock is behind, or an
@@ -54,13 +58,14 @@ from tokenflowd.buffer import make_policy
 from tokenflowd.buffer.qos import Timeline, summarize
 from tokenflowd.config import PolicyConfig
 from tokenflowd.daemon.prefix_index import PrefixIndex
-from tokenflowd.daemon.router import Router
+from tokenflowd.daemon.router import Choice, Router
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.pool.ahead import due, pins_on_arrival, waits
+from tokenflowd.pool.steal import idle, victim, withdrawable
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.cost import CostModel
@@ -73,6 +78,9 @@ MODES = ("routing", "pool", "pool-write", "pool-local")
 # request's TTFT within 10x its prompt's prefill alone, its mean time between tokens within 10x a
 # decode step of one request at its mean context)
 SLO_FACTOR = 10.0
+# s between an idle engine's reports (the daemon's --heartbeat-interval default): the front checks
+# whether an engine can take a queued request from a busy one on each report (pool/steal.py)
+HEARTBEAT = 0.5
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,7 @@ class NodeConfig:
     seed: int = 0
     hand_off: str = "prompt"  # pool-write: new segments go to their homes once the prompt is computed, or each
     # once it is ("segment"), as the daemon's --pool-hand-off
+    steal: bool = True  # pool: an idle engine takes a queued request from a busy one (--no-pool-steal: False)
 
 
 @dataclass
@@ -165,6 +174,7 @@ class _Engine:
         self.core = EngineCore(self.executor, self.scheduler, max_model_len=cost.max_model_len,
                                vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(SIM_EOS,))
         self.debt = 0.0  # s of peers' queries answered, charged to the next step
+        self.reported = 0.0  # an idle engine's last report (the pool's stealing: NodeSimulator._steal)
         self.stuck = StuckTimer()  # since when it has run nothing with requests waiting
         self.busy = 0.0
         self.pins: dict[str, list[tuple[_Engine, list[int]]]] = {}  # request -> (holder, its pages) it reads
@@ -240,19 +250,26 @@ class NodeSimulator:
         self.read_peer: dict[str, int] = {}  # request -> prompt tokens it reads where peers hold them
         self.unblocked = 0  # requests that gave their pins back (_unblock)
         self.pinned_queued = 0  # requests that pinned their reads while queued (pool/ahead.py)
+        self.stolen = 0  # queued requests an idle engine took from a busy one (pool/steal.py)
 
     def _route(self, w: WorkloadRequest) -> None:
         self._now = w.arrival_time
         ids = prompt_token_ids(w, SIM_VOCAB_SIZE)
         req = Request(w.request_id, ids, SamplingParams(max_tokens=w.max_tokens), eos_token_ids=(SIM_EOS,),
                       arrival_time=w.arrival_time, reading_rate=w.reading_rate, priority=w.priority)
-        max_len = max(self.cost.max_model_len, w.prompt_len + w.output_len)
         if self.mode == "routing":
-            target = self.engines[self.router.pick(self.engines, ids).engine_id]
+            target, choice = self.engines[self.router.pick(self.engines, ids).engine_id], None
         else:
             choice = self.router.pick_pooled(self.engines, ids, self.config.segment_pages, self.rng,
                                              place=self.mode != "pool-local")
             target = self.engines[choice.engine_id]
+        self._admit(target, req, choice, w.arrival_time, w.prompt_len + w.output_len)
+
+    def _admit(self, target: _Engine, req: Request, choice: Choice | None, now: float, tokens: int) -> None:
+        """Queue `req` on `target`, with the pool's `choice` (None: routing): its reads pinned now, or
+        named again once it nears the front; the homes of its new segments. `tokens`: its prompt and
+        output."""
+        if choice is not None:
             waiting, free, ps = target.scheduler.waiting, target.pool.num_free, self.cost.page_size
             if pins_on_arrival(waiting, req, free, ps):
                 self._pin(target, req, choice.runs)
@@ -266,10 +283,43 @@ class NodeSimulator:
                     {keys[j] for _, keys in choice.places for j in range(seg - 1, len(keys), seg)})
             elif choice.places:
                 target.places[req.request_id] = choice.places
-        req.max_model_len = max_len - req.prefix_offset
+        req.max_model_len = max(self.cost.max_model_len, tokens) - req.prefix_offset
         if not target.scheduler.has_unfinished():
-            target.clock.now = max(target.clock.now, w.arrival_time)  # it was idle until now
+            target.clock.now = max(target.clock.now, now)  # it was idle until now
         target.scheduler.add(req)
+
+    def _steal(self, e: _Engine, now: float) -> None:
+        """As the daemon's front does on each engine's report (Front._steal, pool/steal.py): an idle
+        engine takes the last request that has started nothing from the longest queue, its reads and
+        homes named for where it runs now. An engine reports at the end of each step, and one that
+        runs nothing every HEARTBEAT seconds."""
+        cost = self.cost
+        for thief in self.engines:
+            s = thief.scheduler
+            if thief is not e:
+                if s.has_unfinished() or now - thief.reported < HEARTBEAT:
+                    continue
+                thief.reported = now
+            if not idle(len(s.waiting), len(s.running), cost.max_num_seqs, thief.pool.num_free, cost.num_pages):
+                continue
+            giver = victim({x.engine_id: len(x.scheduler.waiting) for x in self.engines}, thief.engine_id)
+            if giver is None:
+                return
+            g = self.engines[giver]
+            old = withdrawable(g.scheduler.waiting)
+            if old is None:
+                continue
+            rid = old.request_id
+            g.scheduler.abort(rid)
+            for plans in (g.deferred, g.places, g.homes):
+                plans.pop(rid, None)
+            req = Request(rid, old.prompt_token_ids, old.sampling_params, eos_token_ids=(SIM_EOS,),
+                          arrival_time=old.arrival_time, reading_rate=old.reading_rate, priority=old.priority)
+            choice = self.router.move(self.engines, req.prompt_token_ids, self.config.segment_pages, thief.engine_id,
+                                      self.mode != "pool-local", self.rng)
+            rec = self.records[rid]
+            self._admit(thief, req, choice, now, rec.prompt_len + rec.output_len)
+            self.stolen += 1
 
     def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]], queued: bool = False) -> None:
         """The runs' pages, where they are, up to the first that is gone (as the engine's PoolMember);
@@ -425,6 +475,8 @@ class NodeSimulator:
         self._update(e.engine_id, *e.pool.drain_key_events())
         for rid in finished:
             e.release(rid)
+        if self.config.steal and self.mode != "routing":
+            self._steal(e, e.clock.now)
 
     def _update(self, engine_id: int, added: list[bytes], removed: list[bytes]) -> None:
         """An engine's key events into the router's index, and the index's word on where chains end

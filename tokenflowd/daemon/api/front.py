@@ -2,7 +2,8 @@
 and a request's preparation, which routes.py drives: decode and validate the body (schema.py) →
 the caller's rights (priority: auth.py) → tokens → its reading rate (stated, learned from its
 conversation, or the default: rates.py, cadence.py) → admission checks (context, queue bound) →
-the router picks an engine → the engine is sent the request.
+the router picks an engine → the engine is sent the request. With the pool on, an idle engine
+takes a queued request from the busiest (`_steal`, pool/steal.py).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from tokenflowd.daemon.supervisor import NoEngineReady, Supervisor
 from tokenflowd.federation.wire import PrefillOrder
 from tokenflowd.openai_api import schema as s
 from tokenflowd.openai_api.errors import APIError, not_utf8
-from tokenflowd.protocol import AddRequest, Coalesce, PrefixRun, Reads, Sampling
+from tokenflowd.pool.steal import idle, victim
+from tokenflowd.protocol import AddRequest, Coalesce, Delta, PrefixRun, Reads, Sampling, Withdraw, Withdrawn
 from tokenflowd.text import tools
 from tokenflowd.text.structured import ANY_OBJECT, json_grammar
 from tokenflowd.text.tokenizer import Tokenizer
@@ -67,6 +69,10 @@ _UNSUPPORTED = {
     "echo": "echo is not supported: leave it out",
     "suffix": "suffix is not supported: leave it out",
 }
+
+# s an engine asked to give back a queued request (protocol.Withdraw) may take to answer before the
+# front asks it again (an answer lost with an engine that went away); one takes a round trip (ms)
+WITHDRAW_SECONDS = 2.0
 
 # dispatch's guess of a request's output tokens (max_tokens caps it): a chat reply's length
 DEFAULT_EXPECTED_OUTPUT = 256
@@ -116,6 +122,13 @@ class Front:
         self.router = Router(supervisor.engine_config.page_size, supervisor.index)
         self.arrivals: Arrivals[Arrival, Choice] = Arrivals(self._place)  # the pool's dispatch groups
         supervisor.on_resolve = self._resolve
+        # the pool: an engine asked to give back a queued request (Withdraw) -> (the idle engine it goes to, when asked)
+        self._withdrawing: dict[int, tuple[int, float]] = {}
+        if supervisor.engine_config.pool_mode != "off":
+            for slot in supervisor.slots:
+                self.metrics.moved.labels(str(slot.engine_id))  # every series from 0
+            if supervisor.engine_config.pool_steal:
+                supervisor.on_report, supervisor.on_withdrawn = self._steal, self._withdrawn
         self.draining = False
         self.created = int(time.time())
         self.chat_decoder = msgspec.json.Decoder(s.ChatCompletionRequest)
@@ -404,9 +417,54 @@ class Front:
         """A request queued on `slot` nears the front of its queue (protocol.ResolveReads): its reads
         named again, from where the pool holds its prefix now."""
         slots = [x for x in self.supervisor.slots if x.ready]  # (not ready_slots: none ready is no error here)
-        runs = self.router.reads(slots, stream.prompt_token_ids, self._segment_pages(slots), slot.engine_id) \
-            if slot in slots else []
+        runs = self.router.reads(slots, stream.add.prompt_token_ids, self._segment_pages(slots), slot.engine_id) \
+            if slot in slots and stream.add is not None else []
         self.supervisor.send(slot, Reads(stream.request_id, [PrefixRun(e, keys) for e, keys in runs]))
+
+    def _steal(self, slot) -> None:
+        """An engine reported its state (each step, and every heartbeat while it runs nothing): if it
+        is idle, it takes a queued request from the engine with the longest queue (pool/steal.py),
+        one Withdraw in flight to or for an engine at a time. It counts as idle only while the
+        requests sent to it without a first token are no more than it runs (none sent since its report)."""
+        st, asked = slot.stats, self._withdrawing
+        if st is None or not slot.ready or slot.num_waiting > st.num_running or not idle(
+                st.num_waiting, st.num_running, slot.config.max_num_seqs, st.kv_pages_total - st.kv_pages_used,
+                st.kv_pages_total):
+            return
+        now = time.monotonic()
+        for giver in [e for e, (_, t) in asked.items() if now - t > WITHDRAW_SECONDS]:
+            del asked[giver]  # its answer is lost (the engine went away): ask again
+        if slot.engine_id in asked or any(thief == slot.engine_id for thief, _ in asked.values()):
+            return
+        queues = {x.engine_id: x.stats.num_waiting for x in self.supervisor.slots
+                  if x.ready and x.stats is not None and x.engine_id not in asked}
+        giver = victim(queues, slot.engine_id)
+        if giver is not None and self.supervisor.send(self.supervisor.slots[giver], Withdraw(self.supervisor.front)):
+            asked[giver] = (slot.engine_id, now)
+
+    def _withdrawn(self, giver, msg: Withdrawn) -> None:
+        """An engine gave queued requests back (Withdraw): each goes to the idle engine it was asked
+        for, its reads and homes named for where it runs now (Router.move); where that engine no longer
+        serves, back to the engine that gave it, at the end of its queue, where it was."""
+        thief, _ = self._withdrawing.pop(giver.engine_id, (giver.engine_id, 0.0))
+        for rid in msg.request_ids:
+            stream = giver.streams.get(rid)
+            if stream is None or stream.add is None:
+                continue  # its client went away meanwhile (its abort found it gone on the engine)
+            slots = [x for x in self.supervisor.slots if x.ready]
+            for target in (self.supervisor.slots[thief], giver):
+                if target not in slots:
+                    continue
+                choice = self.router.move(slots, stream.add.prompt_token_ids, self._segment_pages(slots),
+                                          target.engine_id, self.supervisor.engine_config.pool_placement == "home")
+                add = msgspec.structs.replace(stream.add, prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
+                                              place=[PrefixRun(e, keys) for e, keys in choice.places])
+                if self.supervisor.move(stream, target, add):
+                    if target is not giver:
+                        self.metrics.moved.labels(str(giver.engine_id)).inc()
+                    break
+            else:
+                giver.deliver(Delta(rid, [], "error", "its engine gave it back and no engine serves now"))
 
     def ready_slots(self) -> list:
         slots = [slot for slot in self.supervisor.slots if slot.ready]

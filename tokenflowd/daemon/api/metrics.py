@@ -244,6 +244,9 @@ class Metrics:
                                   "a prefill node pulled from another before it computed a prompt (side pull), by "
                                   "outcome (ok, or failed: the prompt was computed without it)", ["side", "outcome"],
                                   registry=r)
+        self.moved = Counter("tokenflowd_pool_moved_requests", "The pool: queued requests that had started nothing, "
+                             "given back by the engine with the longest queue and sent to an idle engine, by the "
+                             "engine they left", ["engine"], registry=r)
         for side in ("prefill", "decode", "return", "pull"):
             for outcome in ("ok", "failed"):
                 self.federation.labels(side, outcome)  # every series from 0

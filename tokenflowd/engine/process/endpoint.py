@@ -8,7 +8,8 @@
 A streamed request's deltas are paced first (engine/process/pacing.py: a client far ahead gets its tokens
 in batches). A request's deltas go to the output of the front that sent it (AddRequest.front); Ready,
 Reconfigured and each step's stats and prefix-cache keys go to every output; a query's reply to
-the output that asked. AbortFront aborts every request of a front that went away.
+the output that asked. AbortFront aborts every request of a front that went away. Withdraw (the
+pool's idle peer takes a queued request) gives one back to the front that asks, answered Withdrawn.
 
 An engine process (engine/process/loop.py) and the benchmark's model-free engine (bench/null_engine.py)
 differ only in what they do with a request; both subclass this and implement the hooks. Imports
@@ -90,6 +91,11 @@ class EngineEndpoint(abc.ABC):
     def pool_reads(self, msg: p.Reads) -> None:
         """Where the pool holds a queued request's prefix now, as its front names it (pool/engine_hooks.py)."""
 
+    def withdraw(self, front: int) -> list[str]:
+        """The pool: give back the last request of `front` queued here that has started nothing
+        (pool/steal.py) -> its id, or none. (An engine without the pool gives back none.)"""
+        return []
+
     def remote_arrived(self, msg: p.RemoteArrived) -> None:
         """A prefill node answered for a request this decode node reserved pages for (federation/)."""
 
@@ -168,6 +174,17 @@ class EngineEndpoint(abc.ABC):
             self.chain_ends(msg)
         elif isinstance(msg, p.Reads):
             self.pool_reads(msg)
+        elif isinstance(msg, p.Withdraw):
+            gone = self.withdraw(msg.front)
+            for rid in gone:
+                self.request_front.pop(rid, None)
+                self.pacer.forget(rid)
+            self._aborted = self._aborted or bool(gone)
+            answer = self.encoder.encode(p.Withdrawn(self.spec.engine_id, self.spec.incarnation, gone))
+            if msg.front and msg.front <= len(self.fronts):
+                self._send_front(msg.front, answer)
+            else:
+                self._to_supervisor(answer)
         elif isinstance(msg, p.RemoteArrived):
             self.remote_arrived(msg)
         elif isinstance(msg, (p.KeepKV, p.KeptKV, p.GiveKV)):
@@ -214,10 +231,7 @@ class EngineEndpoint(abc.ABC):
     def send(self, msg: p.FromEngine) -> None:
         """To every output (Ready, Reconfigured; a query's reply when there are no API server processes)."""
         raw = self.encoder.encode(msg)
-        try:
-            self.outbox.send(raw)
-        except zmq.Again:
-            raise SupervisorUnreachable(f"the supervisor took no message for {self.spec.send_timeout:g} s") from None
+        self._to_supervisor(raw)
         for front in range(1, len(self.fronts) + 1):
             self._send_front(front, raw)
 
@@ -249,12 +263,15 @@ class EngineEndpoint(abc.ABC):
                     p.StepOutputs(spec.engine_id, spec.incarnation, now, [], stats, keys_added, keys_removed))
             return empty
 
-        try:
-            self.outbox.send(encoded(mine[0]))
-        except zmq.Again:
-            raise SupervisorUnreachable(f"the supervisor took no message for {spec.send_timeout:g} s") from None
+        self._to_supervisor(encoded(mine[0]))
         for front in range(1, len(mine)):
             self._send_front(front, encoded(mine[front]))
+
+    def _to_supervisor(self, raw: bytes) -> None:
+        try:
+            self.outbox.send(raw)
+        except zmq.Again:
+            raise SupervisorUnreachable(f"the supervisor took no message for {self.spec.send_timeout:g} s") from None
 
     def _send_front(self, front: int, raw: bytes) -> None:
         try:

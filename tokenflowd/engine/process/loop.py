@@ -166,6 +166,18 @@ class EngineProcess(EngineEndpoint):
         if self.pool is not None:
             self.pool.reads(msg)
 
+    def withdraw(self, front: int) -> list[str]:
+        if self.pool is None or self.federation is not None:
+            return []
+        mine = (lambda rid: self.request_front.get(rid, 0) == front) if self.fronts else (lambda rid: True)
+        req = self.pool.withdrawable(mine)
+        if req is None:
+            return []
+        self.core.abort(req.request_id)
+        self.pool.withdrawn(req.request_id)
+        self.prompt_tokens -= req.num_prompt_tokens  # counted where it runs
+        return [req.request_id]
+
     def chain_ends(self, msg: p.ChainEnds) -> None:
         self.core.pool.set_inner(msg.inner, True)
         self.core.pool.set_inner(msg.ends, False)

@@ -1,0 +1,160 @@
+"""An idle engine takes a queued request from the engine with the longest queue (pool/steal.py): the
+engine gives back the last of its queue that has started nothing (pool/engine_hooks.py
+`withdrawable`), and the front sends it to the idle engine with its reads named for where it runs now
+(daemon/api/front.py `_steal`, `_withdrawn`; Supervisor.move)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import msgspec
+
+from tokenflowd import protocol as p
+from tokenflowd.buffer import make_policy
+from tokenflowd.config import EngineConfig, PolicyConfig, ServerConfig
+from tokenflowd.daemon.api.front import Front
+from tokenflowd.daemon.router import Router
+from tokenflowd.daemon.supervisor import Supervisor
+from tokenflowd.engine.request import Request, SamplingParams
+from tokenflowd.engine.scheduler import Scheduler
+from tokenflowd.kv.manager import KVCacheManager
+from tokenflowd.kv.pages import PagePool, chain_page_keys
+from tokenflowd.pool.engine_hooks import PoolHooks
+from tokenflowd.pool.steal import IDLE_FREE, MIN_QUEUE, idle, victim, withdrawable
+
+PS = 16
+
+
+def request(rid: str, tokens: int = 64) -> Request:
+    req = Request(rid, list(range(1000, 1000 + tokens)), SamplingParams(max_tokens=4))
+    req.max_model_len = 1024
+    return req
+
+
+def test_an_engine_is_idle_with_nothing_queued_a_seat_and_room_free():
+    assert idle(0, 3, 8, 25, 100)
+    assert not idle(1, 0, 8, 100, 100), "something queued"
+    assert not idle(0, 8, 8, 100, 100), "every seat taken"
+    assert not idle(0, 0, 8, int(IDLE_FREE * 100) - 1, 100), "no room for a prompt"
+
+
+def test_the_longest_queue_of_at_least_two_gives_the_lowest_id_among_equals():
+    assert victim({0: 0, 1: 3, 2: 5, 3: 5}, 0) == 2
+    assert victim({0: 9, 1: 3}, 0) == 1, "never the idle engine itself"
+    assert victim({0: 0, 1: MIN_QUEUE - 1}, 0) is None, "one queued runs next where it is anyway"
+    assert victim({0: 0}, 0) is None
+
+
+def test_the_last_request_that_has_started_nothing_goes():
+    a, b, c, d = (request(x) for x in "abcd")
+    b.num_preemptions = 1
+    d.set_foreign_prefix(PS, b"k")  # it pinned its reads
+    assert withdrawable([a, b, c, d]) is c
+    assert withdrawable([a, b, c, d], keep={"c"}) is a
+    assert withdrawable([b, d]) is None
+
+
+class Member:
+    peers = {1: None}
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    def release(self, rid):
+        self.released.append(rid)
+
+
+def engine(queued: int):
+    sched = Scheduler(KVCacheManager(PagePool(64), PS), make_policy("fcfs", PolicyConfig()), 512, 8)
+    for i in range(queued):
+        sched.add(request(f"q{i}"))
+    h = PoolHooks.__new__(PoolHooks)
+    h.core = SimpleNamespace(scheduler=sched, pool=sched.kv.pool, leaders={}.keys(), unlocked=lambda: None)
+    h.config = SimpleNamespace(page_size=PS)
+    h.member, h.deferred, h.asked, h.homes, h.ends = Member(), {}, {}, {}, {}
+    return sched, h
+
+
+def test_an_engine_gives_back_the_last_of_its_queue_and_forgets_its_reads_and_homes():
+    sched, h = engine(4)
+    h.deferred["q3"] = []
+    h.homes["q3"], h.ends["q3"] = {b"k": 1}, {b"k"}
+    assert h.withdrawable(lambda rid: True).request_id == "q3"
+    h.asked["q3"] = 0.0  # asking its front where its reads are: near the front, it stays
+    assert h.withdrawable(lambda rid: True).request_id == "q2"
+    h.core.leaders = {"q2": []}.keys()  # another choice of its prompt waits for its first token here
+    assert h.withdrawable(lambda rid: True).request_id == "q1"
+    assert h.withdrawable(lambda rid: rid == "q0").request_id == "q0", "only the asking front's requests"
+    h.withdrawn("q3")
+    assert h.deferred == h.asked == h.homes == h.ends == {}
+    sched, h = engine(MIN_QUEUE - 1)
+    assert h.withdrawable(lambda rid: True) is None
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, raw, flags=0):
+        self.sent.append(raw)
+
+
+def front(num_engines: int = 3) -> tuple[Front, Supervisor]:
+    """A front over `num_engines` ready engines with the pool on, each with a recording inbox."""
+    sup = Supervisor(ServerConfig(), EngineConfig(pool_mode="query"),
+                     placement=[(EngineConfig(pool_mode="query", max_num_seqs=8), {}) for _ in range(num_engines)])
+    for slot in sup.slots:
+        slot.state, slot.inbox = "ready", Inbox()
+        slot.info = SimpleNamespace(pool_segment_pages=1)
+        slot.stats = p.EngineStats(0, 0, 0, 0, 100, 0, 0, 0.0)
+    f = Front.__new__(Front)
+    f.supervisor, f.router, f._withdrawing = sup, Router(PS, sup.index), {}
+    f.metrics = SimpleNamespace(moved=SimpleNamespace(labels=lambda e: SimpleNamespace(inc=lambda: None)))
+    return f, sup
+
+
+def sent(slot) -> list:
+    out = [msgspec.msgpack.decode(raw, type=p.ToEngine) for raw in slot.inbox.sent]
+    slot.inbox.sent.clear()
+    return out
+
+
+def test_an_idle_engine_asks_the_longest_queue_once_and_takes_what_it_gives_back_with_reads_named_for_it():
+    f, sup = front()
+    idle_slot, busy, other = sup.slots
+    busy.stats = p.EngineStats(1, 5, 90, 0, 100, 0, 0, 0.0)
+    other.stats = p.EngineStats(1, 3, 90, 0, 100, 0, 0, 0.0)
+    f._steal(idle_slot)
+    assert sent(busy) == [p.Withdraw(0)] and sent(other) == [] and sent(idle_slot) == []
+    f._steal(busy)
+    assert sent(busy) == [], "one Withdraw in flight"
+    prompt = list(range(1000, 1064))
+    sup.index.update(2, chain_page_keys(prompt, PS, [], 64)[:2], [])  # the third engine holds its first two pages
+    got: list = []
+    stream = sup.submit(busy, p.AddRequest("r", prompt, p.Sampling(max_tokens=4), 10.0), got.append)
+    sent(busy)
+    f._withdrawn(busy, p.Withdrawn(1, 0, ["r"]))
+    [add] = sent(idle_slot)
+    assert add.request_id == "r" and [run.engine for run in add.prefix] == [2] and len(add.prefix[0].keys) == 2
+    assert stream.engine is idle_slot and "r" in idle_slot.streams and "r" not in busy.streams
+    assert (idle_slot.num_waiting, busy.num_waiting) == (1, 0)
+    assert f._withdrawing == {}
+    idle_slot.deliver(p.Delta("r", [7], "length"))
+    assert got[-1].token_ids == [7], "its deltas come from the engine it runs on now"
+
+
+def test_a_request_whose_client_left_meanwhile_goes_nowhere_and_one_whose_thief_left_goes_back():
+    f, sup = front(2)
+    thief, busy = sup.slots
+    busy.stats = p.EngineStats(1, 4, 90, 0, 100, 0, 0, 0.0)
+    f._steal(thief)
+    gone = sup.submit(busy, p.AddRequest("gone", list(range(40)), p.Sampling(max_tokens=4), 1.0), lambda d: None)
+    sup.abort(gone)
+    sent(busy)
+    f._withdrawn(busy, p.Withdrawn(1, 0, ["gone"]))
+    assert sent(thief) == [] and sent(busy) == [] and not thief.streams
+    f._steal(thief)
+    sup.submit(busy, p.AddRequest("back", list(range(40)), p.Sampling(max_tokens=4), 1.0), lambda d: None)
+    sent(busy)
+    thief.state = "backoff"  # it went away before the answer came
+    f._withdrawn(busy, p.Withdrawn(1, 0, ["back"]))
+    assert [m.request_id for m in sent(busy)] == ["back"] and "back" in busy.streams and busy.num_waiting == 1
