@@ -104,16 +104,15 @@ def test_sim_node_command_prints_both_modes(tmp_path, capsys):
     assert "routing" in text and "pool" in text and out.exists()
 
 
-def small_cache_documents(rate: float, n: int = 150):
-    """A100 preset with a quarter of its KV (28K tokens an engine, 227K the node) and 16 documents of
-    12K tokens in play, 32 questions each: the working set (~190K) is several engines' caches and
-    fits in the node's."""
+def small_cache_documents(rate: float, n: int = 150, shape: str = "documents:active=16:scale=0.5:uses=32"):
+    """A100 preset with a quarter of its KV (28K tokens an engine, 227K the node) and, by default, 16
+    documents of 12K tokens in play, 32 questions each: the working set (~190K) is several engines'
+    caches and fits in the node's."""
     from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
 
     cost = cost_model("a100-llama2-7b")
     cost = cost.replace(kv_memory=cost.kv_memory // 4)
-    shape = parse_context_shape("documents:active=16:scale=0.5:uses=32")
-    return cost, build_workload(WorkloadSpec("poisson", n, rate=rate, seed=0, contexts=shape,
+    return cost, build_workload(WorkloadSpec("poisson", n, rate=rate, seed=0, contexts=parse_context_shape(shape),
                                              max_prompt_len=cost.max_tokens_in_pool // 2))
 
 
@@ -205,13 +204,7 @@ def test_in_overload_where_one_engine_cannot_hold_the_documents_requests_read_wh
     is still queued: nothing holds it yet. Routing sends them by load and they compute it again on
     each engine; the pool's requests ask where it is as they near the front (Router.reads), by
     when it has been computed, and read it there."""
-    from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
-
-    cost = cost_model("a100-llama2-7b")
-    cost = cost.replace(kv_memory=cost.kv_memory // 4)
-    w = build_workload(WorkloadSpec("poisson", 300, rate=16.0, seed=0,
-                                    contexts=parse_context_shape("documents:active=12:scale=0.5"),
-                                    max_prompt_len=cost.max_tokens_in_pool // 2))
+    cost, w = small_cache_documents(16.0, 300, "documents:active=12:scale=0.5")
     routing = NodeSimulator(cost, w, "routing", NodeConfig(policy="tokenflow"))
     pool = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow"))
     r, q = routing.run().summary(), pool.run().summary()
@@ -226,13 +219,7 @@ def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_thr
     grows while another empties (prompts of very different lengths). With the pool, where a request
     runs does not decide what it reads: an idle engine takes the last queued request that has started
     nothing from the longest queue, and reads its prefix where the pool holds it."""
-    from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
-
-    cost = cost_model("a100-llama2-7b")
-    cost = cost.replace(kv_memory=cost.kv_memory // 4)
-    w = build_workload(WorkloadSpec("poisson", 300, rate=16.0, seed=0,
-                                    contexts=parse_context_shape("documents:active=16:scale=0.5:uses=32"),
-                                    max_prompt_len=cost.max_tokens_in_pool // 2))
+    cost, w = small_cache_documents(16.0, 300)
     stealing = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow"))
     fixed = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow", steal=False))
     s, f = stealing.run().summary(), fixed.run().summary()

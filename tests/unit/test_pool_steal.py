@@ -107,7 +107,7 @@ def front(num_engines: int = 3) -> tuple[Front, Supervisor]:
         slot.info = SimpleNamespace(pool_segment_pages=1)
         slot.stats = p.EngineStats(0, 0, 0, 0, 100, 0, 0, 0.0)
     f = Front.__new__(Front)
-    f.supervisor, f.router, f._withdrawing = sup, Router(PS, sup.index), {}
+    f.supervisor, f.router, f._withdrawing, f._refused = sup, Router(PS, sup.index), {}, {}
     f.metrics = SimpleNamespace(moved=SimpleNamespace(labels=lambda e: SimpleNamespace(inc=lambda: None)))
     return f, sup
 
@@ -158,3 +158,19 @@ def test_a_request_whose_client_left_meanwhile_goes_nowhere_and_one_whose_thief_
     thief.state = "backoff"  # it went away before the answer came
     f._withdrawn(busy, p.Withdrawn(1, 0, ["back"]))
     assert [m.request_id for m in sent(busy)] == ["back"] and "back" in busy.streams and busy.num_waiting == 1
+
+
+def test_an_engine_that_gave_nothing_back_is_not_asked_again_before_its_queue_grows():
+    """Its queue holds only requests that have started (preempted ones): an idle engine that reports
+    each step would otherwise ask it at every step."""
+    f, sup = front(2)
+    thief, busy = sup.slots
+    busy.stats = p.EngineStats(1, 3, 90, 0, 100, 0, 0, 0.0)
+    f._steal(thief)
+    assert sent(busy) == [p.Withdraw(0)]
+    f._withdrawn(busy, p.Withdrawn(1, 0, []))
+    f._steal(thief)
+    assert sent(busy) == []
+    busy.stats = p.EngineStats(1, 4, 90, 0, 100, 0, 0, 0.0)  # a request joined its queue
+    f._steal(thief)
+    assert sent(busy) == [p.Withdraw(0)]

@@ -9,6 +9,7 @@ In the daemon (`--pool-mode query|read`):
     shared_kv.py   read mode's path: an engine's KV cache in shared memory, mapped by its peers
     names.py       where each engine's endpoints live (torch-free)
     ahead.py       when a queued request pins what it reads: near its engine's queue's front
+    steal.py       when an idle engine takes a queued request from the busiest (the front asks: Withdraw)
     stuck.py       how long an engine may run nothing while requests wait before they give pins back
     engine_hooks.py  the pool's part of an engine process (the loop calls it)
     heat.py        decayed segment accesses and the heavy hitters (the front's router reads it)

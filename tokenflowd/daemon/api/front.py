@@ -124,6 +124,7 @@ class Front:
         supervisor.on_resolve = self._resolve
         # the pool: an engine asked to give back a queued request (Withdraw) -> (the idle engine it goes to, when asked)
         self._withdrawing: dict[int, tuple[int, float]] = {}
+        self._refused: dict[int, int] = {}  # an engine that gave nothing back -> its queue's length then
         if supervisor.engine_config.pool_mode != "off":
             for slot in supervisor.slots:
                 self.metrics.moved.labels(str(slot.engine_id))  # every series from 0
@@ -424,8 +425,9 @@ class Front:
     def _steal(self, slot) -> None:
         """An engine reported its state (each step, and every heartbeat while it runs nothing): if it
         is idle, it takes a queued request from the engine with the longest queue (pool/steal.py),
-        one Withdraw in flight to or for an engine at a time. It counts as idle only while the
-        requests sent to it without a first token are no more than it runs (none sent since its report)."""
+        one Withdraw in flight to or for an engine at a time, none to an engine that gave nothing back
+        until its queue grows. It counts as idle only while the requests sent to it without a first
+        token are no more than it runs (none sent since its report)."""
         st, asked = slot.stats, self._withdrawing
         if st is None or not slot.ready or slot.num_waiting > st.num_running or not idle(
                 st.num_waiting, st.num_running, slot.config.max_num_seqs, st.kv_pages_total - st.kv_pages_used,
@@ -437,7 +439,8 @@ class Front:
         if slot.engine_id in asked or any(thief == slot.engine_id for thief, _ in asked.values()):
             return
         queues = {x.engine_id: x.stats.num_waiting for x in self.supervisor.slots
-                  if x.ready and x.stats is not None and x.engine_id not in asked}
+                  if x.ready and x.stats is not None and x.engine_id not in asked
+                  and x.stats.num_waiting > self._refused.get(x.engine_id, -1)}
         giver = victim(queues, slot.engine_id)
         if giver is not None and self.supervisor.send(self.supervisor.slots[giver], Withdraw(self.supervisor.front)):
             asked[giver] = (slot.engine_id, now)
@@ -447,6 +450,10 @@ class Front:
         for, its reads and homes named for where it runs now (Router.move); where that engine no longer
         serves, back to the engine that gave it, at the end of its queue, where it was."""
         thief, _ = self._withdrawing.pop(giver.engine_id, (giver.engine_id, 0.0))
+        if msg.request_ids or giver.stats is None:
+            self._refused.pop(giver.engine_id, None)
+        else:  # every request queued there has started: not asked again before its queue grows
+            self._refused[giver.engine_id] = giver.stats.num_waiting
         for rid in msg.request_ids:
             stream = giver.streams.get(rid)
             if stream is None or stream.add is None:
