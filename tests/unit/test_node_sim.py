@@ -226,3 +226,15 @@ def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_thr
     assert stealing.stolen > 10 and fixed.stolen == 0
     assert s["throughput"] >= 1.2 * f["throughput"], (s, f)
     assert s["busy_cv"] < f["busy_cv"], (s, f)
+
+
+def test_the_load_cv_is_the_imbalance_across_engines_sampled_while_requests_arrive():
+    from tokenflowd.sim.node import LOAD_WINDOW, NodeResult
+
+    assert NodeResult("x", [], 0, 0, 0, 0, load_samples=[[0, 0], [2, 2], [4, 0]]).load_cv() == 0.5
+    cost, light = small_cache_documents(2.0, 40)
+    result = simulate_node(cost, light, ("routing",))["routing"]
+    span = light[-1].arrival_time - light[0].arrival_time
+    assert len(result.load_samples) == int(span // LOAD_WINDOW) + 1
+    assert all(len(x) == 8 for x in result.load_samples)
+    assert 0 < result.summary()["load_cv"] == result.load_cv()

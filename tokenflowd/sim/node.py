@@ -41,6 +41,10 @@ own attention, which the daemon does: conservative). The holder's attention
 over its pages for those rows, 4·heads·head_dim FLOPs per row, prefix token and layer, is added to
 the holder's next step. A put, or a write into a home, costs the sender the pages' KV the home
 lacked on the link, added to its next step.
+Balance, two ways: busy_cv, the CV across engines of each one's busy time over the whole run (a
+burst's last long decodes, one engine each, weigh on it); load_cv, as TokenLake measures imbalance
+over time (§7): the CV across engines of the requests each holds, sampled every second while
+requests arrive, averaged.
 Pins are taken as the request nears the front of its engine's queue (pool/ahead.py; it is not
 admitted before) and hold the pages until the request ends or gives them back. Each engine's
 prefix-cache key events are applied to the router's index at the end of each of its steps.
@@ -81,6 +85,8 @@ SLO_FACTOR = 10.0
 # s between an idle engine's reports (the daemon's --heartbeat-interval default): the front checks
 # whether an engine can take a queued request from a busy one on each report (pool/steal.py)
 HEARTBEAT = 0.5
+# s between samples of each engine's load (NodeResult.load_cv; the daemon's benchmark samples once a second)
+LOAD_WINDOW = 1.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,15 @@ class NodeResult:
     busy_seconds: list[float] = field(default_factory=list)  # per engine
     put_pages: int = 0  # pages of new segments put at their homes (pool)
     slo: list[tuple[float, float]] = field(default_factory=list)  # per record: its TTFT and mean TBT bounds
+    # each engine's load (the requests it holds, queued or running), sampled every LOAD_WINDOW while
+    # requests arrive, as bench/pool_daemon.py samples the daemon's
+    load_samples: list[list[int]] = field(default_factory=list)
+
+    def load_cv(self) -> float:
+        """TokenLake's load CV (§7, Figure 10: the imbalance across instances over time): each sample's
+        CV across engines, averaged (a burst's last long decodes after the arrivals end do not weigh)."""
+        cvs = [statistics.pstdev(x) / statistics.fmean(x) for x in self.load_samples if any(x)]
+        return statistics.fmean(cvs) if cvs else 0.0
 
     def meets_slo(self, tbt: bool = True) -> list[bool]:
         """Per record: whether it met its SLO (SLO_FACTOR); `tbt` False: its TTFT bound alone."""
@@ -130,7 +145,8 @@ class NodeResult:
         out.update(hit_rate=(self.local_tokens + self.peer_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0,
                    local_tokens=self.local_tokens, peer_tokens=self.peer_tokens, computed_tokens=self.computed_tokens,
                    put_pages=self.put_pages,
-                   busy_cv=statistics.pstdev(busy) / statistics.fmean(busy) if busy and statistics.fmean(busy) else 0.0)
+                   busy_cv=statistics.pstdev(busy) / statistics.fmean(busy) if busy and statistics.fmean(busy) else 0.0,
+                   load_cv=self.load_cv())
         return out
 
 
@@ -493,6 +509,9 @@ class NodeSimulator:
         # or written into homes, pins let go of) happen when the step ends, not when it starts: an
         # engine whose clock is behind that must not see them yet, nor an arrival before it.
         effects: list[tuple[float, int, _Engine, list[str]]] = []
+        samples: list[list[int]] = []
+        sample_at, last_arrival = (self.workload[0].arrival_time, self.workload[-1].arrival_time) if self.workload \
+            else (0.0, 0.0)
         seq = 0
         while True:
             busy = [e for e in self.engines if e.scheduler.has_unfinished()]
@@ -502,6 +521,9 @@ class NodeSimulator:
                 _, _, done, finished = heapq.heappop(effects)
                 self._effects(done, finished)
                 continue
+            while sample_at <= min(now, last_arrival):
+                samples.append([e.load for e in self.engines])
+                sample_at += LOAD_WINDOW
             if pending and pending[0].arrival_time <= t:
                 self._route(pending.popleft())
                 continue
@@ -550,7 +572,7 @@ class NodeSimulator:
         slo = [(SLO_FACTOR * cost.prefill_time(r.prompt_len),
                 SLO_FACTOR * cost.decode_step_time(1, r.prompt_len + r.output_len // 2)) for r in ordered]
         return NodeResult(self.mode, ordered, self.prompt_tokens, local, self.peer_tokens, computed,
-                          [e.busy for e in self.engines], self.put_pages, slo)
+                          [e.busy for e in self.engines], self.put_pages, slo, samples)
 
 
 def simulate_node(cost: CostModel, workload: Sequence[WorkloadRequest], modes: Sequence[str] = MODES,
