@@ -43,8 +43,8 @@ the holder's next step. A put, or a write into a home, costs the sender the page
 lacked on the link, added to its next step.
 Balance, two ways: busy_cv, the CV across engines of each one's busy time over the whole run (a
 burst's last long decodes, one engine each, weigh on it); load_cv, as TokenLake measures imbalance
-over time (§7): the CV across engines of the requests each holds, sampled every second while
-requests arrive, averaged.
+over time (§7, each instance's cache accesses): the CV across engines of the prompt tokens of the
+requests each holds, sampled every second while requests arrive, averaged.
 Pins are taken as the request nears the front of its engine's queue (pool/ahead.py; it is not
 admitted before) and hold the pages until the request ends or gives them back. Each engine's
 prefix-cache key events are applied to the router's index at the end of each of its steps.
@@ -115,8 +115,8 @@ class NodeResult:
     busy_seconds: list[float] = field(default_factory=list)  # per engine
     put_pages: int = 0  # pages of new segments put at their homes (pool)
     slo: list[tuple[float, float]] = field(default_factory=list)  # per record: its TTFT and mean TBT bounds
-    # each engine's load (the requests it holds, queued or running), sampled every LOAD_WINDOW while
-    # requests arrive, as bench/pool_daemon.py samples the daemon's
+    # each engine's load (the prompt tokens of the requests it holds, queued or running: the KV its
+    # steps read, what the pool's router balances), sampled every LOAD_WINDOW while requests arrive
     load_samples: list[list[int]] = field(default_factory=list)
 
     def load_cv(self) -> float:
@@ -522,7 +522,7 @@ class NodeSimulator:
                 self._effects(done, finished)
                 continue
             while sample_at <= min(now, last_arrival):
-                samples.append([e.load for e in self.engines])
+                samples.append([e.work for e in self.engines])
                 sample_at += LOAD_WINDOW
             if pending and pending[0].arrival_time <= t:
                 self._route(pending.popleft())
