@@ -212,8 +212,12 @@ class Front:
         except msgspec.ValidationError as e:
             raise _validation_error(e) from None
         except msgspec.DecodeError as e:
+            try:  # msgspec 0.23 says "Invalid UTF-8 encoded string" without the place: find the byte
+                body.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                raise not_utf8(bad) from None
             raise APIError(400, f"the body is not valid JSON ({e}): send a JSON object", code="invalid_json") from None
-        except UnicodeDecodeError as e:
+        except UnicodeDecodeError as e:  # (msgspec before 0.23)
             raise not_utf8(e) from None
 
     def check_model(self, model: str) -> None:
