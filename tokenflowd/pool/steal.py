@@ -16,7 +16,7 @@ The node simulator (a quarter of the A100's KV, four document workloads in overl
 tokenflow; bench/results/node_contexts_small_cache_steal.json): throughput over routing's, geometric
 mean of 16 runs, 1.06x without stealing and 1.20x with where new segments stay where computed (13 of
 16 runs at least routing's), 0.97x and 1.16x where they are written into their homes (6 and 13 of
-16); the largest load CV 0.22 → 0.17 and 0.31 → 0.25. Light load: unchanged (1.00x).
+16); the largest busy-time CV 0.22 → 0.17 and 0.31 → 0.25. Light load: unchanged (1.00x).
 
 Kept in the queue instead, a request whose prefix a request ahead of it on the same engine was still
 computing (it would read that there) measured 1.20x against 1.23x (pool-local, the simulator's rng
