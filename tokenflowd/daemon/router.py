@@ -31,8 +31,8 @@ loaded engines that lack them, by use (Mooncake's hot prefixes replicate the sam
 A request queued behind others has its reads named again as it nears the front of its engine's
 queue (`reads`, asked by the engine: protocol.ResolveReads): from where the pool holds its prefix
 then, which in a burst over a document is where the first request over it computed it meanwhile.
-An idle engine takes a queued request from a busy one (pool/steal.py): `move` names its reads and
-homes for where it runs now.
+An idle engine takes a queued request from a busy one (pool/steal.py): `pick_pooled` with that
+engine as the target, its use not counted again, names its reads and homes for where it runs now.
 
 Requests that reach the front together are placed together (`dispatch`, TokenLake §5): the engines
 are topped up to an even load, and within that each request goes where it moves the fewest bytes
@@ -140,17 +140,26 @@ class Router:
         return best[2]
 
     def pick_pooled(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int = 1,
-                    rng: random.Random | None = None, place: bool = True, target: int | None = None) -> Choice:
+                    rng: random.Random | None = None, place: bool = True, target: int | None = None,
+                    count: bool = True) -> Choice:
         """The pool's pick (see the module docstring); `engines` non-empty. A request reads each
         segment (`segment_pages` pages) from one engine that holds all of it; of a segment no engine
         holds whole, the longest leading part one engine holds, and nothing after it. `place`: name
         the homes of the new segments it computes (else they stay where it runs). `target`: the engine
-        it runs on, chosen already (`dispatch`)."""
+        it runs on, chosen already (`dispatch`, or an idle engine that takes a queued request:
+        pool/steal.py). `count`: its use of hot segments counts towards their heat (not again for a
+        request that moves)."""
         keys = self.prompt_keys(prompt_token_ids)
         self.index.link(keys)
         if target is None:
             target = self._near(engines, keys, len(prompt_token_ids), AFFINITY_SLACK if not place else 0.0)
-        return self._choice(engines, keys, segment_pages, rng or random, target, place, count=True)
+        runs, replica = self._runs(engines, keys, segment_pages, rng or random, target, count)
+        own = sum(len(k) for e, k in runs if e == target)
+        places = self.places(keys, sum(len(k) for _, k in runs), max(1, segment_pages), target,
+                             [e.engine_id for e in engines], not replica) if place else []
+        if all(e == target for e, _ in runs):
+            return Choice(target, own, [], places)  # all of it here: the engine's own prefix cache serves it
+        return Choice(target, own, runs, places)
 
     def reads(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int, target: int,
               rng: random.Random | None = None) -> list[tuple[int, list[bytes]]]:
@@ -161,25 +170,6 @@ class Router:
         self.index.link(keys)
         runs, _ = self._runs(engines, keys, segment_pages, rng or random, target, count=False)
         return [] if all(e == target for e, _ in runs) else runs
-
-    def move(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int, target: int,
-             place: bool = True, rng: random.Random | None = None) -> Choice:
-        """A queued request that an idle engine, `target`, takes from a busy one (pool/steal.py): its
-        reads named from where the pool holds its prefix now and its new segments' homes, for where it
-        runs now; its use of hot segments counted once, when it came."""
-        keys = self.prompt_keys(prompt_token_ids)
-        self.index.link(keys)
-        return self._choice(engines, keys, segment_pages, rng or random, target, place, count=False)
-
-    def _choice(self, engines: Sequence[EngineLoad], keys: Sequence[bytes], segment_pages: int, rng: random.Random,
-                target: int, place: bool, count: bool) -> Choice:
-        runs, replica = self._runs(engines, keys, segment_pages, rng, target, count)
-        own = sum(len(k) for e, k in runs if e == target)
-        places = self.places(keys, sum(len(k) for _, k in runs), max(1, segment_pages), target,
-                             [e.engine_id for e in engines], not replica) if place else []
-        if all(e == target for e, _ in runs):
-            return Choice(target, own, [], places)  # all of it here: the engine's own prefix cache serves it
-        return Choice(target, own, runs, places)
 
     def _runs(self, engines: Sequence[EngineLoad], keys: Sequence[bytes], segment_pages: int, rng: random.Random,
               target: int, count: bool) -> tuple[list[tuple[int, list[bytes]]], bool]:

@@ -26,7 +26,7 @@ where a request runs and what it computes.
     in every pool mode (NodeConfig.steal, the daemon's default), at the end of each step an idle
     engine (nothing queued, a seat and a quarter of its pages free) takes the last queued request
     that has started nothing from the engine with the longest queue, as the daemon's front has it
-    do (pool/steal.py; Router.move names its reads and homes for where it runs now)
+    do (pool/steal.py; Router.pick_pooled names its reads and homes for where it runs now)
     then the engine whose clock is earliest takes a step, until every request has finished. What a
     step does beyond its engine (prefix events into the router's index, pages put or written into
     homes, pins let go of) takes effect at the step's end: an engine whose clock is behind, or an
@@ -331,8 +331,8 @@ class NodeSimulator:
                 plans.pop(rid, None)
             req = Request(rid, old.prompt_token_ids, old.sampling_params, eos_token_ids=(SIM_EOS,),
                           arrival_time=old.arrival_time, reading_rate=old.reading_rate, priority=old.priority)
-            choice = self.router.move(self.engines, req.prompt_token_ids, self.config.segment_pages, thief.engine_id,
-                                      self.mode != "pool-local", self.rng)
+            choice = self.router.pick_pooled(self.engines, req.prompt_token_ids, self.config.segment_pages, self.rng,
+                                             self.mode != "pool-local", target=thief.engine_id, count=False)
             rec = self.records[rid]
             self._admit(thief, req, choice, now, rec.prompt_len + rec.output_len)
             self.stolen += 1

@@ -451,7 +451,7 @@ class Front:
 
     def _withdrawn(self, giver, msg: Withdrawn) -> None:
         """An engine gave queued requests back (Withdraw): each goes to the idle engine it was asked
-        for, its reads and homes named for where it runs now (Router.move); where that engine no longer
+        for, its reads and homes named for where it runs now (Router.pick_pooled); where that engine no longer
         serves, back to the engine that gave it, at the end of its queue, where it was."""
         thief, _ = self._withdrawing.pop(giver.engine_id, (giver.engine_id, 0.0))
         if msg.request_ids or giver.stats is None:
@@ -466,8 +466,9 @@ class Front:
             for target in (self.supervisor.slots[thief], giver):
                 if target not in slots:
                     continue
-                choice = self.router.move(slots, stream.add.prompt_token_ids, self._segment_pages(slots),
-                                          target.engine_id, self.supervisor.engine_config.pool_placement == "home")
+                choice = self.router.pick_pooled(slots, stream.add.prompt_token_ids, self._segment_pages(slots),
+                                                 place=self.supervisor.engine_config.pool_placement == "home",
+                                                 target=target.engine_id, count=False)
                 add = msgspec.structs.replace(stream.add, prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
                                               place=[PrefixRun(e, keys) for e, keys in choice.places])
                 if self.supervisor.move(stream, target, add):

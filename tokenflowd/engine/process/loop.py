@@ -169,8 +169,7 @@ class EngineProcess(EngineEndpoint):
     def withdraw(self, front: int) -> list[str]:
         if self.pool is None or self.federation is not None:
             return []
-        mine = (lambda rid: self.request_front.get(rid, 0) == front) if self.fronts else (lambda rid: True)
-        req = self.pool.withdrawable(mine)
+        req = self.pool.withdrawable(lambda rid: self.request_front.get(rid, 0) == front)
         if req is None:
             return []
         self.core.abort(req.request_id)
