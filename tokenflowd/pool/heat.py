@@ -25,6 +25,7 @@ class SegmentHeat:
         self._hot: set[bytes] = set()
         self._hot_at = -math.inf
         self._hot_k = 0
+        self._floor = 0.0  # the k-th hottest value when the set was made (0: fewer keys than k)
 
     def _value(self, key: bytes, now: float) -> float:
         count, at = self._hits.get(key, (0.0, now))
@@ -35,11 +36,19 @@ class SegmentHeat:
 
     def is_heavy(self, key: bytes, num_engines: int, now: float) -> bool:
         k = num_heavy_hitters(num_engines)
-        if now - self._hot_at >= self.refresh or k != self._hot_k:
+        value = self._value(key, now)
+        # made again every `refresh` s, and at once when a key outside it has grown past its coldest
+        # (values decay alike, so that one's value then, decayed to now): a prefix that turns hot
+        # in a burst is a hitter from the read that makes it one, not up to `refresh` s later
+        floor = self._floor * 0.5 ** ((now - self._hot_at) / self.half_life)
+        entered = key not in self._hot and value >= 2 * num_engines and value > floor
+        if now - self._hot_at >= self.refresh or k != self._hot_k or entered:
             values = {key: self._value(key, now) for key in self._hits}
             for cold in [key for key, v in values.items() if v < 0.01]:  # forgotten
                 del self._hits[cold]
                 del values[cold]
-            self._hot = set(sorted(values, key=values.__getitem__, reverse=True)[:k])
+            ranked = sorted(values, key=values.__getitem__, reverse=True)
+            self._hot = set(ranked[:k])
+            self._floor = values[ranked[k - 1]] if len(ranked) >= k else 0.0
             self._hot_at, self._hot_k = now, k
-        return key in self._hot and self._value(key, now) >= 2 * num_engines
+        return key in self._hot and value >= 2 * num_engines
