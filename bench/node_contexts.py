@@ -2,7 +2,8 @@
 against the pool, placing new segments at their homes (`pool`) or keeping them where they were
 computed (`pool-local`), 8 engines, at a light load and in overload, per cost model. Idle engines
 take queued requests from busy ones in every pool mode (pool/steal.py) unless the mode is named
-with -nosteal (`--modes routing,pool-local,pool-local-nosteal`).
+with -nosteal (`--modes routing,pool-local,pool-local-nosteal`), and an engine copies in the hot
+segments it reads elsewhere unless the mode is named with -nocopy (`pool-write-nocopy`).
 
     python bench/node_contexts.py [--presets a100-llama2-7b,calibrated:FILE] [--num-prompts 300]
                                   [--workloads documents,...] [--runs SPEC@LIGHT/OVER;...]
@@ -57,9 +58,15 @@ def workload(spec: str, rate: float, n: int, seed: int, max_prompt_len: int = 32
 
 
 def simulate(cost, w, mode: str, config: NodeConfig) -> NodeResult:
-    """One mode's run; a pool mode named with -nosteal runs without pool/steal.py (--no-pool-steal)."""
-    base = mode.removesuffix("-nosteal")
-    return NodeSimulator(cost, w, base, replace(config, steal=base == mode)).run()
+    """One mode's run; a pool mode named with -nosteal runs without pool/steal.py (--no-pool-steal),
+    with -nocopy without copying hot segments in (--no-pool-copy)."""
+    base = mode_base(mode)
+    return NodeSimulator(cost, w, base, replace(config, steal="-nosteal" not in mode,
+                                                copy="-nocopy" not in mode)).run()
+
+
+def mode_base(mode: str) -> str:
+    return mode.removesuffix("-nocopy").removesuffix("-nosteal").removesuffix("-nocopy")
 
 
 def main() -> None:
@@ -86,7 +93,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
     a = ap.parse_args()
-    modes = ("routing", *[m for m in a.modes.split(",") if m.removesuffix("-nosteal") in MODES and m != "routing"])
+    modes = ("routing", *[m for m in a.modes.split(",") if mode_base(m) in MODES and m != "routing"])
     rows = []
     for preset in a.presets.split(","):
         cost = cost_model(preset)

@@ -30,7 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from node_contexts import H200, RUNS, simulate, workload  # noqa: E402
+from node_contexts import H200, RUNS, mode_base, simulate, workload  # noqa: E402
 from tokenflowd.sim.cost import cost_model  # noqa: E402
 from tokenflowd.sim.node import MODES, SLO_FACTOR, NodeConfig  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
     a = ap.parse_args()
-    modes = [m for m in a.modes.split(",") if m.removesuffix("-nosteal") in MODES]
+    modes = [m for m in a.modes.split(",") if mode_base(m) in MODES]
     rows = []
     for preset in a.presets.split(","):
         cost = cost_model(preset)

@@ -74,6 +74,9 @@ class AddRequest(msgspec.Struct, tag=True):
     # The pool: runs of whole segments of the prompt that this engine computes and whose homes are
     # other engines: once computed, their KV is put at the home and not kept here (pool/member.py).
     place: list[PrefixRun] = []
+    # The pool: runs of `prefix` held by peers that are heavy hitters: this engine copies them into its
+    # own cache first (a replica), and this request and later ones read them here (pool/member.py).
+    copy: list[PrefixRun] = []
     # Federation, on a prefill node: compute the prompt, write its KV there layer by layer as each
     # layer ends, sample the first token, and answer Prefilled.
     kv_target: KVTarget | None = None
@@ -255,6 +258,7 @@ class EngineStats(msgspec.Struct):
     pool_pins: int = 0  # pages pinned here for peers' requests now
     pool_put_pages: int = 0  # pages of new segments written into their homes on peers (placement)
     pool_stored_pages: int = 0  # pages peers put here, this engine being their segments' home
+    pool_copied_pages: int = 0  # pages of heavy hitters copied here from peers (replicas)
     pool_unblocked: int = 0  # waiting requests that gave their pins back: nothing could run (engine_hooks.py)
     pool_pinned_queued: int = 0  # requests whose reads waited, pinned once near the queue's front (pool/ahead.py)
     pool_resolved: int = 0  # ... of them, those that pinned reads their front named again then (ResolveReads)

@@ -525,7 +525,8 @@ def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_t
         return [first, *await asyncio.gather(*[complete(base_url, q) for q in prompts[1:]])]
 
     d = Daemon("--model", model, "--device", "cuda", "--engines", "2", "--dtype", "float32", "--kv-cache-memory",
-               "256MiB", "--pool-mode", "read", "--pool-segment-tokens", "64", *(() if ipc else ("--no-pool-ipc",)),
+               "256MiB", "--pool-mode", "read", "--pool-segment-tokens", "64", "--pool-placement", "home",
+               *(() if ipc else ("--no-pool-ipc",)),
                start_timeout=600)
     try:
         d.wait_all_engines(600)

@@ -25,7 +25,7 @@ from tokenflowd.pool.homes import rendezvous_home
 MODEL = "smollm2-135m"
 SEGMENT_PAGES = 16
 FLAGS = ("--engines", "2", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "128MiB",
-         "--pool-segment-tokens", str(16 * SEGMENT_PAGES))
+         "--pool-segment-tokens", str(16 * SEGMENT_PAGES), "--pool-placement", "home")
 SYSTEM_TOKENS = 1024
 MAX_TOKENS = 12
 
@@ -82,6 +82,10 @@ def pool_pages(d: Daemon) -> dict[int, float]:
     return {e: d.metric("tokenflowd_pool_pages", engine=str(e)) for e in (0, 1)}
 
 
+def copied_pages(d: Daemon) -> dict[int, float]:
+    return {e: d.metric("tokenflowd_pool_copied_pages_total", engine=str(e)) for e in (0, 1)}
+
+
 def placed(d: Daemon, base: dict[int, float], home: dict[int, int], extra: int) -> bool:
     """Each engine holds the system prompt's segments homed on it and no others (plus up to `extra`
     pages of the first request's own): the engine that computed them has dropped the others."""
@@ -99,7 +103,7 @@ def wait_for(condition, within: float, what: str) -> None:
 @pytest.mark.parametrize("mode,seats", [("query", None), ("read", None), ("query", 2)])
 def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_tokens_held_once(
         mode, seats, reference, prompts):
-    """`seats` (--max-num-seqs): with 2, most of the burst waits in the engines' queues; each prompt has
+    """`seats` (--max-num-seqs, and --no-pool-copy): with 2, most of the burst waits in the engines' queues; each prompt has
     ~200 tokens of its own (less than a segment: nothing new to place), so the prompts queued on an
     engine outgrow its free pages, and those far back pin their reads only as they near the front
     (pool/ahead.py, Scheduler.held), where their front names them again (protocol.ResolveReads)."""
@@ -115,7 +119,8 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
     # The first request is not one of the burst's: a prompt computed twice would hold its last page,
     # prompt and output, twice, and that page is no segment of the shared prefix.
     asked, want_first, want = prompts[1:], want[0], want[1:]
-    d = Daemon(*FLAGS, "--pool-mode", mode, *(("--max-num-seqs", str(seats)) if seats else ()))
+    # (with seats, hot segments are not copied: each request pins its reads on the other engine)
+    d = Daemon(*FLAGS, "--pool-mode", mode, *(("--max-num-seqs", str(seats), "--no-pool-copy") if seats else ()))
     try:
         d.wait_all_engines()
         replicated_before = d.metric("tokenflowd_pool_replicated_pages")  # the warm-up's chat-template head
@@ -146,10 +151,16 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
             # pinned what it named (one whose answer took over RESOLVE_SECONDS pins what it came with)
             assert 0 < resolved <= queued, (resolved, queued)
         # Deduplication: the system prompt's 64 pages are held once, each at its home (each request
-        # adds its own pages, prompt and output, to where it ran).
-        after = pool_pages(d)
-        assert d.metric("tokenflowd_pool_replicated_pages") == replicated_before, (after, base, home)
-        assert all(after[e] <= base[e] + home[e] + own * len(prompts) for e in (0, 1)), (after, base, home)
+        # adds its own pages, prompt and output, to where it ran), plus replicas of its hot segments:
+        # read by every request, they turn hot after 4 reads and are copied, once, into the engine
+        # that reads them on the other, never computed there again.
+        after, copied = pool_pages(d), copied_pages(d)
+        assert (0 < sum(copied.values()) or seats) and all(copied[e] <= home[1 - e] for e in (0, 1)), (copied, home)
+        assert not seats or sum(copied.values()) == 0, "--no-pool-copy copied"
+        replicated = d.metric("tokenflowd_pool_replicated_pages") - replicated_before
+        assert replicated == sum(copied.values()), (replicated, copied, after, base, home)
+        assert all(after[e] <= base[e] + home[e] + copied[e] + own * len(prompts) for e in (0, 1)), \
+            (after, base, home, copied)
         assert d.metric("tokenflowd_pool_put_pages_total", engine="1") == 0, "nothing new to place"
         wait_for(lambda: d.metric("tokenflowd_pool_pinned_pages", engine="0") == 0, 10,
                  "pins outlived their requests")
@@ -159,6 +170,36 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
         assert d.stop() == 0
     assert not [f for f in os.listdir("/dev/shm") if "-kv-" in f and f.startswith("tokenflowd-")], \
         "a shared KV cache outlived the daemon"
+
+
+def test_by_default_a_prefix_stays_where_computed_and_its_hot_segments_are_copied_to_the_other_engine(
+        reference, prompts):
+    """The default placement (local): the first request computes the system prompt on one engine,
+    which keeps it (nothing is put anywhere). A burst of 20 is spread over both engines: read by
+    every request, the prompt's segments are hot by the time the other engine takes one of them, so
+    that engine copies them in once (their KV, not their computation) and its requests read its copy.
+    Every reply is a single engine's, and no page outlives its request."""
+    system, prompts = prompts
+    want = greedy(reference, prompts, MAX_TOKENS)
+    d = Daemon(*FLAGS[:-2], "--pool-mode", "query")  # (FLAGS without its --pool-placement home)
+    try:
+        d.wait_all_engines()
+        replicated_before = d.metric("tokenflowd_pool_replicated_pages")
+        first = d.http.post("/v1/completions", json=body(prompts[0]))
+        assert first.status_code == 200 and first.json()["choices"][0]["text"] == want[0], first.text
+        responses = asyncio.run(post_all(d.base_url, [body(p) for p in prompts[1:]]))
+        assert [r.status_code for r in responses] == [200] * (len(prompts) - 1), [r.text for r in responses]
+        assert [r.json()["choices"][0]["text"] for r in responses] == want[1:]
+        assert sum(put(d).values()) == 0, "kept where computed: nothing put at a home"
+        copied = copied_pages(d)
+        # copied once, into the engine that did not compute it: at most the system prompt's pages
+        assert 0 < sum(copied.values()) <= SYSTEM_TOKENS // 16 and min(copied.values()) == 0, copied
+        assert source_tokens(d, "local") >= 20 * SYSTEM_TOKENS, "a request computed the prompt again"
+        assert d.metric("tokenflowd_pool_replicated_pages") - replicated_before == sum(copied.values())
+        for e in ("0", "1"):
+            wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
+    finally:
+        assert d.stop() == 0
 
 
 def test_sigkill_of_the_holder_mid_stream_recomputes_the_prefix_and_keeps_the_greedy_tokens(reference, prompts):
@@ -210,7 +251,7 @@ def test_sigkill_of_the_holder_mid_stream_recomputes_the_prefix_and_keeps_the_gr
 LONG_TOKENS = 4096
 LONG_FLAGS = ("--engines", "2", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "512MiB",
               "--pool-segment-tokens", str(16 * SEGMENT_PAGES), "--max-num-batched-tokens", "256",
-              "--pool-mode", "read")
+              "--pool-mode", "read", "--pool-placement", "home")
 
 
 def long_prompts(reference: Engine, what: str, n: int) -> tuple[list[int], list[list[int]]]:
@@ -302,12 +343,17 @@ def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_ki
         assert [r.json()["choices"][0]["text"] for r in responses] == want[1:]
         for r in responses:
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= LONG_TOKENS, r.json()["usage"]
-        after = pool_pages(d)
-        # each segment once, at its home: no replica, and each engine's keys no more than its home
-        # segments plus each request's own last pages
-        assert d.metric("tokenflowd_pool_replicated_pages") == replicated_before, (after, base, home)
-        assert sum(after.values()) <= sum(base.values()) + prefix_pages + 2 * len(prompts), (after, base, home)
-        assert all(after[e] <= base[e] + home[e] + 2 * len(prompts) for e in (0, 1)), (after, base, home)
+        after, copied = pool_pages(d), copied_pages(d)
+        # each segment once, at its home, plus copies of the hot ones only (at most the 4 heavy
+        # hitters of 2 engines, once each), and each engine's keys no more than its home segments,
+        # its copies, and each request's own last pages
+        assert all(copied[e] <= min(home[1 - e], 4 * 16) for e in (0, 1)), (copied, home)
+        replicated = d.metric("tokenflowd_pool_replicated_pages") - replicated_before
+        assert replicated == sum(copied.values()), (replicated, copied, after, base, home)
+        assert sum(after.values()) <= sum(base.values()) + prefix_pages + sum(copied.values()) + 2 * len(prompts), \
+            (after, base, home, copied)
+        assert all(after[e] <= base[e] + home[e] + copied[e] + 2 * len(prompts) for e in (0, 1)), \
+            (after, base, home, copied)
         for e in ("0", "1"):
             wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
 

@@ -42,7 +42,7 @@ def test_pool_write_keeps_one_copy_of_each_segment_in_the_node():
     the prompt copies a segment to its home while the engine that computed it still holds its own
     (a second copy); pool-write writes it into its home and lets go of its own pages of it, reading
     it there (the daemon's write into the home), so the node holds fewer pages at its peak and
-    each segment is cached on one engine."""
+    each segment is cached on one engine, but for copies of the hot ones."""
     from tokenflowd.sim.node import NodeSimulator
     from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
 
@@ -64,7 +64,8 @@ def test_pool_write_keeps_one_copy_of_each_segment_in_the_node():
             for key in e.pool.cached_keys():
                 holders[key] = holders.get(key, 0) + 1
         if mode == "pool-write":  # (placing after the prompt leaves some cached twice here)
-            assert max(holders.values()) == 1, "a segment cached on two engines"
+            # once, but for the copies of hot ones an engine read on another (Router._copy)
+            assert sum(holders.values()) - len(holders) <= sim.copied_pages, "a segment cached on two engines"
     assert results["pool-write"].put_pages > 0
     assert peaks["pool-write"] < peaks["pool"], peaks
     assert results["pool-write"].summary()["hit_rate"] >= results["pool"].summary()["hit_rate"]
@@ -186,10 +187,12 @@ def test_with_segments_kept_where_computed_a_request_goes_where_its_prefix_is_un
     """router.AFFINITY_SLACK: with --pool-placement local, the least loaded engine took every request
     and read its document wherever it was, pinning it there; where one engine cannot hold the
     documents, in overload, the engines' memory went to their peers' reads and the hit rate fell.
-    Kept where its document is unless that engine is much busier, a request reads it for nothing."""
+    Kept where its document is unless that engine is much busier, a request reads it there, without
+    a round trip per layer and its holder's attention for it. (Over 16 runs, four document workloads
+    and seeds 0-3, throughput 1.09x routing's at AFFINITY_SLACK 2 against 1.00x at 0.)"""
     from tokenflowd.daemon import router
 
-    cost, over = small_cache_documents(16.0)
+    cost, over = small_cache_documents(16.0, shape="documents:active=16:scale=0.5")
     near = simulate_node(cost, over, ("pool-local",), NodeConfig(policy="tokenflow"))["pool-local"].summary()
     monkeypatch.setattr(router, "AFFINITY_SLACK", 0.0)
     least = simulate_node(cost, over, ("pool-local",), NodeConfig(policy="tokenflow"))["pool-local"].summary()
@@ -238,3 +241,22 @@ def test_the_load_cv_is_the_imbalance_across_engines_sampled_while_requests_arri
     assert len(result.load_samples) == int(span // LOAD_WINDOW) + 1
     assert all(len(x) == 8 for x in result.load_samples)
     assert 0 < result.summary()["load_cv"] == result.load_cv()
+
+
+def test_a_hot_system_prompt_is_copied_once_into_each_engine_that_reads_it_elsewhere():
+    """Every request reads the one 2,048-token system prompt. Written into its homes, its segments
+    turn hot within a few requests (heavy hitters, pool/heat.py) and each engine that reads them on
+    another copies them in once (Router._copy) and reads them there: its holders no longer answer
+    every engine's every step. --no-pool-copy reads them where they are for good."""
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
+
+    cost = cost_model("a100-llama2-7b")
+    w = build_workload(WorkloadSpec("poisson", 200, rate=40.0, seed=0, contexts=parse_context_shape("system-prompt")))
+    runs = {copy: NodeSimulator(cost, w, "pool-write", NodeConfig(policy="tokenflow", copy=copy))
+            for copy in (True, False)}
+    results = {copy: sim.run() for copy, sim in runs.items()}
+    copied, prompt_pages = runs[True].copied_pages, 2048 // cost.page_size
+    assert runs[False].copied_pages == 0 and 0 < copied <= 8 * prompt_pages, copied
+    assert results[True].peer_tokens < 0.25 * results[False].peer_tokens, (results[True].peer_tokens,
+                                                                           results[False].peer_tokens)
+    assert results[True].summary()["hit_rate"] >= 0.97 * results[False].summary()["hit_rate"]

@@ -13,6 +13,8 @@ from tokenflowd import protocol as p
 from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
 from tokenflowd.kv.pages import PagePool, chain_page_keys
 from tokenflowd.pool.member import PoolMember
+from tokenflowd.pool.names import cache_name
+from tokenflowd.pool.shared_kv import SharedKV
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 4, 2, 8, 4, 3
 
@@ -175,6 +177,91 @@ def test_read_mode_serves_a_peer_it_cannot_map_through_host_staging_and_says_so(
         path, staged = a.sharing()
         assert path == "shared memory" and list(staged) == [1] and "exports no cache" in staged[1]
         assert a.pin("s", [p.PrefixRun(1, keys)]) == 2, "its pins hold: the request reads them by query"
+    finally:
+        a.close()
+        b.close()
+
+
+def held_segment(m: PoolMember, n: int) -> tuple[list[bytes], list[int]]:
+    """`n` pages cached on `m` under a prompt's chained keys (unreferenced, as a prefix cache holds them)."""
+    keys = chain_page_keys(list(range(n * PAGE + 1)), PAGE, [])
+    pages = [m.pool.allocate() for _ in keys]
+    for page, key in zip(pages, keys):
+        m.pool.register(page, key)
+        m.pool.decref(page)
+    return keys, pages
+
+
+def assert_copied(a: PoolMember, b: PoolMember, keys: list[bytes], theirs: list[int]):
+    for key, page in zip(keys, theirs):
+        (mine,) = a.pool.lookup([key])
+        assert a.pool.ref_count(mine) == 0 and a.pool.is_evictable(mine), "kept as cache, not pinned"
+        for layer_a, layer_b in zip(a.kv_layers, b.kv_layers):
+            assert torch.equal(layer_a[:, :, mine], layer_b[:, :, page])
+
+
+def test_a_hot_segment_is_copied_in_from_its_holder_and_later_pins_read_the_copy_here(pair):
+    """A heavy hitter read on a peer (AddRequest.copy): query mode fetches the pages this engine
+    lacks, keeps them as cache with the holder's bytes, and a run the front still names on the peer
+    is read here from then on; the holder keeps its own and pins nothing for the copy."""
+    a, b = pair
+    keys, theirs = held_segment(b, 3)
+    a.pool.register(a.pool.allocate(), keys[0])  # it has the first page already: only the others come
+    a.pool.decref(a.pool.lookup([keys[0]])[0])
+    assert a.copy_in([p.PrefixRun(1, keys)]) == 2 and a.stats["copied_pages"] == 2
+    assert_copied(a, b, keys[1:], theirs[1:])
+    assert b.service.pinned_pages == 0 and b.pool.num_used == 0 and len(b.pool.lookup(keys)) == 3
+    assert a.pin("r", [p.PrefixRun(1, keys)]) == 3
+    assert list(a.foreign["r"].pages) == [0] and a.count("r") == (0, 3), "read here, not on the peer"
+    assert b.service.pinned_pages == 0
+    a.release("r")
+    assert a.pool.num_used == 0
+
+
+def test_a_copy_takes_what_the_holder_still_has_and_a_gone_holder_none(pair):
+    a, b = pair
+    keys, _ = held_segment(b, 3)
+    assert a.copy_in([p.PrefixRun(1, keys + [b"gone"])]) == 3, "the holder's leading pages"
+    assert a.copy_in([p.PrefixRun(1, keys)]) == 0, "held here already: nothing crosses"
+    a.set_peers([])
+    assert a.copy_in([p.PrefixRun(1, [b"x"])]) == 0
+
+
+def test_read_mode_copies_a_hot_segment_through_the_holders_mapped_cache(tmp_path):
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float32, torch.device("cpu"),
+                                    paged_kernel=False)
+    shape = backend.kv_cache_shape(7)  # the holder's pages and its scratch page (runner.py)
+    shared = SharedKV.create(cache_name(str(tmp_path), 1, 1), LAYERS, shape, torch.float32)
+    for layer in shared.layers:
+        layer.copy_(torch.randn(shape))
+    mine = [torch.zeros(backend.kv_cache_shape(16)) for _ in range(LAYERS)]
+    a = PoolMember(0, 1, "read", str(tmp_path), backend, mine, PagePool(16), threading.Lock(), 8)
+    b = PoolMember(1, 1, "read", str(tmp_path), backend, shared.layers, PagePool(6), threading.Lock(), 8)
+    fetches = []
+    b.service.stage = lambda pages: fetches.append(pages)  # read mode must not stage through the host
+    try:
+        a.set_peers([p.PoolPeer(1, 1, os.getpid(), 6)])
+        keys, theirs = held_segment(b, 4)
+        assert a.copy_in([p.PrefixRun(1, keys)]) == 4 and fetches == []
+        assert a.sharing() == ("shared memory", {})
+        assert_copied(a, b, keys, theirs)
+        assert b.service.pinned_pages == 0, "the copy's pins go with it"
+    finally:
+        a.close()
+        b.close()
+        shared.close()
+
+
+def test_a_copy_between_engines_of_different_cache_layouts_keeps_every_value_in_its_place(tmp_path):
+    a, b = member(0, 16, str(tmp_path), PageSecondLayout), member(1, 6, str(tmp_path))
+    try:
+        a.set_peers([p.PoolPeer(1, 1, os.getpid(), 6)])
+        keys, theirs = held_segment(b, 3)
+        assert a.copy_in([p.PrefixRun(1, keys)]) == 3
+        for key, page in zip(keys, theirs):
+            (mine,) = a.pool.lookup([key])
+            for layer_a, layer_b in zip(a.kv_layers, b.kv_layers):
+                assert torch.equal(layer_a[:, mine], layer_b[:, :, page])
     finally:
         a.close()
         b.close()

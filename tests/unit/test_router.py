@@ -115,25 +115,33 @@ def test_pooled_pick_takes_the_less_loaded_of_two_replicas():
     assert picks - {2} <= {0}
 
 
-def test_a_hot_segment_on_busy_holders_only_is_computed_by_the_chosen_engine_a_cold_one_is_read():
+def test_a_hot_segment_read_elsewhere_is_copied_in_once_a_cold_one_is_read_where_it_is():
+    """TokenLake's heavy hitters (§4.3): a segment read this often is named for copying into the
+    engine that reads it elsewhere (AddRequest.copy), once while the copy is made; the request reads
+    it where it is meanwhile. A cold one is only read where it is."""
     tokens = list(range(33))
     k = keys_of(tokens)
     now = [0.0]
     r = router_with({0: k[:8]})
     r.clock = lambda: now[0]
-    busy = [FakeEngine(0, load=6), FakeEngine(1, load=1)]
-    # Cold (its first access): read where it is, however busy the holder.
-    assert r.pick_pooled(busy, tokens, segment_pages=4).runs == [(0, k[:8])]
-    for _ in range(20):  # it becomes a heavy hitter
-        r.pick_pooled([FakeEngine(0, load=1), FakeEngine(1, load=1)], tokens, segment_pages=4)
-    c = r.pick_pooled(busy, tokens, segment_pages=4)
-    assert (c.engine_id, c.runs) == (1, []), "engine 1 computes the hot prefix: a replica of it"
-    # A holder about as busy as the chosen engine keeps serving it.
-    assert r.pick_pooled([FakeEngine(0, load=2), FakeEngine(1, load=1)], tokens, 4).runs == [(0, k[:8])]
+    engines = [FakeEngine(0, load=6), FakeEngine(1, load=1)]
+    c = r.pick_pooled(engines, tokens, segment_pages=4)
+    assert (c.engine_id, c.runs, c.copies) == (1, [(0, k[:8])], []), "cold (its first read): read, not copied"
+    for _ in range(2):  # engine 0 reads it in place: its own reads make it hot but copy nothing
+        assert r.pick_pooled([FakeEngine(0), FakeEngine(1, load=9)], tokens, segment_pages=4).copies == []
+    c = r.pick_pooled(engines, tokens, segment_pages=4)
+    assert c.copies == [(0, k[:8])] and c.runs == [(0, k[:8])], "hot: copied into engine 1, read at 0 meanwhile"
+    assert r.pick_pooled(engines, tokens, segment_pages=4).copies == [], "once: the copy is under way"
+    assert r.reads(engines, tokens, 4, target=1) == [(0, k[:8])], "a queued request's reads name no copy"
+    r.index.update(1, k[:8], [])  # the copy is there: read at home, nothing to copy
+    c = r.pick_pooled([FakeEngine(0, load=6), FakeEngine(1, load=6)], tokens, segment_pages=4)
+    assert c.engine_id == 0 and c.runs == [] and c.copies == []
+    r.index.update(1, [], k[:8])  # evicted there later: copied again, after the first copy's while
+    now[0] += 10
+    assert r.pick_pooled(engines, tokens, segment_pages=4).copies == [(0, k[:8])]
     now[0] += 3600  # an hour later the segment is cold again (and forgotten)
     r.heat.hit(b"other", now[0])
-    assert r.pick_pooled(busy, tokens, segment_pages=4).runs == [(0, k[:8])]
-
+    assert r.pick_pooled(engines, tokens, segment_pages=4).copies == []
 
 def test_pooled_pick_places_each_new_segment_at_its_home_by_hash():
     from tokenflowd.pool.homes import rendezvous_home
@@ -159,16 +167,12 @@ def test_pooled_pick_places_each_new_segment_at_its_home_by_hash():
     assert homes == {0, 1, 2}, "the hash spreads segments over every engine"
 
 
-def test_pooled_pick_places_nothing_held_anywhere_and_nothing_of_a_hot_replica():
+def test_pooled_pick_places_nothing_held_anywhere():
     tokens = list(range(33))
     k = keys_of(tokens)
-    now = [0.0]
     r = router_with({0: k[:8]})
-    r.clock = lambda: now[0]
-    for _ in range(20):  # the prefix becomes a heavy hitter
-        r.pick_pooled([FakeEngine(0, load=1), FakeEngine(1, load=1)], tokens, segment_pages=4)
     c = r.pick_pooled([FakeEngine(0, load=6), FakeEngine(1, load=1)], tokens, segment_pages=4)
-    assert (c.engine_id, c.runs, c.places) == (1, [], []), "a replica stays where it is computed"
+    assert (c.engine_id, c.runs, c.places) == (1, [(0, k[:8])], [])
     assert r.pick_pooled([FakeEngine(0)], tokens, segment_pages=4).places == []
     # a trailing part of a segment (pages 4-6 of a 4-page segment) is no segment: kept where computed
     from tokenflowd.pool.homes import rendezvous_home

@@ -127,9 +127,10 @@ class EngineConfig:
     # tokens of a pool segment, the unit a request reads from one holder; 0: the threshold of
     # pool/segments.py with α, B and k_comp measured at start-up (logged)
     pool_segment_tokens: int = 0
-    # where the pool keeps a new segment: home (the engine its key hashes to, pool/homes.py;
-    # the engine computing it writes it there once its prompt is computed) or local (where it was computed)
-    pool_placement: str = "home"
+    # where the pool keeps a new segment: local (where it was computed; a request goes where its prefix
+    # is unless that engine is much busier) or home (the engine its key hashes to, pool/homes.py; the
+    # engine computing it writes it there once its prompt is computed)
+    pool_placement: str = "local"
     # placement home: when the engine computing a new segment writes it into its home: once the
     # request's whole prompt is computed (prompt), or as each segment is computed (segment: the
     # engine needs room for a segment of the prompt, not all of it, and the rest of the prompt
@@ -138,6 +139,9 @@ class EngineConfig:
     # an idle engine takes the last queued request that has started nothing from the engine with the
     # longest queue (pool/steal.py; the front asks: protocol.Withdraw)
     pool_steal: bool = True
+    # a heavy hitter an engine reads on another is copied into it once, and read there from then on
+    # (daemon/router.py `_copy`, pool/member.py `copy_in`; TokenLake §4.3)
+    pool_copy: bool = True
     # Federation (federation/): both (prefill and decode here), prefill (prompts computed here have
     # their KV written to decode nodes, layer by layer) or decode (prompts' KV comes from prefill nodes)
     role: str = "both"

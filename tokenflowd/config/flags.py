@@ -55,9 +55,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens of a pool segment, a multiple of the page size (default: the break-even length "
                         "measured at start-up, logged)")
     g.add_argument("--pool-placement", choices=["home", "local"],
-                   help="where the pool keeps a new segment: home (the default: the engine its key hashes to; "
-                        "the engine computing it writes it there once its prompt is computed) or local (where it "
-                        "was computed)")
+                   help="where the pool keeps a new segment: local (the default: where it was computed, and a "
+                        "request goes where its prefix is unless that engine is much busier) or home (the engine "
+                        "its key hashes to; the engine computing it writes it there once its prompt is computed)")
     g.add_argument("--pool-hand-off", choices=["prompt", "segment"],
                    help="with --pool-placement home, when a new segment is written into its home: prompt (the "
                         "default: once the request's prompt is computed) or segment (as each is computed: the "
@@ -65,6 +65,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-pool-steal", action="store_true",
                    help="with the pool on, an idle engine takes no queued request from a busy one (by default the "
                         "engine with the longest queue gives it the last request that has started nothing)")
+    g.add_argument("--no-pool-copy", action="store_true",
+                   help="with the pool on, hot segments (heavy hitters) an engine reads on another are not copied "
+                        "into it: each segment stays where it is (by default it is copied once, and read there)")
     g.add_argument("--role", choices=["both", "prefill", "decode"],
                    help="this node in a federated cluster (tokenflowd conductor): both (the default: prefill and "
                         "decode here), prefill (compute prompts and write their KV to decode nodes) or decode "
@@ -155,6 +158,8 @@ def engine_config(a: argparse.Namespace, file_values: dict | None = None,
         kw["pool_ipc"] = False
     if getattr(a, "no_pool_steal", False):
         kw["pool_steal"] = False
+    if getattr(a, "no_pool_copy", False):
+        kw["pool_copy"] = False
     if getattr(a, "no_load_evict_overlap", False):
         kw["load_evict_overlap"] = False
     if getattr(a, "overlap", None) is not None:

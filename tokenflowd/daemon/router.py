@@ -15,18 +15,20 @@ With the node's pool on (`--pool-mode query|read`, pool/), where a prefix lives 
 decide where a request runs: any engine reads any engine's pages. `pick_pooled` takes the engine
 with the least work (the prompt tokens its requests hold; ties: the one holding more of the prefix,
 then the fewer requests, the lower id). Where segments stay where they are computed
-(`--pool-placement local`), a request kept where its prefix is reads it for nothing and pins
-nothing on a peer, so there the engine holding most of the prefix wins among those whose work is
-within AFFINITY_SLACK times this prompt of the least. (With placement at homes, segments are spread
+(`--pool-placement local`, the default), a request kept where its prefix is reads it without a
+round trip per layer and without its holder's attention for it, so there the engine holding most
+of the prefix wins among those whose work is within AFFINITY_SLACK times this prompt of the least.
+(With placement at homes, segments are spread
 by hash: the leading pages an engine holds say little of what it holds of the prompt, and
 preferring them piles requests on the first segment's home.) Then it names, for the prompt's
 longest prefix held anywhere, which
 engine each segment is read from: the chosen engine's own where
 it has it, else the previous segment's holder while it has it, else the less loaded of two random
-holders (power of two choices). A hot segment (a heavy hitter, pool/heat.py) whose holders are all
-busier than the chosen engine by more than a slack is not read there: the chosen engine computes
-it and what follows, and so holds a replica of it. Heavy hitters are replicated to the least
-loaded engines that lack them, by use (Mooncake's hot prefixes replicate the same way).
+holders (power of two choices). A hot segment (a heavy hitter, pool/heat.py) that the chosen
+engine reads elsewhere is copied into it, once (`Choice.copies`, AddRequest.copy; PoolMember.copy_in:
+the pages' KV, not their computation), and read there from then on: a system prompt every request
+reads is then read on every engine, not answered by its holder for every engine's every step
+(TokenLake §4.3 replicates heavy hitters the same way; `--no-pool-copy` keeps them where they are).
 
 A request queued behind others has its reads named again as it nears the front of its engine's
 queue (`reads`, asked by the engine: protocol.ResolveReads): from where the pool holds its prefix
@@ -39,15 +41,16 @@ are topped up to an even load, and within that each request goes where it moves 
 (its query rows to the other engines holding what it reads, its new segments to their homes), by
 minimum-cost bipartite matching; then its reads are named as `pick_pooled` names them.
 
-Placement (`--pool-placement home`, the default): each whole segment of the prompt that no engine
+Placement by home (`--pool-placement home`): each whole segment of the prompt that no engine
 holds any page of has a home, the serving engine its last key hashes to (rendezvous hashing,
 pool/homes.py): the chosen engine computes it and, where the home is another engine, writes it
 into the home once the prompt is computed (`Choice.places`, AddRequest.place; pool/engine_hooks.py
 `_hand_off`) and keeps no copy. Segments are spread over the node by hash, never by where a
-request happened to run; a replica made by use stays where it is made.
+request happened to run; a copy of a hot one stays where it is made.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -63,12 +66,15 @@ from tokenflowd.pool.homes import rendezvous_home
 
 # The pool's pick with --pool-placement local: an engine holding more of the prefix is preferred
 # while its work is within this many of the prompt's own tokens of the least loaded engine's. Node
-# simulator, a quarter of the A100's KV, four document workloads in overload, seeds 0-3: pool-local's
-# throughput 0.94x routing's (geometric mean; 0.74-1.13x) at 2, against 0.81x (0.43-1.18x) when
-# only ties in work went to the holder (bench/results/node_contexts_small_cache_seeds.json). In a
-# first sweep on seed 0 (with an eviction change in the tree since reverted), 0.5, 4 and 8 did worse.
+# simulator with a holder's answers costed as its own attention (sim/node.py), pool-local's
+# throughput over routing's, geometric means: a quarter of the A100's KV, four document workloads
+# in overload, seeds 0-3: 1.00x at 0, 1.09x at 2, 1.15x at 4 and 6, 1.18x at 8; full KV, every
+# synthetic workload and the trace on the A100 and H200 presets, overload: 1.047x at 2, 1.026x at
+# 4, 1.025x at 8 (2 runs below 0.995x at 2, 4 at 4, 5 at 8). 2 serves the full cache best.
 AFFINITY_SLACK = 2.0
-REPLICATE_SLACK = 0.5  # a holder busier than 1.5x the chosen engine's load, plus one request, is overloaded
+# s a hot segment being copied into an engine is not named for copying there again (the copy is
+# made as the engine takes the request, and the engine's next report shows it there)
+COPY_SECONDS = 5.0
 
 
 class EngineLoad(Protocol):
@@ -104,20 +110,20 @@ class Choice:
     runs: list[tuple[int, list[bytes]]] = field(default_factory=list)
     # pool: (engine, keys) runs of the segments it computes that belong elsewhere (their homes)
     places: list[tuple[int, list[bytes]]] = field(default_factory=list)
+    # pool: (engine, keys) runs of hot segments it reads there that the chosen engine copies in
+    copies: list[tuple[int, list[bytes]]] = field(default_factory=list)
 
 
 class Router:
     def __init__(self, page_size: int, index: PrefixIndex, load_weight: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, copy_hot: bool = True) -> None:
         self.page_size = page_size
         self.index = index
         self.load_weight = load_weight
         self.heat = SegmentHeat()  # the pool's: which segments are read most
         self.clock = clock
-
-    def _overloaded(self, holder_load: int, target_load: int) -> bool:
-        """A holder too busy to serve a hot segment that the chosen engine could hold too."""
-        return holder_load > (1 + REPLICATE_SLACK) * target_load + 1
+        self.copy_hot = copy_hot  # hot segments an engine reads elsewhere are copied into it (`_copy`)
+        self._copying: dict[tuple[bytes, int], float] = {}  # (hot segment, engine) -> since when it is copied there
 
     def pick(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int]) -> Choice:
         """`engines` must be non-empty (the serving ones). Ties go to the lower engine id."""
@@ -153,13 +159,13 @@ class Router:
         self.index.link(keys)
         if target is None:
             target = self._near(engines, keys, len(prompt_token_ids), AFFINITY_SLACK if not place else 0.0)
-        runs, replica = self._runs(engines, keys, segment_pages, rng or random, target, count)
+        runs, copies = self._runs(engines, keys, segment_pages, rng or random, target, count)
         own = sum(len(k) for e, k in runs if e == target)
         places = self.places(keys, sum(len(k) for _, k in runs), max(1, segment_pages), target,
-                             [e.engine_id for e in engines], not replica) if place else []
+                             [e.engine_id for e in engines]) if place else []
         if all(e == target for e, _ in runs):
             return Choice(target, own, [], places)  # all of it here: the engine's own prefix cache serves it
-        return Choice(target, own, runs, places)
+        return Choice(target, own, runs, places, copies)
 
     def reads(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int, target: int,
               rng: random.Random | None = None) -> list[tuple[int, list[bytes]]]:
@@ -172,13 +178,14 @@ class Router:
         return [] if all(e == target for e, _ in runs) else runs
 
     def _runs(self, engines: Sequence[EngineLoad], keys: Sequence[bytes], segment_pages: int, rng: random.Random,
-              target: int, count: bool) -> tuple[list[tuple[int, list[bytes]]], bool]:
-        """(the (engine, keys) runs of the prompt's leading pages to read where they are, whether a
-        hot segment on busy engines only stopped them: the target computes a replica of it);
-        `count`: the request's use of each whole segment counts towards its heat."""
+              target: int, count: bool) -> tuple[list[tuple[int, list[bytes]]], list[tuple[int, list[bytes]]]]:
+        """(the (engine, keys) runs of the prompt's leading pages to read where they are, the runs of
+        hot segments among them that the target copies in); `count`: the request's use of each
+        whole segment counts towards its heat, and it may be the one that copies a hot segment in."""
         load = {e.engine_id: e.load for e in engines}
         now = self.clock()
         runs: list[tuple[int, list[bytes]]] = []
+        copies: list[tuple[int, list[bytes]]] = []
         seg = max(1, segment_pages)
         for start in range(0, len(keys), seg):
             chunk = keys[start : start + seg]
@@ -187,9 +194,6 @@ class Router:
             current = runs[-1][0] if runs else None
             if count and len(chunk) == seg:
                 self.heat.hit(chunk[-1], now)
-            if (whole and target not in whole and self.heat.is_heavy(chunk[-1], len(load), now)
-                    and all(self._overloaded(load[e], load[target]) for e in whole)):
-                return runs, True  # a hot segment on busy engines only: the target computes it (a replica)
             if not whole:
                 best = max(held, key=lambda e: (held[e], e == target, -e))
                 if held[best]:
@@ -203,7 +207,21 @@ class Router:
                 two = rng.sample(whole, 2) if len(whole) > 2 else whole
                 holder = min(two, key=lambda e: (load[e], e))
             self._extend(runs, holder, chunk)
-        return runs, False
+            if count and self.copy_hot and holder != target and self._copy(chunk[-1], len(load), target, now):
+                self._extend(copies, holder, chunk)
+        return runs, copies
+
+    def _copy(self, key: bytes, engines: int, target: int, now: float) -> bool:
+        """Whether the target copies in this segment that it reads elsewhere: a heavy hitter, not being
+        copied there already."""
+        if now - self._copying.get((key, target), -math.inf) < COPY_SECONDS:
+            return False
+        if not self.heat.is_heavy(key, engines, now):
+            return False
+        if len(self._copying) > 4096:
+            self._copying = {k: t for k, t in self._copying.items() if now - t < COPY_SECONDS}
+        self._copying[(key, target)] = now
+        return True
 
     def _near(self, engines: Sequence[EngineLoad], keys: Sequence[bytes], prompt_tokens: int, slack: float) -> int:
         """The pool's target (module docstring): among the engines whose work is within `slack`
@@ -268,20 +286,19 @@ class Router:
         return out
 
     def places(self, keys: Sequence[bytes], read: int, seg: int, target: int | None,
-                engines: list[int], rejoin: bool = True) -> list[tuple[int, list[bytes]]]:
+                engines: list[int]) -> list[tuple[int, list[bytes]]]:
         """The homes of the whole segments past the `read` pages that the target computes and puts
         at their homes (rendezvous hashing over the serving engines; its own are kept; target None:
         all of them): those no engine but the home holds any page of. A segment its home holds
         (whole or in part) is one the read could not reach, the chain cut before it: put there, it
         costs only the pages the home lacks, and the chain is whole at the homes again instead of
-        a second copy staying where the request ran. One another engine holds (a replica made by
-        use, a copy a full home did not take), or any held segment where `rejoin` is off (the
-        target computes a replica of a hot segment), stays where it is computed."""
+        a second copy staying where the request ran. One another engine holds (a copy of a hot
+        segment, a copy a full home did not take) stays where it is computed."""
         places: list[tuple[int, list[bytes]]] = []
         for start in range(-(-read // seg) * seg, len(keys) - seg + 1, seg):
             chunk = keys[start : start + seg]
             home = rendezvous_home(chunk[-1], engines)
-            if any(e != home or not rejoin for key in chunk for e in self.index.holders(key)):
+            if any(e != home for key in chunk for e in self.index.holders(key)):
                 continue
             if home != target:
                 self._extend(places, home, chunk)

@@ -109,12 +109,17 @@ class PoolHooks:
         """Ready's pool fields: the segment size and what dispatch weighs."""
         return self.member.segment_pages, *self.member.traffic_bytes()
 
-    def take_prefix(self, req: Request, runs: list[p.PrefixRun]) -> bool:
-        """Pin the prompt's leading pages where the pool holds them, if the request joins the queue
-        near its front (pool/ahead.py); the request keeps the rest. Else, or where nothing could be
-        pinned (the prefix not computed yet: a request before it may be computing it) and it waits
-        for its turn (`waits`), it waits for `_pin_due` and, near the front, asks where its reads are
-        then. -> whether it pinned any (for this request: what a failed add releases)."""
+    def take_prefix(self, req: Request, runs: list[p.PrefixRun], copies: list[p.PrefixRun] = ()) -> bool:
+        """Copy in the hot segments of `copies` first (a replica here: PoolMember.copy_in). Then pin the
+        prompt's leading pages where the pool holds them (this engine's own first), if the request
+        joins the queue near its front (pool/ahead.py); the request keeps the rest. Else, or where
+        nothing could be pinned (the prefix not computed yet: a request before it may be computing
+        it) and it waits for its turn (`waits`), it waits for `_pin_due` and, near the front, asks
+        where its reads are then. -> whether it pinned any (for this request: what a failed add
+        releases)."""
+        if copies:
+            with self.core.unlocked():
+                self.member.copy_in(copies)
         self.deferred.pop(req.request_id, None)
         waiting, free, ps = self.core.scheduler.waiting, self.core.pool.num_free, self.config.page_size
         pinned = bool(runs) and pins_on_arrival(waiting, req, free, ps) and self._pin(req, runs, queued=False)
@@ -346,6 +351,7 @@ class PoolHooks:
         return dict(pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
                     pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages,
                     pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
+                    pool_copied_pages=m["copied_pages"],
                     pool_share=self.member.share, pool_unblocked=self.unblocked,
                     pool_pinned_queued=self.pinned_queued, pool_resolved=self.resolved, pool_path=path,
                     pool_staged=staged)

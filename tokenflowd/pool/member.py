@@ -62,6 +62,7 @@ MAX_SEGMENT_PAGES = 64  # a segment longer than this would leave most prefixes u
 PROBE_PAGES = 256  # k_comp's probe: one query row over this many pages
 SHARE_PERIOD = 0.5  # s: the pool's share of the engine is measured over periods this long
 MAX_SHARE = 0.9  # the step-time model is slowed by at most 10x
+COPY_PIN = "\x00copy"  # what a copy pins its pages under while it reads them (no request's id: those are printable)
 
 
 @dataclass
@@ -103,10 +104,11 @@ class PoolMember:
         self.max_rows = max_rows
         self.peers: dict[int, Peer] = {}
         self.foreign: dict[str, ForeignPrefix] = {}  # request id -> what it reads on engines of the pool
-        self.stats = {"query_calls": 0, "query_bytes": 0, "query_seconds": 0.0, "put_pages": 0, "stored_pages": 0}
+        self.stats = {"query_calls": 0, "query_bytes": 0, "query_seconds": 0.0, "put_pages": 0, "stored_pages": 0,
+                      "copied_pages": 0}
         self.service = QueryService(service_address(runtime_dir, engine, incarnation), backend, self.kv_layers,
                                     self._resolve, self._release, self._store, reserve=self._reserve,
-                                    commit=self._commit).start()
+                                    commit=self._commit, stage=self._give).start()
         self.segment_pages = 0  # set by size_segments
         self.share = 0.0  # of this engine's time, what serving peers took lately (`measure_share`)
         self._share_at = (time.monotonic(), 0.0)  # (when, the service's busy seconds then)
@@ -182,12 +184,20 @@ class PoolMember:
                     self.pool.decref(page)
 
     def _store(self, keys: list[bytes], kv: torch.Tensor) -> int:
-        """A peer puts segments whose home is this engine (`kv`: the wire layout of `stage`): the keys
+        """A peer puts segments whose home is this engine (`kv`: the wire layout of `stage`): `_keep`.
+        -> leading keys held now."""
+        t0 = time.perf_counter()
+        held, new = self._keep(keys, kv)
+        self.stats["stored_pages"] += new
+        self.service.busy_seconds += time.perf_counter() - t0
+        return held
+
+    def _keep(self, keys: list[bytes], kv: torch.Tensor) -> tuple[int, int]:
+        """Pages of `keys` from `kv` (the wire layout of `stage`, on the host or this device): the keys
         not held yet get pages, their KV and their keys, and stay unreferenced in the prefix cache
         (its LRU decides when they go). Stops at the first page it cannot get; a copy that fails
-        frees the pages it took. -> leading keys held now."""
+        frees the pages it took. -> (leading keys held now, pages written)."""
         with self.lock:
-            t0 = time.perf_counter()
             taken: list[int] = []  # in key order: pages it holds already (referenced while it allocates, so
             new: list[tuple[int, int]] = []  # not evicted) and new ones, (position in the put, page)
             try:
@@ -207,17 +217,15 @@ class PoolMember:
                     self._write(kv, new)
                 for i, page in new:
                     self.pool.register(page, keys[i])
-                self.stats["stored_pages"] += len(new)
             except Exception:
-                held = new[0][0]  # the keys before the first new page
-                log.exception("pool: a put from a peer could not be stored")
+                held, new = new[0][0], []  # the keys before the first new page
+                log.exception("pool: pages from a peer could not be stored")
             finally:
                 # the segment's end first into the LRU: eviction takes a prefix from its end, never
                 # leaving its later pages cached behind a missing one (an unregistered page is freed)
                 for page in reversed(taken):
                     self.pool.decref(page)
-            self.service.busy_seconds += time.perf_counter() - t0
-        return held
+        return held, len(new)
 
     def _reserve(self, keys: Sequence[bytes]) -> tuple[list[int], list[bool]]:
         """A peer writes segments whose home is this engine (read mode): per leading key, the page
@@ -246,8 +254,15 @@ class PoolMember:
         return len(pages)
 
     def _write(self, kv: torch.Tensor, new: list[tuple[int, int]]) -> None:
-        src = torch.tensor([i for i, _ in new])
+        src = torch.tensor([i for i, _ in new], device=kv.device)
         scatter_pages(kv.index_select(1, src), self.kv_layers, [page for _, page in new], self.backend.page_axis)
+        if self.kv_layers[0].is_cuda:  # registered next: a peer's read on its own stream must find them there
+            torch.cuda.current_stream(self.kv_layers[0].device).synchronize()
+
+    def _give(self, pages: Sequence[int]) -> torch.Tensor:
+        """A peer copies pages it reads here (a heavy hitter: `copy_in`): their KV, on the host."""
+        with self.lock:
+            return self.stage(pages)
 
     # -- placement: this engine's side ---------------------------------------------------------
     def stage(self, pages: Sequence[int]) -> torch.Tensor:
@@ -273,6 +288,44 @@ class PoolMember:
             return 0
         self.stats["put_pages"] += held
         return held
+
+    def copy_in(self, runs: Sequence[p.PrefixRun]) -> int:
+        """Hot segments this engine reads on peers, copied into its own cache (a replica, TokenLake
+        §4.3; the front names them: AddRequest.copy): the pages it lacks, unreferenced in its prefix
+        cache, where its requests read them from now on (`pin` takes its own pages first). Read mode
+        copies through the holder's mapped cache (device to device on a GPU), query mode fetches
+        them. Best effort: a peer gone, or no room here, leaves the rest where it is. -> pages
+        copied. Call without `lock`."""
+        copied = 0
+        for run in runs:
+            peer = self.peers.get(run.engine)
+            if run.engine == self.engine or peer is None:
+                continue
+            with self.lock:
+                keys = run.keys[len(self.pool.lookup(run.keys)):]  # (keys are chained: any stretch names its pages)
+            if not keys:
+                continue
+            try:
+                client = self._client(peer)
+                if self._mapped(peer):
+                    pinned = client.pin(COPY_PIN, keys)
+                    try:
+                        held, first, axis = len(pinned.pages), self.kv_layers[0], self.backend.page_axis
+                        out = torch.empty(len(self.kv_layers) * held * (first.numel() // first.shape[axis]),
+                                          dtype=first.dtype, device=first.device)
+                        kv = gather_pages(self._cache(peer).layers, pinned.pages, out, axis)
+                    finally:
+                        client.unpin(COPY_PIN)
+                else:
+                    held, kv = client.fetch(keys, len(self.kv_layers), self.kv_layers[0], self.backend.page_axis)
+                stored = self._keep(keys[:held], kv)[1] if held else 0
+            except (PeerGone, RuntimeError, OSError, ValueError, zmq.ZMQError) as e:
+                log.warning("pool: copying %d pages from engine %d failed (%s); they are read there", len(keys),
+                            run.engine, e)
+                continue
+            copied += stored
+            self.stats["copied_pages"] += stored
+        return copied
 
     def hand_off(self, request_id: str, runs: Sequence[tuple[int, list[bytes], list[int]]]) -> int:
         """Write into the home: the request's leading computed pages here, in runs of (home, keys,
@@ -413,9 +466,9 @@ class PoolMember:
         prefix = self.foreign[request_id] = ForeignPrefix()  # from the first pin: `release` finds them all
         try:
             for run in runs:
-                pages = self._pin_run(request_id, run)
+                engine, pages = self._pin_run(request_id, run)
                 if pages:
-                    prefix.pages.setdefault(run.engine, []).extend(pages)
+                    prefix.pages.setdefault(engine, []).extend(pages)
                 if len(pages) < len(run.keys):
                     break
         except Exception:
@@ -434,19 +487,23 @@ class PoolMember:
         own = read.get(self.engine, 0)
         return sum(read.values()) - own, own
 
-    def _pin_run(self, request_id: str, run: p.PrefixRun) -> list[int]:
-        if run.engine == self.engine:
-            return [page for seg in self._resolve(run.keys) for page in seg]
+    def _pin_run(self, request_id: str, run: p.PrefixRun) -> tuple[int, list[int]]:
+        """-> (the engine it is read on, its pages pinned there): this engine's own where it holds the
+        whole run (a replica copied in since the front named the run), else the run's holder."""
+        here = self._resolve(run.keys)
+        if run.engine == self.engine or len(here) == len(run.keys):
+            return self.engine, [page for seg in here for page in seg]
+        self._release(here)
         peer = self.peers.get(run.engine)
         if peer is None:
-            return []
+            return run.engine, []
         try:
             pinned = self._client(peer).pin(request_id, run.keys)
         except (PeerGone, RuntimeError, zmq.ZMQError) as e:
             log.warning("pool: pin on engine %d failed (%s); the request computes those tokens", run.engine, e)
-            return []
+            return run.engine, []
         self._mapped(peer)  # (read mode: mapped now, or staged from here on)
-        return pinned.pages
+        return run.engine, pinned.pages
 
     def release(self, request_id: str) -> None:
         """The request is gone or no longer reads its foreign prefix: drop its pins everywhere."""

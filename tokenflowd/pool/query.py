@@ -3,7 +3,9 @@ the engine that holds prefix segments and gets back partial outputs with their l
 it merges with its own attention (engine/attention/partial.py). Prefix KV does not move to be read;
 it moves once, when its prompt is computed, into its home: in query mode a `Put` carries it (one zmq frame of
 its KV); in read mode the requester `Reserve`s pages on the home, writes them through the home's
-mapped cache (shared_kv.py) and `Commit`s them.
+mapped cache (shared_kv.py) and `Commit`s them. A heavy hitter an engine reads elsewhere is copied
+into it once (a replica): query mode `Fetch`es it, its KV in one frame of the reply; read mode copies
+it through the holder's mapped cache.
 
     requester                                      holder (a thread beside its engine)
     QueryClient.query(layer, q, segments) ──zmq──► QueryService: pages of the pinned segments,
@@ -120,6 +122,21 @@ class Commit(msgspec.Struct, tag=True):
     seq: int = 0
 
 
+class Fetch(msgspec.Struct, tag=True):
+    """Segments the requester copies into its own cache (a heavy hitter it reads here: a replica,
+    TokenLake §4.3): the holder sends the KV of the leading keys it holds, as `Put` carries it."""
+
+    peer: int
+    keys: list[bytes]
+    incarnation: int = 0
+    seq: int = 0
+
+
+class Fetched(msgspec.Struct, tag=True):
+    held: int  # leading keys of a Fetch the holder had: their KV follows as one more frame (none if 0)
+    seq: int = 0
+
+
 class Reserved(msgspec.Struct, tag=True):
     pages: list[int]  # the holder's pages of the leading keys it could take, pinned for the request
     fresh: list[bool]  # per page: taken fresh (the requester writes it), else held already
@@ -143,8 +160,8 @@ class Done(msgspec.Struct, tag=True):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_TO_HOLDER = msgspec.msgpack.Decoder(Pin | Unpin | ReleasePeer | Query | Put | Reserve | Commit)
-_TO_PEER = msgspec.msgpack.Decoder(Pinned | Stored | Reserved | Done)
+_TO_HOLDER = msgspec.msgpack.Decoder(Pin | Unpin | ReleasePeer | Query | Put | Reserve | Commit | Fetch)
+_TO_PEER = msgspec.msgpack.Decoder(Pinned | Stored | Reserved | Fetched | Done)
 
 
 # -- buffers ----------------------------------------------------------------------------------
@@ -203,8 +220,8 @@ class QueryService:
     with a reference taken; `release(pages)` drops those references; `store(keys, kv)` keeps a
     peer's put segments (-> leading keys held); `reserve(keys)` -> (pages, fresh) of the leading
     keys it can take, held or fresh, each referenced; `commit(keys, pages)` caches written fresh
-    pages. They run in the service's thread: the engine passes callables that are safe there (its
-    page pool's lock)."""
+    pages; `stage(pages)` -> their KV in `Put`'s layout, on the host. They run in the service's
+    thread: the engine passes callables that are safe there (its page pool's lock)."""
 
     def __init__(self, address: str, backend, kv_layers: Sequence[torch.Tensor],
                  resolve: Callable[[Sequence[bytes]], list[list[int]]],
@@ -212,11 +229,12 @@ class QueryService:
                  store: Callable[[list[bytes], torch.Tensor], int] | None = None,
                  ctx: zmq.Context | None = None,
                  reserve: Callable[[Sequence[bytes]], tuple[list[int], list[bool]]] | None = None,
-                 commit: Callable[[Sequence[bytes], Sequence[int]], int] | None = None) -> None:
+                 commit: Callable[[Sequence[bytes], Sequence[int]], int] | None = None,
+                 stage: Callable[[Sequence[int]], torch.Tensor] | None = None) -> None:
         self.backend = backend
         self.kv_layers = list(kv_layers)
         self.resolve, self.release, self.store = resolve, release, store
-        self.reserve, self.commit = reserve, commit
+        self.reserve, self.commit, self.stage = reserve, commit, stage
         self.pins: dict[tuple[int, int, str], list[list[int]]] = {}  # (peer, incarnation, request) -> pages per segment
         self._lock = threading.Lock()  # the pins and buffers: the service's thread and release_peer
         self._buffers: dict[str, tuple[int, int, QueryBuffers]] = {}  # block -> (its peer, incarnation, mapping)
@@ -270,12 +288,31 @@ class QueryService:
                 if isinstance(msg, Put) != bool(payload):
                     raise ValueError("a put carries its KV in one frame, and nothing else does")
                 with self._lock:
-                    reply = self._put(msg, payload[0]) if payload else self._handle(msg)
+                    if isinstance(msg, Fetch):
+                        reply, kv = self._fetch(msg)
+                    else:
+                        reply, kv = self._put(msg, payload[0]) if payload else self._handle(msg), None
             except Exception as e:  # a bad query must not take the engine's service down
                 log.warning("pool query failed: %s: %s", type(e).__name__, e)
-                reply = Done(error=f"{type(e).__name__}: {e}")
+                reply, kv = Done(error=f"{type(e).__name__}: {e}"), None
             reply.seq = seq
-            self._sock.send_multipart([ident, _ENCODER.encode(reply)])
+            if kv is None:
+                self._sock.send_multipart([ident, _ENCODER.encode(reply)])
+            else:
+                self._sock.send_multipart([ident, _ENCODER.encode(reply), memoryview(kv.view(torch.uint8).numpy())],
+                                          copy=False)
+
+    def _fetch(self, msg: Fetch) -> tuple[Fetched, torch.Tensor | None]:
+        if self.stage is None:
+            raise ValueError("this engine gives no copies")
+        t0 = time.perf_counter()
+        segments = self.resolve(msg.keys)
+        try:
+            kv = self.stage([page for seg in segments for page in seg]) if segments else None
+        finally:
+            self.release(segments)
+        self.busy_seconds += time.perf_counter() - t0
+        return Fetched(held=len(segments)), kv
 
     def _put(self, msg: Put, payload: bytes) -> Stored:
         if self.store is None:
@@ -397,7 +434,12 @@ class QueryClient:
         else:
             self._sock.send_multipart([_ENCODER.encode(msg), payload], copy=False)
 
-    def _recv(self, what: str) -> Pinned | Stored | Reserved | Done:
+    def _recv(self, what: str) -> Pinned | Stored | Reserved | Fetched | Done:
+        reply, _ = self._recv_frames(what)
+        return reply
+
+    def _recv_frames(self, what: str) -> tuple[Pinned | Stored | Reserved | Fetched | Done, bytes | None]:
+        """The reply to the last message sent, and the frame that follows it (a Fetched's KV)."""
         deadline = time.monotonic() + self.timeout_ms / 1000
         while True:
             while not self._sock.poll(20):
@@ -406,12 +448,13 @@ class QueryClient:
                     raise PeerGone(f"pool holder {self.holder} is gone (its process exited) before answering {what}")
                 if time.monotonic() > deadline:
                     raise PeerGone(f"pool holder {self.holder} did not answer {what} within {self.timeout_ms} ms")
-            reply = _TO_PEER.decode(self._sock.recv())
+            raw, *payload = self._sock.recv_multipart()
+            reply = _TO_PEER.decode(raw)
             if reply.seq == self._seq:
                 break  # else the answer to a message given up on earlier: dropped
         if isinstance(reply, Done) and reply.error:
             raise RuntimeError(f"pool peer: {reply.error}")
-        return reply
+        return reply, payload[0] if payload else None
 
     def _call(self, msg, payload: memoryview | None = None) -> Pinned | Stored | Reserved | Done:
         self._send(msg, payload)
@@ -426,6 +469,20 @@ class QueryClient:
         head_dim], on the host. -> leading keys it holds now."""
         raw = kv.contiguous().view(torch.uint8).numpy()
         return self._call(Put(self.peer, keys), memoryview(raw)).held  # type: ignore[union-attr]
+
+    def fetch(self, keys: list[bytes], num_layers: int, like: torch.Tensor,
+              page_axis: int) -> tuple[int, torch.Tensor | None]:
+        """The KV of the leading `keys` the holder has, in `Put`'s layout for `num_layers` cache
+        layers like `like` (on the host). -> (how many it had, their KV; None if none)."""
+        self._send(Fetch(self.peer, keys))
+        reply, payload = self._recv_frames("Fetch")
+        if not isinstance(reply, Fetched) or not reply.held:
+            return 0, None
+        shape = (num_layers, reply.held, *like.shape[:page_axis], *like.shape[page_axis + 1 :])
+        if payload is None or len(payload) != math.prod(shape) * like.element_size():
+            raise RuntimeError(f"pool peer: a copy of {reply.held} pages came with "
+                               f"{0 if payload is None else len(payload)} bytes")
+        return reply.held, torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(like.dtype).view(shape)
 
     def reserve(self, request_id: str, keys: list[bytes]) -> Reserved:
         """Pages on the holder for a request's new segments whose home it is, pinned for it: those of

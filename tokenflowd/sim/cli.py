@@ -100,6 +100,8 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     sn.add_argument("--segment-tokens", type=int, default=512, help="the pool's segment (default 512)")
     sn.add_argument("--no-pool-steal", action="store_true",
                     help="pool modes: an idle engine takes no queued request from a busy one (pool/steal.py)")
+    sn.add_argument("--no-pool-copy", action="store_true",
+                    help="pool modes: hot segments an engine reads elsewhere are not copied into it")
     sn.add_argument("--seed", type=int, default=0)
     sn.add_argument("--out", help="write the summaries as JSON here")
     sn.set_defaults(func=cmd_sim_node)
@@ -225,7 +227,7 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
         raise ValueError(f"--segment-tokens must be a multiple of the page size {cost.page_size}")
     requests = _node_workload(a)
     config = NodeConfig(engines=a.engines, policy=a.policy, segment_pages=a.segment_tokens // cost.page_size,
-                        seed=a.seed, steal=not a.no_pool_steal)
+                        seed=a.seed, steal=not a.no_pool_steal, copy=not a.no_pool_copy)
     print(f"{len(requests)} {'synthetic ' + a.contexts if a.contexts else 'trace'} requests, {a.engines} engines, cost model {cost.name}, policy {a.policy}")
     keys = ("throughput", "effective_throughput", "ttft_mean", "ttft_p99", "hit_rate", "busy_cv", "load_cv",
             "computed_tokens")
@@ -238,7 +240,8 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
         doc = {"engines": a.engines, "cost_model": cost.name, "cost_source": cost.source, "policy": a.policy,
                "requests": len(requests), "workload": f"synthetic {a.contexts} at {a.rate} req/s" if a.contexts
                else "mooncake trace", "time_scale": a.time_scale, "max_prompt_len": a.max_prompt_len,
-               "segment_tokens": a.segment_tokens, "steal": not a.no_pool_steal, "summaries": summaries}
+               "segment_tokens": a.segment_tokens, "steal": not a.no_pool_steal,
+               "copy": not a.no_pool_copy, "summaries": summaries}
         with open(a.out, "w") as f:
             json.dump(json_safe(doc), f, indent=1)
         print("wrote", a.out)

@@ -13,9 +13,10 @@ where a request runs and what it computes.
                 its new whole segments are put at their homes (rendezvous hash) once its prompt is
                 computed, and no longer cached where it ran (what the daemon's --pool-placement
                 home did before it wrote into the home)
-      pool-local  the same, new segments kept where they are computed (--pool-placement local); the
-                request goes to the engine holding most of its prefix among those whose work is
-                within router.AFFINITY_SLACK prompts of the least (it reads that part for nothing)
+      pool-local  the same, new segments kept where they are computed (--pool-placement local,
+                the daemon's default); the request goes to the engine holding most of its prefix
+                among those whose work is within router.AFFINITY_SLACK prompts of the least (it
+                reads that part without the round trips)
       pool-write  the same, but once its prompt is computed its new segments are written into
                 their homes and it lets go of its own pages of them, reading them at the homes
                 from then on (the daemon's --pool-placement home, PoolHooks._hand_off): the node
@@ -38,9 +39,14 @@ The pool's costs (query mode, TokenLake §3.3). Per layer of a step, the holders
 rows read are asked together, as the daemon's PooledAttention does: one round trip and the rows'
 payload on the link, 2α + rows·payload/B, added to the requester's step (not overlapped with its
 own attention, which the daemon does: conservative). The holder's attention
-over its pages for those rows, 4·heads·head_dim FLOPs per row, prefix token and layer, is added to
-the holder's next step. A put, or a write into a home, costs the sender the pages' KV the home
-lacked on the link, added to its next step.
+over its pages for those rows is added to the holder's next step, costed as the engine's own: the
+larger of its FLOPs (4·heads·head_dim per row, prefix token and layer) and reading the pages' KV
+once per request (the query service attends per request, as the engine's own decode does; costed
+as FLOPs alone, a decode row's read of a long prefix elsewhere came out ~100x cheaper than the
+same read at home, and the pool "won" by reading remotely). A put, a write into a home, or a hot
+segment copied in (Choice.copies, as the engine's PoolMember.copy_in: once per engine, and read
+there from then on) costs the receiver or sender the pages' KV it lacked on the link, added to its
+next step.
 Balance, two ways: busy_cv, the CV across engines of each one's busy time over the whole run (a
 burst's last long decodes, one engine each, weigh on it); load_cv, as TokenLake measures imbalance
 over time (§7, each instance's cache accesses): the CV across engines of the prompt tokens of the
@@ -102,6 +108,7 @@ class NodeConfig:
     hand_off: str = "prompt"  # pool-write: new segments go to their homes once the prompt is computed, or each
     # once it is ("segment"), as the daemon's --pool-hand-off
     steal: bool = True  # pool: an idle engine takes a queued request from a busy one (--no-pool-steal: False)
+    copy: bool = True  # pool: hot segments an engine reads elsewhere are copied into it (--no-pool-copy: False)
 
 
 @dataclass
@@ -168,8 +175,13 @@ class _Executor(CostModelExecutor):
                 pages = len(held)
                 if holder is not self.engine:
                     rows[holder.engine_id] = rows.get(holder.engine_id, 0) + n
-                    flops = 4.0 * cost.num_layers * cost.num_heads * cost.head_dim * n * pages * cost.page_size
-                    holder.debt += flops / (cost.peak_flops * cost.compute_efficiency)
+                    # the holder's attention for these rows over the request's pages, as its own step's:
+                    # the FLOPs, or reading the pages' KV, whichever bounds it (the query service
+                    # attends per request: attend_pages reads each one's pages, shared or not)
+                    tokens = pages * cost.page_size
+                    flops = 4.0 * cost.num_layers * cost.num_heads * cost.head_dim * n * tokens
+                    read = tokens * cost.kv_bytes_per_token / (cost.mem_bandwidth * cost.bandwidth_efficiency)
+                    holder.debt += max(flops / (cost.peak_flops * cost.compute_efficiency), read)
         payload = 2 * cost.num_heads * cost.head_dim * cost.kv_dtype_bytes + 4 * cost.num_heads
         if rows:  # the holders are asked together and answer in parallel (pool/attention.py)
             t += cost.num_layers * (2 * node.link_alpha + sum(rows.values()) * payload / node.link_bandwidth)
@@ -255,7 +267,7 @@ class NodeSimulator:
         output_lens = {r.request_id: r.output_len for r in workload}
         self.engines = [_Engine(i, cost, config, output_lens) for i in range(config.engines)]
         self.index = PrefixIndex()
-        self.router = Router(cost.page_size, self.index, clock=lambda: self._now)
+        self.router = Router(cost.page_size, self.index, clock=lambda: self._now, copy_hot=config.copy)
         self.rng = random.Random(config.seed)
         self._now = 0.0
         self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time, r.reading_rate, r.prompt_len,
@@ -267,6 +279,7 @@ class NodeSimulator:
         self.unblocked = 0  # requests that gave their pins back (_unblock)
         self.pinned_queued = 0  # requests that pinned their reads while queued (pool/ahead.py)
         self.stolen = 0  # queued requests an idle engine took from a busy one (pool/steal.py)
+        self.copied_pages = 0  # pages of hot segments copied into engines that read them elsewhere
 
     def _route(self, w: WorkloadRequest) -> None:
         self._now = w.arrival_time
@@ -286,6 +299,8 @@ class NodeSimulator:
         named again once it nears the front; the homes of its new segments. `tokens`: its prompt and
         output."""
         if choice is not None:
+            if choice.copies:
+                self._copy(target, choice.copies)
             waiting, free, ps = target.scheduler.waiting, target.pool.num_free, self.cost.page_size
             if pins_on_arrival(waiting, req, free, ps):
                 self._pin(target, req, choice.runs)
@@ -337,12 +352,30 @@ class NodeSimulator:
             self._admit(thief, req, choice, now, rec.prompt_len + rec.output_len)
             self.stolen += 1
 
+    def _copy(self, target: _Engine, copies: list[tuple[int, list[bytes]]]) -> None:
+        """Hot segments that target reads on peers, copied into its pages (as the engine's
+        PoolMember.copy_in): the pages it lacks, unreferenced in its prefix cache; it pays their KV on
+        the link at its next step."""
+        cost = self.cost
+        for holder_id, keys in copies:
+            keys = keys[: len(self.engines[holder_id].pool.lookup(keys))]
+            have = len(target.pool.lookup(keys))
+            taken = _hold(target.pool, keys)
+            _release(target.pool, taken)
+            new = max(0, len(taken) - have)
+            self.copied_pages += new
+            sent = new * cost.page_size * cost.kv_bytes_per_token
+            target.debt += self.config.link_alpha + sent / self.config.link_bandwidth
+        self._update(target.engine_id, *target.pool.drain_key_events())
+
     def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]], queued: bool = False) -> None:
         """The runs' pages, where they are, up to the first that is gone (as the engine's PoolMember);
         `queued`: the request waits in target's queue already."""
         pinned, keys_done = [], []
         for engine_id, keys in runs:
             holder = self.engines[engine_id]
+            if holder is not target and len(target.pool.lookup(keys)) == len(keys):
+                holder = target  # a copy here (a hot segment copied in): read here
             pages = holder.pool.lookup(keys)
             for page in pages:
                 holder.pool.incref(page)

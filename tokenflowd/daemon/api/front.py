@@ -119,7 +119,8 @@ class Front:
         self.config = config
         self.model_name = model_name
         self.metrics = Metrics(supervisor)
-        self.router = Router(supervisor.engine_config.page_size, supervisor.index)
+        self.router = Router(supervisor.engine_config.page_size, supervisor.index,
+                             copy_hot=supervisor.engine_config.pool_copy)
         self.arrivals: Arrivals[Arrival, Choice] = Arrivals(self._place)  # the pool's dispatch groups
         supervisor.on_resolve = self._resolve
         # the pool: an engine asked to give back a queued request (Withdraw) -> (the idle engine it goes to, when asked)
@@ -470,7 +471,7 @@ class Front:
                                                  place=self.supervisor.engine_config.pool_placement == "home",
                                                  target=target.engine_id, count=False)
                 add = msgspec.structs.replace(stream.add, prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
-                                              place=[PrefixRun(e, keys) for e, keys in choice.places])
+                                              place=[PrefixRun(e, keys) for e, keys in choice.places], copy=[])
                 if self.supervisor.move(stream, target, add):
                     if target is not giver:
                         self.metrics.moved.labels(str(giver.engine_id)).inc()
@@ -504,7 +505,8 @@ class Front:
         add = AddRequest(request_id, prep.prompt_ids, prep.sampling, prep.reading_rate, prep.priority, arrival,
                          front=self.supervisor.front, front_epoch=self.supervisor.front_epoch, coalesce=coalesce,
                          prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
-                         place=[PrefixRun(e, keys) for e, keys in choice.places], remote_kv=prefill_node is not None,
+                         place=[PrefixRun(e, keys) for e, keys in choice.places],
+                         copy=[PrefixRun(e, keys) for e, keys in choice.copies], remote_kv=prefill_node is not None,
                          after=after)
         try:
             reserved = self.supervisor.expect(request_id) if prefill_node is not None else None

@@ -158,6 +158,8 @@ class EngineCollector(Collector):
                                           lambda s: s.pool_put_pages),
             "tokenflowd_pool_stored_pages": ("Pages peers wrote into an engine, their segments' home",
                                              lambda s: s.pool_stored_pages),
+            "tokenflowd_pool_copied_pages": ("Pages of heavy hitters an engine read on peers and copied in (replicas "
+                                             "its later requests read there)", lambda s: s.pool_copied_pages),
             "tokenflowd_pool_unblocked_requests": ("Waiting requests that gave their pool pins back because their "
                                                    "engine could run nothing (pins held by waiting requests "
                                                    "left no room)", lambda s: s.pool_unblocked),
