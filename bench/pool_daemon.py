@@ -69,7 +69,7 @@ def counters(d: Daemon) -> dict[str, float]:
     for s in SOURCES:
         out[s] = d.metric("tokenflowd_prompt_token_sources_total", source=s)
     for name in ("queries", "query_bytes", "query_seconds", "put_pages", "unblocked_requests", "pinned_queued_requests",
-                 "resolved_requests", "moved_requests"):
+                 "resolved_requests", "moved_requests", "copied_pages"):
         try:
             out[name] = d.metric(f"tokenflowd_pool_{name}_total")
         except KeyError:  # pool off: no such metric
@@ -142,6 +142,7 @@ def run_mode(mode: str, a, workload: LoadWorkload, log_dir: Path) -> dict:
         "pool_pinned_queued": delta["pinned_queued_requests"],  # requests that pinned their reads near the front
         "pool_resolved": delta["resolved_requests"],  # ... named again then by their front (ResolveReads)
         "pool_moved": delta["moved_requests"],  # queued requests an idle engine took (pool/steal.py)
+        "pool_copied_pages": delta["copied_pages"],  # hot segments' pages copied into engines that read them elsewhere
     }
     print(f"[bench] {mode}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                           for k, v in out.items() if k not in ("mode", "sources")), flush=True)
