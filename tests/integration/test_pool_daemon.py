@@ -194,7 +194,9 @@ def test_by_default_a_prefix_stays_where_computed_and_its_hot_segments_are_copie
         copied = copied_pages(d)
         # copied once, into the engine that did not compute it: at most the system prompt's pages
         assert 0 < sum(copied.values()) <= SYSTEM_TOKENS // 16 and min(copied.values()) == 0, copied
-        assert source_tokens(d, "local") >= 20 * SYSTEM_TOKENS, "a request computed the prompt again"
+        # (a request on the other engine before the copy reads it there: a peer hit, not a miss)
+        hits = source_tokens(d, "local") + source_tokens(d, "peer")
+        assert hits >= 20 * SYSTEM_TOKENS, (hits, "a request computed the prompt again")
         assert d.metric("tokenflowd_pool_replicated_pages") - replicated_before == sum(copied.values())
         for e in ("0", "1"):
             wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
