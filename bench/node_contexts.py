@@ -66,7 +66,10 @@ def simulate(cost, w, mode: str, config: NodeConfig) -> NodeResult:
 
 
 def mode_base(mode: str) -> str:
-    return mode.removesuffix("-nocopy").removesuffix("-nosteal").removesuffix("-nocopy")
+    """The simulator's mode of a bench mode: its -nosteal and -nocopy suffixes off, in either order."""
+    for suffix in ("-nocopy", "-nosteal", "-nocopy"):
+        mode = mode.removesuffix(suffix)
+    return mode
 
 
 def main() -> None:

@@ -265,15 +265,17 @@ class PoolMember:
             return self.stage(pages)
 
     # -- placement: this engine's side ---------------------------------------------------------
-    def stage(self, pages: Sequence[int]) -> torch.Tensor:
+    def stage(self, pages: Sequence[int], peer_layers: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Every layer's KV of `pages` in one host tensor, what `put` sends: federation/transport.py's
         wire layout, [layers, pages, 2, kv_heads, page_size, head_dim], whatever the cache's own
-        (torch's and flashinfer's differ in where the page axis is). The caller holds `lock`."""
-        first, axis = self.kv_layers[0], self.backend.page_axis
+        (torch's and flashinfer's differ in where the page axis is). The caller holds `lock`.
+        `peer_layers`: a peer's mapped cache instead (`copy_in`), staged on its device, not the host."""
+        layers, axis = peer_layers or self.kv_layers, self.backend.page_axis
+        first = layers[0]
         page_elements = first.numel() // first.shape[axis]
-        out = torch.empty(len(self.kv_layers) * len(pages) * page_elements, dtype=first.dtype,
-                          pin_memory=first.is_cuda)
-        return gather_pages(self.kv_layers, pages, out, axis)
+        out = torch.empty(len(layers) * len(pages) * page_elements, dtype=first.dtype,
+                          **({"device": first.device} if peer_layers else {"pin_memory": first.is_cuda}))
+        return gather_pages(layers, pages, out, axis)
 
     def put(self, home: int, keys: list[bytes], kv: torch.Tensor) -> int:
         """Give `home` the segments of `keys` (staged by `stage`). -> leading keys it holds now (0
@@ -310,10 +312,7 @@ class PoolMember:
                 if self._mapped(peer):
                     pinned = client.pin(COPY_PIN, keys)
                     try:
-                        held, first, axis = len(pinned.pages), self.kv_layers[0], self.backend.page_axis
-                        out = torch.empty(len(self.kv_layers) * held * (first.numel() // first.shape[axis]),
-                                          dtype=first.dtype, device=first.device)
-                        kv = gather_pages(self._cache(peer).layers, pinned.pages, out, axis)
+                        held, kv = len(pinned.pages), self.stage(pinned.pages, self._cache(peer).layers)
                     finally:
                         client.unpin(COPY_PIN)
                 else:
