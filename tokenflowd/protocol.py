@@ -268,9 +268,10 @@ class EngineStats(msgspec.Struct):
     step_per_token: float = 0.0
     waiting_tokens: int = 0  # prompt tokens queued here and not yet computed
     pool_share: float = 0.0  # of the engine's time, the share serving its peers took lately (its step model's)
-    # how it reads peers' pages: "shared memory" (read mode, CPU), "cuda ipc" (read mode, GPU) or
-    # "host staging (query mode)"; "": no pool. And the peers it queries instead, with why (their
-    # cache cannot be mapped here: another GPU, IPC refused)
+    # how it reads peers' pages: "shared memory" (read mode, CPU), "cuda ipc" (read mode, GPU),
+    # "cuda ipc (query mode)" (its query rows on the GPU, opened by the holder), "host staging (query
+    # mode)" (CPU) or "host staging (--no-pool-ipc)"; "": no pool. And the peers it stages through
+    # the host instead, with why (another GPU, IPC refused)
     pool_path: str = ""
     pool_staged: dict[int, str] = {}
     kv_links: dict[str, float] = {}  # federation: peer transfer engine -> bytes/s its writes there achieved

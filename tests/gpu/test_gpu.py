@@ -489,12 +489,15 @@ def test_unseeded_rows_with_top_k_and_top_p_draw_in_flashinfers_kernel_and_seede
     assert seeded_run(False) == seeded_run(True)
 
 
-@pytest.mark.parametrize("ipc", [True, False], ids=["cuda-ipc", "ipc-off"])
-def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_tokens(gpu_dirs, ipc):
+@pytest.mark.parametrize("mode,ipc", [("read", True), ("read", False), ("query", True)],
+                         ids=["cuda-ipc", "ipc-off", "query-cuda-ipc"])
+def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_tokens(gpu_dirs, mode, ipc):
     """Read mode, two engines on one GPU: each opens the other's KV cache over CUDA IPC and attends
     to its pages in place (/health: path "cuda ipc", no peer staged), and every stream's greedy
     tokens equal one engine's. With --no-pool-ipc each queries the other through the host instead,
-    and /health names the peer it stages, with why; the tokens are the same."""
+    and /health names the peer it stages, with why; the tokens are the same. Query mode: each
+    ships its rows to the other in a device block the other opened over CUDA IPC (path "cuda ipc
+    (query mode)"; a holder that could not open it would be named as staged), the same tokens."""
     import asyncio
 
     import httpx
@@ -525,7 +528,7 @@ def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_t
         return [first, *await asyncio.gather(*[complete(base_url, q) for q in prompts[1:]])]
 
     d = Daemon("--model", model, "--device", "cuda", "--engines", "2", "--dtype", "float32", "--kv-cache-memory",
-               "256MiB", "--pool-mode", "read", "--pool-segment-tokens", "64", "--pool-placement", "home",
+               "256MiB", "--pool-mode", mode, "--pool-segment-tokens", "64", "--pool-placement", "home",
                *(() if ipc else ("--no-pool-ipc",)),
                start_timeout=600)
     try:
@@ -536,7 +539,9 @@ def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_t
     finally:
         assert d.stop() == 0
     assert peer >= 64, "requests read segments the other engine holds"
-    if ipc:
+    if mode == "query":
+        assert all(e["pool"] == {"path": "cuda ipc (query mode)", "staged": {}} for e in engines), engines
+    elif ipc:
         assert all(e["pool"] == {"path": "cuda ipc", "staged": {}} for e in engines), engines
     else:
         assert all(e["pool"]["path"] == "host staging (--no-pool-ipc)" for e in engines), engines

@@ -203,3 +203,55 @@ def test_release_of_a_dead_incarnation_leaves_its_successors_pins(holder):
     finally:
         old.close()
         new.close()
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["opened", "refused"])
+def test_query_buffers_on_the_requesters_device_carry_the_rows_or_fall_back_to_the_host(tmp_path, monkeypatch,
+                                                                                        refused):
+    """Query mode on a GPU (query.py QueryBuffers.on_device): q, o and lse live in one block of the
+    requester's that it exports (cuda_ipc.export) and the holder opens (cuda_ipc.open_export), so the
+    rows never go through shared memory; the answers are the holder's attention over the pages. A holder that
+    cannot open the block (another GPU, IPC refused) says why; the requester moves its buffers to
+    shared memory, sends the query again, and stages from then on (`staged` says why). Here the
+    export is an in-process registry (the CPU stands in for the device) and the holder a thread."""
+    from tokenflowd.pool import cuda_ipc
+    from tokenflowd.pool.query import QueryService
+
+    blocks: dict[str, torch.Tensor] = {}
+    opened: list[str] = []
+
+    def open_export(path: str) -> torch.Tensor:
+        opened.append(path)
+        if refused:
+            raise ValueError("it is on GPU GPU-a, this engine on GPU-b")
+        return blocks[path]
+
+    monkeypatch.setattr(cuda_ipc, "export", lambda t, path: blocks.__setitem__(path, t))
+    monkeypatch.setattr(cuda_ipc, "open_export", open_export)
+    address = f"ipc://{tmp_path}/holder.sock"
+    backend, caches = H.backend_(), H.caches(SEED)
+    service = QueryService(address, backend, caches, lambda keys: [H.SEGMENTS[k] for k in keys],
+                           lambda segments: None).start()
+    exported = QueryClient(2, address, 8, H.HEADS, H.HEAD_DIM, torch.float32, device=torch.device("cpu"),
+                           export=str(tmp_path / "q-2-0-0.cudaipc"))
+    try:
+        assert exported.buffers.on_gpu and blocks, "the requester's buffers are its exported block"
+        assert exported.pin("a", [bytes([0]), bytes([1])]).held == 2
+        gen = torch.Generator().manual_seed(3)
+        for layer in range(H.LAYERS):
+            q = torch.randn(3, H.HEADS, H.HEAD_DIM, generator=gen)
+            want = backend.attend_pages(q, caches[layer], PageQuery([0, 3], [H.SEGMENTS[bytes([0])] +
+                                                                             H.SEGMENTS[bytes([1])]]))
+            got = exported.query(layer, q, [0, 3], ["a"])
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), layer
+        assert opened == [str(tmp_path / "q-2-0-0.cudaipc")], "the holder opens the block once"
+        if refused:
+            assert "cannot be opened over CUDA IPC" in exported.staged and "GPU-b" in exported.staged
+            assert not exported.buffers.on_gpu, "its rows go through shared memory from then on"
+        else:
+            assert exported.staged == "" and exported.buffers.on_gpu
+            assert exported.buffers.raw is blocks[str(tmp_path / "q-2-0-0.cudaipc")]
+            assert got[0].data_ptr() == exported.buffers.o.data_ptr(), "o is read from the block the holder wrote"
+    finally:
+        exported.close()
+        service.close()

@@ -121,8 +121,9 @@ class EngineConfig:
     # read (the engine maps the peer's KV cache and attends to its pages in place: shared memory on a
     # CPU, CUDA IPC between engines on one GPU; a peer it cannot map is queried through the host)
     pool_mode: str = "off"
-    # read mode on a GPU: export the KV cache over CUDA IPC for the peers on its GPU (false: they
-    # query it through the host, for a container that refuses IPC)
+    # on a GPU: read mode exports the KV cache over CUDA IPC for the peers on its GPU, and query mode
+    # its query buffers (false: they query each other through the host, for a container that
+    # refuses IPC)
     pool_ipc: bool = True
     # tokens of a pool segment, the unit a request reads from one holder; 0: the threshold of
     # pool/segments.py with α, B and k_comp measured at start-up (logged)

@@ -49,8 +49,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "queries go to it; LSE-merged) or read (peers' caches mapped and read in place: shared memory "
                         "on a CPU, CUDA IPC between engines on one GPU; other peers are queried)")
     g.add_argument("--no-pool-ipc", action="store_true",
-                   help="read mode on a GPU: export no KV cache over CUDA IPC (where the container refuses it); "
-                        "peers query each other through the host, as /health reports")
+                   help="on a GPU: share nothing over CUDA IPC (where the container refuses it): read mode "
+                        "exports no KV cache and query mode keeps its query rows in host memory; peers query "
+                        "each other through the host, as /health reports")
     g.add_argument("--pool-segment-tokens", type=int,
                    help="tokens of a pool segment, a multiple of the page size (default: the break-even length "
                         "measured at start-up, logged)")

@@ -12,6 +12,11 @@ GPU would need every kernel that reads it to run there. Engines on different GPU
 through host staging (query mode's path) instead, and so is a peer whose export cannot be opened
 (IPC refused: a container without it, MPS limits); /health names the peers served so (PoolMember
 `sharing`).
+
+Query mode on a GPU shares its buffers the same way: a requester's q rows and the (o, lse) that
+come back live in one device allocation it exports (query.py QueryBuffers.on_device); a holder on
+the same GPU opens it once and attends from it and into it, so a query's rows never cross the host.
+A holder that cannot open it says why, and that requester stages through the host from then on.
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ def device_uuid(device: torch.device | int | None = None) -> str:
 
 
 def export(kv: torch.Tensor, path: str) -> None:
-    """Publish the owner's whole cache (every layer, one allocation) for peers to open."""
+    """Publish the owner's whole cache (every layer, one allocation) for peers to open; so, too, a
+    requester's query buffers (query.py QueryBuffers.on_device)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     rebuild, args = reduce_tensor(kv)
@@ -38,6 +44,15 @@ def export(kv: torch.Tensor, path: str) -> None:
     os.replace(tmp, path)
 
 
+def open_export(path: str) -> torch.Tensor:
+    """A tensor another process exported (`export`), opened here. ValueError where it is on another GPU."""
+    with open(path, "rb") as f:
+        exported = pickle.load(f)
+    if exported["gpu"] != device_uuid():
+        raise ValueError(f"it is on GPU {exported['gpu']}, this engine on {device_uuid()}")
+    return exported["rebuild"](*exported["args"])
+
+
 @dataclass
 class DeviceKV:
     layers: list[torch.Tensor]  # each [*layer_shape], a view of the owner's cache
@@ -45,11 +60,7 @@ class DeviceKV:
     @classmethod
     def open(cls, path: str, num_layers: int, layer_shape: tuple[int, ...], dtype: torch.dtype) -> "DeviceKV":
         """A peer's cache, opened here. ValueError where it is on another GPU or not the shape asked."""
-        with open(path, "rb") as f:
-            exported = pickle.load(f)
-        if exported["gpu"] != device_uuid():
-            raise ValueError(f"its cache is on GPU {exported['gpu']}, this engine's on {device_uuid()}")
-        kv = exported["rebuild"](*exported["args"])
+        kv = open_export(path)
         if kv.dtype != dtype or tuple(kv.shape) != (num_layers, *layer_shape):
             raise ValueError(f"its cache is {tuple(kv.shape)} {kv.dtype}, not {(num_layers, *layer_shape)} {dtype}")
         return cls(list(kv.unbind(0)))

@@ -43,7 +43,7 @@ from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.kv.staging import gather_pages, scatter_pages
 from tokenflowd.pool.attention import HolderRows, PeerCache, PooledAttention, QueriedHolder
 from tokenflowd.pool.cuda_ipc import DeviceKV
-from tokenflowd.pool.names import cache_name, export_path, service_address
+from tokenflowd.pool.names import cache_name, export_path, query_buffers_path, service_address
 from tokenflowd.pool.query import PeerGone, QueryClient, QueryService
 from tokenflowd.pool.segments import (
     SegmentCosts,
@@ -93,7 +93,8 @@ class PoolMember:
     def __init__(self, engine: int, incarnation: int, mode: str, runtime_dir: str, backend,
                  kv_layers: Sequence[torch.Tensor], pool: PagePool, lock: threading.Lock, max_rows: int,
                  map_peers: bool = True) -> None:
-        """`map_peers` (read mode): False where CUDA IPC is off (--no-pool-ipc): peers are queried."""
+        """`map_peers`: False where CUDA IPC is off (--no-pool-ipc): read mode queries its peers, and
+        query mode's rows go through the host."""
         assert mode in ("query", "read")
         self.map_peers = map_peers
         self.engine, self.incarnation, self.mode, self.runtime_dir = engine, incarnation, mode, runtime_dir
@@ -116,7 +117,8 @@ class PoolMember:
     def size_segments(self, tokens: int = 0, max_pages: int = MAX_SEGMENT_PAGES) -> int:
         """The segment size in pages: `tokens` if given, else the threshold of segments.py with
         k_comp measured on this engine's attention and α, B on its own query path (the path a
-        peer's queries take: ipc and shared memory; in read mode, α and B are 0 and ∞)."""
+        peer's queries take: ipc, and shared memory or, on a GPU, device buffers; in read mode, α
+        and B are 0 and ∞)."""
         ps = self.backend.page_size
         if tokens:
             self.segment_pages = tokens // ps
@@ -128,9 +130,11 @@ class PoolMember:
         if self.mode == "read":
             alpha, bandwidth = 0.0, math.inf
         else:
+            gpu = self.kv_layers[0].is_cuda and self.map_peers  # the peers' path: their rows on the GPU
             probe = QueryClient(-1, service_address(self.runtime_dir, self.engine, self.incarnation), 256,
-                                b.num_heads, b.head_dim, b.dtype)
-            q = torch.zeros(256, b.num_heads, b.head_dim, dtype=b.dtype)
+                                b.num_heads, b.head_dim, b.dtype, device=self.kv_layers[0].device if gpu else None,
+                                export=query_buffers_path(self.runtime_dir, -1, 0, self.engine) if gpu else "")
+            q = torch.zeros(256, b.num_heads, b.head_dim, dtype=b.dtype, device=self.kv_layers[0].device)
             try:  # request "": no segments, so only the path is timed
                 alpha, bandwidth = measure_link(lambda n: probe.query(0, q[:n], [0, n], [""]), payload)
             finally:
@@ -408,10 +412,13 @@ class PoolMember:
     def _client(self, peer: Peer) -> QueryClient:
         if peer.client is None:
             b, info = self.backend, peer.info
+            gpu = self.kv_layers[0].is_cuda and self.map_peers  # the rows stay on the GPU (over CUDA IPC)
             peer.client = QueryClient(self.engine, service_address(self.runtime_dir, info.engine, info.incarnation),
                                       self.max_rows, b.num_heads, b.head_dim, b.dtype, timeout_ms=QUERY_TIMEOUT_MS,
                                       alive=lambda pid=info.pid: psutil.pid_exists(pid), holder=f"engine {info.engine}",
-                                      incarnation=self.incarnation)
+                                      incarnation=self.incarnation, device=self.kv_layers[0].device if gpu else None,
+                                      export=query_buffers_path(self.runtime_dir, self.engine, self.incarnation,
+                                                                info.engine) if gpu else "")
         return peer.client
 
     def _cache(self, peer: Peer) -> SharedKV | DeviceKV:
@@ -447,13 +454,15 @@ class PoolMember:
 
     def sharing(self) -> tuple[str, dict[int, str]]:
         """How peers' pages are read here: (the path, {peer: why it is staged through the host})."""
-        if self.mode == "query":
-            path = "host staging (query mode)"
-        elif not self.map_peers:
+        gpu = self.kv_layers[0].is_cuda
+        if not self.map_peers:
             path = "host staging (--no-pool-ipc)"
+        elif self.mode == "query":
+            path = "cuda ipc (query mode)" if gpu else "host staging (query mode)"
         else:
-            path = "cuda ipc" if self.kv_layers[0].is_cuda else "shared memory"
-        return path, {e: peer.staged for e, peer in self.peers.items() if peer.staged}
+            path = "cuda ipc" if gpu else "shared memory"
+        staged = {e: peer.staged or (peer.client.staged if peer.client else "") for e, peer in self.peers.items()}
+        return path, {e: why for e, why in staged.items() if why}
 
     # -- a request --------------------------------------------------------------------------
     def pin(self, request_id: str, runs: list[p.PrefixRun]) -> int:

@@ -21,6 +21,12 @@ def export_path(runtime_dir: str, engine: int, incarnation: int) -> str:
     return os.path.join(runtime_dir, f"kv-{engine}-{incarnation}.cudaipc")
 
 
+def query_buffers_path(runtime_dir: str, engine: int, incarnation: int, holder: int) -> str:
+    """The file of a requester's query buffers on its GPU, exported over CUDA IPC for one holder
+    (query mode on a GPU, query.py QueryBuffers.on_device)."""
+    return os.path.join(runtime_dir, f"q-{engine}-{incarnation}-{holder}.cudaipc")
+
+
 def attach_untracked(name: str) -> shared_memory.SharedMemory:
     """Map a block another process made and will unlink. Before Python 3.13 every attach is
     tracked, and the tracker would unlink the block when this process exits."""

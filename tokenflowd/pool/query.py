@@ -14,7 +14,10 @@ it through the holder's mapped cache.
 
 Buffers are POSIX shared memory (multiprocessing.shared_memory), one q_buf/out_buf pair per
 (requester, holder), made by the requester, so only a small control message crosses zmq per query. On a
-GPU box the same pair would be CUDA IPC handles under MPS; that twin is not built yet.
+GPU the pair is one device block of the requester's, exported over CUDA IPC (cuda_ipc.py; its file
+in the runtime directory): a holder on the same GPU opens it and attends from it and into it, so the
+rows stay on the device. A holder that cannot open it (another GPU, IPC refused) answers why
+(`Done.staged`), and the requester moves its buffers to shared memory: host staging.
 
 Pins. Before the first layer, the requester pins the segments a request reads (`pin`; a second
 pin of the same request adds to the first): the holder
@@ -29,8 +32,11 @@ requester's engine and incarnation: `release_peer` of an incarnation leaves its 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+import pickle
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +48,7 @@ import torch
 import zmq
 
 from tokenflowd.engine.attention.base import PageQuery
+from tokenflowd.pool import cuda_ipc
 from tokenflowd.pool.names import attach_untracked
 
 log = logging.getLogger("tokenflowd.pool")
@@ -75,7 +82,7 @@ class ReleasePeer(msgspec.Struct, tag=True):
 
 class Query(msgspec.Struct, tag=True):
     peer: int
-    buffer: str  # the requester's shared memory block
+    buffer: str  # the requester's shared memory block, or its device block's export (on_gpu)
     buffer_rows: int  # the rows it was made for
     layer: int
     rows: int
@@ -83,6 +90,7 @@ class Query(msgspec.Struct, tag=True):
     # per request of query_start: its pinned segments are what it reads; a request with no pins is
     # an error (they were lost), except the empty id: no segments (the empty state), on purpose
     request_ids: list[str]
+    on_gpu: bool = False  # the buffers are on the requester's GPU (QueryBuffers.on_device)
     incarnation: int = 0
     seq: int = 0
 
@@ -156,6 +164,9 @@ class Pinned(msgspec.Struct, tag=True):
 
 class Done(msgspec.Struct, tag=True):
     error: str = ""
+    # a Query whose device buffers the holder cannot open: why (nothing was computed; the requester
+    # stages through the host from then on)
+    staged: str = ""
     seq: int = 0
 
 
@@ -168,14 +179,17 @@ _TO_PEER = msgspec.msgpack.Decoder(Pinned | Stored | Reserved | Fetched | Done)
 @dataclass
 class QueryBuffers:
     """q [rows, heads, d], o [rows, heads, d] (the cache's dtype) and lse [rows, heads] fp32 in one
-    shared memory block."""
+    block: shared memory (`create`), or on the requester's GPU, exported over CUDA IPC to `path`
+    (`on_device`: the holder opens it, `open_device`, and a query's rows never cross the host)."""
 
-    shm: shared_memory.SharedMemory
+    shm: shared_memory.SharedMemory | None
     max_rows: int
     heads: int
     head_dim: int
     dtype: torch.dtype
     owner: bool = False
+    raw: torch.Tensor | None = None  # the device block (None: the shared memory's)
+    path: str = ""  # where a device block is exported
     q: torch.Tensor = field(init=False)
     o: torch.Tensor = field(init=False)
     lse: torch.Tensor = field(init=False)
@@ -183,12 +197,26 @@ class QueryBuffers:
     def __post_init__(self) -> None:
         item = torch.empty((), dtype=self.dtype).element_size()
         plane = self.max_rows * self.heads * self.head_dim * item
-        raw = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+        raw = self.raw if self.raw is not None else torch.frombuffer(self.shm.buf, dtype=torch.uint8)
         shape = (self.max_rows, self.heads, self.head_dim)
         self.q = raw[:plane].view(self.dtype).view(shape)
         self.o = raw[plane : 2 * plane].view(self.dtype).view(shape)
         self.lse = raw[2 * plane : 2 * plane + self.max_rows * self.heads * 4].view(torch.float32).view(
             self.max_rows, self.heads)
+
+    @property
+    def name(self) -> str:
+        """What a Query names the block by: the shared memory's name, or a device block's export."""
+        return self.path if self.raw is not None else self.shm.name
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.raw is not None
+
+    def sync(self) -> None:
+        """A block on a GPU: wait for what this thread's stream queued on it (another process reads it next)."""
+        if self.raw is not None and self.raw.is_cuda:
+            torch.cuda.current_stream(self.raw.device).synchronize()
 
     @staticmethod
     def nbytes(max_rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -204,9 +232,32 @@ class QueryBuffers:
     def attach(cls, name: str, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> "QueryBuffers":
         return cls(attach_untracked(name), max_rows, heads, head_dim, dtype)  # the requester unlinks it
 
+    @classmethod
+    def on_device(cls, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                  path: str) -> "QueryBuffers":
+        """The requester's block on its GPU, exported to `path` (cuda_ipc.export)."""
+        raw = torch.zeros(cls.nbytes(max_rows, heads, head_dim, dtype), dtype=torch.uint8, device=device)
+        cuda_ipc.export(raw, path)
+        return cls(None, max_rows, heads, head_dim, dtype, owner=True, raw=raw, path=path)
+
+    @classmethod
+    def open_device(cls, path: str, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> "QueryBuffers":
+        """A requester's device block, opened by its holder. ValueError where it is on another GPU."""
+        raw = cuda_ipc.open_export(path)
+        if raw.dtype != torch.uint8 or raw.numel() != cls.nbytes(max_rows, heads, head_dim, dtype):
+            raise ValueError(f"its query buffers are {raw.numel()} {raw.dtype}, not the "
+                             f"{cls.nbytes(max_rows, heads, head_dim, dtype)} bytes of {max_rows} rows")
+        return cls(None, max_rows, heads, head_dim, dtype, raw=raw, path=path)
+
     def close(self) -> None:
         """Unmap (and, for the maker, unlink) the block. Every view of it (q, o, lse, and what a
         query returned) is dead from here on: torch does not hold the mapping."""
+        if self.raw is not None:
+            self.raw = None
+            if self.owner:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            return
         self.shm.close()
         if self.owner:
             self.shm.unlink()
@@ -372,9 +423,15 @@ class QueryService:
     def _query(self, msg: Query) -> Done:
         if msg.buffer not in self._buffers:
             b = self.backend
-            self._buffers[msg.buffer] = (msg.peer, msg.incarnation,
-                                         QueryBuffers.attach(msg.buffer, msg.buffer_rows, b.num_heads, b.head_dim,
-                                                             b.dtype))
+            if msg.on_gpu:
+                try:
+                    buf = QueryBuffers.open_device(msg.buffer, msg.buffer_rows, b.num_heads, b.head_dim, b.dtype)
+                except (OSError, ValueError, RuntimeError, KeyError, AssertionError, pickle.UnpicklingError) as e:
+                    why = str(e) or type(e).__name__
+                    return Done(staged=f"its query buffers cannot be opened over CUDA IPC here: {why}")
+            else:
+                buf = QueryBuffers.attach(msg.buffer, msg.buffer_rows, b.num_heads, b.head_dim, b.dtype)
+            self._buffers[msg.buffer] = (msg.peer, msg.incarnation, buf)
         buf = self._buffers[msg.buffer][2]
         lost = [rid for rid in msg.request_ids if rid and (msg.peer, msg.incarnation, rid) not in self.pins]
         if lost:
@@ -382,10 +439,11 @@ class QueryService:
         pages = [[p for seg in self.pins.get((msg.peer, msg.incarnation, rid), []) for p in seg]
                  for rid in msg.request_ids]
         t0 = time.perf_counter()
-        q = buf.q[: msg.rows].to(self.backend.device)  # a GPU holder stages through the host
+        q = buf.q[: msg.rows].to(self.backend.device)  # staged through the host unless the block is on the GPU
         o, lse = self.backend.attend_pages(q, self.kv_layers[msg.layer], PageQuery(msg.query_start, pages))
         buf.o[: msg.rows].copy_(o)
         buf.lse[: msg.rows].copy_(lse)
+        buf.sync()  # written before the requester, told so, reads them on its own stream
         self.busy_seconds += time.perf_counter() - t0
         return Done()
 
@@ -400,16 +458,28 @@ class QueryClient:
     `peer`, `incarnation`: the requester's own (the holder keys its pins by them); `alive()`:
     whether the holder's process still exists (None: only the timeout tells; checked every 20 ms of
     a wait); `holder`: its name in errors. A wait that times out is PeerGone, but the channel stays
-    usable (the late answer is dropped by its sequence number); once `alive()` says no, it is dead."""
+    usable (the late answer is dropped by its sequence number); once `alive()` says no, it is dead.
+    `device`, `export`: a CUDA device and a file to export its query buffers to: they live on the
+    GPU and the holder opens them over CUDA IPC (a holder that cannot: `staged` says why, and the
+    buffers move to shared memory); else they are shared memory."""
 
     def __init__(self, peer: int, address: str, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype,
                  ctx: zmq.Context | None = None, timeout_ms: int = 10_000,
-                 alive: Callable[[], bool] | None = None, holder: str = "", incarnation: int = 0) -> None:
+                 alive: Callable[[], bool] | None = None, holder: str = "", incarnation: int = 0,
+                 device: torch.device | None = None, export: str = "") -> None:
         self.peer = peer
         self.incarnation = incarnation
         self.holder = holder or address  # for messages
         self.max_rows = max_rows
+        self.staged = ""  # why the query buffers are not on the GPU though asked to be
         self.buffers = QueryBuffers.create(max_rows, heads, head_dim, dtype)
+        if device is not None and export:
+            try:
+                self.buffers.close()
+                self.buffers = QueryBuffers.on_device(max_rows, heads, head_dim, dtype, device, export)
+            except (RuntimeError, OSError) as e:
+                self.staged = f"query buffers cannot be exported over CUDA IPC: {e}"
+                self.buffers = QueryBuffers.create(max_rows, heads, head_dim, dtype)
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.linger = 0
@@ -419,6 +489,7 @@ class QueryClient:
         self.dead = False
         self._seq = 0
         self._rows = 0  # of the query in flight (submit → collect)
+        self._asked: tuple = ()  # the query in flight, sent again through the host if its holder asks
 
     def close(self) -> None:
         self._sock.close(0)
@@ -505,13 +576,24 @@ class QueryClient:
         rows = q.shape[0]
         if rows > self.max_rows:
             raise ValueError(f"{rows} query rows exceed the pool buffer's {self.max_rows}")
-        self.buffers.q[:rows].copy_(q)
-        self._send(Query(self.peer, self.buffers.shm.name, self.max_rows, layer, rows, query_start, request_ids))
+        b = self.buffers
+        b.q[:rows].copy_(q)
+        b.sync()  # the rows are in the block before the holder reads them
+        self._send(Query(self.peer, b.name, self.max_rows, layer, rows, query_start, request_ids, on_gpu=b.on_gpu))
         self._rows = rows
+        self._asked = (layer, q, query_start, request_ids)
 
     def collect(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(o, lse) of the query submitted: views of the shared buffer, valid until the next query."""
-        self._recv("Query")
+        reply = self._recv("Query")
+        if isinstance(reply, Done) and reply.staged:  # the holder cannot open the device block: nothing computed
+            log.warning("pool: %s: %s; its queries are staged through the host", self.holder, reply.staged)
+            self.staged = reply.staged
+            b = self.buffers
+            self.buffers = QueryBuffers.create(b.max_rows, b.heads, b.head_dim, b.dtype)
+            b.close()
+            self.submit(*self._asked)
+            self._recv("Query")
         return self.buffers.o[: self._rows], self.buffers.lse[: self._rows]
 
     def query(self, layer: int, q: torch.Tensor, query_start: list[int],
