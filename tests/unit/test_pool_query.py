@@ -255,3 +255,13 @@ def test_query_buffers_on_the_requesters_device_carry_the_rows_or_fall_back_to_t
     finally:
         exported.close()
         service.close()
+
+
+def test_the_files_of_a_killed_engines_query_buffers_are_found_for_every_holder_and_no_other_engines(tmp_path):
+    """The supervisor removes them with the engine's cache (supervisor.py _engine_gone)."""
+    from tokenflowd.pool.names import query_buffers_of, query_buffers_path
+
+    for engine, incarnation, holder in ((1, 0, 0), (1, 0, 2), (1, 1, 0), (11, 0, 2)):
+        (tmp_path / os.path.basename(query_buffers_path(str(tmp_path), engine, incarnation, holder))).touch()
+    found = sorted(os.path.basename(p) for p in query_buffers_of(str(tmp_path), 1, 0))
+    assert found == ["q-1-0-0.cudaipc", "q-1-0-2.cudaipc"]

@@ -36,7 +36,7 @@ from tokenflowd.config import EngineConfig, PolicyConfig, ServerConfig
 from tokenflowd.daemon.engine_handle import EngineHandle, Stream
 from tokenflowd.daemon.launcher import LocalLauncher, engine_configs
 from tokenflowd.daemon.prefix_index import PrefixIndex
-from tokenflowd.pool.names import cache_name, export_path, sweep_stale, unlink
+from tokenflowd.pool.names import cache_name, export_path, query_buffers_of, sweep_stale, unlink
 
 log = logging.getLogger("tokenflowd.daemon.supervisor")
 
@@ -131,8 +131,10 @@ class Supervisor:
         handle.fail_streams(message)
         if self.engine_config.pool_mode != "off" and self.runtime_dir is not None:
             unlink(cache_name(str(self.runtime_dir), handle.engine_id, handle.incarnation))
-            with contextlib.suppress(OSError):  # (a GPU's export names memory that died with it)
-                os.remove(export_path(str(self.runtime_dir), handle.engine_id, handle.incarnation))
+            for path in (export_path(str(self.runtime_dir), handle.engine_id, handle.incarnation),
+                         *query_buffers_of(str(self.runtime_dir), handle.engine_id, handle.incarnation)):
+                with contextlib.suppress(OSError):  # (a GPU's exports name memory that died with it)
+                    os.remove(path)
         handle.retire()
         self.index.forget(handle.engine_id)
         self._send_chain_ends()  # what followed its pages elsewhere is orphaned

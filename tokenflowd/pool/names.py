@@ -2,6 +2,7 @@
 its shared KV cache (or its CUDA IPC export). Torch-free: the supervisor cleans up after a killed engine with it."""
 from __future__ import annotations
 
+import glob
 import os
 from multiprocessing import shared_memory
 
@@ -25,6 +26,11 @@ def query_buffers_path(runtime_dir: str, engine: int, incarnation: int, holder: 
     """The file of a requester's query buffers on its GPU, exported over CUDA IPC for one holder
     (query mode on a GPU, query.py QueryBuffers.on_device)."""
     return os.path.join(runtime_dir, f"q-{engine}-{incarnation}-{holder}.cudaipc")
+
+
+def query_buffers_of(runtime_dir: str, engine: int, incarnation: int) -> list[str]:
+    """The files of an engine's query buffers for every holder (a killed engine leaves them)."""
+    return glob.glob(os.path.join(glob.escape(runtime_dir), f"q-{engine}-{incarnation}-*.cudaipc"))
 
 
 def attach_untracked(name: str) -> shared_memory.SharedMemory:
