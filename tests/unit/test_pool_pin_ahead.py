@@ -170,3 +170,36 @@ def test_a_request_whose_reads_are_not_pinned_yet_is_not_admitted_nor_anything_b
     assert len(sched.schedule()) == 0 and [q.request_id for q in sched.waiting] == ["r", "behind"]
     sched.held = {}
     assert sched.schedule().request_ids == ["r", "behind"]
+
+
+def test_a_request_the_policy_takes_out_of_queue_order_pins_at_the_next_step_whatever_its_place():
+    """The buffer-aware policy admits out of queue order. A held request it picks past the window
+    (Scheduler.held_back) is due at the next step: it asks its front, pins, and is admitted. Due only
+    by its place, it stopped its engine's admissions until the queue ahead of it drained."""
+    from tokenflowd.buffer.policy import Plan
+
+    class Newest:
+        """Admits the newest waiting request alone."""
+
+        name = "newest"
+
+        def plan(self, view):
+            w = view.waiting[-1]
+            return Plan(scheduled=((w.request_id, w.num_tokens - w.num_computed_tokens),))
+
+    sched, h = engine(PIN_AHEAD + 2)
+    sched.policy = Newest()
+    req = request("r", 64)
+    assert not h.take_prefix(req, runs(2))
+    sched.add(req)
+    sched.held = h.deferred
+    h._pin_due()
+    assert h.take_asking() == [], "past the window and past what the free pages hold"
+    assert len(sched.schedule()) == 0 and sched.held_back == ("r",)
+    h._pin_due()
+    assert h.take_asking() == ["r"], "the policy wanted it: it asks now"
+    h.reads(p.Reads("r", runs(2)))
+    assert h.member.pinned == {"r": 2} and sched.schedule().request_ids == ["r"]
+    assert sched.held_back == ()
+    assert [r.request_id for r in due(sched.waiting, {"q5": []}, 0, PS, wanted={"q5"})] == ["q5"]
+    assert due(sched.waiting, {"q5": []}, 0, PS) == []

@@ -132,6 +132,7 @@ class Scheduler:
         # queued requests not to be admitted yet: the pool pins what they read first (pool/ahead.py);
         # like one that does not fit, such a request stops the queue behind it for the step
         self.held: Container[str] = ()
+        self.held_back: tuple[str, ...] = ()  # of the last plan, the held requests it would have admitted
         # fed by the requests that finish; the view's expected output lengths (the prior until then)
         self.output_lengths = OutputLengthModel(expected_output_len)
         # of batches scheduled ahead: request id -> (seq of the batch, index among its sampling rows) of the step whose
@@ -371,7 +372,7 @@ class Scheduler:
             self.waiting.sort(key=_queue_order)
         assert self.kv.can_reload or not plan.reload, f"{self.policy.name} planned a reload, but there is no host KV tier"
         reload = set(plan.reload)
-        deferred = []
+        deferred, held_back = [], []
         admitted = blocked = False
         for rid, n in plan.scheduled:
             req = self.requests[rid]
@@ -382,6 +383,8 @@ class Scheduler:
                     continue
                 ok = self.kv.grow(req, n)
             elif blocked or rid in self.held:
+                if not blocked:
+                    held_back.append(rid)
                 blocked = True
                 deferred.append(rid)
                 continue  # keep arrival order: nothing jumps a request that could not be admitted
@@ -411,6 +414,7 @@ class Scheduler:
         if admitted:
             self.running.sort(key=_arrival_order)
         self._deferred = tuple(deferred)
+        self.held_back = tuple(held_back)
         self._matches = {}
         return batch
 

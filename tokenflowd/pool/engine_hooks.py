@@ -158,7 +158,8 @@ class PoolHooks:
                 del self.deferred[rid]
                 self.asked.pop(rid, None)
         now = time.monotonic()
-        for req in due(sched.waiting, self.deferred, self.core.pool.num_free, self.config.page_size):
+        for req in due(sched.waiting, self.deferred, self.core.pool.num_free, self.config.page_size,
+                       sched.held_back):
             rid = req.request_id
             asked = self.asked.get(rid)
             if asked is None:

@@ -407,7 +407,7 @@ class NodeSimulator:
             req = sched.requests.get(rid)
             if req is None or req.status is not RequestStatus.WAITING or req.num_computed_tokens:
                 del e.deferred[rid]
-        for req in due(sched.waiting, e.deferred, e.pool.num_free, self.cost.page_size):
+        for req in due(sched.waiting, e.deferred, e.pool.num_free, self.cost.page_size, sched.held_back):
             del e.deferred[req.request_id]
             runs = self.router.reads(self.engines, req.prompt_token_ids, self.config.segment_pages, e.engine_id,
                                      self.rng)
