@@ -221,14 +221,17 @@ def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_thr
     """pool/steal.py: the pool places each request as it comes, and in overload one engine's queue
     grows while another empties (prompts of very different lengths). With the pool, where a request
     runs does not decide what it reads: an idle engine takes the last queued request that has started
-    nothing from the longest queue, and reads its prefix where the pool holds it."""
+    nothing from the longest queue, and reads its prefix where the pool holds it. (Throughput 1.06x
+    the run without stealing, busy CV 0.12 against 0.22. It was 1.22x while a held request the
+    policy picked past the pin window stopped its engine's admissions, Scheduler.held_back: part of
+    what stealing gained was that stall's.)"""
     cost, w = small_cache_documents(16.0, 300)
     stealing = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow"))
     fixed = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow", steal=False))
     s, f = stealing.run().summary(), fixed.run().summary()
     assert stealing.stolen > 10 and fixed.stolen == 0
-    assert s["throughput"] >= 1.2 * f["throughput"], (s, f)
-    assert s["busy_cv"] < f["busy_cv"], (s, f)
+    assert s["throughput"] >= f["throughput"], (s, f)
+    assert s["busy_cv"] < 0.7 * f["busy_cv"], (s, f)
 
 
 def test_the_load_cv_is_the_imbalance_across_engines_sampled_while_requests_arrive():
