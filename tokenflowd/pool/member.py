@@ -130,10 +130,9 @@ class PoolMember:
         if self.mode == "read":
             alpha, bandwidth = 0.0, math.inf
         else:
-            gpu = self.kv_layers[0].is_cuda and self.map_peers  # the peers' path: their rows on the GPU
             probe = QueryClient(-1, service_address(self.runtime_dir, self.engine, self.incarnation), 256,
-                                b.num_heads, b.head_dim, b.dtype, device=self.kv_layers[0].device if gpu else None,
-                                export=query_buffers_path(self.runtime_dir, -1, 0, self.engine) if gpu else "")
+                                b.num_heads, b.head_dim, b.dtype,  # the path a peer's rows take
+                                **self._rows_on_gpu(query_buffers_path(self.runtime_dir, -1, 0, self.engine)))
             q = torch.zeros(256, b.num_heads, b.head_dim, dtype=b.dtype, device=self.kv_layers[0].device)
             try:  # request "": no segments, so only the path is timed
                 alpha, bandwidth = measure_link(lambda n: probe.query(0, q[:n], [0, n], [""]), payload)
@@ -412,14 +411,20 @@ class PoolMember:
     def _client(self, peer: Peer) -> QueryClient:
         if peer.client is None:
             b, info = self.backend, peer.info
-            gpu = self.kv_layers[0].is_cuda and self.map_peers  # the rows stay on the GPU (over CUDA IPC)
             peer.client = QueryClient(self.engine, service_address(self.runtime_dir, info.engine, info.incarnation),
                                       self.max_rows, b.num_heads, b.head_dim, b.dtype, timeout_ms=QUERY_TIMEOUT_MS,
                                       alive=lambda pid=info.pid: psutil.pid_exists(pid), holder=f"engine {info.engine}",
-                                      incarnation=self.incarnation, device=self.kv_layers[0].device if gpu else None,
-                                      export=query_buffers_path(self.runtime_dir, self.engine, self.incarnation,
-                                                                info.engine) if gpu else "")
+                                      incarnation=self.incarnation, **self._rows_on_gpu(
+                                          query_buffers_path(self.runtime_dir, self.engine, self.incarnation,
+                                                             info.engine)))
         return peer.client
+
+    def _rows_on_gpu(self, export: str) -> dict:
+        """A QueryClient's device and export: its rows on this engine's GPU, opened by the holder over
+        CUDA IPC (none on a CPU, or with --no-pool-ipc: shared memory)."""
+        if not (self.kv_layers[0].is_cuda and self.map_peers):
+            return {}
+        return {"device": self.kv_layers[0].device, "export": export}
 
     def _cache(self, peer: Peer) -> SharedKV | DeviceKV:
         if peer.cache is None:
