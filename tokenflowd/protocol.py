@@ -220,10 +220,12 @@ class Reads(msgspec.Struct, tag=True):
 
 class Withdraw(msgspec.Struct, tag=True):
     """The pool: a peer is idle and this engine's queue is long (pool/steal.py). The engine gives
-    back the last request of `front` queued here that has started nothing, for the front to send
-    to the idle engine; it answers Withdrawn."""
+    back the last request of `front` queued here that has started nothing and is not in `keep`,
+    for the front to send to the idle engine; it answers Withdrawn. `keep`: the requests that stay
+    (most of their prompt is held here and not on the idle engine: pool/steal.py `stays`)."""
 
     front: int = 0
+    keep: list[str] = []
 
 
 ToEngine = (AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure

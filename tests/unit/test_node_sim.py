@@ -26,7 +26,8 @@ def test_the_pool_computes_a_shared_prefix_once_where_routing_computes_it_on_eac
     for mode in ("pool", "pool-write", "pool-local"):
         pool = results[mode].summary()
         assert pool["requests_served"] == 65
-        assert pool["peer_tokens"] >= 512, "requests on other engines read the prefix where it is"
+        if mode != "pool-local":  # (there, the other engines copy the hot prefix in: below)
+            assert pool["peer_tokens"] >= 512, "requests on other engines read the prefix where it is"
         # The prefix is computed once with the pool; routing spreads the burst by load and computes
         # it again on every other engine it sends readers to.
         assert pool["computed_tokens"] < routing["computed_tokens"]
@@ -35,6 +36,11 @@ def test_the_pool_computes_a_shared_prefix_once_where_routing_computes_it_on_eac
     # Placement: the shared prefix's segments (and each reader's own) went to their homes.
     assert results["pool"].put_pages > 0 and results["pool-write"].put_pages > 0
     assert results["pool-local"].put_pages == 0
+    # Kept where computed, the prefix turns hot as the burst reads it, and the engines that take
+    # readers copy it in once (Router._copy) and read it there: not computed again either.
+    local = NodeSimulator(cost, workload(), "pool-local", NodeConfig(engines=4, segment_pages=8))
+    local.run()
+    assert local.copied_pages >= 3 * 32
 
 
 def test_pool_write_keeps_one_copy_of_each_segment_in_the_node():
@@ -105,7 +111,8 @@ def test_sim_node_command_prints_both_modes(tmp_path, capsys):
     assert "routing" in text and "pool" in text and out.exists()
 
 
-def small_cache_documents(rate: float, n: int = 150, shape: str = "documents:active=16:scale=0.5:uses=32"):
+def small_cache_documents(rate: float, n: int = 150, shape: str = "documents:active=16:scale=0.5:uses=32",
+                          seed: int = 0):
     """A100 preset with a quarter of its KV (28K tokens an engine, 227K the node) and, by default, 16
     documents of 12K tokens in play, 32 questions each: the working set (~190K) is several engines'
     caches and fits in the node's."""
@@ -113,7 +120,7 @@ def small_cache_documents(rate: float, n: int = 150, shape: str = "documents:act
 
     cost = cost_model("a100-llama2-7b")
     cost = cost.replace(kv_memory=cost.kv_memory // 4)
-    return cost, build_workload(WorkloadSpec("poisson", n, rate=rate, seed=0, contexts=parse_context_shape(shape),
+    return cost, build_workload(WorkloadSpec("poisson", n, rate=rate, seed=seed, contexts=parse_context_shape(shape),
                                              max_prompt_len=cost.max_tokens_in_pool // 2))
 
 
@@ -189,7 +196,8 @@ def test_with_segments_kept_where_computed_a_request_goes_where_its_prefix_is_un
     documents, in overload, the engines' memory went to their peers' reads and the hit rate fell.
     Kept where its document is unless that engine is much busier, a request reads it there, without
     a round trip per layer and its holder's attention for it. (Over 16 runs, four document workloads
-    and seeds 0-3, throughput 1.09x routing's at AFFINITY_SLACK 2 against 1.00x at 0.)"""
+    and seeds 0-3, throughput 1.09x routing's at AFFINITY_SLACK 2 against 1.00x at 0; it is 8 now: the
+    test below.)"""
     from tokenflowd.daemon import router
 
     cost, over = small_cache_documents(16.0, shape="documents:active=16:scale=0.5")
@@ -198,6 +206,34 @@ def test_with_segments_kept_where_computed_a_request_goes_where_its_prefix_is_un
     least = simulate_node(cost, over, ("pool-local",), NodeConfig(policy="tokenflow"))["pool-local"].summary()
     assert near["hit_rate"] > least["hit_rate"] and near["local_tokens"] > least["local_tokens"], (near, least)
     assert near["throughput"] > 1.1 * least["throughput"], (near, least)
+
+
+def test_under_tokenlakes_ttft_slo_at_routings_highest_rate_the_pool_meets_it_too(monkeypatch):
+    """16 documents of 12K tokens in play, 32 questions each, a quarter of the A100's KV (two
+    documents an engine), at 13.45 req/s: the highest rate at which routing meets TokenLake's TTFT
+    SLO for 90% of requests (seed 2, bench/node_goodput.py). Routing keeps each document's questions
+    on its holder, and here that partition is nearly ideal. The pool met the SLO for 55% of them
+    while a request went where its document was only if that engine's work was within 2 prompts of
+    the least (router.AFFINITY_SLACK), and an idle engine took queued requests that read their
+    document where they were queued (pool/steal.py `stays`): moved, they read it there all the same,
+    the holder answering for them every step, its own queue waiting behind that."""
+    from tokenflowd.daemon import router
+    from tokenflowd.sim import node
+
+    cost, w = small_cache_documents(13.454, 404, seed=2)
+    config = NodeConfig(policy="tokenflow", seed=2)
+
+    def run(mode: str) -> tuple[float, dict]:
+        result = NodeSimulator(cost, w, mode, config).run()
+        return sum(result.meets_slo(tbt=False)) / len(result.records), result.summary()
+
+    (routing, r), (pool, q) = run("routing"), run("pool-local")
+    assert routing >= 0.9 and pool >= 0.9, (routing, pool)
+    assert q["hit_rate"] >= r["hit_rate"], (q, r)
+    monkeypatch.setattr(router, "AFFINITY_SLACK", 2.0)
+    monkeypatch.setattr(node, "stays", lambda *_: False)
+    before, _ = run("pool-local")
+    assert before < 0.9, before
 
 
 def test_in_overload_where_one_engine_cannot_hold_the_documents_requests_read_what_was_computed_while_they_waited():
@@ -221,15 +257,15 @@ def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_thr
     """pool/steal.py: the pool places each request as it comes, and in overload one engine's queue
     grows while another empties (prompts of very different lengths). With the pool, where a request
     runs does not decide what it reads: an idle engine takes the last queued request that has started
-    nothing from the longest queue, and reads its prefix where the pool holds it. (Throughput 1.06x
-    the run without stealing, busy CV 0.12 against 0.22. It was 1.22x while a held request the
-    policy picked past the pin window stopped its engine's admissions, Scheduler.held_back: part of
-    what stealing gained was that stall's.)"""
-    cost, w = small_cache_documents(16.0, 300)
+    nothing from the longest queue, and reads its prefix where the pool holds it, unless the request
+    reads most of it where it is queued (`stays`). 16 documents, 16 req/s: throughput 1.30x the run
+    without stealing, busy CV 0.08 against 0.13. (With 32 questions a document, most queued requests
+    stay where their document is: 3 move, 1.06x.)"""
+    cost, w = small_cache_documents(16.0, 300, "documents:active=16:scale=0.5")
     stealing = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow"))
     fixed = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow", steal=False))
     s, f = stealing.run().summary(), fixed.run().summary()
-    assert stealing.stolen > 10 and fixed.stolen == 0
+    assert stealing.stolen > 5 and fixed.stolen == 0
     assert s["throughput"] >= f["throughput"], (s, f)
     assert s["busy_cv"] < 0.7 * f["busy_cv"], (s, f)
 

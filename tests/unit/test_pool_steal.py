@@ -14,12 +14,13 @@ from tokenflowd.config import EngineConfig, PolicyConfig, ServerConfig
 from tokenflowd.daemon.api.front import Front
 from tokenflowd.daemon.router import Router
 from tokenflowd.daemon.supervisor import Supervisor
+from tokenflowd.engine.process.loop import EngineProcess
 from tokenflowd.engine.request import Request, SamplingParams
 from tokenflowd.engine.scheduler import Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import PagePool, chain_page_keys
 from tokenflowd.pool.engine_hooks import PoolHooks
-from tokenflowd.pool.steal import IDLE_FREE, MIN_QUEUE, idle, victim, withdrawable
+from tokenflowd.pool.steal import IDLE_FREE, MIN_QUEUE, idle, stays, victim, withdrawable
 
 PS = 16
 
@@ -174,3 +175,37 @@ def test_an_engine_that_gave_nothing_back_is_not_asked_again_before_its_queue_gr
     busy.stats = p.EngineStats(1, 4, 90, 0, 100, 0, 0, 0.0)  # a request joined its queue
     f._steal(thief)
     assert sent(busy) == [p.Withdraw(0)]
+
+
+def test_a_request_stays_where_most_of_its_prompt_is_held_that_the_idle_engine_does_not_hold():
+    assert stays(3, 0, 64, PS) and stays(4, 2, 64, PS), "half its prompt or more would be read here all the same"
+    assert not stays(4, 4, 64, PS), "the idle engine holds it too (a system prompt every engine holds)"
+    assert not stays(1, 0, 64, PS)
+
+
+def test_the_front_names_the_queued_requests_that_stay_where_their_prefix_is():
+    """Front._staying: by the router's index, the busy engine holds the document "doc" reads; the idle
+    one holds the system prompt "common" reads, as the busy one does; nothing holds "new"'s. Only
+    "doc" stays (pool/steal.py `stays`); the engine gives back the last of the others."""
+    f, sup = front()
+    idle_slot, busy, other = sup.slots
+    busy.stats = p.EngineStats(1, 5, 90, 0, 100, 0, 0, 0.0)
+    doc, common, new = list(range(1000, 1072)), list(range(2000, 2072)), list(range(3000, 3072))
+    sup.index.update(1, chain_page_keys(doc, PS, [], 64)[:4] + chain_page_keys(common, PS, [], 64)[:4], [])
+    sup.index.update(0, chain_page_keys(common, PS, [], 64)[:4], [])
+    for rid, prompt in (("common", common), ("doc", doc), ("new", new)):
+        sup.submit(busy, p.AddRequest(rid, prompt, p.Sampling(max_tokens=4), 10.0), lambda d: None)
+    sent(busy)
+    f._steal(idle_slot)
+    assert sent(busy) == [p.Withdraw(0, keep=["doc"])]
+    # the engine (EngineProcess.withdraw) gives back the last of its queue that does not stay
+    sched, h = engine(0)
+    for rid, prompt in (("common", common), ("doc", doc), ("new", new)):
+        sched.add(Request(rid, prompt, SamplingParams(max_tokens=4)))
+    h.core.abort = sched.abort
+    proc = EngineProcess.__new__(EngineProcess)
+    proc.pool, proc.federation, proc.core, proc.prompt_tokens = h, None, h.core, 216
+    proc.request_front = {"common": 0, "doc": 0, "new": 0}
+    assert proc.withdraw(0, {"doc"}) == ["new"]
+    assert proc.withdraw(0, {"doc"}) == ["common"]
+    assert [r.request_id for r in sched.waiting] == ["doc"] and proc.prompt_tokens == 72

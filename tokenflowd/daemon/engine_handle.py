@@ -34,6 +34,7 @@ class Stream:
     on_delta: Callable[[p.Delta], None]
     add: p.AddRequest | None = None  # as sent (the pool: to name its reads again, or send it elsewhere, while it waits)
     started: bool = False  # a token or the end has arrived: no longer counted as waiting
+    keys: list[bytes] | None = None  # the pool: its prompt's page keys, once an idle engine's steal weighed it
     finished: bool = False
 
 

@@ -65,13 +65,18 @@ from tokenflowd.pool.heat import SegmentHeat
 from tokenflowd.pool.homes import rendezvous_home
 
 # The pool's pick with --pool-placement local: an engine holding more of the prefix is preferred
-# while its work is within this many of the prompt's own tokens of the least loaded engine's. Node
-# simulator with a holder's answers costed as its own attention (sim/node.py), pool-local's
-# throughput over routing's, geometric means: a quarter of the A100's KV, four document workloads
-# in overload, seeds 0-3: 1.00x at 0, 1.09x at 2, 1.15x at 4 and 6, 1.18x at 8; full KV, every
-# synthetic workload and the trace on the A100 and H200 presets, overload: 1.047x at 2, 1.026x at
-# 4, 1.025x at 8 (2 runs below 0.995x at 2, 4 at 4, 5 at 8). 2 serves the full cache best.
-AFFINITY_SLACK = 2.0
+# while its work is within this many of the prompt's own tokens of the least loaded engine's. Chosen
+# by TokenLake's measure, the highest rate at which 90% of requests meet the TTFT SLO
+# (bench/node_goodput.py, node simulator, a holder's answers costed as its own attention), with
+# queued requests that read their prefix where they are staying there (pool/steal.py `stays`). A
+# quarter of the A100's KV (two 12K-token documents an engine), four document workloads, seeds 0
+# and 2, at routing's highest rate: pool-local met the SLO in 3 of 8 runs at 2, 8 of 8 at 8 and 16;
+# its highest rate over routing's, seeds 0-3, went from 0.84x-1.19x at 2 with those requests
+# moved (6 of 16 below) to 1.00x-1.30x (none below), and with the full A100 KV, five workloads,
+# from 1.00x-1.19x to 1.00x-1.19x (two workloads up a step). A document's holder answers every remote reader's
+# attention over it at each step, unseen by the work this weighs: below 8 the pool sent a
+# document's questions away from their holder only to have the holder answer them.
+AFFINITY_SLACK = 8.0
 # s a hot segment being copied into an engine is not named for copying there again (the copy is
 # made as the engine takes the request, and the engine's next report shows it there)
 COPY_SECONDS = 5.0

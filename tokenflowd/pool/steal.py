@@ -18,6 +18,16 @@ mean of 16 runs, 1.06x without stealing and 1.20x with where new segments stay w
 16 runs at least routing's), 0.97x and 1.16x where they are written into their homes (6 and 13 of
 16); the largest busy-time CV 0.22 → 0.17 and 0.31 → 0.25. Light load: unchanged (1.00x).
 
+A request stays where most of its prompt is held that the idle engine does not hold (`stays`):
+moved, it would read that part where it is all the same, its holder answering for it at every step
+(a decode step's attention over the pages, per request), so the busy engine would be spared little
+but the rest of the prompt, and the idle one would add a round trip per layer to each of its steps.
+Where the KV is short (a quarter of the A100's, 12K-token documents, two to an engine), moving
+those requests kept their holders busy and their queues long: under TokenLake's TTFT SLO, at
+routing's highest rate (four document workloads, seeds 0 and 2), pool-local met the SLO in 5 of 8
+runs moving them and 8 of 8 keeping them (router.AFFINITY_SLACK 16; 8 of 8 without stealing at
+all). A request over a system prompt that every engine holds still moves.
+
 Kept in the queue instead, a request whose prefix a request ahead of it on the same engine was still
 computing (it would read that there) measured 1.20x against 1.23x (pool-local, the simulator's rng
 seeded 0 in both): dropped.
@@ -29,6 +39,12 @@ from typing import Container, Mapping, Protocol, Sequence, TypeVar
 # of an engine's KV pages, the part free (or cached) for it to count as idle: a request it takes
 # needs room for its prompt
 IDLE_FREE = 0.25
+# a queued request of which at least this share of the prompt is held where it is and not on the idle
+# engine stays where it is (`stays`)
+STAY_SHARE = 0.5
+# of a busy engine's queued requests, the last this many are weighed for staying (the engine gives up
+# the last of its queue; each one's page keys are hashed once)
+STAY_SCAN = 32
 # an engine gives up a request only when this many wait in its queue (the one at the head will run
 # next there anyway)
 MIN_QUEUE = 2
@@ -55,6 +71,13 @@ def victim(queues: Mapping[int, int], thief: int) -> int | None:
     of at least MIN_QUEUE (the lowest id among equals), or None."""
     best = max((n, -e) for e, n in queues.items() if e != thief) if len(queues) > 1 else None
     return -best[1] if best is not None and best[0] >= MIN_QUEUE else None
+
+
+def stays(held_here: int, held_there: int, prompt_tokens: int, page_size: int) -> bool:
+    """Whether a queued request stays on the busy engine: of its prompt's leading pages, the busy
+    engine holds `held_here` and the idle one `held_there`; moved, it would read the difference
+    where it is (at least STAY_SHARE of its prompt: it stays)."""
+    return (held_here - held_there) * page_size >= STAY_SHARE * prompt_tokens
 
 
 def withdrawable(waiting: Sequence[Q], keep: Container[str] = ()) -> Q | None:

@@ -26,8 +26,9 @@ where a request runs and what it computes.
                 goes as soon as it is computed
     in every pool mode (NodeConfig.steal, the daemon's default), at the end of each step an idle
     engine (nothing queued, a seat and a quarter of its pages free) takes the last queued request
-    that has started nothing from the engine with the longest queue, as the daemon's front has it
-    do (pool/steal.py; Router.pick_pooled names its reads and homes for where it runs now)
+    that has started nothing from the engine with the longest queue, but for those that read most
+    of their prompt there (`stays`), as the daemon's front has it do (pool/steal.py;
+    Router.pick_pooled names its reads and homes for where it runs now)
     then the engine whose clock is earliest takes a step, until every request has finished. What a
     step does beyond its engine (prefix events into the router's index, pages put or written into
     homes, pins let go of) takes effect at the step's end: an engine whose clock is behind, or an
@@ -75,7 +76,7 @@ from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.pool.ahead import due, pins_on_arrival, waits
-from tokenflowd.pool.steal import idle, victim, withdrawable
+from tokenflowd.pool.steal import STAY_SCAN, idle, stays, victim, withdrawable
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.cost import CostModel
@@ -280,6 +281,7 @@ class NodeSimulator:
         self.pinned_queued = 0  # requests that pinned their reads while queued (pool/ahead.py)
         self.stolen = 0  # queued requests an idle engine took from a busy one (pool/steal.py)
         self.copied_pages = 0  # pages of hot segments copied into engines that read them elsewhere
+        self.keys: dict[str, list[bytes]] = {}  # queued request -> its prompt's page keys, once a steal weighed it
 
     def _route(self, w: WorkloadRequest) -> None:
         self._now = w.arrival_time
@@ -337,7 +339,7 @@ class NodeSimulator:
             if giver is None:
                 return
             g = self.engines[giver]
-            old = withdrawable(g.scheduler.waiting)
+            old = withdrawable(g.scheduler.waiting, self._staying(g, thief))
             if old is None:
                 continue
             rid = old.request_id
@@ -351,6 +353,21 @@ class NodeSimulator:
             rec = self.records[rid]
             self._admit(thief, req, choice, now, rec.prompt_len + rec.output_len)
             self.stolen += 1
+
+    def _staying(self, giver: _Engine, thief: _Engine) -> set[str]:
+        """As the front's Front._staying: of the last STAY_SCAN requests queued on `giver` that have
+        started nothing, those that stay there rather than go to `thief` (pool/steal.py `stays`, by
+        the pages the router's index says each engine holds of the prompt)."""
+        out, ps = set(), self.cost.page_size
+        fresh = [r for r in giver.scheduler.waiting if not (r.num_computed_tokens or r.num_preemptions)]
+        for req in fresh[-STAY_SCAN:]:
+            keys = self.keys.get(req.request_id)
+            if keys is None:
+                keys = self.keys[req.request_id] = self.router.prompt_keys(req.prompt_token_ids)
+            if stays(self.index.cached_pages(giver.engine_id, keys), self.index.cached_pages(thief.engine_id, keys),
+                     req.num_prompt_tokens, ps):
+                out.add(req.request_id)
+        return out
 
     def _copy(self, target: _Engine, copies: list[tuple[int, list[bytes]]]) -> None:
         """Hot segments that target reads on peers, copied into its pages (as the engine's

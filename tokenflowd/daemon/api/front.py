@@ -33,7 +33,7 @@ from tokenflowd.daemon.supervisor import NoEngineReady, Supervisor
 from tokenflowd.federation.wire import PrefillOrder
 from tokenflowd.openai_api import schema as s
 from tokenflowd.openai_api.errors import APIError, not_utf8
-from tokenflowd.pool.steal import idle, victim
+from tokenflowd.pool.steal import STAY_SCAN, idle, stays, victim
 from tokenflowd.protocol import AddRequest, Coalesce, Delta, PrefixRun, Reads, Sampling, Withdraw, Withdrawn
 from tokenflowd.text import tools
 from tokenflowd.text.structured import ANY_OBJECT, json_grammar
@@ -447,8 +447,25 @@ class Front:
                   if x.ready and x.stats is not None and x.engine_id not in asked
                   and x.stats.num_waiting > self._refused.get(x.engine_id, -1)}
         giver = victim(queues, slot.engine_id)
-        if giver is not None and self.supervisor.send(self.supervisor.slots[giver], Withdraw(self.supervisor.front)):
+        if giver is None:
+            return
+        keep = self._staying(self.supervisor.slots[giver], slot)
+        if self.supervisor.send(self.supervisor.slots[giver], Withdraw(self.supervisor.front, keep)):
             asked[giver] = (slot.engine_id, now)
+
+    def _staying(self, giver, thief) -> list[str]:
+        """Of the last STAY_SCAN requests queued on `giver` without a first token, those that stay
+        there rather than go to `thief` (pool/steal.py `stays`: by the pages the router's index says
+        each holds of the prompt)."""
+        index, out = self.router.index, []
+        waiting = [s for s in giver.streams.values() if not s.started and s.add is not None]
+        for stream in waiting[-STAY_SCAN:]:
+            if stream.keys is None:
+                stream.keys = self.router.prompt_keys(stream.add.prompt_token_ids)
+            if stays(index.cached_pages(giver.engine_id, stream.keys), index.cached_pages(thief.engine_id, stream.keys),
+                     stream.num_prompt_tokens, self.router.page_size):
+                out.append(stream.request_id)
+        return out
 
     def _withdrawn(self, giver, msg: Withdrawn) -> None:
         """An engine gave queued requests back (Withdraw): each goes to the idle engine it was asked

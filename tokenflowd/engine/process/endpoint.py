@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import logging
 import os
+from typing import Container
 
 import msgspec
 import zmq
@@ -91,9 +92,9 @@ class EngineEndpoint(abc.ABC):
     def pool_reads(self, msg: p.Reads) -> None:
         """Where the pool holds a queued request's prefix now, as its front names it (pool/engine_hooks.py)."""
 
-    def withdraw(self, front: int) -> list[str]:
-        """The pool: give back the last request of `front` queued here that has started nothing
-        (pool/steal.py) -> its id, or none. (An engine without the pool gives back none.)"""
+    def withdraw(self, front: int, keep: Container[str] = ()) -> list[str]:
+        """The pool: give back the last request of `front` queued here that has started nothing and
+        is not in `keep` (pool/steal.py) -> its id, or none. (An engine without the pool gives back none.)"""
         return []
 
     def remote_arrived(self, msg: p.RemoteArrived) -> None:
@@ -175,7 +176,7 @@ class EngineEndpoint(abc.ABC):
         elif isinstance(msg, p.Reads):
             self.pool_reads(msg)
         elif isinstance(msg, p.Withdraw):
-            gone = self.withdraw(msg.front)
+            gone = self.withdraw(msg.front, set(msg.keep))
             for rid in gone:
                 self.request_front.pop(rid, None)
                 self.pacer.forget(rid)

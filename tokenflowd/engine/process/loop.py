@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Container
 
 import msgspec
 
@@ -166,10 +166,10 @@ class EngineProcess(EngineEndpoint):
         if self.pool is not None:
             self.pool.reads(msg)
 
-    def withdraw(self, front: int) -> list[str]:
+    def withdraw(self, front: int, keep: Container[str] = ()) -> list[str]:
         if self.pool is None or self.federation is not None:
             return []
-        req = self.pool.withdrawable(lambda rid: self.request_front.get(rid, 0) == front)
+        req = self.pool.withdrawable(lambda rid: self.request_front.get(rid, 0) == front and rid not in keep)
         if req is None:
             return []
         self.core.abort(req.request_id)
