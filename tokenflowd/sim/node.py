@@ -541,6 +541,7 @@ class NodeSimulator:
         self._update(e.engine_id, *e.pool.drain_key_events())
         for rid in finished:
             e.release(rid)
+            self.keys.pop(rid, None)
         if self.config.steal and self.mode != "routing":
             self._steal(e, e.clock.now)
 
