@@ -32,9 +32,10 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def reference():
-    """A single engine, in this process, as the daemon's engines are configured."""
+    """A single engine, in this process, as the daemon's engines are configured (with room for the
+    long prompts' 4,096-token prefix: the size of its cache does not change its greedy tokens)."""
     return Engine(EngineConfig.resolve(model=MODEL, dtype="float32", quantization="none",
-                                       kv_cache_memory="128MiB"))
+                                       kv_cache_memory="512MiB"))
 
 
 @pytest.fixture(scope="module")
@@ -256,11 +257,11 @@ LONG_FLAGS = ("--engines", "2", "--dtype", "float32", "--quantization", "none", 
               "--pool-mode", "read", "--pool-placement", "home")
 
 
-def long_prompts(reference: Engine, what: str, n: int) -> tuple[list[int], list[list[int]]]:
+def long_prompts(reference: Engine, what: str, n: int, tokens: int = LONG_TOKENS) -> tuple[list[int], list[list[int]]]:
     tok = reference.tokenizer
     text = " ".join(f"{what} {i}: the archive holds letters, maps and ledgers from the old port." for i in range(600))
-    prefix = tok.encode(text, add_special_tokens=True)[:LONG_TOKENS]
-    assert len(prefix) == LONG_TOKENS
+    prefix = tok.encode(text, add_special_tokens=True)[:tokens]
+    assert len(prefix) == tokens
     return prefix, [prefix + tok.encode(f"\nQuestion {i}: which ledger came first?\nAnswer:", add_special_tokens=False)
                     for i in range(n)]
 
@@ -290,12 +291,10 @@ async def stream_text(base_url: str, prompt: list[int], max_tokens: int, on_toke
     return text, error
 
 
-def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_killed():
+def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_killed(reference):
     """Write into the home (read mode): the engine computing a new 4,096-token prefix writes each
     segment homed on its peer into the peer's cache once the prompt is computed, and keeps no copy
     of it while the request runs on."""
-    reference = Engine(EngineConfig.resolve(model=MODEL, dtype="float32", quantization="none",
-                                            kv_cache_memory="512MiB"))
     prefix, prompts = long_prompts(reference, "Letter", 20)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     want = [reference.generate({"first": {"prompt": prompts[0], "sampling_params": params}})["first"].text]
@@ -362,7 +361,10 @@ def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_ki
         # SIGKILL of the home as a new prefix is written into it (its write seen in the metrics, the
         # request reading it there): the stream neither hangs nor changes (the writer recomputes
         # what the home held), and the survivor leaks no page
-        _, (victim_prompt,) = long_prompts(reference, "Ledger", 1)
+        # (a new prefix of 1,024 tokens, four segments homed on both engines: the write is the same
+        # as a longer one's, and each of the reference and the writer computes it in a quarter of the time)
+        victim_prefix, (victim_prompt,) = long_prompts(reference, "Ledger", 1, 1024)
+        homes(victim_prefix)
         want_victim = greedy(reference, [victim_prompt], MAX_TOKENS)[0]
         killed: dict = {}
 
@@ -393,14 +395,12 @@ def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_ki
         assert d.stop() == 0
 
 
-def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_with_the_greedy_tokens():
-    """--pool-hand-off segment: the engine computing a new 4,096-token prefix writes each segment homed
+def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_with_the_greedy_tokens(reference):
+    """--pool-hand-off segment: the engine computing a new 2,048-token prefix writes each segment homed
     on its peer into it as soon as it is computed, 256-token chunks apart, so the peer holds pages of
     it before the request's first token; the rest of the prompt reads them there, and the tokens are
     one engine's."""
-    reference = Engine(EngineConfig.resolve(model=MODEL, dtype="float32", quantization="none",
-                                            kv_cache_memory="512MiB"))
-    prefix, prompts = long_prompts(reference, "Map", 4)
+    prefix, prompts = long_prompts(reference, "Map", 4, 2048)
     want = greedy(reference, prompts[:1], MAX_TOKENS) + greedy(reference, prompts[1:], MAX_TOKENS)
     home = homes(prefix)
     keys = chain_page_keys(prefix, 16, [], len(prefix))
