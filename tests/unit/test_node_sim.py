@@ -231,7 +231,7 @@ def test_under_tokenlakes_ttft_slo_at_routings_highest_rate_the_pool_meets_it_to
     assert routing >= 0.9 and pool >= 0.9, (routing, pool)
     assert q["hit_rate"] >= r["hit_rate"], (q, r)
     monkeypatch.setattr(router, "AFFINITY_SLACK", 2.0)
-    monkeypatch.setattr(node, "stays", lambda *_: False)
+    monkeypatch.setattr(node, "staying", lambda *_: [])
     before, _ = run("pool-local")
     assert before < 0.9, before
 

@@ -34,7 +34,7 @@ seeded 0 in both): dropped.
 """
 from __future__ import annotations
 
-from typing import Container, Mapping, Protocol, Sequence, TypeVar
+from typing import Callable, Container, Mapping, Protocol, Sequence, TypeVar
 
 # of an engine's KV pages, the part free (or cached) for it to count as idle: a request it takes
 # needs room for its prompt
@@ -78,6 +78,35 @@ def stays(held_here: int, held_there: int, prompt_tokens: int, page_size: int) -
     engine holds `held_here` and the idle one `held_there`; moved, it would read the difference
     where it is (at least STAY_SHARE of its prompt: it stays)."""
     return (held_here - held_there) * page_size >= STAY_SHARE * prompt_tokens
+
+
+class Holdings(Protocol):
+    """Where the node's pages are, as the router's index knows it (daemon/prefix_index.py)."""
+
+    def cached_pages(self, engine_id: int, keys: Sequence[bytes]) -> int: ...
+
+
+class Fresh(Protocol):
+    request_id: str
+    num_prompt_tokens: int
+
+
+F = TypeVar("F", bound=Fresh)
+
+
+def staying(fresh: Sequence[F], keys_of: Callable[[F], Sequence[bytes]], index: Holdings, giver: int, thief: int,
+            page_size: int) -> list[str]:
+    """Of the last STAY_SCAN of `fresh` (requests queued on `giver` that have started nothing, in
+    queue order), the ids of those that stay there rather than go to `thief` (`stays`, by the pages
+    `index` says each engine holds of the prompt). `keys_of`: a request's prompt page keys (the
+    caller keeps them: each prompt is hashed once). The front's (Front._staying) and the node
+    simulator's."""
+    out = []
+    for req in fresh[-STAY_SCAN:]:
+        keys = keys_of(req)
+        if stays(index.cached_pages(giver, keys), index.cached_pages(thief, keys), req.num_prompt_tokens, page_size):
+            out.append(req.request_id)
+    return out
 
 
 def withdrawable(waiting: Sequence[Q], keep: Container[str] = ()) -> Q | None:

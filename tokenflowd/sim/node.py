@@ -76,7 +76,7 @@ from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.pool.ahead import due, pins_on_arrival, waits
-from tokenflowd.pool.steal import STAY_SCAN, idle, stays, victim, withdrawable
+from tokenflowd.pool.steal import idle, staying, victim, withdrawable
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.cost import CostModel
@@ -354,20 +354,17 @@ class NodeSimulator:
             self._admit(thief, req, choice, now, rec.prompt_len + rec.output_len)
             self.stolen += 1
 
-    def _staying(self, giver: _Engine, thief: _Engine) -> set[str]:
-        """As the front's Front._staying: of the last STAY_SCAN requests queued on `giver` that have
-        started nothing, those that stay there rather than go to `thief` (pool/steal.py `stays`, by
-        the pages the router's index says each engine holds of the prompt)."""
-        out, ps = set(), self.cost.page_size
-        fresh = [r for r in giver.scheduler.waiting if not (r.num_computed_tokens or r.num_preemptions)]
-        for req in fresh[-STAY_SCAN:]:
+    def _staying(self, giver: _Engine, thief: _Engine) -> list[str]:
+        """As the front's Front._staying: the requests queued on `giver` that have started nothing
+        and stay there rather than go to `thief` (pool/steal.py `staying`)."""
+        def keys_of(req: Request) -> list[bytes]:
             keys = self.keys.get(req.request_id)
             if keys is None:
                 keys = self.keys[req.request_id] = self.router.prompt_keys(req.prompt_token_ids)
-            if stays(self.index.cached_pages(giver.engine_id, keys), self.index.cached_pages(thief.engine_id, keys),
-                     req.num_prompt_tokens, ps):
-                out.add(req.request_id)
-        return out
+            return keys
+
+        fresh = [r for r in giver.scheduler.waiting if not (r.num_computed_tokens or r.num_preemptions)]
+        return staying(fresh, keys_of, self.index, giver.engine_id, thief.engine_id, self.cost.page_size)
 
     def _copy(self, target: _Engine, copies: list[tuple[int, list[bytes]]]) -> None:
         """Hot segments that target reads on peers, copied into its pages (as the engine's

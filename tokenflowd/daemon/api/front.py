@@ -33,7 +33,7 @@ from tokenflowd.daemon.supervisor import NoEngineReady, Supervisor
 from tokenflowd.federation.wire import PrefillOrder
 from tokenflowd.openai_api import schema as s
 from tokenflowd.openai_api.errors import APIError, not_utf8
-from tokenflowd.pool.steal import STAY_SCAN, idle, stays, victim
+from tokenflowd.pool.steal import idle, staying, victim
 from tokenflowd.protocol import AddRequest, Coalesce, Delta, PrefixRun, Reads, Sampling, Withdraw, Withdrawn
 from tokenflowd.text import tools
 from tokenflowd.text.structured import ANY_OBJECT, json_grammar
@@ -454,18 +454,15 @@ class Front:
             asked[giver] = (slot.engine_id, now)
 
     def _staying(self, giver, thief) -> list[str]:
-        """Of the last STAY_SCAN requests queued on `giver` without a first token, those that stay
-        there rather than go to `thief` (pool/steal.py `stays`: by the pages the router's index says
-        each holds of the prompt)."""
-        index, out = self.router.index, []
-        waiting = [s for s in giver.streams.values() if not s.started and s.add is not None]
-        for stream in waiting[-STAY_SCAN:]:
+        """The requests queued on `giver` without a first token that stay there rather than go to
+        `thief` (pool/steal.py `staying`); each prompt's page keys are kept on its Stream."""
+        def keys_of(stream) -> list[bytes]:
             if stream.keys is None:
                 stream.keys = self.router.prompt_keys(stream.add.prompt_token_ids)
-            if stays(index.cached_pages(giver.engine_id, stream.keys), index.cached_pages(thief.engine_id, stream.keys),
-                     stream.num_prompt_tokens, self.router.page_size):
-                out.append(stream.request_id)
-        return out
+            return stream.keys
+
+        fresh = [s for s in giver.streams.values() if not s.started and s.add is not None]
+        return staying(fresh, keys_of, self.router.index, giver.engine_id, thief.engine_id, self.router.page_size)
 
     def _withdrawn(self, giver, msg: Withdrawn) -> None:
         """An engine gave queued requests back (Withdraw): each goes to the idle engine it was asked
