@@ -11,6 +11,10 @@ ARGS   ?=
 GPU    := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu)
 comma  := ,
 GPU_PYTHON ?= 3.12
+# pytest-xdist workers for `make test`, each taking whole test files (--dist loadfile: a file's daemon
+# fixtures start once). The suite's engines and simulators keep two busy on a 2-core box; 0 runs it
+# in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: run generate test bench clean gpu-kit
 
@@ -39,7 +43,7 @@ generate: $(VENV)/.base
 
 test: $(VENV)/.test
 	$(VENV)/bin/lint-imports  # the layers and no import circles (pyproject.toml [tool.importlinter])
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(VENV)/.test
 	$(PY) bench/cpu_decode.py

@@ -20,6 +20,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# The files that take longest, longest first. With `make test`'s workers (pytest-xdist, a file to a
+# worker, handed out in collection order) they go first, so that none is left to run alone at the end.
+# The random order (pytest-random-order) still shuffles the tests within each file, and the other files.
+LONGEST_FIRST = ("integration/test_pool_daemon.py", "integration/test_soak.py", "integration/test_federation_cluster.py",
+                 "integration/test_prfaas_cluster.py", "integration/test_daemon.py", "integration/test_front_limits.py")
+
+
+@pytest.hookimpl(trylast=True)  # after the random order's shuffle
+def pytest_collection_modifyitems(config, items):
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+
+    def place(item) -> int:
+        path = item.path.as_posix()
+        return next((k for name, k in rank.items() if path.endswith("tests/" + name)), len(rank))
+
+    items.sort(key=place)  # stable: the order within each file, and among the rest, stays
+
+
 @pytest.fixture
 def denormals_on():
     """A CPU ModelRunner flushes denormals to zero process-wide (an engine owns its process); in

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import tempfile
 import time
 
 import httpx
@@ -120,10 +121,13 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
     # The first request is not one of the burst's: a prompt computed twice would hold its last page,
     # prompt and output, twice, and that page is no segment of the shared prefix.
     asked, want_first, want = prompts[1:], want[0], want[1:]
+    runtime = tempfile.mkdtemp(prefix="tf")  # short: its sockets' paths must fit a sun_path
     # (with seats, hot segments are not copied: each request pins its reads on the other engine)
-    d = Daemon(*FLAGS, "--pool-mode", mode, *(("--max-num-seqs", str(seats), "--no-pool-copy") if seats else ()))
+    d = Daemon(*FLAGS, "--pool-mode", mode, *(("--max-num-seqs", str(seats), "--no-pool-copy") if seats else ()),
+               "--runtime-dir", runtime)  # its own: other daemons' caches may be in /dev/shm meanwhile
     try:
         d.wait_all_engines()
+        (private,) = os.listdir(runtime)  # the daemon's runtime directory, which names its caches
         replicated_before = d.metric("tokenflowd_pool_replicated_pages")  # the warm-up's chat-template head
         base, home = pool_pages(d), homes(system)
         # The first request computes the system prompt on one engine (both idle: engine 0), which
@@ -169,8 +173,9 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
             wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
     finally:
         assert d.stop() == 0
-    assert not [f for f in os.listdir("/dev/shm") if "-kv-" in f and f.startswith("tokenflowd-")], \
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"{private}-kv-")], \
         "a shared KV cache outlived the daemon"
+    os.rmdir(runtime)  # and the daemon removed its own directory in it
 
 
 def test_by_default_a_prefix_stays_where_computed_and_its_hot_segments_are_copied_to_the_other_engine(

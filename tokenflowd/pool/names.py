@@ -57,19 +57,42 @@ def unlink(name: str) -> None:
 
 
 def sweep_stale(runtime_base: str, shm_dir: str = "/dev/shm") -> list[str]:
-    """Unlink the KV caches of daemons whose runtime directory is gone (a whole process group
-    killed at once leaves them). -> the names removed."""
+    """Unlink the KV caches of daemons that are gone (a whole process group killed at once leaves
+    them): a block whose runtime directory is not in `runtime_base` and that no process maps. A
+    daemon with another runtime directory (a second instance, another --runtime-dir) maps its own,
+    so it keeps them. -> the names removed."""
     try:
-        names = os.listdir(shm_dir)
+        names = [n for n in os.listdir(shm_dir) if n.startswith("tokenflowd-") and "-kv-" in n]
     except OSError:
         return []
+    names = [n for n in names if not os.path.isdir(os.path.join(runtime_base, n.partition("-kv-")[0]))]
+    if not names:
+        return []
+    live = mapped(shm_dir)
     gone = []
     for name in names:
-        prefix, sep, _ = name.partition("-kv-")
-        if sep and prefix.startswith("tokenflowd-") and not os.path.isdir(os.path.join(runtime_base, prefix)):
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-                gone.append(name)
-            except OSError:
-                pass
+        if name in live:
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            gone.append(name)
+        except OSError:
+            pass
     return gone
+
+
+def mapped(shm_dir: str = "/dev/shm") -> set[str]:
+    """The names of the blocks in `shm_dir` that a process this one may inspect maps (/proc/*/maps;
+    another user's blocks cannot be unlinked here anyway: /dev/shm is sticky)."""
+    head = shm_dir.rstrip("/") + "/"
+    out: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                for line in f:
+                    at = line.find(head)
+                    if at >= 0:
+                        out.add(line[at + len(head):].rstrip("\n").removesuffix(" (deleted)"))
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return out
