@@ -163,6 +163,22 @@ def test_a_new_request_takes_free_room_whatever_the_working_set_bound():
     assert d.run == ("a", "b", "n1", "n2")
 
 
+def test_a_new_request_counts_only_the_pages_it_adds_to_those_a_running_request_shares_with_it():
+    # "a" runs over 40 tokens (10 pages); "n" asks 44 tokens whose first 40 are a's pages. Over the
+    # interval (~41 tokens each) a holds 21 pages and n 22, 10 of them a's: 33 of the 38 pages there
+    # are (28 free + a's 10). Counting n's shared pages again (43 > 38) kept it waiting behind room
+    # it did not need. Pages of its prefix that are cached but unreferenced are counted: they are
+    # among the free ones, and taking them uses them up.
+    def ask(reclaimed: int):
+        n = new("n", 1.0, n=44).replace(num_computed_tokens=40, pages_held=10, pages_reclaimed=reclaimed)
+        return TokenFlowPolicy(PARAMS).balance(view([running("a", 0.0, 2.0, 20, n=41)], [n], free=28, max_num_seqs=4,
+                                                    now=2.0))
+
+    shared = ask(reclaimed=0)
+    assert not shared.fallback and shared.run == ("a", "n")
+    assert ask(reclaimed=10).run == ("a",)
+
+
 def test_an_idle_device_admits_a_prompt_that_fits_even_if_its_growth_over_the_interval_would_not():
     # 12 free pages of 4 tokens: the 33-token prompt needs 9, its next interval's ~40 tokens would
     # need 19. Nobody runs, so nobody's room is at stake: it is admitted (it once waited forever).
