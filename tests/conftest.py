@@ -29,12 +29,9 @@ def pytest_collection_modifyitems(config, items):
             if "gpu" in item.keywords:
                 item.add_marker(skip)
     rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
-
-    def place(item) -> int:
-        path = item.path.as_posix()
-        return next((k for name, k in rank.items() if path.endswith("tests/" + name)), len(rank))
-
-    items.sort(key=place)  # stable: the order within each file, and among the rest, stays
+    here = Path(__file__).parent
+    # stable: the order within each file, and among the rest, stays
+    items.sort(key=lambda item: rank.get(item.path.relative_to(here).as_posix(), len(rank)))
 
 
 @pytest.fixture

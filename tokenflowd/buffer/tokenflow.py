@@ -63,14 +63,14 @@ if TYPE_CHECKING:
 
 
 def new_request_pages(r: RequestView, growth: int, page_size: int) -> int:
-    """The pages a new request adds to the balance's count over an interval of `growth` tokens: its
-    context's, less the pages of its prefix that running requests hold. Those are counted in their
-    pages already, and sharing them takes no more room. (Cached pages nobody references are among
+    """The pages a new request adds to the balance's count over an interval of `growth` tokens
+    (RequestView.pages_to_run): its context's, less the pages of its prefix that running requests
+    hold. Those are counted in their pages already, and sharing them takes no more room. (Cached pages nobody references are among
     the free ones, and taking them uses them up: they count.) Counted again, a reader of a document
     other requests run over waited behind room it did not need: in the node simulator (a quarter of
     the A100's KV, 12K-token documents with 32 questions each, 16 req/s, seed 2) the pool served
     0.79x routing's tokens, and 0.93x counting them once."""
-    return cdiv(r.num_tokens + growth, page_size) - (r.pages_held - r.pages_reclaimed)
+    return r.pages_to_run(r.tokens_left + growth, page_size)  # as fcfs counts it
 
 
 @dataclass(frozen=True, slots=True)
