@@ -241,7 +241,10 @@ def test_prefix_pages_come_back_from_the_disk_tier_byte_identical(tiny, tmp_path
     """A finished request's prefix pages: written through to the host, spilled to disk when the
     host fills, evicted from the device, then loaded back for a new request with that prefix."""
     pb = page_bytes(tiny)
-    core = make(tiny, num_pages=12, host_kv_memory=10 * pb, disk_kv_memory=64 * pb, disk_kv_dir=str(tmp_path))
+    # The policy plans the load: left to the timed costs, a tiny model's fitted per-token cost on a
+    # loaded machine can price recomputing below it, and c would never load.
+    core = make(tiny, ScriptedPolicy(lambda step, view: ()), num_pages=12, host_kv_memory=10 * pb,
+                disk_kv_memory=64 * pb, disk_kv_dir=str(tmp_path))
     a = Request("a", FAMILIES[0][:33], SamplingParams(temperature=0, max_tokens=1))
     core.add_request(a)
     step_until(core, lambda: a.is_finished)
