@@ -242,6 +242,27 @@ def test_under_tokenlakes_ttft_slo_at_routings_highest_rate_the_pool_meets_it_to
     assert before < 0.9, before
 
 
+def test_under_tokenlakes_ttft_slo_only_the_head_of_a_queue_pins_its_reads_regardless_of_room(monkeypatch):
+    """pool/ahead.py PIN_AHEAD. 12 documents of 12K tokens in play, a quarter of the A100's KV, at
+    8.72 req/s, seed 3: routing's highest rate under TokenLake's TTFT SLO (0.977 of requests within
+    it; bench/results/node_goodput_small_cache_pin1.json). While the first four queued requests of
+    an engine pinned their reads regardless of room, their pins held pages that no running request
+    held, neither free nor held: each holder's buffer-aware policy counted that much less capacity
+    and preempted, and the pool met the SLO for 0.72 of requests. Only the head: 0.99."""
+    from tokenflowd.pool import ahead
+
+    cost, w = small_cache_documents(8.72, 300, "documents:active=12:scale=0.5", seed=3)
+
+    def attainment() -> float:
+        result = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow", seed=3)).run()
+        return sum(result.meets_slo(tbt=False)) / len(result.records)
+
+    assert attainment() >= 0.9
+    monkeypatch.setattr(ahead, "PIN_AHEAD", 4)
+    before = attainment()
+    assert before < 0.9, before
+
+
 def test_in_overload_where_one_engine_cannot_hold_the_documents_requests_read_what_was_computed_while_they_waited():
     """TokenLake's kind of gain, where it comes from here: 12 documents of 12K tokens in play (a
     quarter of the A100's KV: 2 documents an engine, 18 the node), 16 req/s. Routing and the pool
@@ -264,16 +285,17 @@ def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_thr
     grows while another empties (prompts of very different lengths). With the pool, where a request
     runs does not decide what it reads: an idle engine takes the last queued request that has started
     nothing from the longest queue, and reads its prefix where the pool holds it, unless the request
-    reads most of it where it is queued (`stays`). 16 documents, 16 req/s: throughput 1.30x the run
-    without stealing, busy CV 0.08 against 0.13. (With 32 questions a document, most queued requests
-    stay where their document is: 3 move, 1.06x.)"""
+    reads most of it where it is queued (`stays`). 16 documents, 16 req/s: throughput 1.19x the run
+    without stealing, busy CV 0.089 against 0.122 (1.30x and 0.08 against 0.13 while the first four
+    queued requests pinned their reads: pool/ahead.py PIN_AHEAD). (With 32 questions a document, most
+    queued requests stay where their document is: 3 move, 1.06x.)"""
     cost, w = small_cache_documents(16.0, 300, "documents:active=16:scale=0.5")
     stealing = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow"))
     fixed = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow", steal=False))
     s, f = stealing.run().summary(), fixed.run().summary()
     assert stealing.stolen > 5 and fixed.stolen == 0
     assert s["throughput"] >= f["throughput"], (s, f)
-    assert s["busy_cv"] < 0.7 * f["busy_cv"], (s, f)
+    assert s["busy_cv"] < 0.8 * f["busy_cv"], (s, f)
 
 
 def test_the_load_cv_is_the_imbalance_across_engines_sampled_while_requests_arrive():

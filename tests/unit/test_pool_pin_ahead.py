@@ -61,6 +61,11 @@ class _nothing:
         return False
 
 
+# a queue that puts a reader behind it past the window and past what the free pages hold (64 pages
+# free, 25 a queued prompt)
+LONG = max(PIN_AHEAD, 3)
+
+
 def engine(queued: int):
     """An engine's scheduler with 64 pages and `queued` requests of 25 pages each waiting, and its hooks."""
     sched = Scheduler(KVCacheManager(PagePool(64), PS), make_policy("fcfs", PolicyConfig()), 512, 8)
@@ -86,14 +91,14 @@ def test_a_reader_near_the_front_pins_as_it_comes():
 
 
 def test_a_reader_behind_a_long_queue_pins_its_reads_only_once_it_nears_the_front():
-    sched, h = engine(PIN_AHEAD)
+    sched, h = engine(LONG)
     req = request("r", 64)
-    assert not h.take_prefix(req, runs(1)), "four prompts of 25 pages ahead of it, 64 pages free"
+    assert not h.take_prefix(req, runs(1)), "prompts of 25 pages ahead of it past the 64 pages free"
     sched.add(req)
     req.max_model_len = 1024
     h._pin_due()
     assert h.member.pinned == {} and req.prefix_offset == 0 and "r" in h.deferred and h.take_asking() == []
-    sched.abort("q1")  # one ahead of it leaves: it is among the first PIN_AHEAD now
+    sched.abort("q1")  # one ahead of it leaves: near the front now (the queue up to it fits the free pages)
     h._pin_due()
     assert h.take_asking() == ["r"], "near the front, it asks its front where its reads are now"
     h._pin_due()
@@ -102,7 +107,8 @@ def test_a_reader_behind_a_long_queue_pins_its_reads_only_once_it_nears_the_fron
     assert h.member.pinned == {"r": 2} and "r" not in h.deferred and h.pinned_queued == h.resolved == 1
     assert req.prefix_offset == 2 * PS and req.num_prompt_tokens == 64 - 2 * PS
     assert req.max_model_len == 1024 - 2 * PS, "its own tokens' room shrinks by what it reads"
-    assert [r.request_id for r in sched.waiting] == ["q0", "q2", "q3", "r"], "it keeps its place"
+    assert [r.request_id for r in sched.waiting] == [f"q{i}" for i in range(LONG) if i != 1] + ["r"], \
+        "it keeps its place"
     assert h.peer_tokens == 2 * PS, "counted as read on a peer when pinned"
     h.reads(p.Reads("r", runs(3)))
     assert h.member.pinned == {"r": 2}, "an answer it no longer waits for changes nothing"
@@ -134,7 +140,7 @@ def test_a_reader_that_goes_straight_in_or_has_no_whole_page_asks_nothing():
 
 
 def test_a_reader_whose_front_does_not_answer_reads_what_it_came_with(monkeypatch):
-    sched, h = engine(PIN_AHEAD)
+    sched, h = engine(LONG)
     req = request("r", 64)
     assert not h.take_prefix(req, runs(1))
     sched.add(req)
@@ -149,7 +155,7 @@ def test_a_reader_whose_front_does_not_answer_reads_what_it_came_with(monkeypatc
 
 
 def test_a_reader_that_left_the_queue_before_its_turn_forgets_its_reads():
-    sched, h = engine(PIN_AHEAD)
+    sched, h = engine(LONG)
     gone, failed = request("gone", 64), request("failed", 64)
     assert not h.take_prefix(gone, runs(2)) and not h.take_prefix(failed, runs(2))
     sched.add(gone)
@@ -187,7 +193,8 @@ def test_a_request_the_policy_takes_out_of_queue_order_pins_at_the_next_step_wha
             w = view.waiting[-1]
             return Plan(scheduled=((w.request_id, w.num_tokens - w.num_computed_tokens),))
 
-    sched, h = engine(PIN_AHEAD + 2)
+    sched, h = engine(LONG + 2)
+    last = f"q{LONG + 1}"
     sched.policy = Newest()
     req = request("r", 64)
     assert not h.take_prefix(req, runs(2))
@@ -201,5 +208,5 @@ def test_a_request_the_policy_takes_out_of_queue_order_pins_at_the_next_step_wha
     h.reads(p.Reads("r", runs(2)))
     assert h.member.pinned == {"r": 2} and sched.schedule().request_ids == ["r"]
     assert sched.held_back == ()
-    assert [r.request_id for r in due(sched.waiting, {"q5": []}, 0, PS, wanted={"q5"})] == ["q5"]
-    assert due(sched.waiting, {"q5": []}, 0, PS) == []
+    assert [r.request_id for r in due(sched.waiting, {last: []}, 0, PS, wanted={last})] == [last]
+    assert due(sched.waiting, {last: []}, 0, PS) == []

@@ -25,10 +25,18 @@ from __future__ import annotations
 
 from typing import Container, Iterable, Protocol, Sequence
 
-# The node simulator (a quarter of the A100's KV, four document workloads in overload, seeds 0-3):
-# throughput 0.82x, 0.83x, 0.82x and 0.76x routing's (geometric mean of 16 runs) pinning among the
-# first 2, 4, 8 and 16, 0.76x pinning on arrival; pins given back 117, 283, 623, 1035 and 1258.
-PIN_AHEAD = 4
+# Only the head pins regardless of room. A queued request's pins hold pages on its holders (its own
+# engine or peers) that are in no running request's table there: neither free nor held, so each
+# holder's buffer-aware policy counts that much less capacity and preempts. Node simulator, a
+# quarter of the A100's KV, four document workloads, tokenflow: pinning among the first 4, at
+# routing's highest rates under TokenLake's TTFT SLO, pool-local preempted 125 times to routing's 52
+# (active=16, seed 1) and met the SLO for 0.72-0.89 of requests where routing met it for 0.94-0.98
+# (four runs); only the head, 0.92-0.99. In overload (16 req/s, seeds 0-3, 16 runs) its throughput
+# went from 1.20x routing's (0.93x-1.64x) to 1.33x (1.00x-1.63x), its hit rate from 1.47x to 1.64x
+# (bench/results/node_contexts_small_cache_pin1.json). (Before tokenflow's admission counted shared
+# pages once and the holder's answers were costed as its attention: 0.82x, 0.83x, 0.82x and 0.76x
+# routing's throughput pinning among the first 2, 4, 8 and 16.)
+PIN_AHEAD = 1
 
 
 class Queued(Protocol):
