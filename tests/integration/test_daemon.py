@@ -650,13 +650,18 @@ def test_after_the_fuzz_nothing_is_left_behind(daemon):
 
 
 def test_a_client_reading_slower_than_it_said_gets_its_real_rate(daemon):
-    """A raw socket with a tiny receive buffer that reads ~200 bytes/s while claiming 100 tokens/s
-    (the most a client may): writes block, and the engine is told the measured rate.
+    """A raw socket with a tiny receive buffer that claims 100 tokens/s (the most a client may),
+    reads nothing until its stream is seen blocked, then reads ~200 bytes/s: writes block, and the
+    engine is told the measured rate.
 
     NOTE: a blocked stream's tokens go out together in its next event, so a byte rate carries more
     tokens as the events grow: ~200 bytes/s, at 4 bytes or more of text a token, carry at most ~50
     tokens/s, and an engine that generates fewer is the bound itself (400 bytes/s against a claim
-    of 50 measured the engine's own 27 tokens/s on a 2-core AMD EPYC: no slower than claimed)."""
+    of 50 measured the engine's own 27 tokens/s on a 2-core AMD EPYC: no slower than claimed).
+    NOTE: the socket buffers hold ~25 KB (sse.py), ~170 events of one token. Reading ~200 bytes/s
+    from the start, an engine slowed to ~3 tokens/s by a loaded machine never filled them within the
+    minute, so the stream never blocked; waiting first for the block makes the test hold at any
+    engine speed."""
     import socket as so
 
     body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1200, "ignore_eos": True,
@@ -669,8 +674,19 @@ def test_a_client_reading_slower_than_it_said_gets_its_real_rate(daemon):
     head = s.recv(2048).decode(errors="replace")
     rid = head.split("X-Request-Id: ")[1].split("\r\n")[0]
     rate = 100.0
-    deadline = time.monotonic() + 60
     try:
+        # blocked: the engine has made tokens the connection has not taken, and takes none for a second
+        last, deadline = None, time.monotonic() + 300
+        while time.monotonic() < deadline:
+            info = daemon.http.get(f"/v1/requests/{rid}").json()
+            now = (info["delivered_tokens"], info["num_output_tokens"])
+            if last is not None and now[0] == last[0] and now[1] > now[0]:
+                break
+            last = now
+            time.sleep(1.0)
+        else:
+            pytest.fail(f"the stream never blocked: {last} (delivered, generated)")
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline and rate > 70:
             s.recv(20)
             time.sleep(0.1)
