@@ -30,7 +30,7 @@ class PrefixIndex:
         self._num_keys: dict[int, int] = {}  # engine -> keys it holds
         self._num_replicated = 0  # keys held by more than one engine
         self._parent: dict[bytes, bytes] = {}  # key -> the key before it (linked prompts)
-        self._children: dict[bytes, set[bytes]] = {}
+        self._children: dict[bytes, dict[bytes, None]] = {}  # ordered sets: runs repeat whatever the hash seed
         self._marks: dict[int, tuple[list[bytes], list[bytes]]] = {}  # engine -> (inner, ends or orphans)
 
     def _add(self, engine_id: int, key: bytes) -> None:
@@ -66,7 +66,7 @@ class PrefixIndex:
             if key in self._parent:
                 continue
             self._parent[key] = before
-            self._children.setdefault(before, set()).add(key)
+            self._children.setdefault(before, {})[key] = None
             if key in self._holders and before in self._holders:
                 self._mark(before, True)
         if len(self._parent) > max(MIN_LINKS, 2 * len(self._holders)):
@@ -115,7 +115,7 @@ class PrefixIndex:
             parent = self._parent.pop(key)
             kids = self._children.get(parent)
             if kids is not None:
-                kids.discard(key)
+                kids.pop(key, None)
                 if not kids:
                     del self._children[parent]
 

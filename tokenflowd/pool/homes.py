@@ -59,7 +59,7 @@ class Placement:
         self._load_at = {e: 0.0 for e in self.engines}
         self._held = {e: 0 for e in self.engines}  # tokens of replicas each engine holds
         self._lru: dict[int, OrderedDict[bytes, None]] = {e: OrderedDict() for e in self.engines}  # oldest first
-        self._replicated: set[bytes] = set()  # segments given more than their home's replica
+        self._replicated: dict[bytes, None] = {}  # segments given more than their home's replica (ordered)
 
     # -- load ---------------------------------------------------------------------------------
     def load(self, engine: int, now: float) -> float:
@@ -105,7 +105,7 @@ class Placement:
             self.tree.add_replica(key, node.parent, node.tokens, node.home, engine, now)
             self._held[engine] += node.tokens
             self._lru[engine][key] = None
-            self._replicated.add(key)
+            self._replicated[key] = None
 
     def route(self, keys: Sequence[bytes], now: float) -> list[tuple[Node, int]]:
         """The cached leading segments of a prefix, each with the replica that serves this access
@@ -179,7 +179,7 @@ class Placement:
         for key in [k for k in self._replicated if k not in hot]:
             node = self.tree.get(key)
             if node is None or len(node.replicas) < 2:
-                self._replicated.discard(key)
+                self._replicated.pop(key, None)
                 continue
             keep = node.home if node.home in node.replicas else max(node.replicas,
                                                                      key=lambda e: node.replicas[e].last_access)
@@ -188,7 +188,7 @@ class Placement:
                     self._held[e] -= n
                     self._lru[e].pop(k, None)
             if len(node.replicas) < 2:  # a pinned extra replica is trimmed at a later pass
-                self._replicated.discard(key)
+                self._replicated.pop(key, None)
 
     # -- eviction -----------------------------------------------------------------------------
     def _may_evict(self, node: Node, engine: int) -> bool:

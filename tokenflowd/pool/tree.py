@@ -30,7 +30,7 @@ class Node:
     tokens: int
     home: int
     replicas: dict[int, Replica] = field(default_factory=dict)
-    children: set[bytes] = field(default_factory=set)
+    children: dict[bytes, None] = field(default_factory=dict)  # an ordered set: runs repeat whatever the hash seed
     hits: float = 0.0  # decayed accesses, as of `hits_at`
     hits_at: float = 0.0
 
@@ -39,7 +39,7 @@ class PrefixTree:
     def __init__(self, half_life: float = 60.0) -> None:
         self.half_life = half_life
         self.nodes: dict[bytes, Node] = {}
-        self.roots: set[bytes] = set()
+        self.roots: dict[bytes, None] = {}  # (ordered, as children)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -55,7 +55,7 @@ class PrefixTree:
         node = self.nodes.get(key)
         if node is None:
             node = self.nodes[key] = Node(key, parent, tokens, home, hits_at=now)
-            (self.nodes[parent].children if parent in self.nodes else self.roots).add(key)
+            (self.nodes[parent].children if parent in self.nodes else self.roots)[key] = None
         node.replicas.setdefault(engine, Replica(now))
         return node
 
@@ -68,9 +68,9 @@ class PrefixTree:
         if node.replicas:
             return dropped
         if node.parent in self.nodes:
-            self.nodes[node.parent].children.discard(key)
+            self.nodes[node.parent].children.pop(key, None)
         else:
-            self.roots.discard(key)
+            self.roots.pop(key, None)
         for below in list(self.subtree(key)):
             del self.nodes[below.key]
             dropped.extend((below.key, e, below.tokens) for e in below.replicas)
