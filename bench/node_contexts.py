@@ -47,7 +47,7 @@ RUNS = {
     "calibrated": [("documents:active=64", 4.0, 16.0), ("documents:active=128", 4.0, 16.0),
                    ("sessions:scale=0.1", 4.0, 16.0), ("system-prompt", 40.0, 160.0), ("trace", 3.0, 1.0)],
 }
-KEYS = ("hit_rate", "throughput", "ttft_p99", "busy_cv", "load_cv", "slo_attainment", "slo_throughput")
+KEYS = ("hit_rate", "throughput", "ttft_p99", "busy_cv", "load_cv", "access_cv", "slo_attainment", "slo_throughput")
 
 
 def workload(spec: str, rate: float, n: int, seed: int, max_prompt_len: int = 32_768):
@@ -124,7 +124,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"{cost.name:>15} {spec:>22} {load:>8} {rate:>6g} " + "  ".join(
                     f"{m}: hit {row[m]['hit_rate']:.3f} thr {row[m]['throughput']:7.1f} p99 {row[m]['ttft_p99']:7.2f} "
-                    f"cv {row[m]['busy_cv']:.2f} load cv {row[m]['load_cv']:.2f} slo {row[m]['slo_attainment']:.2f}" for m in modes), flush=True)
+                    f"cv {row[m]['busy_cv']:.2f} load cv {row[m]['load_cv']:.2f} access cv {row[m]['access_cv']:.2f} slo {row[m]['slo_attainment']:.2f}" for m in modes), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(json_safe({"machine": platform.processor() or platform.machine(), "engines": 8,

@@ -310,6 +310,43 @@ def test_the_load_cv_is_the_imbalance_across_engines_sampled_while_requests_arri
     assert 0 < result.summary()["load_cv"] == result.load_cv()
 
 
+def test_the_access_cv_counts_the_kv_each_engines_memory_serves_a_peers_reads_at_their_holder(monkeypatch):
+    """TokenLake's Figure 10 measure (NodeResult.access_cv): the KV tokens read from each engine's
+    memory per window, a step's reads of pages pinned on a peer counted at that peer."""
+    from tokenflowd.sim import node
+    from tokenflowd.sim.node import LOAD_WINDOW, NodeResult
+
+    assert NodeResult("x", [], 0, 0, 0, 0, access_samples=[[0, 0], [2, 2], [4, 0]]).access_cv() == 0.5
+    stepping: list[int] = []
+    reads = {"own": 0, "peer": 0}
+    step_time, read = node._Executor.step_time, node._Engine.read
+
+    def timed(self, batch):
+        stepping.append(self.engine.engine_id)
+        try:
+            return step_time(self, batch)
+        finally:
+            stepping.pop()
+
+    def counted(self, window, tokens):
+        reads["own" if self.engine_id == stepping[-1] else "peer"] += tokens
+        read(self, window, tokens)
+
+    monkeypatch.setattr(node._Executor, "step_time", timed)
+    monkeypatch.setattr(node._Engine, "read", counted)
+    cost, over = small_cache_documents(16.0, 100, "documents:active=12:scale=0.5")
+    span = over[-1].arrival_time - over[0].arrival_time
+    peer = {}
+    for mode in ("routing", "pool-local"):
+        reads.update(own=0, peer=0)
+        r = NodeSimulator(cost, over, mode, NodeConfig(policy="tokenflow")).run()
+        assert len(r.access_samples) == int(span // LOAD_WINDOW) and all(len(x) == 8 for x in r.access_samples)
+        assert 0 < sum(map(sum, r.access_samples)) <= reads["own"] + reads["peer"], "a window counts reads no step made"
+        assert 0 < r.summary()["access_cv"] == r.access_cv()
+        peer[mode] = reads["peer"]
+    assert peer["routing"] == 0 and peer["pool-local"] > 0, peer
+
+
 def test_a_hot_system_prompt_is_copied_once_into_each_engine_that_reads_it_elsewhere():
     """Every request reads the one 2,048-token system prompt. Written into its homes, its segments
     turn hot within a few requests (heavy hitters, pool/heat.py) and each engine that reads them on

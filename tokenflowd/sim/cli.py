@@ -230,7 +230,7 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
                         seed=a.seed, steal=not a.no_pool_steal, copy=not a.no_pool_copy)
     print(f"{len(requests)} {'synthetic ' + a.contexts if a.contexts else 'trace'} requests, {a.engines} engines, cost model {cost.name}, policy {a.policy}")
     keys = ("throughput", "effective_throughput", "ttft_mean", "ttft_p99", "hit_rate", "busy_cv", "load_cv",
-            "computed_tokens")
+            "access_cv", "computed_tokens")
     print(f"{'mode':>10} " + " ".join(f"{k:>20}" for k in keys))
     summaries = {}
     for mode, result in simulate_node(cost, requests, MODES, config).items():

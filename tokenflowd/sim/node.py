@@ -48,10 +48,13 @@ same read at home, and the pool "won" by reading remotely). A put, a write into 
 segment copied in (Choice.copies, as the engine's PoolMember.copy_in: once per engine, and read
 there from then on) costs the receiver or sender the pages' KV it lacked on the link, added to its
 next step.
-Balance, two ways: busy_cv, the CV across engines of each one's busy time over the whole run (a
-burst's last long decodes, one engine each, weigh on it); load_cv, as TokenLake measures imbalance
-over time (§7, each instance's cache accesses): the CV across engines of the prompt tokens of the
-requests each holds, sampled every second while requests arrive, averaged.
+Balance, three ways: busy_cv, the CV across engines of each one's busy time over the whole run (a
+burst's last long decodes, one engine each, weigh on it); load_cv, the CV across engines of the
+prompt tokens of the requests each holds (what the router balances), sampled every second while
+requests arrive, averaged; access_cv, as TokenLake measures imbalance over time (§7, Figure 10:
+each instance's cache accesses), the CV across engines of the KV tokens read from each one's memory
+in each second while requests arrive, averaged: a step reads its requests' own KV where they run and
+the pages they pinned where those are held (as sim/pool.py counts tokens served per window).
 Pins are taken as the request nears the front of its engine's queue (pool/ahead.py; it is not
 admitted before) and hold the pages until the request ends or gives them back. Each engine's
 prefix-cache key events are applied to the router's index at the end of each of its steps.
@@ -123,15 +126,22 @@ class NodeResult:
     busy_seconds: list[float] = field(default_factory=list)  # per engine
     put_pages: int = 0  # pages of new segments put at their homes (pool)
     slo: list[tuple[float, float]] = field(default_factory=list)  # per record: its TTFT and mean TBT bounds
-    # each engine's load (the prompt tokens of the requests it holds, queued or running: the KV its
-    # steps read, what the pool's router balances), sampled every LOAD_WINDOW while requests arrive
+    # each engine's load (the prompt tokens of the requests it holds, queued or running, the tokens
+    # read where the pool holds them included: what the router balances), sampled every LOAD_WINDOW
+    # while requests arrive
     load_samples: list[list[int]] = field(default_factory=list)
+    # per LOAD_WINDOW while requests arrive, the KV tokens steps read from each engine's memory
+    access_samples: list[list[int]] = field(default_factory=list)
 
     def load_cv(self) -> float:
-        """TokenLake's load CV (§7, Figure 10: the imbalance across instances over time): each sample's
-        CV across engines, averaged (a burst's last long decodes after the arrivals end do not weigh)."""
-        cvs = [statistics.pstdev(x) / statistics.fmean(x) for x in self.load_samples if any(x)]
-        return statistics.fmean(cvs) if cvs else 0.0
+        """The imbalance of the router's load across engines over time: each sample's CV across
+        engines, averaged (a burst's last long decodes after the arrivals end do not weigh)."""
+        return _mean_cv(self.load_samples)
+
+    def access_cv(self) -> float:
+        """TokenLake's Figure 10 measure: the CV across engines of the KV tokens read from each one's
+        memory (its cache accesses) in each window, averaged over windows with any access."""
+        return _mean_cv(self.access_samples)
 
     def meets_slo(self, tbt: bool = True) -> list[bool]:
         """Per record: whether it met its SLO (SLO_FACTOR); `tbt` False: its TTFT bound alone."""
@@ -154,8 +164,13 @@ class NodeResult:
                    local_tokens=self.local_tokens, peer_tokens=self.peer_tokens, computed_tokens=self.computed_tokens,
                    put_pages=self.put_pages,
                    busy_cv=statistics.pstdev(busy) / statistics.fmean(busy) if busy and statistics.fmean(busy) else 0.0,
-                   load_cv=self.load_cv())
+                   load_cv=self.load_cv(), access_cv=self.access_cv())
         return out
+
+
+def _mean_cv(samples: list[list[int]]) -> float:
+    cvs = [statistics.pstdev(x) / statistics.fmean(x) for x in samples if any(x)]
+    return statistics.fmean(cvs) if cvs else 0.0
 
 
 class _Executor(CostModelExecutor):
@@ -169,11 +184,15 @@ class _Executor(CostModelExecutor):
     def step_time(self, batch: ScheduledBatch) -> float:
         t = super().step_time(batch) + self.engine.debt
         self.engine.debt = 0.0
-        cost, node = self.cost, self.engine.node
+        cost, node, engine = self.cost, self.engine.node, self.engine
+        window = engine.window()
         rows: dict[int, int] = {}
         for rid, n in zip(batch.request_ids, batch.num_tokens):
-            for holder, held in self.engine.pins.get(rid, ()):
+            req = engine.scheduler.requests.get(rid)
+            engine.read(window, n + (req.num_computed_tokens if req is not None else 0))
+            for holder, held in engine.pins.get(rid, ()):
                 pages = len(held)
+                holder.read(window, pages * cost.page_size)
                 if holder is not self.engine:
                     rows[holder.engine_id] = rows.get(holder.engine_id, 0) + n
                     # the holder's attention for these rows over the request's pages, as its own step's:
@@ -203,6 +222,8 @@ class _Engine:
         self.core = EngineCore(self.executor, self.scheduler, max_model_len=cost.max_model_len,
                                vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(SIM_EOS,))
         self.debt = 0.0  # s of peers' queries answered, charged to the next step
+        self.origin = 0.0  # the first arrival: LOAD_WINDOW windows count from it
+        self.accessed: dict[int, int] = {}  # window -> KV tokens steps read from this engine's memory
         self.reported = 0.0  # an idle engine's last report (the pool's stealing: NodeSimulator._steal)
         self.stuck = StuckTimer()  # since when it has run nothing with requests waiting
         self.busy = 0.0
@@ -216,6 +237,13 @@ class _Engine:
     @property
     def load(self) -> int:
         return len(self.scheduler.requests)
+
+    def window(self) -> int:
+        """The LOAD_WINDOW this engine's clock is in."""
+        return int((self.clock.now - self.origin) // LOAD_WINDOW)
+
+    def read(self, window: int, tokens: int) -> None:
+        self.accessed[window] = self.accessed.get(window, 0) + tokens
 
     @property
     def work(self) -> int:
@@ -560,6 +588,8 @@ class NodeSimulator:
         samples: list[list[int]] = []
         sample_at, last_arrival = (self.workload[0].arrival_time, self.workload[-1].arrival_time) if self.workload \
             else (0.0, 0.0)
+        for e in self.engines:
+            e.origin = sample_at
         seq = 0
         while True:
             busy = [e for e in self.engines if e.scheduler.has_unfinished()]
@@ -619,8 +649,10 @@ class NodeSimulator:
         cost = self.cost
         slo = [(SLO_FACTOR * cost.prefill_time(r.prompt_len),
                 SLO_FACTOR * cost.decode_step_time(1, r.prompt_len + r.output_len // 2)) for r in ordered]
+        windows = range(max(1, int((last_arrival - self.engines[0].origin) // LOAD_WINDOW)))  # whole ones
+        accesses = [[e.accessed.get(w, 0) for e in self.engines] for w in windows]
         return NodeResult(self.mode, ordered, self.prompt_tokens, local, self.peer_tokens, computed,
-                          [e.busy for e in self.engines], self.put_pages, slo, samples)
+                          [e.busy for e in self.engines], self.put_pages, slo, samples, accesses)
 
 
 def simulate_node(cost: CostModel, workload: Sequence[WorkloadRequest], modes: Sequence[str] = MODES,
