@@ -675,17 +675,17 @@ def test_a_client_reading_slower_than_it_said_gets_its_real_rate(daemon):
     rid = head.split("X-Request-Id: ")[1].split("\r\n")[0]
     rate = 100.0
     try:
-        # blocked: the engine has made tokens the connection has not taken, and takes none for a second
-        last, deadline = None, time.monotonic() + 300
+        # blocked: over two seconds the engine made tokens and the connection took none of them (a
+        # token on its way to the front takes milliseconds, not seconds)
+        seen, deadline = [], time.monotonic() + 300
         while time.monotonic() < deadline:
             info = daemon.http.get(f"/v1/requests/{rid}").json()
-            now = (info["delivered_tokens"], info["num_output_tokens"])
-            if last is not None and now[0] == last[0] and now[1] > now[0]:
+            seen = (seen + [(info["delivered_tokens"], info["num_output_tokens"])])[-3:]
+            if len(seen) == 3 and len({d for d, _ in seen}) == 1 and seen[2][1] > seen[0][1]:
                 break
-            last = now
             time.sleep(1.0)
         else:
-            pytest.fail(f"the stream never blocked: {last} (delivered, generated)")
+            pytest.fail(f"the stream never blocked: {seen} (delivered, generated)")
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and rate > 70:
             s.recv(20)

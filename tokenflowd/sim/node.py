@@ -84,6 +84,7 @@ from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
 from tokenflowd.sim.cost import CostModel
 from tokenflowd.sim.executor import CostModelExecutor
+from tokenflowd.sim.pool import coefficient_of_variation
 from tokenflowd.sim.simulator import SIM_EOS, SIM_VOCAB_SIZE, RequestRecord, SimulationError
 from tokenflowd.sim.workload import WorkloadRequest, prompt_token_ids
 
@@ -163,13 +164,13 @@ class NodeResult:
         out.update(hit_rate=(self.local_tokens + self.peer_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0,
                    local_tokens=self.local_tokens, peer_tokens=self.peer_tokens, computed_tokens=self.computed_tokens,
                    put_pages=self.put_pages,
-                   busy_cv=statistics.pstdev(busy) / statistics.fmean(busy) if busy and statistics.fmean(busy) else 0.0,
+                   busy_cv=coefficient_of_variation(busy) if busy else 0.0,
                    load_cv=self.load_cv(), access_cv=self.access_cv())
         return out
 
 
 def _mean_cv(samples: list[list[int]]) -> float:
-    cvs = [statistics.pstdev(x) / statistics.fmean(x) for x in samples if any(x)]
+    cvs = [coefficient_of_variation(x) for x in samples if any(x)]
     return statistics.fmean(cvs) if cvs else 0.0
 
 
@@ -188,12 +189,11 @@ class _Executor(CostModelExecutor):
         window = engine.window()
         rows: dict[int, int] = {}
         for rid, n in zip(batch.request_ids, batch.num_tokens):
-            req = engine.scheduler.requests.get(rid)
-            engine.read(window, n + (req.num_computed_tokens if req is not None else 0))
+            engine.read(window, n + engine.scheduler.requests[rid].num_computed_tokens)
             for holder, held in engine.pins.get(rid, ()):
                 pages = len(held)
                 holder.read(window, pages * cost.page_size)
-                if holder is not self.engine:
+                if holder is not engine:
                     rows[holder.engine_id] = rows.get(holder.engine_id, 0) + n
                     # the holder's attention for these rows over the request's pages, as its own step's:
                     # the FLOPs, or reading the pages' KV, whichever bounds it (the query service
@@ -209,7 +209,8 @@ class _Executor(CostModelExecutor):
 
 
 class _Engine:
-    def __init__(self, engine_id: int, cost: CostModel, config: NodeConfig, output_lens: dict[str, int]) -> None:
+    def __init__(self, engine_id: int, cost: CostModel, config: NodeConfig, output_lens: dict[str, int],
+                 origin: float = 0.0) -> None:
         self.engine_id = engine_id
         self.node = config
         self.clock = VirtualClock()
@@ -222,7 +223,7 @@ class _Engine:
         self.core = EngineCore(self.executor, self.scheduler, max_model_len=cost.max_model_len,
                                vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(SIM_EOS,))
         self.debt = 0.0  # s of peers' queries answered, charged to the next step
-        self.origin = 0.0  # the first arrival: LOAD_WINDOW windows count from it
+        self.origin = origin  # the first arrival: LOAD_WINDOW windows count from it
         self.accessed: dict[int, int] = {}  # window -> KV tokens steps read from this engine's memory
         self.reported = 0.0  # an idle engine's last report (the pool's stealing: NodeSimulator._steal)
         self.stuck = StuckTimer()  # since when it has run nothing with requests waiting
@@ -294,7 +295,8 @@ class NodeSimulator:
         self.cost, self.mode, self.config = cost, mode, config
         self.workload = sorted(workload, key=lambda r: r.arrival_time)  # stable: ties keep workload order
         output_lens = {r.request_id: r.output_len for r in workload}
-        self.engines = [_Engine(i, cost, config, output_lens) for i in range(config.engines)]
+        origin = self.workload[0].arrival_time if self.workload else 0.0
+        self.engines = [_Engine(i, cost, config, output_lens, origin) for i in range(config.engines)]
         self.index = PrefixIndex()
         self.router = Router(cost.page_size, self.index, clock=lambda: self._now, copy_hot=config.copy)
         self.rng = random.Random(config.seed)
@@ -588,8 +590,6 @@ class NodeSimulator:
         samples: list[list[int]] = []
         sample_at, last_arrival = (self.workload[0].arrival_time, self.workload[-1].arrival_time) if self.workload \
             else (0.0, 0.0)
-        for e in self.engines:
-            e.origin = sample_at
         seq = 0
         while True:
             busy = [e for e in self.engines if e.scheduler.has_unfinished()]
