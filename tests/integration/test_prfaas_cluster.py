@@ -179,15 +179,24 @@ def test_a_slower_remote_link_raises_t_within_one_period(cluster):
     print(f"t {wide:.0f} -> {threshold(h):.0f} tokens {waited:.1f} s after the slow transfer; egress "
           f"{fast * 8 / 1e9:.2f} -> {h['prfaas']['egress_measured'] * 8 / 1e9:.3f} Gb/s")
     # the link is fast again: what crosses it next (the longest prompts, or a probe when t keeps
-    # every prompt local) measures it so, and t comes down (the same mix of lengths as before)
+    # every prompt local) measures it so, and t comes down (the same mix of lengths as before), or
+    # the link no longer binds the plan: the stage it stops at is then a prefill or the decode,
+    # whose measured rates move t on their own
+    # NOTE: seen once on a 2-core AMD EPYC running the whole suite: with the link measured fast again
+    # t went 296 -> 377, the remote node's prefill having been measured slower on the loaded box
     raised = threshold(h)
+
+    def link_recovered(h):
+        return h["prfaas"]["egress_measured"] > fast / 2 and (
+            threshold(h) < raised or h["prfaas"]["bound"] != "link")
+
     for i in range(30):
         complete(cluster, prompt(tag, 2000 + i, paragraphs=i * 7 % 10))
         h = cluster.health()
-        if h["prfaas"]["egress_measured"] > fast / 2 and threshold(h) < raised:
+        if link_recovered(h):
             break
         time.sleep(0.5)
-    recovered = h["prfaas"]["egress_measured"] > fast / 2 and threshold(h) < raised
+    recovered = link_recovered(h)
     for node in cluster.nodes.values():
         assert_no_pages_held(node, 30)
     with remote_log.open("rb") as f:
