@@ -2,6 +2,10 @@
 router, with the pool (requests read prefix pages where engines hold them) or without."""
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 
 from tokenflowd.buffer.policy import cdiv
@@ -364,3 +368,24 @@ def test_a_hot_system_prompt_is_copied_once_into_each_engine_that_reads_it_elsew
     assert results[True].peer_tokens < 0.25 * results[False].peer_tokens, (results[True].peer_tokens,
                                                                            results[False].peer_tokens)
     assert results[True].summary()["hit_rate"] >= 0.97 * results[False].summary()["hit_rate"]
+
+
+def test_the_balance_bench_runs_each_mode_at_the_rate_a_goodput_search_met(tmp_path, monkeypatch):
+    """bench/node_balance.py: TokenLake's Figure 10 condition, the modes at one search's rate."""
+    import runpy
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"kv_scale": 0.25, "policy": "tokenflow", "hand_off": "prompt", "rows": [
+        {"cost_model": "a100-llama2-7b", "workload": "documents:active=4:scale=0.25", "seed": 1,
+         "routing": {"met": {"rate": 4.0, "requests": 24}}},
+        {"cost_model": "a100-llama2-7b", "workload": "documents:active=4:scale=0.25", "routing": {"met": None}}]}))
+    out = tmp_path / "balance.json"
+    bench = Path(__file__).resolve().parents[2] / "bench" / "node_balance.py"
+    monkeypatch.setattr(sys, "argv", [str(bench), "--goodput", str(good), "--modes", "routing,pool-write",
+                                      "--out", str(out)])
+    runpy.run_path(str(bench), run_name="__main__")
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]  # (a search that met nothing is skipped)
+    assert (row["seed"], row["rate"], row["requests"]) == (1, 4.0, 24)
+    assert all(0 <= row[m]["access_cv"] and 0 < row[m]["hit_rate"] <= 1 for m in ("routing", "pool-write")), row
+    assert result["mean"]["pool-write"]["access_cv"] == row["pool-write"]["access_cv"]

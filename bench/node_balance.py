@@ -1,0 +1,81 @@
+"""Balance where TokenLake measures it (§7, Figure 10: each instance's cache accesses "at a request
+rate approaching the P90 SLO threshold"): for each search of a bench/node_goodput.py result file,
+routing and the pool modes at the highest rate one mode met the SLO at (--at, default routing: the
+same load for all), 8 engines in the node simulator, the same requests as that search's probe.
+
+    python bench/node_balance.py --goodput bench/results/node_goodput_small_cache_pin1.json
+                                 [--at routing] [--modes routing,pool-local,pool-write] [--out FILE]
+
+Per run: the access CV (TokenLake's measure: the CV across engines of the KV tokens read from each
+one's memory per second while requests arrive, averaged; sim/node.py NodeResult.access_cv), the
+busy-time and router-load CVs, hit rate, throughput and the TTFT SLO's attainment. The cost model,
+KV scale, policy, hand-off and seeds are the goodput file's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from node_contexts import H200, mode_base, simulate, workload  # noqa: E402
+from tokenflowd.sim.cost import cost_model  # noqa: E402
+from tokenflowd.sim.node import MODES, NodeConfig  # noqa: E402
+from tokenflowd.sim.result import json_safe  # noqa: E402
+
+KEYS = ("access_cv", "busy_cv", "load_cv", "hit_rate", "throughput", "ttft_slo_attainment")
+
+
+def preset_of(name: str) -> str:
+    return H200 if name.startswith("calibrated") else name
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--goodput", required=True, help="a bench/node_goodput.py result file")
+    ap.add_argument("--at", default="routing", help="the mode whose highest rate under the SLO each search runs at")
+    ap.add_argument("--modes", default="routing,pool-local,pool-write")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    with open(a.goodput) as f:
+        good = json.load(f)
+    modes = [m for m in a.modes.split(",") if mode_base(m) in MODES]
+    rows = []
+    for search in good["rows"]:
+        met = search.get(a.at, {}).get("met")
+        if not met:
+            continue
+        seed = search.get("seed", good.get("seed", 0))
+        cost = cost_model(preset_of(search["cost_model"]))
+        cost = cost.replace(kv_memory=int(cost.kv_memory * good["kv_scale"]))
+        cap = min(32_768, cost.max_tokens_in_pool // 2)
+        spec, rate = search["workload"], met["rate"]
+        w = workload(spec, 1.0 / rate if spec == "trace" else rate, met["requests"], seed, cap)
+        config = NodeConfig(seed=seed, policy=good["policy"], hand_off=good["hand_off"])
+        row = {"cost_model": cost.name, "workload": spec, "seed": seed, "rate": rate, "requests": met["requests"]}
+        for m in modes:
+            s = simulate(cost, w, m, config).summary()
+            row[m] = {k: s[k] for k in KEYS}
+        rows.append(row)
+        print(f"{cost.name:>15} {spec:>44} seed {seed} {rate:6.3g}/s " + "  ".join(
+            f"{m}: access cv {row[m]['access_cv']:.2f} hit {row[m]['hit_rate']:.3f} "
+            f"slo {row[m]['ttft_slo_attainment']:.2f}" for m in modes), flush=True)
+    summary = {m: {k: statistics.mean(r[m][k] for r in rows) for k in KEYS} for m in modes} if rows else {}
+    for m, s in summary.items():
+        print(f"mean over {len(rows)}: {m}: " + " ".join(f"{k} {v:.3f}" for k, v in s.items()))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(json_safe({"command": "python " + " ".join(sys.argv),
+                                 "machine": platform.processor() or platform.machine(), "goodput": a.goodput,
+                                 "at": a.at, "kv_scale": good["kv_scale"], "policy": good["policy"],
+                                 "hand_off": good["hand_off"], "mean": summary, "rows": rows}), f, indent=1)
+        print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
