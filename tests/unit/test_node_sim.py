@@ -289,17 +289,17 @@ def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_thr
     grows while another empties (prompts of very different lengths). With the pool, where a request
     runs does not decide what it reads: an idle engine takes the last queued request that has started
     nothing from the longest queue, and reads its prefix where the pool holds it, unless the request
-    reads most of it where it is queued (`stays`). 16 documents, 16 req/s: throughput 1.19x the run
-    without stealing, busy CV 0.089 against 0.122 (1.30x and 0.08 against 0.13 while the first four
-    queued requests pinned their reads: pool/ahead.py PIN_AHEAD). (With 32 questions a document, most
+    reads most of it where it is queued (`stays`). 16 documents, 16 req/s: throughput 1.12x the run
+    without stealing (1.19x, and busy CV 0.089 against 0.122, while a drain's marks of where chains
+    end were applied inner first whatever their order: daemon/prefix_index.py `_mark`; the run
+    without stealing is as even now, 0.069 against 0.088). (With 32 questions a document, most
     queued requests stay where their document is: 3 move, 1.06x.)"""
     cost, w = small_cache_documents(16.0, 300, "documents:active=16:scale=0.5")
     stealing = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow"))
     fixed = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow", steal=False))
     s, f = stealing.run().summary(), fixed.run().summary()
     assert stealing.stolen > 5 and fixed.stolen == 0
-    assert s["throughput"] >= f["throughput"], (s, f)
-    assert s["busy_cv"] < 0.8 * f["busy_cv"], (s, f)
+    assert s["throughput"] >= 1.08 * f["throughput"], (s, f)
 
 
 def test_the_load_cv_is_the_imbalance_across_engines_sampled_while_requests_arrive():

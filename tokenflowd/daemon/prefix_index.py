@@ -31,7 +31,8 @@ class PrefixIndex:
         self._num_replicated = 0  # keys held by more than one engine
         self._parent: dict[bytes, bytes] = {}  # key -> the key before it (linked prompts)
         self._children: dict[bytes, dict[bytes, None]] = {}  # ordered sets: runs repeat whatever the hash seed
-        self._marks: dict[int, tuple[list[bytes], list[bytes]]] = {}  # engine -> (inner, ends or orphans)
+        # engine -> (inner, ends or orphans), ordered sets: a key in one of them, by its last mark
+        self._marks: dict[int, tuple[dict[bytes, None], dict[bytes, None]]] = {}
 
     def _add(self, engine_id: int, key: bytes) -> None:
         held = self._holders.setdefault(key, set())
@@ -73,16 +74,19 @@ class PrefixIndex:
             self._prune()
 
     def drain_marks(self) -> dict[int, tuple[list[bytes], list[bytes]]]:
-        """engine -> (keys now inner, keys now a chain's end or orphaned) since the last call."""
+        """engine -> (keys now inner, keys now a chain's end or orphaned) since the last call, each
+        key in one list only, by its last mark (the engine applies the inner ones first)."""
         marks, self._marks = self._marks, {}
-        return marks
+        return {e: (list(inner), list(ends)) for e, (inner, ends) in marks.items()}
 
     def _is_inner(self, key: bytes) -> bool:
         return any(c in self._holders for c in self._children.get(key, ()))
 
     def _mark(self, key: bytes, inner: bool, engines: Iterable[int] | None = None) -> None:
         for e in self._holders.get(key, ()) if engines is None else engines:
-            self._marks.setdefault(e, ([], []))[0 if inner else 1].append(key)
+            marks = self._marks.setdefault(e, ({}, {}))
+            marks[1 if inner else 0].pop(key, None)  # (a later mark overrides an earlier one)
+            marks[0 if inner else 1][key] = None
 
     def _gained(self, key: bytes, engine_id: int, first: bool) -> None:
         if not first:  # a replica: as inner as the others
