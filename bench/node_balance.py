@@ -4,12 +4,14 @@ routing and the pool modes at the highest rate one mode met the SLO at (--at, de
 same load for all), 8 engines in the node simulator, the same requests as that search's probe.
 
     python bench/node_balance.py --goodput bench/results/node_goodput_small_cache_pin1.json
-                                 [--at routing] [--modes routing,pool-local,pool-write] [--out FILE]
+                                 [--at routing] [--modes routing,pool-local,pool-write]
+                                 [--calibrated FILE] [--out FILE]
 
 Per run: the access CV (TokenLake's measure: the CV across engines of the KV tokens read from each
 one's memory per second while requests arrive, averaged; sim/node.py NodeResult.access_cv), the
 busy-time and router-load CVs, hit rate, throughput and the TTFT SLO's attainment. The cost model,
-KV scale, policy, hand-off and seeds are the goodput file's.
+KV scale, policy, hand-off and seeds are the goodput file's; a goodput file names a calibrated
+cost model only as "calibrated", so its calibration is --calibrated (default the H200's).
 """
 from __future__ import annotations
 
@@ -23,16 +25,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from node_contexts import H200, mode_base, simulate, workload  # noqa: E402
-from tokenflowd.sim.cost import cost_model  # noqa: E402
+from node_contexts import H200, at_rate, mode_base, scaled_cost, simulate  # noqa: E402
 from tokenflowd.sim.node import MODES, NodeConfig  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 
 KEYS = ("access_cv", "busy_cv", "load_cv", "hit_rate", "throughput", "ttft_slo_attainment")
-
-
-def preset_of(name: str) -> str:
-    return H200 if name.startswith("calibrated") else name
 
 
 def main() -> None:
@@ -40,6 +37,8 @@ def main() -> None:
     ap.add_argument("--goodput", required=True, help="a bench/node_goodput.py result file")
     ap.add_argument("--at", default="routing", help="the mode whose highest rate under the SLO each search runs at")
     ap.add_argument("--modes", default="routing,pool-local,pool-write")
+    ap.add_argument("--calibrated", default=H200.removeprefix("calibrated:"),
+                    help="the calibration file of the goodput file's calibrated cost model")
     ap.add_argument("--out")
     a = ap.parse_args()
     with open(a.goodput) as f:
@@ -51,11 +50,11 @@ def main() -> None:
         if not met:
             continue
         seed = search.get("seed", good.get("seed", 0))
-        cost = cost_model(preset_of(search["cost_model"]))
-        cost = cost.replace(kv_memory=int(cost.kv_memory * good["kv_scale"]))
-        cap = min(32_768, cost.max_tokens_in_pool // 2)
+        name = search["cost_model"]
+        cost, cap = scaled_cost(f"calibrated:{a.calibrated}" if name.startswith("calibrated") else name,
+                                good["kv_scale"])
         spec, rate = search["workload"], met["rate"]
-        w = workload(spec, 1.0 / rate if spec == "trace" else rate, met["requests"], seed, cap)
+        w = at_rate(spec, rate, met["requests"], seed, cap)
         config = NodeConfig(seed=seed, policy=good["policy"], hand_off=good["hand_off"])
         row = {"cost_model": cost.name, "workload": spec, "seed": seed, "rate": rate, "requests": met["requests"]}
         for m in modes:

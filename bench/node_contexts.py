@@ -50,6 +50,19 @@ RUNS = {
 KEYS = ("hit_rate", "throughput", "ttft_p99", "busy_cv", "load_cv", "access_cv", "slo_attainment", "slo_throughput")
 
 
+def scaled_cost(preset: str, kv_scale: float):
+    """-> (the preset's cost model with its KV memory times kv_scale, the prompt cap: half an
+    engine's pool, at most 32K tokens)."""
+    cost = cost_model(preset)
+    cost = cost.replace(kv_memory=int(cost.kv_memory * kv_scale))
+    return cost, min(32_768, cost.max_tokens_in_pool // 2)
+
+
+def at_rate(spec: str, rate: float, n: int, seed: int, max_prompt_len: int):
+    """`workload` at an arrival rate: the trace's rate is its speed (1 / the time scale)."""
+    return workload(spec, 1.0 / rate if spec == "trace" else rate, n, seed, max_prompt_len)
+
+
 def workload(spec: str, rate: float, n: int, seed: int, max_prompt_len: int = 32_768):
     if spec == "trace":  # rate: the time scale (3: three times slower than recorded)
         return build_workload(WorkloadSpec("trace", n, time_scale=rate, max_prompt_len=max_prompt_len, seed=seed))
@@ -99,9 +112,7 @@ def main() -> None:
     modes = ("routing", *[m for m in a.modes.split(",") if mode_base(m) in MODES and m != "routing"])
     rows = []
     for preset in a.presets.split(","):
-        cost = cost_model(preset)
-        cost = cost.replace(kv_memory=int(cost.kv_memory * a.kv_scale))
-        cap = min(32_768, cost.max_tokens_in_pool // 2)
+        cost, cap = scaled_cost(preset, a.kv_scale)
         runs = RUNS["calibrated" if preset.startswith("calibrated") else preset]
         if a.runs:
             runs = [(spec, *map(float, rates.split("/"))) for spec, rates in (r.split("@") for r in a.runs.split(";"))]

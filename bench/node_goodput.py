@@ -30,8 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from node_contexts import H200, RUNS, mode_base, simulate, workload  # noqa: E402
-from tokenflowd.sim.cost import cost_model  # noqa: E402
+from node_contexts import H200, RUNS, at_rate, mode_base, scaled_cost, simulate  # noqa: E402
 from tokenflowd.sim.node import MODES, SLO_FACTOR, NodeConfig  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 
@@ -39,9 +38,8 @@ ATTAINMENT = 0.9
 
 
 def probe(cost, spec: str, rate: float, mode: str, a, cap: int) -> dict:
-    knob = 1.0 / rate if spec == "trace" else rate
     n = a.num_prompts if spec == "trace" else min(a.max_prompts, max(a.num_prompts, round(rate * a.seconds)))
-    r = simulate(cost, workload(spec, knob, n, a.seed, cap), mode,
+    r = simulate(cost, at_rate(spec, rate, n, a.seed, cap), mode,
                  NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off)).summary()
     return {"rate": rate, "requests": n,
             "slo_attainment": r["ttft_slo_attainment" if a.slo == "ttft" else "slo_attainment"],
@@ -91,9 +89,7 @@ def main() -> None:
     modes = [m for m in a.modes.split(",") if mode_base(m) in MODES]
     rows = []
     for preset in a.presets.split(","):
-        cost = cost_model(preset)
-        cost = cost.replace(kv_memory=int(cost.kv_memory * a.kv_scale))
-        cap = min(32_768, cost.max_tokens_in_pool // 2)
+        cost, cap = scaled_cost(preset, a.kv_scale)
         runs = [(spec, light) for spec, light, _ in RUNS["calibrated" if preset.startswith("calibrated") else preset]]
         if a.runs:
             runs = [(spec, float(rate)) for spec, rate in (r.split("@") for r in a.runs.split(";"))]
