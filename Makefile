@@ -41,9 +41,12 @@ run: $(VENV)/.base
 generate: $(VENV)/.base
 	$(VENV)/bin/tokenflowd generate $(ARGS) "$(PROMPT)"
 
+# One intra-op thread a process (OMP_NUM_THREADS, inherited by the daemons the tests start): with
+# two workers on two cores, torch's default of a thread per core in every process oversubscribed
+# the cores, and its OpenMP threads spun waiting for each other.
 test: $(VENV)/.test
 	$(VENV)/bin/lint-imports  # the layers and no import circles (pyproject.toml [tool.importlinter])
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(VENV)/.test
 	$(PY) bench/cpu_decode.py
