@@ -72,10 +72,10 @@ def engine(queued: int):
     for i in range(queued):
         sched.add(request(f"q{i}", 400))
     h = PoolHooks.__new__(PoolHooks)
-    h.core = SimpleNamespace(scheduler=sched, pool=sched.kv.pool, unlocked=_nothing)
+    h.core = SimpleNamespace(scheduler=sched, pool=sched.kv.pool, kv=sched.kv, unlocked=_nothing)
     h.config = SimpleNamespace(page_size=PS)
     h.member, h.deferred, h.peer_tokens, h.own_tokens, h.pinned_queued = Member(), {}, 0, 0, 0
-    h.asked, h.asking, h.resolved = {}, [], 0
+    h.asked, h.asking, h.resolved, h.later = {}, [], 0, set()
     return sched, h
 
 
@@ -128,6 +128,71 @@ def test_a_reader_that_found_nothing_as_it_came_reads_what_was_computed_while_it
     h.reads(p.Reads("r", runs(3)))
     assert h.member.pinned == {"r": 3} and req.prefix_offset == 3 * PS and h.resolved == 1
     assert "r" in sched.schedule().request_ids
+
+
+def test_a_reader_told_nothing_holds_its_prefix_asks_again_when_its_policy_picks_it():
+    """pool/ahead.py `asks_again`: near the front is not yet admitted. The first request over a
+    document may still be computing it when the next one nears the front; by the time the policy
+    picks that one, it may be done."""
+    sched, h = engine(1)
+    req = request("r", 64)
+    assert not h.take_prefix(req, [])
+    sched.add(req)
+    sched.held = h.deferred
+    h._pin_due()
+    assert h.take_asking() == ["r"]
+    h.reads(p.Reads("r", []))
+    assert "r" in h.deferred and h.later == {"r"}, "nothing anywhere yet: it waits to ask again"
+    h._pin_due()
+    assert h.take_asking() == [], "near the front, but asked once: it asks again when the policy picks it"
+    assert sched.schedule().request_ids == ["q0"] and sched.held_back == ("r",)
+    h._pin_due()
+    assert h.take_asking() == ["r"], "picked: it asks again"
+    h.reads(p.Reads("r", runs(3)))
+    assert h.member.pinned == {"r": 3} and req.prefix_offset == 3 * PS and not h.later and not h.deferred
+    assert "r" in sched.schedule().request_ids
+
+
+def test_a_reader_told_nothing_holds_its_prefix_once_picked_or_twice_or_holding_some_computes_it():
+    sched, h = engine(1)
+    req = request("r", 64)
+    h.take_prefix(req, [])
+    sched.add(req)
+    sched.held = h.deferred
+    sched.schedule()
+    assert sched.held_back == ("r",)
+    h._pin_due()
+    assert h.take_asking() == ["r"]
+    h.reads(p.Reads("r", []))
+    assert not h.deferred and not h.later, "the policy had picked it: it does not wait for a second answer"
+    assert "r" in sched.schedule().request_ids
+
+    sched, h = engine(1)
+    req = request("r", 64)
+    h.take_prefix(req, [])
+    sched.add(req)
+    sched.held = h.deferred
+    h._pin_due()
+    h.reads(p.Reads("r", []))
+    sched.schedule()
+    h._pin_due()
+    h.reads(p.Reads("r", []))
+    assert not h.deferred and not h.later, "answered empty twice: it computes its prompt"
+
+    sched, h = engine(0)
+    sched.add(request("first", 64))
+    while sched.has_unfinished():  # its pages stay in the prefix cache
+        batch = sched.schedule()
+        sched.update(batch, {rid: 7 for rid in batch.request_ids})
+    sched.add(request("q0", 400))
+    req = request("r", 64)
+    h.take_prefix(req, [])
+    sched.add(req)
+    sched.held = h.deferred
+    h._pin_due()
+    assert h.take_asking() == ["r"]
+    h.reads(p.Reads("r", []))
+    assert not h.deferred and not h.later, "its own cache holds some of its prefix: it reads that here"
 
 
 def test_a_reader_that_goes_straight_in_or_has_no_whole_page_asks_nothing():

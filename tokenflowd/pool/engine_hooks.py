@@ -34,7 +34,7 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, RequestStatus
-from tokenflowd.pool.ahead import due, pins_on_arrival, waits
+from tokenflowd.pool.ahead import asks_again, due, pins_on_arrival, waits
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool import cuda_ipc
 from tokenflowd.pool.names import cache_name, export_path
@@ -65,6 +65,7 @@ class PoolHooks:
         self.deferred: dict[str, list[p.PrefixRun]] = {}  # queued request -> the reads it pins near the front
         self.asked: dict[str, float] = {}  # deferred request -> when it asked its front where its reads are now
         self.asking: list[str] = []  # ... and those to ask with this iteration (the loop sends ResolveReads)
+        self.later: set[str] = set()  # deferred requests answered empty once: they ask again when wanted
         self.resolved = 0  # requests that pinned reads their front named again near the queue's front
         self.peer_tokens = self.own_tokens = 0  # prompt tokens read where peers hold them, or from this cache
         self.stuck = StuckTimer()  # since when this engine has run nothing while requests wait
@@ -121,6 +122,7 @@ class PoolHooks:
             with self.core.unlocked():
                 self.member.copy_in(copies)
         self.deferred.pop(req.request_id, None)
+        self.later.discard(req.request_id)
         waiting, free, ps = self.core.scheduler.waiting, self.core.pool.num_free, self.config.page_size
         pinned = bool(runs) and pins_on_arrival(waiting, req, free, ps) and self._pin(req, runs, queued=False)
         if not pinned and req.num_prompt_tokens > ps and waits(waiting, req, free, ps) and (runs or self.member.peers):
@@ -148,7 +150,8 @@ class PoolHooks:
     def _pin_due(self) -> None:
         """Queued requests whose reads wait name them again once they are near the front (pool/ahead.py):
         each asks its front where the pool holds its prefix now (ResolveReads; `reads` pins what it
-        answers), and pins the runs it came with if no answer comes within RESOLVE_SECONDS. One
+        answers; one answered that nothing holds any of it asks once more when the policy picks it),
+        and pins the runs it came with if no answer comes within RESOLVE_SECONDS. One
         admitted without them (its own prefix cache serves what it holds) or gone forgets them.
         What the holders evicted meanwhile it computes."""
         sched = self.core.scheduler
@@ -157,9 +160,10 @@ class PoolHooks:
             if req is None or req.status is not RequestStatus.WAITING or req.num_computed_tokens:
                 del self.deferred[rid]
                 self.asked.pop(rid, None)
+                self.later.discard(rid)
         now = time.monotonic()
         for req in due(sched.waiting, self.deferred, self.core.pool.num_free, self.config.page_size,
-                       sched.held_back):
+                       sched.held_back, self.later):
             rid = req.request_id
             asked = self.asked.get(rid)
             if asked is None:
@@ -169,6 +173,7 @@ class PoolHooks:
                 log.warning("pool: no word from the front on request %s's reads for %.1f s; it reads "
                             "where its prefix was when it came", rid, now - asked)
                 del self.asked[rid]
+                self.later.discard(rid)
                 self._pin_queued(req, self.deferred.pop(rid))
 
     def take_asking(self) -> list[str]:
@@ -176,14 +181,28 @@ class PoolHooks:
         return asking
 
     def reads(self, msg: p.Reads) -> None:
-        """The front's answer to ResolveReads: pin the runs it names, if the request still waits."""
-        if self.asked.pop(msg.request_id, None) is None or msg.request_id not in self.deferred:
+        """The front's answer to ResolveReads: pin the runs it names, if the request still waits. One
+        told that nothing holds any of its prefix, which its policy has not picked yet, waits to ask
+        again when it does (pool/ahead.py `asks_again`): the request computing it may be done then."""
+        rid = msg.request_id
+        if self.asked.pop(rid, None) is None or rid not in self.deferred:
             return  # answered already (its arrival runs pinned), or admitted, or gone
-        del self.deferred[msg.request_id]
-        req = self.core.scheduler.requests.get(msg.request_id)
-        if req is not None and req.status is RequestStatus.WAITING and not req.num_computed_tokens:
-            if self._pin_queued(req, msg.prefix):
-                self.resolved += 1
+        sched = self.core.scheduler
+        req = sched.requests.get(rid)
+        waiting = req is not None and req.status is RequestStatus.WAITING and not req.num_computed_tokens
+        if waiting and asks_again(bool(msg.prefix), rid in sched.held_back, rid in self.later, self._holds(req)):
+            self.later.add(rid)
+            return
+        del self.deferred[rid]
+        self.later.discard(rid)
+        if waiting and self._pin_queued(req, msg.prefix):
+            self.resolved += 1
+
+    def _holds(self, req: Request) -> bool:
+        """Whether this engine's own cache (device, or a host tier it would load from) holds some
+        of the request's prefix."""
+        m = self.core.kv.match(req)
+        return bool(m.device_pages or m.num_load_tokens)
 
     def _pin_queued(self, req: Request, runs: list[p.PrefixRun]) -> bool:
         if not runs or not self._pin(req, runs, queued=True):
@@ -211,6 +230,7 @@ class PoolHooks:
     def release_pins(self, request_id: str, pinned: bool) -> None:
         self.deferred.pop(request_id, None)
         self.asked.pop(request_id, None)
+        self.later.discard(request_id)
         if pinned:
             with self.core.unlocked():
                 self.member.release(request_id)

@@ -78,7 +78,7 @@ from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool
-from tokenflowd.pool.ahead import due, pins_on_arrival, waits
+from tokenflowd.pool.ahead import asks_again, due, pins_on_arrival, waits
 from tokenflowd.pool.steal import idle, staying, victim, withdrawable
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
@@ -234,6 +234,7 @@ class _Engine:
         self.places: dict[str, list[tuple[int, list[bytes]]]] = {}  # pool: request -> (home, keys) of its new segments
         # pool-write: request -> (each new page's home, the keys that end its segments), as the daemon's
         self.homes: dict[str, tuple[dict[bytes, int], set[bytes]]] = {}
+        self.later: set[str] = set()  # deferred requests answered empty once: they ask again when wanted
 
     @property
     def load(self) -> int:
@@ -445,16 +446,23 @@ class NodeSimulator:
 
     def _pin_due(self, e: _Engine) -> None:
         """Before e's step, as the daemon's PoolHooks._pin_due: its queued requests near the front pin
-        their reads (pool/ahead.py); those admitted without them, or gone, forget theirs."""
+        their reads (pool/ahead.py); one that finds nothing anywhere asks once more when the policy
+        picks it (`asks_again`); those admitted without them, or gone, forget theirs."""
         sched = e.scheduler
         for rid in list(e.deferred):
             req = sched.requests.get(rid)
             if req is None or req.status is not RequestStatus.WAITING or req.num_computed_tokens:
                 del e.deferred[rid]
-        for req in due(sched.waiting, e.deferred, e.pool.num_free, self.cost.page_size, sched.held_back):
-            del e.deferred[req.request_id]
+        e.later.intersection_update(e.deferred)
+        for req in due(sched.waiting, e.deferred, e.pool.num_free, self.cost.page_size, sched.held_back, e.later):
+            rid = req.request_id
             runs = self.router.reads(self.engines, req.prompt_token_ids, self.config.segment_pages, e.engine_id,
                                      self.rng)
+            if asks_again(bool(runs), rid in sched.held_back, rid in e.later, bool(e.kv.match(req).device_pages)):
+                e.later.add(rid)
+                continue
+            del e.deferred[rid]
+            e.later.discard(rid)
             if runs:
                 self._pin(e, req, runs, queued=True)
 
