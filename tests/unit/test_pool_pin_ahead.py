@@ -173,9 +173,12 @@ def test_a_reader_told_nothing_holds_its_prefix_once_picked_or_twice_or_holding_
     sched.add(req)
     sched.held = h.deferred
     h._pin_due()
+    assert h.take_asking() == ["r"]
     h.reads(p.Reads("r", []))
     sched.schedule()
     h._pin_due()
+    assert h.take_asking() == ["r"]
+    sched.held_back = ()  # (the answer comes after a plan that did not pick it: it does not wait again)
     h.reads(p.Reads("r", []))
     assert not h.deferred and not h.later, "answered empty twice: it computes its prompt"
 
