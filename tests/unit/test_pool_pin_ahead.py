@@ -130,15 +130,22 @@ def test_a_reader_that_found_nothing_as_it_came_reads_what_was_computed_while_it
     assert "r" in sched.schedule().request_ids
 
 
+def queued_reader(sched: Scheduler, h: PoolHooks) -> Request:
+    """A reader that found nothing to read as it came, queued behind the scheduler's requests, asking
+    its front where its reads are now."""
+    req = request("r", 64)
+    assert not h.take_prefix(req, []) and "r" in h.deferred
+    sched.add(req)
+    sched.held = h.deferred
+    return req
+
+
 def test_a_reader_told_nothing_holds_its_prefix_asks_again_when_its_policy_picks_it():
     """pool/ahead.py `asks_again`: near the front is not yet admitted. The first request over a
     document may still be computing it when the next one nears the front; by the time the policy
     picks that one, it may be done."""
     sched, h = engine(1)
-    req = request("r", 64)
-    assert not h.take_prefix(req, [])
-    sched.add(req)
-    sched.held = h.deferred
+    req = queued_reader(sched, h)
     h._pin_due()
     assert h.take_asking() == ["r"]
     h.reads(p.Reads("r", []))
@@ -155,10 +162,7 @@ def test_a_reader_told_nothing_holds_its_prefix_asks_again_when_its_policy_picks
 
 def test_a_reader_told_nothing_holds_its_prefix_once_picked_or_twice_or_holding_some_computes_it():
     sched, h = engine(1)
-    req = request("r", 64)
-    h.take_prefix(req, [])
-    sched.add(req)
-    sched.held = h.deferred
+    queued_reader(sched, h)
     sched.schedule()
     assert sched.held_back == ("r",)
     h._pin_due()
@@ -168,18 +172,14 @@ def test_a_reader_told_nothing_holds_its_prefix_once_picked_or_twice_or_holding_
     assert "r" in sched.schedule().request_ids
 
     sched, h = engine(1)
-    req = request("r", 64)
-    h.take_prefix(req, [])
-    sched.add(req)
-    sched.held = h.deferred
-    h._pin_due()
-    assert h.take_asking() == ["r"]
-    h.reads(p.Reads("r", []))
-    sched.schedule()
-    h._pin_due()
-    assert h.take_asking() == ["r"]
-    sched.held_back = ()  # (the answer comes after a plan that did not pick it: it does not wait again)
-    h.reads(p.Reads("r", []))
+    queued_reader(sched, h)
+    for _ in range(2):
+        if h.deferred:
+            sched.schedule()
+        h._pin_due()
+        assert h.take_asking() == ["r"]
+        sched.held_back = ()  # (an answer that comes after a plan that did not pick it)
+        h.reads(p.Reads("r", []))
     assert not h.deferred and not h.later, "answered empty twice: it computes its prompt"
 
     sched, h = engine(0)
@@ -188,10 +188,7 @@ def test_a_reader_told_nothing_holds_its_prefix_once_picked_or_twice_or_holding_
         batch = sched.schedule()
         sched.update(batch, {rid: 7 for rid in batch.request_ids})
     sched.add(request("q0", 400))
-    req = request("r", 64)
-    h.take_prefix(req, [])
-    sched.add(req)
-    sched.held = h.deferred
+    queued_reader(sched, h)
     h._pin_due()
     assert h.take_asking() == ["r"]
     h.reads(p.Reads("r", []))
