@@ -32,7 +32,7 @@ written into their homes, 121 such readers, hit rate 0.61 against routing's 0.75
 """
 from __future__ import annotations
 
-from typing import Container, Iterable, Protocol, Sequence
+from typing import Callable, Container, Iterable, Protocol, Sequence
 
 # Only the head pins regardless of room. A queued request's pins hold pages on its holders (its own
 # engine or peers) that are in no running request's table there: neither free nor held, so each
@@ -77,12 +77,12 @@ def waits(waiting: Sequence[Queued], req: Queued, free_pages: int, page_size: in
     return bool(waiting) or pages_of(req, page_size) > free_pages
 
 
-def asks_again(found: bool, wanted: bool, asked_again: bool, own: bool) -> bool:
+def asks_again(found: bool, wanted: bool, asked_again: bool, holds: Callable[[], bool]) -> bool:
     """Whether a queued request, told where its prefix is now, waits to ask once more when its
     engine's policy picks it: its front `found` nothing anywhere, the policy has not picked it yet
-    (`wanted`), it has not asked again already, and its engine's own cache has none of it (`own`:
-    the admission reads that there anyway)."""
-    return not (found or wanted or asked_again or own)
+    (`wanted`), it has not asked again already, and its engine's own cache has none of it (`holds`,
+    asked last, as it walks the cache's tiers: the admission reads what it holds there anyway)."""
+    return not (found or wanted or asked_again or holds())
 
 
 def due(waiting: Iterable[Queued], deferred: Container[str], free_pages: int, page_size: int,

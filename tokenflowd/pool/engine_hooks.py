@@ -190,7 +190,8 @@ class PoolHooks:
         sched = self.core.scheduler
         req = sched.requests.get(rid)
         waiting = req is not None and req.status is RequestStatus.WAITING and not req.num_computed_tokens
-        if waiting and asks_again(bool(msg.prefix), rid in sched.held_back, rid in self.later, self._holds(req)):
+        if waiting and asks_again(bool(msg.prefix), rid in sched.held_back, rid in self.later,
+                                  lambda: self._holds(req)):
             self.later.add(rid)
             return
         del self.deferred[rid]

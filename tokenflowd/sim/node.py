@@ -458,7 +458,8 @@ class NodeSimulator:
             rid = req.request_id
             runs = self.router.reads(self.engines, req.prompt_token_ids, self.config.segment_pages, e.engine_id,
                                      self.rng)
-            if asks_again(bool(runs), rid in sched.held_back, rid in e.later, bool(e.kv.match(req).device_pages)):
+            if asks_again(bool(runs), rid in sched.held_back, rid in e.later,
+                          lambda: bool(e.kv.match(req).device_pages)):
                 e.later.add(rid)
                 continue
             del e.deferred[rid]
