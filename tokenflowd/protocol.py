@@ -212,10 +212,12 @@ class ChainEnds(msgspec.Struct, tag=True):
 
 class Reads(msgspec.Struct, tag=True):
     """The front's answer to ResolveReads: where the pool holds the queued request's prefix now
-    (runs as AddRequest.prefix; []: nowhere but, at most, the engine's own cache)."""
+    (runs as AddRequest.prefix; []: nowhere but, at most, the engine's own cache), and the hot
+    segments among them the engine copies in first (as AddRequest.copy)."""
 
     request_id: str
     prefix: list[PrefixRun] = []
+    copy: list[PrefixRun] = []
 
 
 class Withdraw(msgspec.Struct, tag=True):

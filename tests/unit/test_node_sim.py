@@ -410,6 +410,51 @@ def test_a_hot_system_prompt_is_copied_once_into_each_engine_that_reads_it_elsew
     assert results[True].summary()["hit_rate"] >= 0.97 * results[False].summary()["hit_rate"]
 
 
+def test_in_a_burst_behind_a_hot_system_prompt_each_engine_copies_it_in_at_its_queues_front_and_keeps_its_own(
+        monkeypatch):
+    """The H200 preset, 600 short chats behind one 2,048-token system prompt at routing's highest
+    rate under TokenLake's TTFT SLO (3,320 req/s; bench/results/node_goodput_h200_marks.json),
+    segments written into their homes. Nearly all of the burst came before the prompt was
+    computed, so none was told to copy it as it came, and an engine whose request computed a
+    segment wrote it into its home and dropped its own though the segment was hot: the prompt's
+    homes answered every engine. Copies are named when a queued request asks where its reads are
+    (Router.reads), and a hot segment computed here stays as a replica (PoolMember.replicas):
+    the engines read the prompt where they run. Either alone leaves a third of the prompt tokens
+    or more read at the homes."""
+    from tokenflowd.daemon.router import Router
+    from tokenflowd.sim import node
+    from tokenflowd.sim.cost import CostModel
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
+
+    recorded = json.loads((Path(__file__).parent.parent / "data" / "h200_recorded.json").read_text())
+    cost = CostModel.from_dict(recorded["cost_model"])
+    w = build_workload(WorkloadSpec("poisson", 600, rate=3320.0, seed=0, contexts=parse_context_shape(
+        "system-prompt"), max_prompt_len=min(32_768, cost.max_tokens_in_pool // 2)))
+
+    def run() -> dict:
+        sim = NodeSimulator(cost, w, "pool-write", NodeConfig(policy="tokenflow"))
+        result = sim.run()
+        return {**result.summary(), "peer": result.peer_tokens / result.prompt_tokens, "copied": sim.copied_pages}
+
+    both = run()
+    assert both["peer"] < 0.05 and both["access_cv"] < 0.25 and both["copied"] > 0, both  # measured: 0.0, 0.22
+    reads = Router.reads
+    monkeypatch.setattr(Router, "reads", lambda *a, **k: (reads(*a, **k)[0], []))
+    no_copy_at_front = run()
+    monkeypatch.undo()
+    copy = node.NodeSimulator._copy
+
+    def forgetting(self, target, copies):
+        copy(self, target, copies)
+        target.replicas.clear()
+
+    monkeypatch.setattr(node.NodeSimulator, "_copy", forgetting)
+    not_kept = run()
+    # measured: 0.35 and 0.43 of the prompt tokens read on peers (access CV 0.25 and 0.49)
+    assert no_copy_at_front["peer"] > 0.3 and not_kept["peer"] > 0.3, (no_copy_at_front, not_kept)
+    assert not_kept["access_cv"] > 0.3, not_kept
+
+
 def test_the_balance_bench_runs_each_mode_at_the_rate_a_goodput_search_met(tmp_path, monkeypatch):
     """bench/node_balance.py: TokenLake's Figure 10 condition, the modes at one search's rate."""
     import runpy

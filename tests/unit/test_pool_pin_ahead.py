@@ -130,6 +130,27 @@ def test_a_reader_that_found_nothing_as_it_came_reads_what_was_computed_while_it
     assert "r" in sched.schedule().request_ids
 
 
+def test_a_reader_copies_in_the_hot_segments_its_front_names_with_its_reads_before_it_pins_them():
+    """A burst behind one system prompt came before the prompt was computed, so none was told to
+    copy it as it came; the front names the copies with the reads (protocol.Reads.copy), and the
+    engine copies them in first (PoolMember.copy_in), so its pin reads them here."""
+    sched, h = engine(1)
+    order: list = []
+    h.member.copy_in = lambda copies: order.append(("copy", [len(run.keys) for run in copies]))
+    pin = h.member.pin
+    h.member.pin = lambda rid, runs: order.append(("pin", rid)) or pin(rid, runs)
+    req = request("r", 64)
+    assert not h.take_prefix(req, [])
+    sched.add(req)
+    h._pin_due()
+    assert h.take_asking() == ["r"]
+    h.reads(p.Reads("r", runs(3), runs(2)))
+    assert order == [("copy", [2]), ("pin", "r")] and h.member.pinned == {"r": 3}
+    order.clear()
+    h.reads(p.Reads("r", runs(3), runs(2)))
+    assert order == [], "an answer it no longer waits for copies nothing either"
+
+
 def queued_reader(sched: Scheduler, h: PoolHooks) -> Request:
     """A reader that found nothing to read as it came, queued behind the scheduler's requests, asking
     its front where its reads are now."""

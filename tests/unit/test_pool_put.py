@@ -265,3 +265,60 @@ def test_a_copy_between_engines_of_different_cache_layouts_keeps_every_value_in_
     finally:
         a.close()
         b.close()
+
+
+def test_a_hot_segment_named_to_copy_in_stays_here_though_a_request_here_wrote_it_into_its_home(pair):
+    """A request here computed a hot segment and wrote it into its home (PoolHooks._hand_off); the
+    front, seeing it read from here on the home, names it to copy in. It is held here already, so
+    nothing crosses, and it is a replica: it stays cached here when the handed-off keys stop being
+    cached (PoolHooks._unpublish_placed), until it is evicted here."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from tokenflowd.pool.engine_hooks import PoolHooks
+
+    a, b = pair
+    keys, _ = held_segment(a, 3)  # computed here; its home (engine 1) took it
+    held_segment(b, 3)
+    other = [chain_page_keys(list(range(7, 7 + PAGE + 1)), PAGE, [])[0]]
+    a.pool.register(a.pool.allocate(), other[0])  # a cold one, handed off too
+    h = PoolHooks.__new__(PoolHooks)
+    h.member, h.core = a, SimpleNamespace(pool=a.pool)
+    h.placed = deque([(1.0, keys + other)])
+    assert a.copy_in([p.PrefixRun(1, keys)]) == 0, "held here already: nothing crosses"
+    assert a.replicas == set(keys)
+    h._unpublish_placed(0.5)
+    assert len(a.pool.lookup(keys + other)) == 4, "not before the front knows where they are"
+    h._unpublish_placed(1.0)
+    assert len(a.pool.lookup(keys)) == 3 and a.pool.lookup(other) == [], "the replica stays, the cold one goes"
+    h.evicted(keys[2:])
+    assert a.replicas == set(keys[:2]), "evicted here: no longer a replica"
+
+
+def test_a_replica_takes_free_pages_only_and_goes_before_other_cached_pages_until_read(pair):
+    """PoolMember.copy_in: a copy of a hot segment is a second copy of what the node holds, so it
+    never costs this engine a prefix held nowhere else: it is not made where the pages it lacks
+    outnumber the free ones, and its pages are evicted before this engine's own cached pages (the
+    segment's end first) unless a request reads them."""
+    a, b = pair  # a: 16 pages
+    keys, _ = held_segment(b, 3)
+    own = chain_page_keys(list(range(500, 500 + 10 * PAGE + 1)), PAGE, [])
+    pages = [a.pool.allocate() for _ in own]  # a's own prefix, cached before the copy
+    for page, key in zip(pages, own):
+        a.pool.register(page, key)
+    for page in reversed(pages):  # let go of end first, as a request does
+        a.pool.decref(page)
+    used = [a.pool.allocate() for _ in range(4)]  # a running request's pages: 2 free
+    assert a.copy_in([p.PrefixRun(1, keys)]) == 0 and a.replicas == set(), "3 to copy, 2 free: not copied"
+    assert len(a.pool.lookup(own)) == 10, "nothing evicted for it"
+    for page in used[:2]:
+        a.pool.decref(page)
+    assert a.copy_in([p.PrefixRun(1, keys)]) == 3 and a.replicas == set(keys)
+    assert a.pool.num_unused == 1
+    (read,) = a.pool.lookup(keys[:1])
+    a.pool.incref(read)  # a request reads its first page
+    a.pool.decref(read)
+    a.pool.allocate(), a.pool.allocate(), a.pool.allocate()  # the free page, then two evictions
+    assert len(a.pool.lookup(keys)) == 1 and len(a.pool.lookup(own)) == 10, "the unread copy went first"
+    a.pool.allocate()
+    assert len(a.pool.lookup(own)) == 9 and len(a.pool.lookup(keys)) == 1, "then by use: the read page stays"

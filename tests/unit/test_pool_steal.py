@@ -209,3 +209,28 @@ def test_the_front_names_the_queued_requests_that_stay_where_their_prefix_is():
     assert proc.withdraw(0, {"doc"}) == ["new"]
     assert proc.withdraw(0, {"doc"}) == ["common"]
     assert [r.request_id for r in sched.waiting] == ["doc"] and proc.prompt_tokens == 72
+
+
+def test_a_queued_request_asking_where_its_reads_are_is_told_the_hot_segments_to_copy_in_too():
+    """Front._resolve (protocol.ResolveReads): the runs where the pool holds the prefix now, and the
+    hot segments among them the engine copies in first (protocol.Reads.copy), once an engine."""
+    import time
+
+    f, sup = front()
+    asker, holder, _ = sup.slots
+    prompt = list(range(1000, 1064))
+    keys = chain_page_keys(prompt, PS, [], 63)[:3]
+    sup.index.update(holder.engine_id, keys, [])
+    for _ in range(7):  # read this often (over 2 per engine), its pages are heavy hitters
+        for key in keys:
+            f.router.heat.hit(key, time.monotonic())
+    streams = [sup.submit(asker, p.AddRequest(rid, prompt, p.Sampling(max_tokens=4), 10.0), lambda d: None)
+               for rid in ("r", "s")]
+    sent(asker)
+    f._resolve(asker, streams[0])
+    [reads] = sent(asker)
+    assert reads.request_id == "r" and [(run.engine, run.keys) for run in reads.prefix] == [(1, keys)]
+    assert [(run.engine, run.keys) for run in reads.copy] == [(1, keys)]
+    f._resolve(asker, streams[1])
+    [reads] = sent(asker)
+    assert [run.keys for run in reads.prefix] == [keys] and reads.copy == [], "named once while it is copied"

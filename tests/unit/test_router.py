@@ -132,7 +132,7 @@ def test_a_hot_segment_read_elsewhere_is_copied_in_once_a_cold_one_is_read_where
     c = r.pick_pooled(engines, tokens, segment_pages=4)
     assert c.copies == [(0, k[:8])] and c.runs == [(0, k[:8])], "hot: copied into engine 1, read at 0 meanwhile"
     assert r.pick_pooled(engines, tokens, segment_pages=4).copies == [], "once: the copy is under way"
-    assert r.reads(engines, tokens, 4, target=1) == [(0, k[:8])], "a queued request's reads name no copy"
+    assert r.reads(engines, tokens, 4, target=1) == ([(0, k[:8])], []), "once: named again at the front neither"
     r.index.update(1, k[:8], [])  # the copy is there: read at home, nothing to copy
     c = r.pick_pooled([FakeEngine(0, load=6), FakeEngine(1, load=6)], tokens, segment_pages=4)
     assert c.engine_id == 0 and c.runs == [] and c.copies == []
@@ -142,6 +142,30 @@ def test_a_hot_segment_read_elsewhere_is_copied_in_once_a_cold_one_is_read_where
     now[0] += 3600  # an hour later the segment is cold again (and forgotten)
     r.heat.hit(b"other", now[0])
     assert r.pick_pooled(engines, tokens, segment_pages=4).copies == []
+
+def test_a_queued_request_that_came_before_its_hot_prefix_was_computed_names_its_copy_when_it_asks_again():
+    """A burst behind one system prompt: its requests come while the first computes it, so none has
+    a copy named as it comes (nothing holds the prompt yet), though their arrivals make it hot.
+    Near the front of its queue, a request's reads are named again (Router.reads, pool/ahead.py),
+    and a hot segment it reads on another engine is named for copying in then, once an engine;
+    those reads do not count towards the segment's heat again."""
+    tokens = list(range(33))
+    k = keys_of(tokens)
+    r = router_with({})
+    engines = [FakeEngine(0), FakeEngine(1), FakeEngine(2)]
+    for _ in range(8):  # the burst comes: the prompt is nowhere yet, so nothing to read or copy
+        c = r.pick_pooled(engines, tokens, segment_pages=4)
+        assert (c.runs, c.copies) == ([], [])
+    r.index.update(0, k[:8], [])  # the first request computed it on engine 0
+    heat = dict(r.heat._scores)
+    assert r.reads(engines, tokens, 4, target=1) == ([(0, k[:8])], [(0, k[:8])]), "hot: copied in at the front"
+    assert r.reads(engines, tokens, 4, target=1) == ([(0, k[:8])], []), "once while the copy is made"
+    assert r.reads(engines, tokens, 4, target=2)[1] == [(0, k[:8])], "once per engine"
+    assert r.reads(engines, tokens, 4, target=0) == ([], []), "all of it where it runs"
+    assert r.heat._scores == heat, "its use was counted when it came"
+    cold = router_with({0: k[:8]})
+    assert cold.reads(engines, tokens, 4, target=1) == ([(0, k[:8])], []), "a cold segment is read where it is"
+
 
 def test_pooled_pick_places_each_new_segment_at_its_home_by_hash():
     from tokenflowd.pool.homes import rendezvous_home

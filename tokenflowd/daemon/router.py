@@ -32,7 +32,9 @@ reads is then read on every engine, not answered by its holder for every engine'
 
 A request queued behind others has its reads named again as it nears the front of its engine's
 queue (`reads`, asked by the engine: protocol.ResolveReads): from where the pool holds its prefix
-then, which in a burst over a document is where the first request over it computed it meanwhile.
+then, which in a burst over a document is where the first request over it computed it meanwhile,
+with the hot segments among them its engine copies in (a burst behind one system prompt came
+before anything held it, so no copy was named as it came).
 An idle engine takes a queued request from a busy one (pool/steal.py): `pick_pooled` with that
 engine as the target, its use not counted again, names its reads and homes for where it runs now.
 
@@ -173,32 +175,39 @@ class Router:
         return Choice(target, own, runs, places, copies)
 
     def reads(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int, target: int,
-              rng: random.Random | None = None) -> list[tuple[int, list[bytes]]]:
-        """The runs a request queued on `target` reads, named as `pick_pooled` names them but from
+              rng: random.Random | None = None) -> tuple[list[tuple[int, list[bytes]]], list[tuple[int, list[bytes]]]]:
+        """(the runs a request queued on `target` reads, named as `pick_pooled` names them but from
         where the pool holds its prefix now (the request nears the front of its queue: pool/ahead.py),
-        its use of hot segments counted once, when it came ([]: none, or all of it on `target`)."""
+        [] where none or all of it is on `target`; the runs of hot segments among them that `target`
+        copies in first). Its use of hot segments was counted once, when it came; the copies are
+        named here too, as a request that came while its prefix was being computed had nothing to
+        copy then: a burst behind one hot system prompt otherwise reads it at its homes only."""
         keys = self.prompt_keys(prompt_token_ids)
         self.index.link(keys)
-        runs, _ = self._runs(engines, keys, segment_pages, rng or random, target, count=False)
-        return [] if all(e == target for e, _ in runs) else runs
+        runs, copies = self._runs(engines, keys, segment_pages, rng or random, target, count=False, copy=True)
+        return ([], []) if all(e == target for e, _ in runs) else (runs, copies)
 
     def _runs(self, engines: Sequence[EngineLoad], keys: Sequence[bytes], segment_pages: int, rng: random.Random,
-              target: int, count: bool) -> tuple[list[tuple[int, list[bytes]]], list[tuple[int, list[bytes]]]]:
+              target: int, count: bool, copy: bool | None = None
+              ) -> tuple[list[tuple[int, list[bytes]]], list[tuple[int, list[bytes]]]]:
         """(the (engine, keys) runs of the prompt's leading pages to read where they are, the runs of
         hot segments among them that the target copies in); `count`: the request's use of each
-        whole segment counts towards its heat, and it may be the one that copies a hot segment in."""
+        whole segment of its prompt counts towards its heat; `copy` (default `count`): it may be
+        the one that copies a hot segment in."""
+        copy = count if copy is None else copy
         load = {e.engine_id: e.load for e in engines}
         now = self.clock()
         runs: list[tuple[int, list[bytes]]] = []
         copies: list[tuple[int, list[bytes]]] = []
         seg = max(1, segment_pages)
+        if count:  # each whole segment it uses, read or computed (one computed now is read by those after it)
+            for end in range(seg, len(keys) + 1, seg):
+                self.heat.hit(keys[end - 1], now)
         for start in range(0, len(keys), seg):
             chunk = keys[start : start + seg]
             held = {e: self.index.cached_pages(e, chunk) for e in load}
             whole = [e for e, n in held.items() if n == len(chunk)]
             current = runs[-1][0] if runs else None
-            if count and len(chunk) == seg:
-                self.heat.hit(chunk[-1], now)
             if not whole:
                 best = max(held, key=lambda e: (held[e], e == target, -e))
                 if held[best]:
@@ -212,7 +221,7 @@ class Router:
                 two = rng.sample(whole, 2) if len(whole) > 2 else whole
                 holder = min(two, key=lambda e: (load[e], e))
             self._extend(runs, holder, chunk)
-            if count and self.copy_hot and holder != target and self._copy(chunk[-1], len(load), target, now):
+            if copy and self.copy_hot and holder != target and self._copy(chunk[-1], len(load), target, now):
                 self._extend(copies, holder, chunk)
         return runs, copies
 

@@ -97,6 +97,11 @@ class PagePool:
         return len(self._lru) + len(self._kept)
 
     @property
+    def num_unused(self) -> int:
+        """Pages holding nothing: what an allocation can take without evicting a cached page."""
+        return len(self._free)
+
+    @property
     def num_used(self) -> int:
         return self.num_pages - self.num_free
 
@@ -148,6 +153,17 @@ class PagePool:
                 self._free.appendleft(page)
             else:
                 self._free.append(page)
+
+    def evict_first(self, pages: Sequence[int]) -> None:
+        """Unreferenced cached `pages` go before any other cached page of their kind (a copy of what
+        another engine holds: PoolMember.copy_in), the last of them first; a page read from then on
+        takes its place by use again."""
+        for page in pages:
+            if self._ref[page] == 0:
+                for order in (self._lru, self._kept):
+                    if page in order:
+                        order.move_to_end(page, last=False)
+                        self.num_lru_changes += 1
 
     # -- prefix cache -------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[int]:

@@ -1,15 +1,26 @@
 """Which segments are hot: decayed access counts, and the heavy hitters among them (TokenLake §4).
 
-The front counts each segment a request reads (its key: the chained key of its last page). Counts
+The front counts each whole segment of a request's prompt as it comes (its key: the chained key of
+its last page), read or computed: one computed now is read by the requests after it. Counts
 halve every `half_life` seconds, so a prefix that stops being used cools down. The heavy hitters
 are the ⌈N ln N⌉ + N hottest segments for N engines, the number the paper's balls-into-bins bound
 asks for (pool/homes.py uses the same), among those read at least twice per engine (with
 fewer segments than that, every segment would otherwise be a hitter from its first read).
+
+Every new segment of every prompt is counted, so the counts are kept as decay-free scores: a count
+c as of time t is the score log2(c) + t / half_life, and since every count decays alike, the order
+of the scores is the order of the counts at any time. The hottest are kept as they change, at each
+count (O(hitters)), not ranked over every segment seen; a segment counted once is forgotten within
+about seven half-lives (a bounded sweep at each count), so the memory follows the recent prompts.
 Torch-free: the API server process runs it.
 """
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+
+FORGET = 0.01  # a count decayed below this is forgotten
+SWEEP = 2  # segments looked at for forgetting at each count: more than the one it may add
 
 
 def num_heavy_hitters(num_engines: int) -> int:
@@ -18,37 +29,44 @@ def num_heavy_hitters(num_engines: int) -> int:
 
 
 class SegmentHeat:
-    def __init__(self, half_life: float = 60.0, refresh: float = 1.0) -> None:
+    def __init__(self, half_life: float = 60.0) -> None:
         self.half_life = half_life
-        self.refresh = refresh  # s between recomputations of the hitter set
-        self._hits: dict[bytes, tuple[float, float]] = {}  # key -> (decayed count, as of)
-        self._hot: set[bytes] = set()
-        self._hot_at = -math.inf
-        self._hot_k = 0
-        self._floor = 0.0  # the k-th hottest value when the set was made (0: fewer keys than k)
+        # key -> score (log2 of its count, as of time 0); the order is the sweep's, not the scores'
+        self._scores: OrderedDict[bytes, float] = OrderedDict()
+        self._top: dict[bytes, float] = {}  # the `_k` highest scores
+        self._k = 0
 
-    def _value(self, key: bytes, now: float) -> float:
-        count, at = self._hits.get(key, (0.0, now))
-        return count * 0.5 ** ((now - at) / self.half_life)
+    def _value(self, score: float, now: float) -> float:
+        return 2.0 ** (score - now / self.half_life)
 
     def hit(self, key: bytes, now: float) -> None:
-        self._hits[key] = (self._value(key, now) + 1.0, now)
+        fresh = now / self.half_life  # a count of 1 now
+        old = self._scores.pop(key, None)
+        score = fresh if old is None else max(old, fresh) + math.log2(1.0 + 2.0 ** -abs(old - fresh))
+        self._sweep(now)
+        self._scores[key] = score
+        if key in self._top or len(self._top) < self._k:
+            self._top[key] = score
+        elif self._k:
+            coldest = min(self._top, key=self._top.__getitem__)
+            if score > self._top[coldest]:
+                del self._top[coldest]
+                self._top[key] = score
+
+    def _sweep(self, now: float) -> None:
+        """Forget the first of the sweep's order that have cooled down; the others go to its end."""
+        floor = math.log2(FORGET) + now / self.half_life
+        for _ in range(min(SWEEP, len(self._scores))):
+            key, score = self._scores.popitem(last=False)
+            if score >= floor:
+                self._scores[key] = score
+            else:
+                self._top.pop(key, None)  # (a hitter this cold: none is one now)
 
     def is_heavy(self, key: bytes, num_engines: int, now: float) -> bool:
         k = num_heavy_hitters(num_engines)
-        value = self._value(key, now)
-        # made again every `refresh` s, and at once when a key outside it has grown past its coldest
-        # (values decay alike, so that one's value then, decayed to now): a prefix that turns hot
-        # in a burst is a hitter from the read that makes it one, not up to `refresh` s later
-        floor = self._floor * 0.5 ** ((now - self._hot_at) / self.half_life)
-        entered = key not in self._hot and value >= 2 * num_engines and value > floor
-        if now - self._hot_at >= self.refresh or k != self._hot_k or entered:
-            values = {key: self._value(key, now) for key in self._hits}
-            for cold in [key for key, v in values.items() if v < 0.01]:  # forgotten
-                del self._hits[cold]
-                del values[cold]
-            ranked = sorted(values, key=values.__getitem__, reverse=True)
-            self._hot = set(ranked[:k])
-            self._floor = values[ranked[k - 1]] if len(ranked) >= k else 0.0
-            self._hot_at, self._hot_k = now, k
-        return key in self._hot and value >= 2 * num_engines
+        if k != self._k:  # (the engines changed: ranked once)
+            self._k = k
+            self._top = dict(sorted(self._scores.items(), key=lambda item: item[1], reverse=True)[:k])
+        score = self._top.get(key)
+        return score is not None and self._value(score, now) >= 2 * num_engines

@@ -235,6 +235,7 @@ class _Engine:
         # pool-write: request -> (each new page's home, the keys that end its segments), as the daemon's
         self.homes: dict[str, tuple[dict[bytes, int], set[bytes]]] = {}
         self.later: set[str] = set()  # deferred requests answered empty once: they ask again when wanted
+        self.replicas: set[bytes] = set()  # keys of hot segments named to copy in, kept here (PoolMember.replicas)
 
     @property
     def load(self) -> int:
@@ -405,8 +406,12 @@ class NodeSimulator:
         for holder_id, keys in copies:
             keys = keys[: len(self.engines[holder_id].pool.lookup(keys))]
             have = len(target.pool.lookup(keys))
+            if len(keys) - have > target.pool.num_unused:
+                continue  # a replica takes free pages only, and goes first (PoolMember.copy_in)
+            target.replicas.update(keys)
             taken = _hold(target.pool, keys)
             _release(target.pool, taken)
+            target.pool.evict_first(taken[have:])
             new = max(0, len(taken) - have)
             self.copied_pages += new
             sent = new * cost.page_size * cost.kv_bytes_per_token
@@ -456,14 +461,16 @@ class NodeSimulator:
         e.later.intersection_update(e.deferred)
         for req in due(sched.waiting, e.deferred, e.pool.num_free, self.cost.page_size, sched.held_back, e.later):
             rid = req.request_id
-            runs = self.router.reads(self.engines, req.prompt_token_ids, self.config.segment_pages, e.engine_id,
-                                     self.rng)
+            runs, copies = self.router.reads(self.engines, req.prompt_token_ids, self.config.segment_pages,
+                                             e.engine_id, self.rng)
             if asks_again(bool(runs), rid in sched.held_back, rid in e.later,
                           lambda: bool(e.kv.match(req).device_pages)):
                 e.later.add(rid)
                 continue
             del e.deferred[rid]
             e.later.discard(rid)
+            if copies:
+                self._copy(e, copies)
             if runs:
                 self._pin(e, req, runs, queued=True)
 
@@ -551,7 +558,7 @@ class NodeSimulator:
                 e.pool.decref(page)
             req.extend_foreign_prefix(got * ps, keys[got - 1])
             away = {k for home, run in runs if home != e.engine_id for k in run}
-            e.pool.unpublish([k for k in keys[:got] if k in away])
+            e.pool.unpublish([k for k in keys[:got] if k in away and k not in e.replicas])
 
     def _unblock(self, e: _Engine, now: float) -> None:
         """As the daemon's PoolHooks._unblock: an engine that has run nothing for STUCK_SECONDS while
@@ -585,6 +592,8 @@ class NodeSimulator:
         """An engine's key events into the router's index, and the index's word on where chains end
         back to the engines (the daemon's PoolMarks)."""
         self.index.update(engine_id, added, removed)
+        if removed:
+            self.engines[engine_id].replicas.difference_update(removed)
         for e, (inner, ends) in self.index.drain_marks().items():
             self.engines[e].pool.set_inner(inner, True)
             self.engines[e].pool.set_inner(ends, False)

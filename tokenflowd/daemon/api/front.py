@@ -423,9 +423,10 @@ class Front:
         """A request queued on `slot` nears the front of its queue (protocol.ResolveReads): its reads
         named again, from where the pool holds its prefix now."""
         slots = [x for x in self.supervisor.slots if x.ready]  # (not ready_slots: none ready is no error here)
-        runs = self.router.reads(slots, stream.add.prompt_token_ids, self._segment_pages(slots), slot.engine_id) \
-            if slot in slots and stream.add is not None else []
-        self.supervisor.send(slot, Reads(stream.request_id, [PrefixRun(e, keys) for e, keys in runs]))
+        runs, copies = self.router.reads(slots, stream.add.prompt_token_ids, self._segment_pages(slots),
+                                         slot.engine_id) if slot in slots and stream.add is not None else ([], [])
+        self.supervisor.send(slot, Reads(stream.request_id, [PrefixRun(e, keys) for e, keys in runs],
+                                         [PrefixRun(e, keys) for e, keys in copies]))
 
     def _steal(self, slot) -> None:
         """An engine reported its state (each step, and every heartbeat while it runs nothing): if it

@@ -143,6 +143,8 @@ class EngineProcess(EngineEndpoint):
             deltas = self.pace(deltas, now)
             if self.must_report(deltas, now, last_sent) or settled:
                 added, removed = core.pool.drain_key_events()
+                if self.pool is not None:
+                    self.pool.evicted(removed)
                 self.send_step(now, deltas, self._stats(), added, removed)
                 last_sent = now
             if self.pool is not None:
