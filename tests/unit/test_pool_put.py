@@ -291,8 +291,9 @@ def test_a_hot_segment_named_to_copy_in_stays_here_though_a_request_here_wrote_i
     assert len(a.pool.lookup(keys + other)) == 4, "not before the front knows where they are"
     h._unpublish_placed(1.0)
     assert len(a.pool.lookup(keys)) == 3 and a.pool.lookup(other) == [], "the replica stays, the cold one goes"
-    h.evicted(keys[2:])
-    assert a.replicas == set(keys[:2]), "evicted here: no longer a replica"
+    a.pool.unpublish(keys[2:])  # evicted here
+    h.evicted(keys[1:])  # the report names keys[1] too: evicted and copied back in since, held here again
+    assert a.replicas == set(keys[:2]), "evicted here: no longer a replica; one cached here again still is"
 
 
 def test_a_replica_takes_free_pages_only_and_goes_before_other_cached_pages_until_read(pair):
@@ -315,6 +316,7 @@ def test_a_replica_takes_free_pages_only_and_goes_before_other_cached_pages_unti
         a.pool.decref(page)
     assert a.copy_in([p.PrefixRun(1, keys)]) == 3 and a.replicas == set(keys)
     assert a.pool.num_unused == 1
+    a.pool.set_inner(keys, True)  # the pool's word: cached pages follow them (on b): a second copy still goes first
     (read,) = a.pool.lookup(keys[:1])
     a.pool.incref(read)  # a request reads its first page
     a.pool.decref(read)
@@ -322,3 +324,14 @@ def test_a_replica_takes_free_pages_only_and_goes_before_other_cached_pages_unti
     assert len(a.pool.lookup(keys)) == 1 and len(a.pool.lookup(own)) == 10, "the unread copy went first"
     a.pool.allocate()
     assert len(a.pool.lookup(own)) == 9 and len(a.pool.lookup(keys)) == 1, "then by use: the read page stays"
+
+
+def test_a_copy_that_fails_or_is_cut_short_counts_as_a_replica_only_what_it_holds(pair):
+    a, b = pair
+    keys, _ = held_segment(b, 3)
+    a.set_peers([])  # the holder is gone
+    assert a.copy_in([p.PrefixRun(1, keys)]) == 0 and a.replicas == set()
+    a.set_peers([p.PoolPeer(1, 1, os.getpid(), 6)])
+    b.pool.unpublish(keys[2:])  # the holder let go of its segment's end
+    assert len(b.pool.lookup(keys)) == 2
+    assert a.copy_in([p.PrefixRun(1, keys)]) == 2 and a.replicas == set(keys[:2]), "what the holder still had"

@@ -76,6 +76,7 @@ class PagePool:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._kept: OrderedDict[int, None] = OrderedDict()  # cached inner pages, oldest first
         self._inner: set[bytes] = set()  # keys here that a page cached elsewhere follows (the pool's)
+        self._first: set[int] = set()  # cached pages that go before all others until read (`evict_first`)
         self._by_key: dict[bytes, int] = {}
         self.num_evictions = 0  # cached pages taken for reuse: a prefix match taken before is stale if it moved
         # pages in or out of the LRU (evictable or not any more): a match's evictable count may have moved
@@ -119,6 +120,7 @@ class PagePool:
             page = self._free.popleft()
         elif self._lru or self._kept:
             page, _ = (self._lru or self._kept).popitem(last=False)
+            self._first.discard(page)
             self.num_evictions += 1
             self.num_lru_changes += 1
             key = self._key[page]
@@ -136,6 +138,7 @@ class PagePool:
 
     def incref(self, page: int) -> None:
         if self._ref[page] == 0:
+            self._first.discard(page)
             if self._lru.pop(page, 0) is not None:  # only a cached page can be revived from ref 0
                 del self._kept[page]
             self.num_lru_changes += 1
@@ -155,15 +158,15 @@ class PagePool:
                 self._free.append(page)
 
     def evict_first(self, pages: Sequence[int]) -> None:
-        """Unreferenced cached `pages` go before any other cached page of their kind (a copy of what
-        another engine holds: PoolMember.copy_in), the last of them first; a page read from then on
-        takes its place by use again."""
+        """Unreferenced cached `pages` go before any other cached page (a copy of what another engine
+        holds: PoolMember.copy_in), the last of them first, inner or not (a second copy cuts no
+        chain); a page read from then on takes its place by use again."""
         for page in pages:
-            if self._ref[page] == 0:
-                for order in (self._lru, self._kept):
-                    if page in order:
-                        order.move_to_end(page, last=False)
-                        self.num_lru_changes += 1
+            if self._ref[page] == 0 and (self._lru.pop(page, 0) is None or self._kept.pop(page, 0) is None):
+                self._lru[page] = None
+                self._lru.move_to_end(page, last=False)
+                self._first.add(page)
+                self.num_lru_changes += 1
 
     # -- prefix cache -------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
@@ -200,6 +203,7 @@ class PagePool:
                 self._key_removed(key)
             self._inner.discard(key)
             if self._ref[page] == 0:
+                self._first.discard(page)
                 if self._lru.pop(page, 0) is not None:
                     del self._kept[page]
                 self.num_lru_changes += 1
@@ -220,7 +224,7 @@ class PagePool:
             if inner:
                 if key not in self._inner:
                     self._inner.add(key)
-                    if self._lru.pop(page, 0) is None:  # cached: it waits now
+                    if page not in self._first and self._lru.pop(page, 0) is None:  # cached: it waits now
                         self._kept[page] = None
                         n += 1
             else:

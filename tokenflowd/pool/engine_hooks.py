@@ -118,9 +118,7 @@ class PoolHooks:
         it) and it waits for its turn (`waits`), it waits for `_pin_due` and, near the front, asks
         where its reads are then. -> whether it pinned any (for this request: what a failed add
         releases)."""
-        if copies:
-            with self.core.unlocked():
-                self.member.copy_in(copies)
+        self._copy_in(copies)
         self.deferred.pop(req.request_id, None)
         self.later.discard(req.request_id)
         waiting, free, ps = self.core.scheduler.waiting, self.core.pool.num_free, self.config.page_size
@@ -187,6 +185,7 @@ class PoolHooks:
         request computing it may be done then."""
         rid = msg.request_id
         if self.asked.pop(rid, None) is None or rid not in self.deferred:
+            self._copy_in(msg.copy)  # (the front named it once: later readers read it here)
             return  # answered already (its arrival runs pinned), or admitted, or gone
         sched = self.core.scheduler
         req = sched.requests.get(rid)
@@ -197,11 +196,14 @@ class PoolHooks:
             return
         del self.deferred[rid]
         self.later.discard(rid)
-        if msg.copy:
-            with self.core.unlocked():
-                self.member.copy_in(msg.copy)
+        self._copy_in(msg.copy)
         if waiting and self._pin_queued(req, msg.prefix):
             self.resolved += 1
+
+    def _copy_in(self, copies: list[p.PrefixRun]) -> None:
+        if copies:
+            with self.core.unlocked():
+                self.member.copy_in(copies)
 
     def _holds(self, req: Request) -> bool:
         """Whether this engine's own cache (device, or a host tier it would load from) holds some
@@ -261,9 +263,11 @@ class PoolHooks:
         self.core.scheduler.pool_share = self.member.measure_share(time.monotonic())
 
     def evicted(self, keys: list[bytes]) -> None:
-        """Keys no longer cached here (kv/pages.py drain_key_events): no longer replicas."""
+        """Keys no longer cached here (kv/pages.py drain_key_events): no longer replicas, but those
+        cached here again since (copied back in before the report)."""
         if keys and self.member.replicas:
-            self.member.replicas.difference_update(keys)
+            pool = self.core.pool
+            self.member.replicas.difference_update([key for key in keys if not pool.holds(key)])
 
     def after_step(self, now: float) -> None:
         self._unblock(now)

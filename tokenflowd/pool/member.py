@@ -202,9 +202,9 @@ class PoolMember:
     def _keep(self, keys: list[bytes], kv: torch.Tensor, first: bool = False) -> tuple[int, int]:
         """Pages of `keys` from `kv` (the wire layout of `stage`, on the host or this device): the keys
         not held yet get pages, their KV and their keys, and stay unreferenced in the prefix cache
-        (its LRU decides when they go; `first`: the new ones go before any other cached page until
-        read). Stops at the first page it cannot get; a copy that fails frees the pages it took.
-        -> (leading keys held now, pages written)."""
+        (its LRU decides when they go; `first`: a replica's, taken from unused pages only, and the
+        new ones go before any other cached page until read). Stops at the first page it cannot
+        get; a copy that fails frees the pages it took. -> (leading keys held now, pages written)."""
         with self.lock:
             taken: list[int] = []  # in key order: pages it holds already (referenced while it allocates, so
             new: list[tuple[int, int]] = []  # not evicted) and new ones, (position in the put, page)
@@ -215,6 +215,8 @@ class PoolMember:
                         self.pool.incref(page[0])
                         taken.append(page[0])
                     else:
+                        if first and not self.pool.num_unused:  # (the query service may have taken them)
+                            break
                         new.append((i, self.pool.allocate()))
                         taken.append(new[-1][1])
             except OutOfPages:
@@ -322,12 +324,13 @@ class PoolMember:
             if run.engine == self.engine or peer is None:
                 continue
             with self.lock:
-                keys = run.keys[len(self.pool.lookup(run.keys)):]  # (keys are chained: any stretch names its pages)
+                have = len(self.pool.lookup(run.keys))
+                keys = run.keys[have:]  # (keys are chained: any stretch names its pages)
                 if len(keys) > self.pool.num_unused:
                     continue
-                self.replicas.update(run.keys)
-            if not keys:
-                continue
+                if not keys:
+                    self.replicas.update(run.keys)
+                    continue
             try:
                 client = self._client(peer)
                 if self._mapped(peer):
@@ -338,11 +341,12 @@ class PoolMember:
                         client.unpin(COPY_PIN)
                 else:
                     held, kv = client.fetch(keys, len(self.kv_layers), self.kv_layers[0], self.backend.page_axis)
-                stored = self._keep(keys[:held], kv, first=True)[1] if held else 0
+                kept, stored = self._keep(keys[:held], kv, first=True) if held else (0, 0)
             except (PeerGone, RuntimeError, OSError, ValueError, zmq.ZMQError) as e:
                 log.warning("pool: copying %d pages from engine %d failed (%s); they are read there", len(keys),
                             run.engine, e)
                 continue
+            self.replicas.update(run.keys[: have + kept])
             copied += stored
             self.stats["copied_pages"] += stored
         return copied

@@ -407,11 +407,12 @@ class NodeSimulator:
             keys = keys[: len(self.engines[holder_id].pool.lookup(keys))]
             have = len(target.pool.lookup(keys))
             if len(keys) - have > target.pool.num_unused:
-                continue  # a replica takes free pages only, and goes first (PoolMember.copy_in)
-            target.replicas.update(keys)
+                continue  # a replica takes unused pages only, and goes first (PoolMember.copy_in)
+            fresh = [not target.pool.holds(key) for key in keys]
             taken = _hold(target.pool, keys)
             _release(target.pool, taken)
-            target.pool.evict_first(taken[have:])
+            target.pool.evict_first([page for page, new in zip(taken, fresh) if new])
+            target.replicas.update(keys[: len(taken)])
             new = max(0, len(taken) - have)
             self.copied_pages += new
             sent = new * cost.page_size * cost.kv_bytes_per_token
@@ -488,7 +489,7 @@ class NodeSimulator:
                 home = self.engines[home_id]
                 held = len(taken := _hold(home.pool, keys[: len(pages)]))
                 _release(home.pool, taken)
-                e.pool.unpublish(keys[:held])
+                e.pool.unpublish([key for key in keys[:held] if key not in e.replicas])
                 self.put_pages += held
                 sent = held * cost.page_size * cost.kv_bytes_per_token
                 e.debt += self.config.link_alpha + sent / self.config.link_bandwidth
@@ -592,8 +593,9 @@ class NodeSimulator:
         """An engine's key events into the router's index, and the index's word on where chains end
         back to the engines (the daemon's PoolMarks)."""
         self.index.update(engine_id, added, removed)
-        if removed:
-            self.engines[engine_id].replicas.difference_update(removed)
+        if removed:  # (but those cached there again since)
+            pool = self.engines[engine_id].pool
+            self.engines[engine_id].replicas.difference_update([key for key in removed if not pool.holds(key)])
         for e, (inner, ends) in self.index.drain_marks().items():
             self.engines[e].pool.set_inner(inner, True)
             self.engines[e].pool.set_inner(ends, False)
