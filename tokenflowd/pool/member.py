@@ -315,8 +315,8 @@ class PoolMember:
         until a request reads them, so that it never costs this engine a prefix held nowhere else.
         (Node simulator, a quarter of an A100's KV, documents read 32 times each at 16 req/s,
         segments written into their homes, four runs: copies that evicted as any page met the TTFT
-        SLO for 0.52, 0.72, 0.41 and 0.84 of requests, hit 0.73, 0.82, 0.74, 0.77; these, 0.60,
-        0.84, 0.48, 0.80, hit 0.73, 0.83, 0.83, 0.78.) A run held here whole, or copied, is a
+        SLO for 0.52, 0.72, 0.41 and 0.84 of requests, hit 0.73, 0.82, 0.74, 0.77; these, 0.64,
+        0.85, 0.48, 0.80, hit 0.72, 0.83, 0.82, 0.78.) What is held here once the copy ends is a
         replica (`replicas`). -> pages copied. Call without `lock`."""
         copied = 0
         for run in runs:
