@@ -166,7 +166,7 @@ class Router:
         self.index.link(keys)
         if target is None:
             target = self._near(engines, keys, len(prompt_token_ids), AFFINITY_SLACK if not place else 0.0)
-        runs, copies = self._runs(engines, keys, segment_pages, rng or random, target, count)
+        runs, copies = self._runs(engines, keys, segment_pages, rng or random, target, count=count, copy=count)
         own = sum(len(k) for e, k in runs if e == target)
         places = self.places(keys, sum(len(k) for _, k in runs), max(1, segment_pages), target,
                              [e.engine_id for e in engines]) if place else []
@@ -188,13 +188,12 @@ class Router:
         return ([], []) if all(e == target for e, _ in runs) else (runs, copies)
 
     def _runs(self, engines: Sequence[EngineLoad], keys: Sequence[bytes], segment_pages: int, rng: random.Random,
-              target: int, count: bool, copy: bool | None = None
+              target: int, *, count: bool, copy: bool
               ) -> tuple[list[tuple[int, list[bytes]]], list[tuple[int, list[bytes]]]]:
         """(the (engine, keys) runs of the prompt's leading pages to read where they are, the runs of
         hot segments among them that the target copies in); `count`: the request's use of each
-        whole segment of its prompt counts towards its heat; `copy` (default `count`): it may be
-        the one that copies a hot segment in."""
-        copy = count if copy is None else copy
+        whole segment of its prompt counts towards its heat; `copy`: it may be the one that copies
+        a hot segment in."""
         load = {e.engine_id: e.load for e in engines}
         now = self.clock()
         runs: list[tuple[int, list[bytes]]] = []
