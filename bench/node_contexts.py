@@ -15,7 +15,8 @@ arrivals), each at two rates (requests/s) per cost model; contexts are scaled wh
 KV pool could not hold one (sessions' 227K-token mean on an A100's 113K). The Mooncake trace
 (its first --num-prompts requests, prompts capped at 32K) runs at its own rate and 3x slower.
 Prompts are capped at 32K tokens (a longer context is cut, a session that would outgrow it ends).
-Per run: hit rate, throughput (output tokens/s), P99 TTFT, the load CV (busy time across engines)
+Per run: the workload's ideal hit rate (every page any earlier request had, read: sim/node.py
+ideal_hit_rate; no placement beats it), hit rate, throughput (output tokens/s), P99 TTFT, the load CV (busy time across engines)
 and the SLO's attainment and throughput (output tokens/s of the requests that met it; TokenLake's
 SLO, sim/node.py SLO_FACTOR), with each pool mode's ratios to routing. bench/node_goodput.py finds
 the highest rate at which 90% of requests meet it.
@@ -33,7 +34,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenflowd.sim.cost import cost_model  # noqa: E402
-from tokenflowd.sim.node import MODES, NodeConfig, NodeResult, NodeSimulator  # noqa: E402
+from tokenflowd.sim.node import MODES, NodeConfig, NodeResult, NodeSimulator, ideal_hit_rate  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape  # noqa: E402
 
@@ -102,9 +103,10 @@ def main() -> None:
     ap.add_argument("--policy", default="fcfs", help="every engine's scheduling policy (the daemon's default is "
                     "tokenflow; fcfs admits a long prompt by its first chunk and, where KV is short, preempts and "
                     "recomputes often)")
-    ap.add_argument("--hand-off", default="prompt", choices=["prompt", "segment"],
-                    help="pool-write: new segments go to their homes once the prompt is computed (the daemon's "
-                         "default) or each as it is computed (--pool-hand-off segment)")
+    ap.add_argument("--hand-off", default="auto", choices=["auto", "prompt", "segment"],
+                    help="pool-write: new segments go to their homes once the prompt is computed (prompt), each "
+                         "as it is computed (segment), or segment by segment where the prompt is over a quarter "
+                         "of an engine's KV (auto, the daemon's default: pool/hand_off.py)")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
@@ -127,13 +129,14 @@ def main() -> None:
                 s = {m: r.summary() for m, r in results.items()}
                 row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
                        "load": load, "rate": rate, "seconds": time.perf_counter() - t0,
+                       "ideal_hit_rate": ideal_hit_rate(w, cost.page_size),
                        **{m: {k: s[m][k] for k in KEYS} | {"put_pages": results[m].put_pages} for m in modes}}
                 for m in modes[1:]:
                     row[m]["throughput_vs_routing"] = s[m]["throughput"] / s["routing"]["throughput"]
                     row[m]["hit_rate_vs_routing"] = (s[m]["hit_rate"] / s["routing"]["hit_rate"]
                                                      if s["routing"]["hit_rate"] else None)
                 rows.append(row)
-                print(f"{cost.name:>15} {spec:>22} {load:>8} {rate:>6g} " + "  ".join(
+                print(f"{cost.name:>15} {spec:>22} {load:>8} {rate:>6g} ideal hit {row['ideal_hit_rate']:.3f} " + "  ".join(
                     f"{m}: hit {row[m]['hit_rate']:.3f} thr {row[m]['throughput']:7.1f} p99 {row[m]['ttft_p99']:7.2f} "
                     f"cv {row[m]['busy_cv']:.2f} load cv {row[m]['load_cv']:.2f} access cv {row[m]['access_cv']:.2f} slo {row[m]['slo_attainment']:.2f}" for m in modes), flush=True)
     if a.out:

@@ -78,7 +78,8 @@ def main() -> None:
     ap.add_argument("--kv-scale", type=float, default=1.0)
     ap.add_argument("--modes", default="routing,pool-write")
     ap.add_argument("--policy", default="tokenflow")
-    ap.add_argument("--hand-off", default="prompt", choices=["prompt", "segment"])
+    ap.add_argument("--hand-off", default="auto", choices=["auto", "prompt", "segment"],
+                    help="pool-write: when new segments go to their homes (pool/hand_off.py)")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--seconds", type=float, default=30.0, help="of arrivals a probe offers")
     ap.add_argument("--max-prompts", type=int, default=1200)

@@ -50,15 +50,16 @@ SOURCES = ("local", "peer", "miss")
 
 def flags(engines: int, kv: str, mode: str, segment_tokens: int = 0) -> list[str]:
     """`mode`: off, query or read (the default placement: new segments stay where they are
-    computed), query-home, read-home (written into their homes once the prompt is computed),
-    query-local, read-local (local, named), or query-segment, read-segment (placement by home, each
-    segment written into its home as it is computed: --pool-hand-off segment); any with -nosteal: no idle
+    computed), query-home, read-home (written into their homes: --pool-hand-off's default, auto,
+    pool/hand_off.py), query-local, read-local (local, named), or query-segment, read-segment,
+    query-prompt, read-prompt (placement by home, each segment written into its home as it is
+    computed, or all once the prompt is: --pool-hand-off segment, prompt); any with -nosteal: no idle
     engine takes queued requests (--no-pool-steal, pool/steal.py). `segment_tokens`: the
     pool's segment (0: the break-even length the engines measure at start-up)."""
     mode, steal = mode.removesuffix("-nosteal"), [] if not mode.endswith("-nosteal") else ["--no-pool-steal"]
     pool, _, placement = mode.partition("-")
     segment = ["--pool-segment-tokens", str(segment_tokens)] if segment_tokens and pool != "off" else []
-    where = ["--pool-placement", "home", "--pool-hand-off", "segment"] if placement == "segment" else \
+    where = ["--pool-placement", "home", "--pool-hand-off", placement] if placement in ("segment", "prompt") else \
         ["--pool-placement", placement] if placement else []
     return ["--engines", str(engines), "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", kv,
             "--pool-mode", pool, *where, *segment, *(steal if pool != "off" else [])]

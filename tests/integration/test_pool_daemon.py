@@ -299,7 +299,8 @@ async def stream_text(base_url: str, prompt: list[int], max_tokens: int, on_toke
 def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_killed(reference):
     """Write into the home (read mode): the engine computing a new 4,096-token prefix writes each
     segment homed on its peer into the peer's cache once the prompt is computed, and keeps no copy
-    of it while the request runs on."""
+    of it while the request runs on. (--pool-hand-off prompt: by default, auto, a prompt over a
+    quarter of the engine's KV, as this one is, goes segment by segment: the test below.)"""
     prefix, prompts = long_prompts(reference, "Letter", 20)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     want = [reference.generate({"first": {"prompt": prompts[0], "sampling_params": params}})["first"].text]
@@ -307,7 +308,7 @@ def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_ki
     want += [out[f"r{i}"].text for i in range(len(prompts) - 1)]
     home = homes(prefix)
     prefix_pages = LONG_TOKENS // 16
-    d = Daemon(*LONG_FLAGS)
+    d = Daemon(*LONG_FLAGS, "--pool-hand-off", "prompt")
     try:
         d.wait_all_engines()
         replicated_before = d.metric("tokenflowd_pool_replicated_pages")
@@ -401,10 +402,11 @@ def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_ki
 
 
 def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_with_the_greedy_tokens(reference):
-    """--pool-hand-off segment: the engine computing a new 2,048-token prefix writes each segment homed
-    on its peer into it as soon as it is computed, 256-token chunks apart, so the peer holds pages of
-    it before the request's first token; the rest of the prompt reads them there, and the tokens are
-    one engine's."""
+    """By default (--pool-hand-off auto, pool/hand_off.py) a prompt over a quarter of the engine's KV
+    goes segment by segment (256 MiB: ~5.8K tokens of SmolLM2's KV in float32): the engine computing
+    a new 2,048-token prefix writes each segment homed on its peer into it as soon as it is computed,
+    256-token chunks apart, so the peer holds pages of it before the request's first token; the rest
+    of the prompt reads them there, and the tokens are one engine's."""
     prefix, prompts = long_prompts(reference, "Map", 4, 2048)
     want = greedy(reference, prompts[:1], MAX_TOKENS) + greedy(reference, prompts[1:], MAX_TOKENS)
     home = homes(prefix)
@@ -413,7 +415,7 @@ def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_
     # whichever engine writes, a segment homed on its peer is whole half a prompt before the first
     # token (not in the last chunk, whose step also samples it): the order seen does not race
     assert early == {0, 1}, "the test needs segments homed on both engines in the prefix's first half"
-    d = Daemon(*LONG_FLAGS, "--pool-hand-off", "segment")
+    d = Daemon(*LONG_FLAGS, "--kv-cache-memory", "256MiB")
     try:
         d.wait_all_engines()
         seen: dict = {}

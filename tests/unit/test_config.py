@@ -150,7 +150,7 @@ def test_values_of_the_right_type_load(tmp_path):
     ("[engine]\nnum_threads = -1\n", "num_threads must be >= 1"),
     ("[engine]\nnum_threads = 0\n", "num_threads must be >= 1"),
     ('[engine]\nkv_cache_memory = "0"\n', "kv_cache_memory must be above 0 bytes"),
-    ('[engine]\npool_hand_off = "layer"\n', "pool_hand_off must be prompt or segment"),
+    ('[engine]\npool_hand_off = "layer"\n', "pool_hand_off must be auto, prompt or segment"),
 ])
 def test_values_that_would_break_the_daemon_are_refused_by_config_check(tmp_path, capsys, text, msg):
     path = tmp_path / "bad.toml"

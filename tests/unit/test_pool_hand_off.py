@@ -7,10 +7,13 @@ from __future__ import annotations
 from collections import deque
 from types import SimpleNamespace
 
+import pytest
+
 from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import PagePool, chain_page_keys
 from tokenflowd.pool.engine_hooks import PoolHooks
+from tokenflowd.pool.hand_off import by_segment
 
 PS, SEG = 16, 2  # tokens a page, pages a segment
 
@@ -29,8 +32,8 @@ class Member:
         return n if self.takes is None else min(n, self.takes)
 
 
-def setup(takes: int | None = None, hand_off: str = "prompt"):
-    pool = PagePool(64)
+def setup(takes: int | None = None, hand_off: str = "prompt", num_pages: int = 64):
+    pool = PagePool(num_pages)
     kv = KVCacheManager(pool, PS)
     req = Request("r", list(range(100, 100 + 6 * PS + 5)), SamplingParams(max_tokens=4))  # 6 whole pages and 5
     req.max_model_len = 1024
@@ -118,3 +121,17 @@ def test_segment_by_segment_each_segment_moves_once_it_is_computed():
     assert [(e, k) for e, k, _ in h.member.runs[-1]] == [(1, keys[4:6])]
     assert req.prefix_offset == 6 * PS and req.num_prompt_tokens == 5 and "r" not in h.homes
     assert kv.block_table(req) == before[6:]
+
+
+def test_by_default_a_prompt_goes_segment_by_segment_only_where_it_would_take_over_a_quarter_of_the_kv():
+    """pool/hand_off.py `auto`: the request's 6 pages and 5 tokens on a pool of 64 pages wait for
+    the prompt's end (the rest of the prompt attends to its own pages); on a pool of 24 (over a
+    quarter of it) each segment moves as soon as it is computed."""
+    for pages, moved in ((64, []), (24, [[(0, 2), (1, 2)]])):
+        h, req, kv, pool, keys = setup(hand_off="auto", num_pages=pages)
+        req.num_computed_tokens = 4 * PS  # segments 0 and 1 whole, the prompt not yet computed
+        kv.commit(req)
+        h._hand_off(1.0)
+        assert [[(e, len(k)) for e, k, _ in runs] for runs in h.member.runs] == moved, pages
+    with pytest.raises(ValueError, match="hand_off must be one of"):
+        by_segment("layer", 1, 1)

@@ -135,8 +135,9 @@ class EngineConfig:
     # placement home: when the engine computing a new segment writes it into its home: once the
     # request's whole prompt is computed (prompt), or as each segment is computed (segment: the
     # engine needs room for a segment of the prompt, not all of it, and the rest of the prompt
-    # attends to what went through the pool's path)
-    pool_hand_off: str = "prompt"
+    # attends to what went through the pool's path), or segment by segment only where the prompt
+    # computed here is over a quarter of the engine's KV (auto; pool/hand_off.py)
+    pool_hand_off: str = "auto"
     # an idle engine takes the last queued request that has started nothing from the engine with the
     # longest queue (pool/steal.py; the front asks: protocol.Withdraw)
     pool_steal: bool = True
@@ -208,8 +209,8 @@ class EngineConfig:
                              f"got {self.pool_segment_tokens}")
         if self.pool_placement not in ("home", "local"):
             raise ValueError(f"pool_placement must be home or local, got {self.pool_placement!r}")
-        if self.pool_hand_off not in ("prompt", "segment"):
-            raise ValueError(f"pool_hand_off must be prompt or segment, got {self.pool_hand_off!r}")
+        if self.pool_hand_off not in ("auto", "prompt", "segment"):
+            raise ValueError(f"pool_hand_off must be auto, prompt or segment, got {self.pool_hand_off!r}")
         if self.pool_mode != "off" and not self.enable_prefix_caching:
             raise ValueError("the pool shares prefix-cache pages: it needs prefix caching on")
         if self.role not in ("both", "prefill", "decode"):

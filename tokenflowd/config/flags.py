@@ -59,10 +59,12 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="where the pool keeps a new segment: local (the default: where it was computed, and a "
                         "request goes where its prefix is unless that engine is much busier) or home (the engine "
                         "its key hashes to; the engine computing it writes it there once its prompt is computed)")
-    g.add_argument("--pool-hand-off", choices=["prompt", "segment"],
-                   help="with --pool-placement home, when a new segment is written into its home: prompt (the "
-                        "default: once the request's prompt is computed) or segment (as each is computed: the "
-                        "engine needs room for one segment of a long prompt, not all of it, where KV is short)")
+    g.add_argument("--pool-hand-off", choices=["auto", "prompt", "segment"],
+                   help="with --pool-placement home, when a new segment is written into its home: prompt (once "
+                        "the request's prompt is computed), segment (as each is computed: the engine needs room "
+                        "for one segment of a long prompt, not all of it, but the rest of the prompt reads the "
+                        "segments gone before it through the pool) or auto (the default: segment by segment where "
+                        "the prompt computed here is over a quarter of the engine's KV, else prompt)")
     g.add_argument("--no-pool-steal", action="store_true",
                    help="with the pool on, an idle engine takes no queued request from a busy one (by default the "
                         "engine with the longest queue gives it the last request that has started nothing)")

@@ -35,6 +35,7 @@ from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, RequestStatus
 from tokenflowd.pool.ahead import asks_again, due, pins_on_arrival, waits
+from tokenflowd.pool.hand_off import by_segment
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool import cuda_ipc
 from tokenflowd.pool.names import cache_name, export_path
@@ -318,28 +319,27 @@ class PoolHooks:
                 member.sweep(reading)
 
     def _hand_off(self, now: float) -> None:
-        """Write into the home: once a running request's prompt is computed (or each whole segment,
-        with --pool-hand-off segment), its new segments whose home is a peer move there, and it
-        reads them there from then on (with the pages before them: its own segments stay in this
-        cache, pinned where they are, so that what it reads stays one leading run). Its pages of
-        them here go: no second copy outlives its prompt.
+        """Write into the home: once a running request's prompt is computed (or each whole segment
+        as soon as it is, where pool/hand_off.py `by_segment` says so: --pool-hand-off), its new
+        segments whose home is a peer move there, and it reads them there from then on (with the
+        pages before them: its own segments stay in this cache, pinned where they are, so that what
+        it reads stays one leading run). Its pages of them here go: no second copy outlives its
+        prompt.
         What a home gone or full did not take stays here, as the request's own, and is not tried
         again. The keys stop being cached here once the homes' reports have reached the front (two
         heartbeats: until then the front would find them nowhere).
 
-        With --pool-hand-off segment, each whole segment moves as soon as it is computed, so the
-        engine needs room for a segment of a long prompt, not the whole prompt, before the homes
-        take it: where KV is short, computing a whole document here first evicts as much of this
-        cache as the document is long, only to let those pages go once it moves (the node simulator,
-        a quarter of the A100's KV, 16 documents of 12K tokens at a light load: hit rate 0.830
-        segment by segment against 0.595 at the prompt's end and routing's 0.660).
-
-        Why the prompt's end is the default: every chunk of the prompt after a segment moved
-        attends to it where it now lives, through the pool's path (its query rows shipped, or the
-        holder's pages gathered and merged by LSE). On a 2-core CPU, --engines 2, handing off
-        segment by segment shipped 2.7-4.4x the query bytes in query mode and made read mode's mean
-        TTFT 2.2-2.4x, for about the same effective throughput (bench/results/pool_daemon_hand_off.json,
-        measured before decodes went through the paged LSE kernel)."""
+        Segment by segment, the engine needs room for a segment of a long prompt, not the whole
+        prompt, before the homes take it: where KV is short, computing a whole document here first
+        evicts as much of this cache as the document is long, only to let those pages go once it
+        moves (the node simulator, a quarter of the A100's KV, 16 documents of 12K tokens at a light
+        load: hit rate 0.883 segment by segment against 0.595 at the prompt's end and routing's
+        0.660). But every chunk of the prompt after a segment moved attends to it where it now
+        lives, through the pool's path (its query rows shipped, or the holder's pages gathered and
+        merged by LSE): where the prompt fits with room to spare that only costs (the H200 preset,
+        documents in overload: 0.71x routing's throughput segment by segment, 1.03x at the prompt's
+        end; on a 2-core CPU, --engines 2, 2.7-4.4x the query bytes in query mode and 2.2-2.4x read
+        mode's mean TTFT, bench/results/pool_daemon_hand_off.json). Hence `auto`, the default."""
         reqs, kv, ps = self.core.scheduler.requests, self.core.kv, self.config.page_size
         for rid in list(self.homes):
             req = reqs.get(rid)
@@ -347,7 +347,8 @@ class PoolHooks:
                 del self.homes[rid], self.ends[rid]
                 continue
             if req.status is not RequestStatus.RUNNING or (
-                    self.config.pool_hand_off != "segment" and req.num_computed_tokens < req.num_prompt_tokens):
+                    req.num_computed_tokens < req.num_prompt_tokens and not by_segment(
+                        self.config.pool_hand_off, req.num_prompt_tokens, self.core.pool.num_pages * ps)):
                 continue
             st = kv.state(req)
             homes, ends = self.homes[rid], self.ends[rid]

@@ -23,7 +23,8 @@ where a request runs and what it computes.
                 holds each segment once. Readers that arrive before the write read the pages
                 where they are being computed, once computed (the engine publishes them as it goes).
                 With NodeConfig.hand_off "segment" (--pool-hand-off segment) each whole segment
-                goes as soon as it is computed
+                goes as soon as it is computed; with "auto" (the default, as the daemon's) so does
+                each of a prompt over a quarter of the engine's KV (pool/hand_off.py)
     in every pool mode (NodeConfig.steal, the daemon's default), at the end of each step an idle
     engine (nothing queued, a seat and a quarter of its pages free) takes the last queued request
     that has started nothing from the engine with the longest queue, but for those that read most
@@ -77,8 +78,9 @@ from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
-from tokenflowd.kv.pages import OutOfPages, PagePool
+from tokenflowd.kv.pages import OutOfPages, PagePool, chain_page_keys
 from tokenflowd.pool.ahead import asks_again, due, pins_on_arrival, waits
+from tokenflowd.pool.hand_off import by_segment
 from tokenflowd.pool.steal import idle, staying, victim, withdrawable
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
@@ -110,8 +112,10 @@ class NodeConfig:
     link_bandwidth: float = 150e9  # bytes/s, effective
     segment_pages: int = 32  # the pool's segment: 512 tokens, near the paper's threshold of 568
     seed: int = 0
-    hand_off: str = "prompt"  # pool-write: new segments go to their homes once the prompt is computed, or each
-    # once it is ("segment"), as the daemon's --pool-hand-off
+    # pool-write: new segments go to their homes once the prompt is computed ("prompt"), each once it
+    # is ("segment"), or segment by segment where the prompt is over a quarter of the engine's KV
+    # ("auto"), as the daemon's --pool-hand-off (pool/hand_off.py)
+    hand_off: str = "auto"
     steal: bool = True  # pool: an idle engine takes a queued request from a busy one (--no-pool-steal: False)
     copy: bool = True  # pool: hot segments an engine reads elsewhere are copied into it (--no-pool-copy: False)
 
@@ -287,8 +291,7 @@ class NodeSimulator:
     def __init__(self, cost: CostModel, workload: Sequence[WorkloadRequest], mode: str, config: NodeConfig) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if config.hand_off not in ("prompt", "segment"):
-            raise ValueError(f"hand_off must be prompt or segment, got {config.hand_off!r}")
+        by_segment(config.hand_off, 0, 1)  # (a ValueError for a hand-off that is none)
         room = cost.max_tokens_in_pool
         for r in workload:
             if r.prompt_len + r.output_len > room:
@@ -498,7 +501,7 @@ class NodeSimulator:
 
     def _hand_off(self, e: _Engine) -> None:
         """Write into the home, as the daemon's PoolHooks._hand_off: once a running request's prompt
-        is computed (hand_off "segment": once a new segment is), its leading pages up to its last
+        is computed (by segment, pool/hand_off.py: once a new segment is), its leading pages up to its last
         whole new segment are read where their segments live from then on: its own segments' pages
         pinned where they are, a peer's written into the peer (the pages it lacks; the sender pays
         their KV on the link) and pinned there, up to the first home without room. The request lets
@@ -511,7 +514,8 @@ class NodeSimulator:
                 del e.homes[rid]
                 continue
             whole = req.num_computed_tokens >= req.num_prompt_tokens
-            if req.status is not RequestStatus.RUNNING or (not whole and self.config.hand_off == "prompt"):
+            if req.status is not RequestStatus.RUNNING or (
+                    not whole and not by_segment(self.config.hand_off, req.num_prompt_tokens, e.pool.num_pages * ps)):
                 continue
             homes, ends = e.homes[rid]
             st = e.kv.state(req)
@@ -678,3 +682,24 @@ class NodeSimulator:
 def simulate_node(cost: CostModel, workload: Sequence[WorkloadRequest], modes: Sequence[str] = MODES,
                   config: NodeConfig = NodeConfig()) -> dict[str, NodeResult]:
     return {mode: NodeSimulator(cost, workload, mode, config).run() for mode in modes}
+
+
+def ideal_hit_rate(workload: Sequence[WorkloadRequest], page_size: int) -> float:
+    """The hit rate no placement can beat: a node whose cache keeps every page computed, each
+    request reading the leading pages of its prompt that any request before it had (in arrival
+    order, computed the moment they arrive, never evicted). As the engines count hits, whole pages
+    only and never the prompt's last token. Where routing's hit rate is already near it, no pool
+    can gain much on hits (TokenLake's 1.5x needs routing at two thirds of it or less)."""
+    seen: set[bytes] = set()
+    hit = total = 0
+    for w in workload:
+        ids = prompt_token_ids(w, SIM_VOCAB_SIZE)
+        keys = chain_page_keys(ids, page_size, [])
+        usable = (len(ids) - 1) // page_size
+        n = 0
+        while n < min(usable, len(keys)) and keys[n] in seen:
+            n += 1
+        hit += n * page_size
+        total += len(ids)
+        seen.update(keys)
+    return hit / total if total else 0.0

@@ -1,0 +1,34 @@
+"""When the engine computing a new segment that is homed on a peer writes it into its home
+(`--pool-placement home`; pool/engine_hooks.py `_hand_off`, and the node simulator's twin).
+
+    prompt   once the request's whole prompt is computed: the rest of the prompt attends to its own
+             pages, but the engine first needs room for all of the prompt it computes, and takes it
+             from what its cache keeps for the pool, only to let those pages go once they move
+    segment  each whole segment as soon as it is computed: room for one chunk, and every later
+             chunk of the prompt attends to the segments gone before it through the pool's path
+    auto     (the default) segment by segment where the part of the prompt this engine computes
+             is over a quarter of its KV pages, else at the prompt's end
+
+Node simulator, 8 engines, a quarter of the A100's KV (28K tokens an engine), 32 runs of 12K-token
+documents (bench/node_contexts.py: 4 workloads, seeds 0-3, light and overload): throughput over
+routing's, geo mean 1.06x at the prompt's end (0.73x-1.76x), 1.09x segment by segment
+(0.90x-1.49x), 1.09x auto (0.997x-1.49x: the three below 1x at a light load); within TokenLake's
+SLO 0.78, 0.81, 0.81. Full KV (the A100's 113K, the H200's 803K): segment by segment fell to 0.71x
+and 0.67x routing's throughput on the H200's documents in overload (within the SLO 0.44 and 0.13,
+routing 0.94 and 0.73): every chunk's query rows went to the homes, where the whole prompt fitted;
+auto kept the prompt's end there (1.03x, 1.09x) and went segment by segment for the A100's long
+sessions (0.90x -> 1.14x).
+"""
+from __future__ import annotations
+
+HAND_OFFS = ("auto", "prompt", "segment")
+# auto: a prompt computed here that would take over 1/ROOM_SHARE of the engine's KV goes segment by segment
+ROOM_SHARE = 4
+
+
+def by_segment(hand_off: str, computed_tokens: int, kv_tokens: int) -> bool:
+    """Whether a request computing `computed_tokens` of its prompt on an engine of `kv_tokens` of KV
+    writes each new segment into its home as soon as it is computed (else once the prompt is)."""
+    if hand_off not in HAND_OFFS:
+        raise ValueError(f"hand_off must be one of {', '.join(HAND_OFFS)}, got {hand_off!r}")
+    return hand_off == "segment" or (hand_off == "auto" and computed_tokens * ROOM_SHARE > kv_tokens)
