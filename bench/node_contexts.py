@@ -16,8 +16,8 @@ KV pool could not hold one (sessions' 227K-token mean on an A100's 113K). The Mo
 (its first --num-prompts requests, prompts capped at 32K) runs at its own rate and 3x slower.
 Prompts are capped at 32K tokens (a longer context is cut, a session that would outgrow it ends).
 Per run: the workload's ideal hit rate (every page any earlier request had, read: sim/node.py
-ideal_hit_rate; no placement beats it), hit rate, throughput (output tokens/s), P99 TTFT, the load CV (busy time across engines)
-and the SLO's attainment and throughput (output tokens/s of the requests that met it; TokenLake's
+ideal_hit_rate; no placement beats it), hit rate, throughput (output tokens/s), P99 TTFT, the load
+CV (busy time across engines) and the SLO's attainment and throughput (output tokens/s of the requests that met it; TokenLake's
 SLO, sim/node.py SLO_FACTOR), with each pool mode's ratios to routing. bench/node_goodput.py finds
 the highest rate at which 90% of requests meet it.
 """
@@ -136,7 +136,8 @@ def main() -> None:
                     row[m]["hit_rate_vs_routing"] = (s[m]["hit_rate"] / s["routing"]["hit_rate"]
                                                      if s["routing"]["hit_rate"] else None)
                 rows.append(row)
-                print(f"{cost.name:>15} {spec:>22} {load:>8} {rate:>6g} ideal hit {row['ideal_hit_rate']:.3f} " + "  ".join(
+                print(f"{cost.name:>15} {spec:>22} {load:>8} {rate:>6g} ideal hit {row['ideal_hit_rate']:.3f} "
+                      + "  ".join(
                     f"{m}: hit {row[m]['hit_rate']:.3f} thr {row[m]['throughput']:7.1f} p99 {row[m]['ttft_p99']:7.2f} "
                     f"cv {row[m]['busy_cv']:.2f} load cv {row[m]['load_cv']:.2f} access cv {row[m]['access_cv']:.2f} slo {row[m]['slo_attainment']:.2f}" for m in modes), flush=True)
     if a.out:

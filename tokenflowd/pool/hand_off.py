@@ -6,8 +6,10 @@
              from what its cache keeps for the pool, only to let those pages go once they move
     segment  each whole segment as soon as it is computed: room for one chunk, and every later
              chunk of the prompt attends to the segments gone before it through the pool's path
-    auto     (the default) segment by segment where the part of the prompt this engine computes
-             is over a quarter of its KV pages, else at the prompt's end
+    auto     (the default) segment by segment while the part of the prompt this engine has still
+             to compute is over a quarter of its KV pages, then at the prompt's end (what is handed
+             off leaves the request's own prompt: a 12K-token prompt on 28K of KV sends its first
+             segments as they are computed and the rest of them once the prompt is)
 
 Node simulator, 8 engines, a quarter of the A100's KV (28K tokens an engine), 32 runs of 12K-token
 documents (bench/node_contexts.py: 4 workloads, seeds 0-3, light and overload): throughput over
@@ -22,7 +24,11 @@ sessions (0.90x -> 1.14x).
 from __future__ import annotations
 
 HAND_OFFS = ("auto", "prompt", "segment")
-# auto: a prompt computed here that would take over 1/ROOM_SHARE of the engine's KV goes segment by segment
+# auto: a prompt computed here that would take over 1/ROOM_SHARE of the engine's KV goes segment by
+# segment. Between the simulator's cases: the A100's documents (24K tokens on average on 113K of KV,
+# about a fifth) served more at the prompt's end in overload (1.03x routing's against 0.97x), its
+# sessions (contexts to 32K, over a quarter) and a quarter of its KV (12K-token documents on 28K)
+# more segment by segment.
 ROOM_SHARE = 4
 
 

@@ -80,7 +80,7 @@ from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool, chain_page_keys
 from tokenflowd.pool.ahead import asks_again, due, pins_on_arrival, waits
-from tokenflowd.pool.hand_off import by_segment
+from tokenflowd.pool.hand_off import HAND_OFFS, by_segment
 from tokenflowd.pool.steal import idle, staying, victim, withdrawable
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
@@ -291,7 +291,8 @@ class NodeSimulator:
     def __init__(self, cost: CostModel, workload: Sequence[WorkloadRequest], mode: str, config: NodeConfig) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        by_segment(config.hand_off, 0, 1)  # (a ValueError for a hand-off that is none)
+        if config.hand_off not in HAND_OFFS:
+            raise ValueError(f"hand_off must be one of {', '.join(HAND_OFFS)}, got {config.hand_off!r}")
         room = cost.max_tokens_in_pool
         for r in workload:
             if r.prompt_len + r.output_len > room:
@@ -501,8 +502,8 @@ class NodeSimulator:
 
     def _hand_off(self, e: _Engine) -> None:
         """Write into the home, as the daemon's PoolHooks._hand_off: once a running request's prompt
-        is computed (by segment, pool/hand_off.py: once a new segment is), its leading pages up to its last
-        whole new segment are read where their segments live from then on: its own segments' pages
+        is computed (by segment, pool/hand_off.py: once a new segment is), its leading pages up to
+        its last whole new segment are read where their segments live from then on: its own segments' pages
         pinned where they are, a peer's written into the peer (the pages it lacks; the sender pays
         their KV on the link) and pinned there, up to the first home without room. The request lets
         go of its pages of those, and they stop being cached here; what no home took stays its own
