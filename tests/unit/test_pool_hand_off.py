@@ -133,5 +133,8 @@ def test_by_default_a_prompt_goes_segment_by_segment_only_where_it_would_take_ov
         kv.commit(req)
         h._hand_off(1.0)
         assert [[(e, len(k)) for e, k, _ in runs] for runs in h.member.runs] == moved, pages
-    with pytest.raises(ValueError, match="hand_off must be one of"):
-        by_segment("layer", 1, 1)
+    assert not by_segment("prompt", 1 << 20, 1) and by_segment("segment", 1, 1 << 20)
+    from tokenflowd.sim.cost import cost_model
+    from tokenflowd.sim.node import NodeConfig, NodeSimulator
+    with pytest.raises(ValueError, match="hand_off must be one of"):  # (checked once with the config)
+        NodeSimulator(cost_model("a100-llama2-7b"), [], "pool-write", NodeConfig(hand_off="layer"))

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from tokenflowd.config.values import normal_url, parse_size
 
+# --pool-hand-off: when a new segment goes into its home (pool/hand_off.py decides by these names)
+POOL_HAND_OFFS = ("auto", "prompt", "segment")
 POLICY_NAMES = ("fcfs", "andes", "tokenflow")  # --policy; buffer/__init__.py builds each (named here, not imported)
 
 @dataclass(frozen=True)
@@ -209,7 +211,7 @@ class EngineConfig:
                              f"got {self.pool_segment_tokens}")
         if self.pool_placement not in ("home", "local"):
             raise ValueError(f"pool_placement must be home or local, got {self.pool_placement!r}")
-        if self.pool_hand_off not in ("auto", "prompt", "segment"):
+        if self.pool_hand_off not in POOL_HAND_OFFS:
             raise ValueError(f"pool_hand_off must be auto, prompt or segment, got {self.pool_hand_off!r}")
         if self.pool_mode != "off" and not self.enable_prefix_caching:
             raise ValueError("the pool shares prefix-cache pages: it needs prefix caching on")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenflowd.config import EngineConfig
+from tokenflowd.config import POOL_HAND_OFFS, EngineConfig
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="where the pool keeps a new segment: local (the default: where it was computed, and a "
                         "request goes where its prefix is unless that engine is much busier) or home (the engine "
                         "its key hashes to; the engine computing it writes it there: --pool-hand-off)")
-    g.add_argument("--pool-hand-off", choices=["auto", "prompt", "segment"],
+    g.add_argument("--pool-hand-off", choices=POOL_HAND_OFFS,
                    help="with --pool-placement home, when a new segment is written into its home: prompt (once "
                         "the request's prompt is computed), segment (as each is computed: the engine needs room "
                         "for one segment of a long prompt, not all of it, but the rest of the prompt reads the "

@@ -22,8 +22,6 @@ auto kept the prompt's end there (1.03x, 1.09x) and went segment by segment for 
 sessions (0.90x -> 1.14x).
 """
 from __future__ import annotations
-
-HAND_OFFS = ("auto", "prompt", "segment")
 # auto: a prompt computed here that would take over 1/ROOM_SHARE of the engine's KV goes segment by
 # segment. Between the simulator's cases: the A100's documents (24K tokens on average on 113K of KV,
 # about a fifth) served more at the prompt's end in overload (1.03x routing's against 0.97x), its
@@ -34,7 +32,6 @@ ROOM_SHARE = 4
 
 def by_segment(hand_off: str, computed_tokens: int, kv_tokens: int) -> bool:
     """Whether a request computing `computed_tokens` of its prompt on an engine of `kv_tokens` of KV
-    writes each new segment into its home as soon as it is computed (else once the prompt is)."""
-    if hand_off not in HAND_OFFS:
-        raise ValueError(f"hand_off must be one of {', '.join(HAND_OFFS)}, got {hand_off!r}")
+    writes each new segment into its home as soon as it is computed (else once the prompt is).
+    `hand_off`: one of config.POOL_HAND_OFFS (checked once with the config, not each step)."""
     return hand_off == "segment" or (hand_off == "auto" and computed_tokens * ROOM_SHARE > kv_tokens)

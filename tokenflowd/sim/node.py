@@ -71,7 +71,7 @@ from typing import Sequence
 
 from tokenflowd.buffer import make_policy
 from tokenflowd.buffer.qos import Timeline, summarize
-from tokenflowd.config import PolicyConfig
+from tokenflowd.config import POOL_HAND_OFFS, PolicyConfig
 from tokenflowd.daemon.prefix_index import PrefixIndex
 from tokenflowd.daemon.router import Choice, Router
 from tokenflowd.engine.core import EngineCore
@@ -80,7 +80,7 @@ from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool, chain_page_keys
 from tokenflowd.pool.ahead import asks_again, due, pins_on_arrival, waits
-from tokenflowd.pool.hand_off import HAND_OFFS, by_segment
+from tokenflowd.pool.hand_off import by_segment
 from tokenflowd.pool.steal import idle, staying, victim, withdrawable
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
@@ -291,8 +291,8 @@ class NodeSimulator:
     def __init__(self, cost: CostModel, workload: Sequence[WorkloadRequest], mode: str, config: NodeConfig) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if config.hand_off not in HAND_OFFS:
-            raise ValueError(f"hand_off must be one of {', '.join(HAND_OFFS)}, got {config.hand_off!r}")
+        if config.hand_off not in POOL_HAND_OFFS:
+            raise ValueError(f"hand_off must be one of {', '.join(POOL_HAND_OFFS)}, got {config.hand_off!r}")
         room = cost.max_tokens_in_pool
         for r in workload:
             if r.prompt_len + r.output_len > room:
@@ -696,9 +696,9 @@ def ideal_hit_rate(workload: Sequence[WorkloadRequest], page_size: int) -> float
     for w in workload:
         ids = prompt_token_ids(w, SIM_VOCAB_SIZE)
         keys = chain_page_keys(ids, page_size, [])
-        usable = (len(ids) - 1) // page_size
+        usable = (len(ids) - 1) // page_size  # (never more than the keys)
         n = 0
-        while n < min(usable, len(keys)) and keys[n] in seen:
+        while n < usable and keys[n] in seen:
             n += 1
         hit += n * page_size
         total += len(ids)
