@@ -278,6 +278,7 @@ class EngineStats(msgspec.Struct):
     # the host instead, with why (another GPU, IPC refused)
     pool_path: str = ""
     pool_staged: dict[int, str] = {}
+    pool_peer_access: dict[str, bool] = {}  # a GPU engine's start-up check: other GPUs it sees -> peer access
     kv_links: dict[str, float] = {}  # federation: peer transfer engine -> bytes/s its writes there achieved
     kv_egress: float = 0.0  # ... and bytes/s of its writes to all peers together (transport.egress_bandwidth)
 

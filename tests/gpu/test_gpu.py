@@ -5,6 +5,7 @@ start-up check and its step downs, the KV budget, and the torch backend against 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -489,15 +490,16 @@ def test_unseeded_rows_with_top_k_and_top_p_draw_in_flashinfers_kernel_and_seede
     assert seeded_run(False) == seeded_run(True)
 
 
-@pytest.mark.parametrize("mode,ipc", [("read", True), ("read", False), ("query", True)],
-                         ids=["cuda-ipc", "ipc-off", "query-cuda-ipc"])
-def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_tokens(gpu_dirs, mode, ipc):
-    """Read mode, two engines on one GPU: each opens the other's KV cache over CUDA IPC and attends
-    to its pages in place (/health: path "cuda ipc", no peer staged), and every stream's greedy
-    tokens equal one engine's. With --no-pool-ipc each queries the other through the host instead,
-    and /health names the peer it stages, with why; the tokens are the same. Query mode: each
-    ships its rows to the other in a device block the other opened over CUDA IPC (path "cuda ipc
-    (query mode)"; a holder that could not open it would be named as staged), the same tokens."""
+def _visible_gpus() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [d.strip() for d in visible.split(",") if d.strip()] if visible else \
+        [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _pooled_pair(model: str, mode: str, ipc: bool, gpus: list[str]) -> tuple[list[str], list[str], float, list[dict]]:
+    """Two engines of one daemon on `gpus` (one GPU: both on it; two: one each), a 512-token prefix
+    computed into its segments' homes on both, then 8 prompts reading it. -> (one engine's greedy
+    texts, the pair's, the prompt tokens read from the other engine, /health's engines)."""
     import asyncio
 
     import httpx
@@ -505,7 +507,6 @@ def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_t
 
     from tokenflowd.engine.offline import Engine
 
-    model = str(gpu_dirs["llama-64"])
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(10, 1000, (512,), generator=gen).tolist()  # 8 segments, homed on both engines
     prompts = [prefix + torch.randint(10, 1000, (9,), generator=gen).tolist() for _ in range(8)]
@@ -530,7 +531,7 @@ def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_t
     d = Daemon("--model", model, "--device", "cuda", "--engines", "2", "--dtype", "float32", "--kv-cache-memory",
                "256MiB", "--pool-mode", mode, "--pool-segment-tokens", "64", "--pool-placement", "home",
                *(() if ipc else ("--no-pool-ipc",)),
-               start_timeout=600)
+               start_timeout=600, env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)})
     try:
         d.wait_all_engines(600)
         got = asyncio.run(run(d.base_url))
@@ -538,12 +539,48 @@ def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_t
         engines = d.health()["engines"]
     finally:
         assert d.stop() == 0
+    return want, got, peer, engines
+
+
+@pytest.mark.parametrize("mode,ipc", [("read", True), ("read", False), ("query", True)],
+                         ids=["cuda-ipc", "ipc-off", "query-cuda-ipc"])
+def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_tokens(gpu_dirs, mode, ipc):
+    """Read mode, two engines on one GPU: each opens the other's KV cache over CUDA IPC and attends
+    to its pages in place (/health: path "cuda ipc", no peer staged), and every stream's greedy
+    tokens equal one engine's. With --no-pool-ipc each queries the other through the host instead,
+    and /health names the peer it stages, with why; the tokens are the same. Query mode: each
+    ships its rows to the other in a device block the other opened over CUDA IPC (path "cuda ipc
+    (query mode)"; a holder that could not open it would be named as staged), the same tokens."""
+    want, got, peer, engines = _pooled_pair(str(gpu_dirs["llama-64"]), mode, ipc, _visible_gpus()[:1])
     assert peer >= 64, "requests read segments the other engine holds"
+    pools = [e["pool"] for e in engines]
+    assert all(pool["peer_access"] == {} for pool in pools), "one GPU: no other GPU seen"
     if mode == "query":
-        assert all(e["pool"] == {"path": "cuda ipc (query mode)", "staged": {}} for e in engines), engines
+        assert all((pool["path"], pool["staged"]) == ("cuda ipc (query mode)", {}) for pool in pools), pools
     elif ipc:
-        assert all(e["pool"] == {"path": "cuda ipc", "staged": {}} for e in engines), engines
+        assert all((pool["path"], pool["staged"]) == ("cuda ipc", {}) for pool in pools), pools
     else:
-        assert all(e["pool"]["path"] == "host staging (--no-pool-ipc)" for e in engines), engines
-        assert any(e["pool"]["staged"] for e in engines), "a reader names the peer it queries instead"
+        assert all(pool["path"] == "host staging (--no-pool-ipc)" for pool in pools), pools
+        assert any(pool["staged"] for pool in pools), "a reader names the peer it queries instead"
+    assert got == want
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("mode", ["read", "query"])
+def test_two_engines_on_two_gpus_map_each_others_pages_where_peer_access_is_on(gpu_dirs, mode):
+    """One engine on each of two GPUs: each sees the other GPU (after its own), checks peer access at
+    start (/health `peer_access`), and where it is on maps the other's cache (read) or query
+    buffers (query) over CUDA IPC, staging nothing; where it is off, /health names the peer staged
+    through the host, with why. Either way the greedy tokens equal one engine's."""
+    gpus = _visible_gpus()[:2]
+    on = torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0)
+    want, got, peer, engines = _pooled_pair(str(gpu_dirs["llama-64"]), mode, True, gpus)
+    assert peer >= 64, "requests read segments the other engine holds"
+    pools = [e["pool"] for e in engines]
+    assert all(list(pool["peer_access"].values()) == [on] for pool in pools), pools
+    if on:
+        assert all(pool["staged"] == {} for pool in pools), pools
+    else:
+        assert all("no peer access" in why for pool in pools for why in pool["staged"].values()), pools
+        assert any(pool["staged"] for pool in pools), pools
     assert got == want

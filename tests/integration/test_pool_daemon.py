@@ -148,6 +148,8 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
             usage = r.json()["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= SYSTEM_TOKENS, usage
         assert source_tokens(d, "peer") >= SYSTEM_TOKENS, "no request read its prefix on the other engine"
+        path = "shared memory" if mode == "read" else "host staging (query mode)"  # (no GPU: no peer access)
+        assert [e["pool"] for e in d.health()["engines"]] == [{"path": path, "staged": {}, "peer_access": {}}] * 2
         queued = sum(d.metric("tokenflowd_pool_pinned_queued_requests_total", engine=str(e)) for e in (0, 1))
         resolved = sum(d.metric("tokenflowd_pool_resolved_requests_total", engine=str(e)) for e in (0, 1))
         if seats:

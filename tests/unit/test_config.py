@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -91,6 +92,27 @@ def test_engines_beyond_the_gpus_share_them_round_robin_with_a_share_of_the_memo
     monkeypatch.setattr(launcher, "_cuda_count", lambda: 0)
     with pytest.raises(ValueError, match="no CUDA device is visible"):
         launcher.engine_configs(cfg, None)
+
+
+def test_with_the_pool_on_each_engine_sees_the_other_gpus_after_its_own_for_peer_access(monkeypatch):
+    """Pooled engines may map peers' caches on other GPUs (pool/cuda_ipc.py): each sees every GPU
+    of the node, its own first (its cuda:0, where it allocates). Without the pool, or with
+    --no-pool-ipc, each sees its own alone."""
+    from tokenflowd.config import EngineConfig
+    from tokenflowd.daemon import launcher
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    pooled = EngineConfig(device="cuda", dtype="bfloat16", pool_mode="read")
+    seen = [env["CUDA_VISIBLE_DEVICES"] for _, env in launcher.engine_configs(pooled, 3)]
+    assert seen == ["2,5", "5,2", "2,5"]
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in launcher.engine_configs(replace(pooled, pool_mode="query"), 2)] \
+        == ["2,5", "5,2"]
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in launcher.engine_configs(replace(pooled, pool_ipc=False), 2)] \
+        == ["2", "5"]
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in launcher.engine_configs(replace(pooled, pool_mode="off"), 2)] \
+        == ["2", "5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in launcher.engine_configs(pooled, 2)] == ["3", "3"]
 
 
 def test_engines_sharing_a_gpu_run_under_the_mps_daemon_that_runs_and_mps_is_reported(monkeypatch, tmp_path, caplog):

@@ -155,7 +155,9 @@ def engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[Engi
 
     More engines than GPUs share them round-robin, each with its share of
     gpu_memory_utilization; they should run under CUDA MPS (systemd/tokenflowd-mps.service), or
-    the GPU time-slices between their contexts."""
+    the GPU time-slices between their contexts. With the node's pool on and CUDA IPC (the default),
+    an engine sees the other GPUs too, after its own (its cuda:0), so that it can map the caches of
+    peers there where its GPU has peer access to theirs (pool/cuda_ipc.py); it allocates on its own."""
     if config.device.startswith("cuda"):
         if config.device != "cuda":  # a device named explicitly: one engine on it
             return [(config, {})]
@@ -177,11 +179,14 @@ def engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[Engi
             else:
                 log.warning("%d engines share %d GPU(s) without CUDA MPS (no control daemon's pipe found): "
                             "their kernels will time-slice instead of running side by side", n, len(ids))
+        used = list(dict.fromkeys(placement))
+        peers_seen = config.pool_mode != "off" and config.pool_ipc
         configs = []
         for gpu in placement:
             sharing = placement.count(gpu)
             cfg = replace(config, gpu_memory_utilization=config.gpu_memory_utilization / sharing, engines_on_node=n)
-            configs.append((cfg, {"CUDA_VISIBLE_DEVICES": gpu, **mps}))
+            seen = [gpu, *(other for other in used if other != gpu)] if peers_seen else [gpu]
+            configs.append((cfg, {"CUDA_VISIBLE_DEVICES": ",".join(seen), **mps}))
         return configs
     n = engines or 1
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)

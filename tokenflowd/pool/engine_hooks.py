@@ -399,7 +399,7 @@ class PoolHooks:
                     pool_copied_pages=m["copied_pages"],
                     pool_share=self.member.share, pool_unblocked=self.unblocked,
                     pool_pinned_queued=self.pinned_queued, pool_resolved=self.resolved, pool_path=path,
-                    pool_staged=staged)
+                    pool_staged=staged, pool_peer_access=self.member.peer_access)
 
     def close(self) -> None:
         if self.member is not None:

@@ -42,7 +42,7 @@ from tokenflowd.engine.scheduler import ScheduledBatch
 from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.kv.staging import gather_pages, scatter_pages
 from tokenflowd.pool.attention import HolderRows, PeerCache, PooledAttention, QueriedHolder
-from tokenflowd.pool.cuda_ipc import DeviceKV
+from tokenflowd.pool.cuda_ipc import DeviceKV, peer_access
 from tokenflowd.pool.names import cache_name, export_path, query_buffers_path, service_address
 from tokenflowd.pool.query import PeerGone, QueryClient, QueryService
 from tokenflowd.pool.segments import (
@@ -97,6 +97,12 @@ class PoolMember:
         query mode's rows go through the host."""
         assert mode in ("query", "read")
         self.map_peers = map_peers
+        # on a GPU: whether this one's kernels reach each other GPU it sees (peers there are mapped
+        # only where they do; /health)
+        self.peer_access = peer_access() if kv_layers[0].is_cuda and map_peers else {}
+        if self.peer_access:
+            log.info("pool: peer access from this engine's GPU: %s",
+                     ", ".join(f"{gpu} {'on' if on else 'off'}" for gpu, on in self.peer_access.items()))
         self.engine, self.incarnation, self.mode, self.runtime_dir = engine, incarnation, mode, runtime_dir
         self.backend = backend
         self.kv_layers = list(kv_layers)
@@ -454,7 +460,7 @@ class PoolMember:
             info = peer.info
             if self.kv_layers[0].is_cuda:
                 peer.cache = DeviceKV.open(export_path(self.runtime_dir, info.engine, info.incarnation),
-                                           len(self.kv_layers), shape, self.backend.dtype)
+                                           len(self.kv_layers), shape, self.backend.dtype, self.peer_access)
             else:
                 peer.cache = SharedKV.attach(cache_name(self.runtime_dir, info.engine, info.incarnation),
                                              len(self.kv_layers), shape, self.backend.dtype)

@@ -406,11 +406,13 @@ class Routes:
 
 
 def _pool_health(slot) -> dict | None:
-    """How the engine reads its pool peers' pages, and which it queries through the host instead."""
+    """How the engine reads its pool peers' pages, which it queries through the host instead, and
+    (a GPU engine) which other GPUs its own has peer access to."""
     stats = slot.stats
     if stats is None or not stats.pool_path:
         return None
-    return {"path": stats.pool_path, "staged": {str(e): why for e, why in stats.pool_staged.items()}}
+    return {"path": stats.pool_path, "staged": {str(e): why for e, why in stats.pool_staged.items()},
+            "peer_access": stats.pool_peer_access}
 
 
 async def _first_pieces(gen: Generation) -> list[Piece]:
