@@ -10,6 +10,10 @@ runs, each step bounded by what is left of the budget and skipped when too littl
     decode      bench/gpu_decode.py: decode step time and the memory roofline, batches 1, 32, 128,
                 with the host KV tier's write-through and without it, overlap scheduling on and off
     offload     bench/offload_bandwidth.py: the copier's lanes against a pinned contiguous copy
+    pool        bench/pool_query.py --device cuda: two engines' processes on this GPU, per layer, a
+                segment the other holds read over CUDA IPC, queried with device buffers, and queried
+                through host staging, against attending to it locally (greedy equality of pooled
+                engines is the tests step's)
     compare     two daemons (fcfs, tokenflow; overlap on, the GPU default) on dummy:llama3-8b and one burst of reading
                 clients through `loadgen compare` (the first burst of ../shared/data/h200/README.md)
     calibrate   `tokenflowd calibrate`: the cost model the simulator would use on this GPU
@@ -159,6 +163,10 @@ def main() -> int:
                     "--offload", "write-through,none", "--overlap", "on,off", "--out", str(out / "gpu_decode.json")],
          60, 260),
         ("offload", [py, "bench/offload_bandwidth.py", "--out", str(out / "offload_bandwidth.json")], 20, 60),
+        # after the tests: their JIT build of flashinfer's bf16 head_dim-64 kernels serves it too (cold,
+        # the build alone takes about 100 s, hence the most)
+        ("pool", [py, "bench/pool_query.py", "--device", "cuda", "--repeats", "50",
+                  "--out", str(out / "pool_query_gpu.json")], 30, 150),
     ]
     rows = []
     probe = subprocess.run([py, "-c", "import torch, flashinfer; print(torch.__version__, torch.version.cuda, "
