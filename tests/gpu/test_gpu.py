@@ -584,3 +584,52 @@ def test_two_engines_on_two_gpus_map_each_others_pages_where_peer_access_is_on(g
         assert all("no peer access" in why for pool in pools for why in pool["staged"].values()), pools
         assert any(pool["staged"] for pool in pools), pools
     assert got == want
+
+
+def test_a_step_that_samples_nothing_has_finished_on_the_gpu_when_it_returns(gpu_dirs):
+    """Serial steps (overlap is off under the pool): the scheduler publishes a step's pages as the
+    step returns, and a pool peer reads them from its own process, so a mid-prompt chunk, which has
+    no token to read back, must have run to its end by then, even with the GPU far behind the host."""
+    core = make(gpu_dirs["llama-64"], max_num_batched_tokens=64)
+    core.overlap = False
+    runner, execute = core.runner, core.executor.execute
+    seen: list[tuple[bool, bool]] = []  # per step: (it sampled nothing, the GPU had finished it)
+
+    def lagging(batch):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the step
+        out = execute(batch)
+        seen.append((all(t is None for t in out), torch.cuda.current_stream(runner.device).query()))
+        return out
+
+    core.executor.execute = lagging
+    core.add_request(Request("r", list(range(10, 210)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
+    while core.has_unfinished():
+        core.step()
+    assert any(nothing for nothing, _ in seen), "the 200-token prompt ran in chunks of 64 that sample nothing"
+    assert all(done for _, done in seen), seen
+
+
+@needs_flashinfer
+def test_attention_to_two_sources_of_pages_in_turn_runs_each_on_its_own_plan_while_the_gpu_lags():
+    """A step whose requests read pages in two places (their own engine's and a peer's: the pool's
+    read mode) attends to each in turn every layer with flashinfer's one pages wrapper: each plan
+    rewrites the wrapper's page-locked buffer, so it must wait for the last plan's copy. Queued
+    behind 0.1 s of GPU time, four layers of both sources still equal the torch backend's."""
+    from tokenflowd.engine.attention.base import PageQuery
+    from tokenflowd.engine.attention.flashinfer_backend import FlashInferBackend
+    from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
+
+    args = (8, 2, 64, 16, torch.bfloat16, torch.device("cuda"))
+    fi, ref = FlashInferBackend(*args), TorchAttentionBackend(*args)
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randn(fi.kv_cache_shape(64), generator=g).to(torch.bfloat16).cuda() for _ in range(2)]  # HND
+    queries = [PageQuery([0, 3, 4], [[1, 2, 3], [7]]), PageQuery([0, 1, 4], [list(range(10, 40)), [5, 6]])]
+    q = torch.randn(4, 8, 64, generator=g).to(torch.bfloat16).cuda()
+    want = [ref.attend_pages(q, kv.transpose(1, 2).contiguous(), query) for kv, query in zip(caches, queries)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    got = [fi.attend_pages(q, kv, query) for _ in range(4) for kv, query in zip(caches, queries)]
+    torch.cuda.synchronize()
+    for i, (o, lse) in enumerate(got):
+        torch.testing.assert_close(o, want[i % 2][0], atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(lse, want[i % 2][1], atol=3e-2, rtol=3e-2)

@@ -290,9 +290,16 @@ class ModelRunner(Executor):
         return out
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Run one step; the sampled token of each batch request, None for a mid-prompt chunk."""
+        """Run one step, finished when it returns; the sampled token of each batch request, None for
+        a mid-prompt chunk."""
         tokens, sampling, lp = self._sample(batch)
         self._logprobs = _host_logprobs(lp, sampling)
+        if not sampling and self.device.type == "cuda":
+            # nothing to read back, so nothing waited for the step: the scheduler publishes its
+            # pages next, and a pool peer reads them from its own process (overlap is off under the
+            # pool); the next plan, too, would rewrite flashinfer's page-locked buffer under this
+            # step's queued copy
+            torch.cuda.current_stream(self.device).synchronize()
         return self._rows(len(batch), sampling, tokens.tolist())
 
     def take_logprobs(self) -> dict[int, TokenLogprobs]:

@@ -343,6 +343,8 @@ class PoolMember:
                     pinned = client.pin(COPY_PIN, keys)
                     try:
                         held, kv = len(pinned.pages), self.stage(pinned.pages, self._cache(peer).layers)
+                        if kv.is_cuda:  # the gather is queued: the holder may reuse the pages once unpinned
+                            torch.cuda.current_stream(kv.device).synchronize()
                     finally:
                         client.unpin(COPY_PIN)
                 else:

@@ -99,6 +99,8 @@ class FlashInferBackend(AttentionBackend):
         self.pages_workspace = torch.empty(WORKSPACE_BYTES // 4, dtype=torch.uint8, device=self.device)
         self.pages_prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.pages_workspace, "HND")
         self._pages_lock = threading.Lock()  # plan + run of pages_prefill: one thread at a time
+        self._pages_plan: tuple | None = None  # what pages_prefill was last planned for
+        self._pages_planned: torch.cuda.Event | None = None  # ... behind that plan's copies
         group = self.num_heads // self.num_kv_heads
         # Tensor cores pay off for decode once several query heads share a KV head.
         self.decode_tensor_cores = group >= 4
@@ -204,15 +206,28 @@ class FlashInferBackend(AttentionBackend):
         rows = [r for i in held for r in range(query.query_start[i], query.query_start[i + 1])]
         qo_indptr = [0, *itertools.accumulate(query.query_start[i + 1] - query.query_start[i] for i in held)]
         indptr = [0, *itertools.accumulate(len(query.pages[i]) for i in held)]
-        indices = to_device([p for i in held for p in query.pages[i]], torch.int32, self.device)
+        pages = [p for i in held for p in query.pages[i]]
         index = to_device(rows, torch.int64, self.device)
         with self._pages_lock:  # the pool's query service and the engine's own step share the wrapper
-            self.pages_prefill.plan(
-                torch.tensor(qo_indptr, **i32), torch.tensor(indptr, **i32), indices,
-                torch.full((len(held),), ps, **i32), self.num_heads, self.num_kv_heads, self.head_dim, ps,
-                causal=False, pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-            )
+            # Every layer of a step asks the same of each source: planned once while the sources
+            # do not alternate. A new plan first waits for the last one's copy out of the wrapper's
+            # page-locked buffer, which it rewrites (the step's plans: wait_planned); two sources in
+            # one step (this engine's pages and a peer's) would otherwise run on each other's plan.
+            plan = (qo_indptr, indptr, pages)
+            if plan != self._pages_plan:
+                if self._pages_planned is not None:
+                    self._pages_planned.synchronize()
+                self._pages_plan = None  # (a plan that fails leaves none to reuse)
+                self.pages_prefill.plan(
+                    torch.tensor(qo_indptr, **i32), torch.tensor(indptr, **i32),
+                    to_device(pages, torch.int32, self.device), torch.full((len(held),), ps, **i32),
+                    self.num_heads, self.num_kv_heads, self.head_dim, ps,
+                    causal=False, pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype,
+                    kv_data_type=self.dtype,
+                )
+                self._pages_planned = torch.cuda.Event()
+                self._pages_planned.record()
+                self._pages_plan = plan
             sub_out, sub_lse2 = self.pages_prefill.run(q.index_select(0, index), (kv_cache[0], kv_cache[1]),
                                                        return_lse=True)
         out.index_copy_(0, index, sub_out)
