@@ -11,16 +11,18 @@ A peer on another GPU opens it too where its GPU has peer access to the owner's 
 P2P; `peer_access`, checked once at start): the allocation is mapped into the opener's own device
 (CUDA's lazy peer access), so its kernels read and write the owner's pages over the link and
 nothing runs on the owner's GPU (the driver may keep a context of the opener's there: a few
-hundred MiB, within what --gpu-memory-utilization leaves beside each KV budget). For that the launcher lets each pooled engine see the node's other
-GPUs after its own (launcher.py engine_configs). A peer on a GPU without peer access, or one this
-engine does not see, or whose export cannot be opened (IPC refused: a container without it, MPS
-limits) is served through host staging (query mode's path) instead; /health names the peers
-served so (PoolMember `sharing`) and the start-up check's result (`peer_access`).
+hundred MiB, within what --gpu-memory-utilization leaves beside each KV budget). For that the
+launcher lets each pooled engine see the node's other GPUs after its own (launcher.py
+engine_configs). A peer on a GPU without peer access, or one this engine does not see, or whose
+export cannot be opened (IPC refused: a container without it, MPS limits) is served through host
+staging (query mode's path) instead; /health names the peers served so (PoolMember `sharing`) and
+the start-up check's result (`peer_access`).
 
 Query mode on a GPU shares its buffers the same way: a requester's q rows and the (o, lse) that
 come back live in one device allocation it exports (query.py QueryBuffers.on_device); a holder on
-the same GPU, or on one with peer access to it, opens it once and attends from it and into it, so a query's rows never cross the host.
-A holder that cannot open it says why, and that requester stages through the host from then on.
+the same GPU, or on one with peer access to it, opens it once and attends from it and into it, so
+a query's rows never cross the host. A holder that cannot open it says why, and that requester
+stages through the host from then on.
 """
 from __future__ import annotations
 
