@@ -73,6 +73,8 @@ class ModelRunner(Executor):
         self.layer_hook: Callable[[int], None] | None = None
         self.model_config = loaded.config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # (--device cuda:N) what captures graphs and asks for peer access
         self.dtype = getattr(torch, config.dtype)
         self.page_size = config.page_size
         self._init_threads()
