@@ -275,7 +275,7 @@ class EngineStats(msgspec.Struct):
     # how it reads peers' pages: "shared memory" (read mode, CPU), "cuda ipc" (read mode, GPU),
     # "cuda ipc (query mode)" (its query rows on the GPU, opened by the holder), "host staging (query
     # mode)" (CPU) or "host staging (--no-pool-ipc)"; "": no pool. And the peers it stages through
-    # the host instead, with why (another GPU, IPC refused)
+    # the host instead, with why (a GPU without peer access, IPC refused)
     pool_path: str = ""
     pool_staged: dict[int, str] = {}
     pool_peer_access: dict[str, bool] = {}  # a GPU engine's start-up check: other GPUs it sees -> peer access

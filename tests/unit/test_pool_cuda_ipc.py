@@ -4,6 +4,7 @@ elsewhere (the peer is then served through host staging). The mapping itself run
 tests/gpu/test_gpu.py."""
 from __future__ import annotations
 
+import inspect
 import pickle
 
 import pytest
@@ -35,3 +36,9 @@ def test_an_export_opens_in_this_engines_own_device_on_its_gpu_or_one_within_pee
         cuda_ipc.open_export(exported("GPU-b"), {"GPU-b": False})
     with pytest.raises(ValueError, match="GPU GPU-c, which this engine .* does not see"):
         cuda_ipc.open_export(exported("GPU-c"), {"GPU-b": True})
+
+
+def test_the_device_argument_rewritten_is_torchs_storage_device():
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    assert list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device") == cuda_ipc.STORAGE_DEVICE

@@ -121,9 +121,11 @@ class EngineConfig:
     # router follows prefixes), query (a request's prefix pages held by a peer stay there; its
     # query rows go to the peer each layer and come back as partial attention merged by LSE), or
     # read (the engine maps the peer's KV cache and attends to its pages in place: shared memory on a
-    # CPU, CUDA IPC between engines on one GPU; a peer it cannot map is queried through the host)
+    # CPU, CUDA IPC between engines on one GPU or on GPUs with peer access; a peer it cannot map is
+    # queried through the host)
     pool_mode: str = "off"
-    # on a GPU: read mode exports the KV cache over CUDA IPC for the peers on its GPU, and query mode
+    # on a GPU: read mode exports the KV cache over CUDA IPC for its peers (on its GPU or one with
+    # peer access to it; the engines then see the node's other GPUs: launcher.py), and query mode
     # its query buffers (false: they query each other through the host, for a container that
     # refuses IPC)
     pool_ipc: bool = True

@@ -47,7 +47,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="one prefix cache across this node's engines: off (the default: each engine its own, "
                         "requests follow their prefixes), query (a peer's prefix pages stay there and each layer's "
                         "queries go to it; LSE-merged) or read (peers' caches mapped and read in place: shared memory "
-                        "on a CPU, CUDA IPC between engines on one GPU; other peers are queried)")
+                        "on a CPU, CUDA IPC between engines on one GPU or on GPUs with peer access; other peers are queried)")
     g.add_argument("--no-pool-ipc", action="store_true",
                    help="on a GPU: share nothing over CUDA IPC (where the container refuses it): read mode "
                         "exports no KV cache and query mode keeps its query rows in host memory; peers query "

@@ -15,8 +15,9 @@ it through the holder's mapped cache.
 Buffers are POSIX shared memory (multiprocessing.shared_memory), one q_buf/out_buf pair per
 (requester, holder), made by the requester, so only a small control message crosses zmq per query. On a
 GPU the pair is one device block of the requester's, exported over CUDA IPC (cuda_ipc.py; its file
-in the runtime directory): a holder on the same GPU opens it and attends from it and into it, so the
-rows stay on the device. A holder that cannot open it (another GPU, IPC refused) answers why
+in the runtime directory): a holder on the same GPU, or on one with peer access to it, opens it and
+attends from it and into it, so the rows stay on the devices. A holder that cannot open it (a GPU
+without peer access, IPC refused) answers why
 (`Done.staged`), and the requester moves its buffers to shared memory: host staging.
 
 Pins. Before the first layer, the requester pins the segments a request reads (`pin`; a second
@@ -242,7 +243,8 @@ class QueryBuffers:
 
     @classmethod
     def open_device(cls, path: str, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> "QueryBuffers":
-        """A requester's device block, opened by its holder. ValueError where it is on another GPU."""
+        """A requester's device block, opened by its holder. ValueError where it is on a GPU out of
+        reach (cuda_ipc.open_export)."""
         raw = cuda_ipc.open_export(path)
         if raw.dtype != torch.uint8 or raw.numel() != cls.nbytes(max_rows, heads, head_dim, dtype):
             raise ValueError(f"its query buffers are {raw.numel()} {raw.dtype}, not the "

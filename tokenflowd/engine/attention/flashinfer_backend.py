@@ -226,7 +226,7 @@ class FlashInferBackend(AttentionBackend):
                     kv_data_type=self.dtype,
                 )
                 self._pages_planned = torch.cuda.Event()
-                self._pages_planned.record()
+                self._pages_planned.record(torch.cuda.current_stream(self.device))
                 self._pages_plan = plan
             sub_out, sub_lse2 = self.pages_prefill.run(q.index_select(0, index), (kv_cache[0], kv_cache[1]),
                                                        return_lse=True)
