@@ -5,7 +5,6 @@ start-up check and its step downs, the KV budget, and the torch backend against 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from conftest import make_hf_dir
 from tokenflowd.buffer.fcfs import FCFSPolicy
 from tokenflowd.buffer.policy import Plan, SchedulerView, SchedulingPolicy
 from tokenflowd.config import EngineConfig
+from tokenflowd.daemon.launcher import visible_gpus
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, SamplingParams
 from tokenflowd.engine.startup import FastPaths
@@ -490,16 +490,12 @@ def test_unseeded_rows_with_top_k_and_top_p_draw_in_flashinfers_kernel_and_seede
     assert seeded_run(False) == seeded_run(True)
 
 
-def _visible_gpus() -> list[str]:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return [d.strip() for d in visible.split(",") if d.strip()] if visible else \
-        [str(i) for i in range(torch.cuda.device_count())]
-
-
 def _pooled_pair(model: str, mode: str, ipc: bool, gpus: list[str]) -> tuple[list[str], list[str], float, list[dict]]:
     """Two engines of one daemon on `gpus` (one GPU: both on it; two: one each), a 512-token prefix
     computed into its segments' homes on both, then 8 prompts reading it. -> (one engine's greedy
-    texts, the pair's, the prompt tokens read from the other engine, /health's engines)."""
+    texts, the pair's, the prompt tokens read from the other engine, /health's engines). In float32,
+    for greedy tokens equal to one engine's: the torch backend attends to the peers' pages (asserted;
+    flashinfer's attend_pages over other caches' pages: the two-source test below)."""
     import asyncio
 
     import httpx
@@ -539,6 +535,7 @@ def _pooled_pair(model: str, mode: str, ipc: bool, gpus: list[str]) -> tuple[lis
         engines = d.health()["engines"]
     finally:
         assert d.stop() == 0
+    assert [e["attention"] for e in engines] == ["torch, pages gathered"] * 2, engines
     return want, got, peer, engines
 
 
@@ -551,7 +548,7 @@ def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_t
     and /health names the peer it stages, with why; the tokens are the same. Query mode: each
     ships its rows to the other in a device block the other opened over CUDA IPC (path "cuda ipc
     (query mode)"; a holder that could not open it would be named as staged), the same tokens."""
-    want, got, peer, engines = _pooled_pair(str(gpu_dirs["llama-64"]), mode, ipc, _visible_gpus()[:1])
+    want, got, peer, engines = _pooled_pair(str(gpu_dirs["llama-64"]), mode, ipc, visible_gpus()[:1])
     assert peer >= 64, "requests read segments the other engine holds"
     pools = [e["pool"] for e in engines]
     assert all(pool["peer_access"] == {} for pool in pools), "one GPU: no other GPU seen"
@@ -572,7 +569,7 @@ def test_two_engines_on_two_gpus_map_each_others_pages_where_peer_access_is_on(g
     start (/health `peer_access`), and where it is on maps the other's cache (read) or query
     buffers (query) over CUDA IPC, staging nothing; where it is off, /health names the peer staged
     through the host, with why. Either way the greedy tokens equal one engine's."""
-    gpus = _visible_gpus()[:2]
+    gpus = visible_gpus()[:2]
     on = [torch.cuda.can_device_access_peer(0, 1), torch.cuda.can_device_access_peer(1, 0)]  # engine i on gpus[i]
     want, got, peer, engines = _pooled_pair(str(gpu_dirs["llama-64"]), mode, True, gpus)
     assert peer >= 64, "requests read segments the other engine holds"

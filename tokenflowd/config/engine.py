@@ -214,7 +214,8 @@ class EngineConfig:
         if self.pool_placement not in ("home", "local"):
             raise ValueError(f"pool_placement must be home or local, got {self.pool_placement!r}")
         if self.pool_hand_off not in POOL_HAND_OFFS:
-            raise ValueError(f"pool_hand_off must be auto, prompt or segment, got {self.pool_hand_off!r}")
+            names = f"{', '.join(POOL_HAND_OFFS[:-1])} or {POOL_HAND_OFFS[-1]}"
+            raise ValueError(f"pool_hand_off must be {names}, got {self.pool_hand_off!r}")
         if self.pool_mode != "off" and not self.enable_prefix_caching:
             raise ValueError("the pool shares prefix-cache pages: it needs prefix caching on")
         if self.role not in ("both", "prefill", "decode"):

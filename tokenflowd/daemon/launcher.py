@@ -161,8 +161,7 @@ def engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[Engi
     if config.device.startswith("cuda"):
         if config.device != "cuda":  # a device named explicitly: one engine on it
             return [(config, {})]
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(_cuda_count())]
+        ids = visible_gpus()
         if not ids:
             raise ValueError("device cuda was asked for, but no CUDA device is visible")
         n = engines or len(ids)
@@ -191,6 +190,12 @@ def engine_configs(config: EngineConfig, engines: int | None) -> list[tuple[Engi
     n = engines or 1
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
     return [(replace(config, num_threads=threads, engines_on_node=n), {}) for _ in range(n)]
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may place engines on, as CUDA_VISIBLE_DEVICES names them (all, unset)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(_cuda_count())]
 
 
 def _cuda_count() -> int:
