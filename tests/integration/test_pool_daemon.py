@@ -1,7 +1,7 @@
 """The node's prefix-cache pool in a real daemon (`--engines 2 --pool-mode query|read`): requests on
 one engine read a prompt prefix that the other engine holds, where it is, and their greedy tokens
-equal a single engine's; a shared 1,024-token system prompt is held once, each segment at the
-engine its key hashes to (written into its home once the prompt is computed); a 4,096-token prefix
+equal a single engine's; a shared 1,024-token system prompt is held once, each segment at its
+home (pool/homes.py segment_homes; written into its home once the prompt is computed); a 4,096-token prefix
 is held once while the request that computed it decodes; SIGKILL of a holder, or of a home as a
 prefix is written into it, neither hangs nor corrupts a stream, and leaks no page on the survivor."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tokenflowd.config import EngineConfig
 from tokenflowd.engine.offline import Engine
 from tokenflowd.engine.request import SamplingParams
 from tokenflowd.kv.pages import chain_page_keys
-from tokenflowd.pool.homes import rendezvous_home
+from tokenflowd.pool.homes import segment_homes
 
 MODEL = "smollm2-135m"
 SEGMENT_PAGES = 16
@@ -74,8 +74,8 @@ def homes(system: list[int]) -> dict[int, int]:
     """Pages of the system prompt whose segments' home is each engine."""
     keys = chain_page_keys(system, 16, [], len(system))
     out = {0: 0, 1: 0}
-    for start in range(0, len(keys), SEGMENT_PAGES):
-        out[rendezvous_home(keys[start + SEGMENT_PAGES - 1], [0, 1])] += SEGMENT_PAGES
+    for home in segment_homes(keys[SEGMENT_PAGES - 1 :: SEGMENT_PAGES], [0, 1]):
+        out[home] += SEGMENT_PAGES
     assert out[0] and out[1], "the test needs a system prompt with segments homed on both engines"
     return out
 
@@ -221,7 +221,7 @@ def test_sigkill_of_the_holder_mid_stream_recomputes_the_prefix_and_keeps_the_gr
     try:
         d.wait_all_engines()
         base, home = pool_pages(d), homes(system)
-        victim = rendezvous_home(chain_page_keys(system, 16, [], SEGMENT_PAGES * 16)[-1], [0, 1])
+        victim = segment_homes(chain_page_keys(system, 16, [], SEGMENT_PAGES * 16)[-1:], [0, 1])[0]
         # Engine 0 computes the system prompt; the segments whose home is engine 1 go there.
         assert d.http.post("/v1/completions", json=body(victim_prompt, 2)).status_code == 200
         wait_for(lambda: placed(d, base, home, 0), 10, "the system prompt's segments never settled at their homes")
@@ -413,7 +413,8 @@ def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_
     want = greedy(reference, prompts[:1], MAX_TOKENS) + greedy(reference, prompts[1:], MAX_TOKENS)
     home = homes(prefix)
     keys = chain_page_keys(prefix, 16, [], len(prefix))
-    early = {rendezvous_home(keys[s + SEGMENT_PAGES - 1], [0, 1]) for s in range(0, len(keys) // 2, SEGMENT_PAGES)}
+    first_half = len(range(0, len(keys) // 2, SEGMENT_PAGES))
+    early = set(segment_homes(keys[SEGMENT_PAGES - 1 :: SEGMENT_PAGES], [0, 1])[:first_half])
     # whichever engine writes, a segment homed on its peer is whole half a prompt before the first
     # token (not in the last chunk, whose step also samples it): the order seen does not race
     assert early == {0, 1}, "the test needs segments homed on both engines in the prefix's first half"

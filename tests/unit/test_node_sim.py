@@ -166,17 +166,22 @@ def test_where_one_engine_cannot_hold_the_documents_segments_written_into_their_
     document (189K tokens all told), no engine more than two. Written into its home once the whole
     prompt is computed, a new document first takes 12K tokens of the computing engine's cache,
     evicting as much of what the pool keeps there, only to let those pages go when it moves: the
-    pool then hits less than routing at a light load (0.595 against 0.660). Written into its home
-    segment by segment as it is computed, it hits 0.883 of the workload's bound of 0.887 (sim/node.py
-    ideal_hit_rate), 1.34x routing's, and in overload serves 1.34x routing's throughput (1.58x with
-    every prompt segment by segment; 1.28x at the prompt's end). (TokenLake's 1.5x routing's hit
-    rate is out of reach here: routing already hits 0.74 of the bound.)"""
+    pool then hits less than routing at a light load (0.564 against 0.660). Written into its home
+    segment by segment as it is computed, it hits 0.834 against the workload's bound of 0.887
+    (sim/node.py ideal_hit_rate), 1.26x routing's, and in overload serves 1.41x routing's
+    throughput (1.33x at the prompt's end). (TokenLake's 1.5x routing's hit rate is out of reach
+    here: routing already hits 0.74 of the bound.) With each segment homed by its own hash instead
+    of dealt round the engines (pool/homes.py segment_homes) it hit 0.883 here, but 0.98-1.0 of the
+    bound either way with seeds 1-3: on this seed the two engines that compute most of the new
+    documents (at a light load ties go to the lower id) evict the most, and every document has
+    segments on them (bench/results/node_contexts_small_cache_dealt.json: over four workloads and
+    seeds 0-3, 0.817 against 0.789 by hash at a light load, 0.682 against 0.681 in overload)."""
     cost, light = small_cache_documents(2.0)
     ideal = ideal_hit_rate(light, cost.page_size)
     r = {m: x.summary() for m, x in simulate_node(cost, light, ("routing", "pool-write")).items()}
     prompt = NodeSimulator(cost, light, "pool-write", NodeConfig(hand_off="prompt")).run().summary()
     assert r["pool-write"]["hit_rate"] >= 1.2 * r["routing"]["hit_rate"], r
-    assert 0.97 * ideal <= r["pool-write"]["hit_rate"] <= ideal, (ideal, r)
+    assert 0.93 * ideal <= r["pool-write"]["hit_rate"] <= ideal, (ideal, r)
     assert 1.5 * r["routing"]["hit_rate"] > ideal, (ideal, r)  # (TokenLake's 1.5x: no placement reaches it here)
     assert prompt["hit_rate"] < r["routing"]["hit_rate"], (prompt, r)
     cost, over = small_cache_documents(16.0)
@@ -290,7 +295,8 @@ def test_a_request_told_nothing_holds_its_prefix_asks_again_when_picked_and_the_
     front of its queue, asked where its prefix was, heard nothing held it, and computed it all,
     though its policy admitted it only after the document was computed. Asking again when picked,
     the pool hits more than routing, serves more, meets the SLO as often, and balances the
-    engines' reads as TokenLake does (access CV 0.13 against routing's 0.53)."""
+    engines' reads as TokenLake does (access CV 0.09 against routing's 0.53; 0.13 with each segment
+    homed by its own hash instead of dealt round the engines)."""
     from tokenflowd.sim import node
     from tokenflowd.sim.cost import CostModel
     from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
@@ -446,7 +452,7 @@ def test_in_a_burst_behind_a_hot_system_prompt_each_engine_copies_it_in_at_its_q
         return {**result.summary(), "peer": result.peer_tokens / result.prompt_tokens, "copied": sim.copied_pages}
 
     both = run()
-    assert both["peer"] < 0.05 and both["access_cv"] < 0.25 and both["copied"] > 0, both  # measured: 0.0, 0.22
+    assert both["peer"] < 0.05 and both["access_cv"] < 0.3 and both["copied"] > 0, both  # measured: 0.0, 0.25
     reads = Router.reads
     monkeypatch.setattr(Router, "reads", lambda *a, **k: (reads(*a, **k)[0], []))
     no_copy_at_front = run()
@@ -459,9 +465,10 @@ def test_in_a_burst_behind_a_hot_system_prompt_each_engine_copies_it_in_at_its_q
 
     monkeypatch.setattr(node.NodeSimulator, "_copy", forgetting)
     not_kept = run()
-    # measured: 0.35 and 0.43 of the prompt tokens read on peers (access CV 0.25 and 0.49)
+    # measured: 0.33 and 0.37 of the prompt tokens read on peers, each of them a round trip per
+    # layer. (Their access CV, 0.16 and 0.17, is no worse: the prompt's four segments are dealt to
+    # four engines, pool/homes.py segment_homes. Homed by each one's hash, they were 0.25 and 0.49.)
     assert no_copy_at_front["peer"] > 0.3 and not_kept["peer"] > 0.3, (no_copy_at_front, not_kept)
-    assert not_kept["access_cv"] > 0.3, not_kept
 
 
 def test_the_balance_bench_runs_each_mode_at_the_rate_a_goodput_search_met(tmp_path, monkeypatch):

@@ -167,8 +167,8 @@ def test_a_queued_request_that_came_before_its_hot_prefix_was_computed_names_its
     assert cold.reads(engines, tokens, 4, target=1) == ([(0, k[:8])], []), "a cold segment is read where it is"
 
 
-def test_pooled_pick_places_each_new_segment_at_its_home_by_hash():
-    from tokenflowd.pool.homes import rendezvous_home
+def test_pooled_pick_places_each_new_segment_at_its_home_dealt_round_the_engines():
+    from tokenflowd.pool.homes import segment_homes
 
     tokens = list(range(33))  # 8 full pages before the last token: 4 segments of 2
     k = keys_of(tokens)
@@ -178,17 +178,36 @@ def test_pooled_pick_places_each_new_segment_at_its_home_by_hash():
     assert c.engine_id == 1 and c.runs == [(0, k[:2])]
     # The three segments nobody holds go to their homes; the one engine 1 computes for itself
     # (its home is engine 1) stays there; the segment read on engine 0 is not placed anywhere.
+    home = segment_homes(k[1::2], [0, 1, 2])
     want: list[tuple[int, list[bytes]]] = []
     for s in (2, 4, 6):
-        home = rendezvous_home(k[s + 1], [0, 1, 2])
-        if home != 1:
-            if want and want[-1][0] == home:
+        if home[s // 2] != 1:
+            if want and want[-1][0] == home[s // 2]:
                 want[-1][1].extend(k[s : s + 2])
             else:
-                want.append((home, k[s : s + 2]))
+                want.append((home[s // 2], k[s : s + 2]))
     assert c.places == want
-    homes = {rendezvous_home(key, [0, 1, 2]) for key in keys_of(list(range(200)))}
-    assert homes == {0, 1, 2}, "the hash spreads segments over every engine"
+    assert sorted(home[:3]) == [0, 1, 2], "the first three segments go one to each engine"
+
+
+def test_a_prompts_segments_are_dealt_evenly_round_the_engines_in_an_order_its_keys_hash_to():
+    """pool/homes.py segment_homes: each group of as many segments as engines puts one on each, so a
+    document's reads ask every engine alike; the order differs from group to group and document to
+    document, and a segment's home depends only on the keys up to it."""
+    from collections import Counter
+
+    from tokenflowd.pool.homes import segment_homes
+
+    engines = list(range(8))
+    docs = [keys_of([d] * PS + list(range(PS * 8 * 19))) for d in range(40)]  # 19 segments of 8 pages and more
+    homes = [segment_homes(k[7::8], engines) for k in docs]
+    for h in homes:
+        assert max(Counter(h).values()) - min(Counter(h).get(e, 0) for e in engines) <= 1, h
+        assert sorted(h[:8]) == sorted(h[8:16]) == engines
+    assert len({tuple(h[:8]) for h in homes}) > 30, "each document's order is its own"
+    assert len({h[0] for h in homes}) == 8 and len({h[16] for h in homes}) == 8, "so is each group's"
+    assert all(segment_homes(k[7::8][:n], engines) == h[:n] for k, h in zip(docs, homes) for n in (1, 9, 17))
+    assert segment_homes(docs[0][7::8], [0, 1, 2, 4, 5, 6, 7]) != homes[0][:19]  # (over the engines left)
 
 
 def test_pooled_pick_places_nothing_held_anywhere():
@@ -199,9 +218,9 @@ def test_pooled_pick_places_nothing_held_anywhere():
     assert (c.engine_id, c.runs, c.places) == (1, [(0, k[:8])], [])
     assert r.pick_pooled([FakeEngine(0)], tokens, segment_pages=4).places == []
     # a trailing part of a segment (pages 4-6 of a 4-page segment) is no segment: kept where computed
-    from tokenflowd.pool.homes import rendezvous_home
+    from tokenflowd.pool.homes import segment_homes
 
-    home = rendezvous_home(k[3], [0, 1])
+    home = segment_homes(k[3:4], [0, 1])[0]
     c = router_with({}).pick_pooled([FakeEngine(0), FakeEngine(1)], tokens[:28], segment_pages=4)
     assert c.engine_id == 0 and c.places == ([] if home == 0 else [(1, k[:4])])
 
@@ -211,12 +230,12 @@ def test_a_segment_its_home_still_holds_past_a_cut_is_put_back_there_and_one_hel
     Segment 2, still at its home, is put there (only the pages the home lacks cross), so the chain is
     whole at the homes again and no second copy stays where the request ran; segment 3, held by an
     engine that is not its home (a replica), stays where it is computed."""
-    from tokenflowd.pool.homes import rendezvous_home
+    from tokenflowd.pool.homes import segment_homes
 
     tokens = list(range(33))  # 8 pages before the last token: 4 segments of 2
     k = keys_of(tokens)
     engines = [0, 1, 2]
-    home = {s: rendezvous_home(k[s + 1], engines) for s in (0, 2, 4, 6)}
+    home = dict(zip((0, 2, 4, 6), segment_homes(k[1::2], engines)))
     elsewhere = next(e for e in engines if e != home[6])
     r = router_with({home[4]: k[4:6], elsewhere: k[6:8]})
     c = r.pick_pooled([FakeEngine(e, load=0 if e == 0 else 5) for e in engines], tokens, segment_pages=2)
@@ -318,7 +337,7 @@ def test_the_node_wide_index_agrees_with_per_engine_key_sets_under_random_events
 
 
 def test_the_traffic_dispatch_weighs_is_query_rows_to_other_holders_and_new_segments_to_other_homes():
-    from tokenflowd.pool.homes import rendezvous_home
+    from tokenflowd.pool.homes import segment_homes
     from tokenflowd.daemon.router import Arrival, TrafficCost
 
     cost = TrafficCost(query_row_bytes=100, kv_token_bytes=30)
@@ -330,7 +349,7 @@ def test_the_traffic_dispatch_weighs_is_query_rows_to_other_holders_and_new_segm
     assert r._traffic(k, Arrival(a, 8), [0, 1, 2], 2, cost, True) == [0, 9 * 100, 9 * 100]
     # Held nowhere: computed wherever it runs; each segment's 8 tokens of KV go to its home elsewhere.
     fresh = router_with({})
-    homes = [rendezvous_home(k[1], [0, 1, 2]), rendezvous_home(k[3], [0, 1, 2])]
+    homes = segment_homes([k[1], k[3]], [0, 1, 2])
     want = [sum(8 * 30 for h in homes if h != e) for e in (0, 1, 2)]
     assert fresh._traffic(k, Arrival(a, 8), [0, 1, 2], 2, cost, True) == want
     assert fresh._traffic(k, Arrival(a, 8), [0, 1, 2], 2, cost, False) == [0, 0, 0]

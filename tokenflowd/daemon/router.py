@@ -44,8 +44,9 @@ are topped up to an even load, and within that each request goes where it moves 
 minimum-cost bipartite matching; then its reads are named as `pick_pooled` names them.
 
 Placement by home (`--pool-placement home`): each whole segment of the prompt that no engine
-holds any page of has a home, the serving engine its last key hashes to (rendezvous hashing,
-pool/homes.py): the chosen engine computes it and, where the home is another engine, writes it
+holds any page of has a home (the prompt's segments dealt round the serving engines, a group of
+one each at a time in the order the group's first key hashes to: pool/homes.py `segment_homes`):
+the chosen engine computes it and, where the home is another engine, writes it
 into the home once the prompt is computed (`Choice.places`, AddRequest.place; pool/engine_hooks.py
 `_hand_off`) and keeps no copy. Segments are spread over the node by hash, never by where a
 request happened to run; a copy of a hot one stays where it is made.
@@ -64,7 +65,7 @@ from tokenflowd.daemon.prefix_index import PrefixIndex
 from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.pool.dispatch import assign, balanced_slots
 from tokenflowd.pool.heat import SegmentHeat
-from tokenflowd.pool.homes import rendezvous_home
+from tokenflowd.pool.homes import segment_homes
 
 # The pool's pick with --pool-placement local: an engine holding more of the prefix is preferred
 # while its work is within this many of the prompt's own tokens of the least loaded engine's. Chosen
@@ -301,16 +302,20 @@ class Router:
     def places(self, keys: Sequence[bytes], read: int, seg: int, target: int | None,
                 engines: list[int]) -> list[tuple[int, list[bytes]]]:
         """The homes of the whole segments past the `read` pages that the target computes and puts
-        at their homes (rendezvous hashing over the serving engines; its own are kept; target None:
-        all of them): those no engine but the home holds any page of. A segment its home holds
+        at their homes (dealt round the serving engines, pool/homes.py `segment_homes`; its own are
+        kept; target None: all of them): those no engine but the home holds any page of. A segment its home holds
         (whole or in part) is one the read could not reach, the chain cut before it: put there, it
         costs only the pages the home lacks, and the chain is whole at the homes again instead of
         a second copy staying where the request ran. One another engine holds (a copy of a hot
         segment, a copy a full home did not take) stays where it is computed."""
         places: list[tuple[int, list[bytes]]] = []
-        for start in range(-(-read // seg) * seg, len(keys) - seg + 1, seg):
+        first = -(-read // seg) * seg
+        if first + seg > len(keys):
+            return places
+        homes = segment_homes(keys[seg - 1 : len(keys) : seg], engines)
+        for start in range(first, len(keys) - seg + 1, seg):
             chunk = keys[start : start + seg]
-            home = rendezvous_home(chunk[-1], engines)
+            home = homes[start // seg]
             if any(e != home for key in chunk for e in self.index.holders(key)):
                 continue
             if home != target:

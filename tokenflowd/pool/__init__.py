@@ -21,7 +21,8 @@ The front's side is router.py (`pick_pooled`, `dispatch`) and daemon/api/arrival
 segment-level model of the same policies drives the simulator (sim/pool.py):
 
     tree.py        the node-wide prefix tree of segments and where each has replicas
-    homes.py       homes by rendezvous hash (the front's router places new segments by it too),
+    homes.py       homes by rendezvous hash (the front's router deals a prompt's segments round
+                   the engines in hashed orders: segment_homes),
                    heavy-hitter replication, power of two choices, global LRU
     index.py       the control plane: get_prefix_tree, get_cache_load, gen_plans
 """

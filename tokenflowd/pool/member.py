@@ -4,7 +4,7 @@ attends to theirs.
     the front: AddRequest.prefix = runs of the prompt's leading pages and the engines holding them
     admit   pin each run on its holder (query.py Pin; this engine's own runs resolved here) → the
             request keeps only the tokens past them (request.py foreign_token_ids, key_seed)
-    write   the front names the prompt's new segments whose home (rendezvous hash) is a peer
+    write   the front names the prompt's new segments whose home (homes.py segment_homes) is a peer
             (AddRequest.place): once the prompt is computed they move into their homes
             (`hand_off`: read mode writes them through the home's mapped cache, query.py
             Reserve/Commit; query mode puts them, query.py Put) and the request reads them there
