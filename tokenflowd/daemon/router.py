@@ -46,8 +46,8 @@ minimum-cost bipartite matching; then its reads are named as `pick_pooled` names
 Placement by home (`--pool-placement home`): each whole segment of the prompt that no engine
 holds any page of has a home (the prompt's segments dealt round the serving engines, a group of
 one each at a time in the order the group's first key hashes to: pool/homes.py `segment_homes`):
-the chosen engine computes it and, where the home is another engine, writes it
-into the home once the prompt is computed (`Choice.places`, AddRequest.place; pool/engine_hooks.py
+the chosen engine computes it and, where the home is another engine, writes it into the home
+once the prompt is computed (`Choice.places`, AddRequest.place; pool/engine_hooks.py
 `_hand_off`) and keeps no copy. Segments are spread over the node by hash, never by where a
 request happened to run; a copy of a hot one stays where it is made.
 """
@@ -303,11 +303,11 @@ class Router:
                 engines: list[int]) -> list[tuple[int, list[bytes]]]:
         """The homes of the whole segments past the `read` pages that the target computes and puts
         at their homes (dealt round the serving engines, pool/homes.py `segment_homes`; its own are
-        kept; target None: all of them): those no engine but the home holds any page of. A segment its home holds
-        (whole or in part) is one the read could not reach, the chain cut before it: put there, it
-        costs only the pages the home lacks, and the chain is whole at the homes again instead of
-        a second copy staying where the request ran. One another engine holds (a copy of a hot
-        segment, a copy a full home did not take) stays where it is computed."""
+        kept; target None: all of them): those no engine but the home holds any page of. A segment
+        its home holds (whole or in part) is one the read could not reach, the chain cut before it:
+        put there, it costs only the pages the home lacks, and the chain is whole at the homes
+        again instead of a second copy staying where the request ran. One another engine holds (a
+        copy of a hot segment, a copy a full home did not take) stays where it is computed."""
         places: list[tuple[int, list[bytes]]] = []
         first = -(-read // seg) * seg
         if first + seg > len(keys):
