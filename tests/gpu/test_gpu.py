@@ -609,14 +609,22 @@ def test_a_step_that_samples_nothing_has_finished_on_the_gpu_when_it_returns(gpu
 
 
 @needs_flashinfer
-def test_attention_to_two_sources_of_pages_in_turn_runs_each_on_its_own_plan_while_the_gpu_lags():
+@pytest.mark.parametrize("plans", [None, 1], ids=["a-plan-a-source", "one-plan-kept"])
+def test_attention_to_two_sources_of_pages_in_turn_runs_each_on_its_own_plan_while_the_gpu_lags(plans, monkeypatch):
     """A step whose requests read pages in two places (their own engine's and a peer's: the pool's
-    read mode) attends to each in turn every layer with flashinfer's one pages wrapper: each plan
-    rewrites the wrapper's page-locked buffer, so it must wait for the last plan's copy. Queued
-    behind 0.1 s of GPU time, four layers of both sources still equal the torch backend's."""
+    read mode) attends to each in turn every layer. flashinfer's pages wrappers keep a plan per
+    source (PAGES_PLANS): planned once each, the layers then run without a plan or a wait. With one
+    plan kept, each call plans again and must first wait for the last plan's copy out of the
+    wrapper's page-locked buffer. Queued behind 0.1 s of GPU time, four layers of both sources
+    equal the torch backend's either way. (Its CPU twin, with a stand-in flashinfer:
+    tests/unit/test_flashinfer_pages_plans.py.)"""
+    from tokenflowd.engine.attention import flashinfer_backend
     from tokenflowd.engine.attention.base import PageQuery
     from tokenflowd.engine.attention.flashinfer_backend import FlashInferBackend
     from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
+
+    if plans is not None:
+        monkeypatch.setattr(flashinfer_backend, "PAGES_PLANS", plans)
 
     args = (8, 2, 64, 16, torch.bfloat16, torch.device("cuda"))
     fi, ref = FlashInferBackend(*args), TorchAttentionBackend(*args)
@@ -633,3 +641,4 @@ def test_attention_to_two_sources_of_pages_in_turn_runs_each_on_its_own_plan_whi
     for i, (o, lse) in enumerate(got):
         torch.testing.assert_close(o, want[i % 2][0], atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(lse, want[i % 2][1], atol=3e-2, rtol=3e-2)
+    assert fi.pages_plans == (2 if plans is None else 8), fi.pages_plans

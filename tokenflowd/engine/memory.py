@@ -25,8 +25,13 @@ def kv_budget(total: int, utilization: float, own: int, reserved: int) -> int:
 
 def step_reserve(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int) -> dict[str, int]:
     """Bytes a GPU engine holds beyond its weights, workspaces and KV cache, by what holds them:
-    a step's activations, the CUDA graphs' pool and page table, the copier's device staging."""
+    a step's activations, the CUDA graphs' pool and page table, the copier's device staging, the
+    pool's planned pages wrappers (made as its steps first read each source)."""
     reserve = {"activations": activation_bytes(cfg, config.max_num_batched_tokens, config.max_num_seqs, dtype)}
+    if config.pool_mode != "off" and config.attention_backend == "flashinfer":
+        from tokenflowd.engine.attention.flashinfer_backend import PAGES_PLANS, PLAN_BYTES
+
+        reserve["pool pages plans"] = PAGES_PLANS * PLAN_BYTES
     if config.cuda_graphs:
         reserve["CUDA graphs"] = graph_bytes(cfg, config.max_num_seqs, max_model_len, config.page_size, dtype)
     if config.offload != "none":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,6 +27,11 @@ from tokenflowd.engine.attention.base import AttentionBackend, AttentionInputs, 
 from tokenflowd.engine.staging import concat_to_device, host_tensor, to_device
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
+# attend_pages keeps this many plans at once, each on its own wrapper: a step that reads a prompt's
+# segments where they live attends to one cache per engine holding them (up to the node's 8 GPUs),
+# every layer, and a wrapper planned for each is planned once a step, not once a layer each.
+PAGES_PLANS = 8
+PLAN_BYTES = 8 << 20  # the device workspace flashinfer's prefill wrapper holds its plan in (one a wrapper)
 LN2 = math.log(2.0)  # flashinfer's log-sum-exp is base 2; the seam's is base e
 
 
@@ -94,13 +100,14 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND")
-        # attend_pages runs between a step's layers (the pool's query service): its own wrapper and
-        # workspace, so the step's planned wrapper stays as planned.
+        # attend_pages runs between a step's layers (the pool's query service): wrappers and a
+        # workspace of its own, so the step's planned wrapper stays as planned. Its wrappers share
+        # the workspace as the step's two share theirs (their runs queue one after another).
         self.pages_workspace = torch.empty(WORKSPACE_BYTES // 4, dtype=torch.uint8, device=self.device)
-        self.pages_prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.pages_workspace, "HND")
-        self._pages_lock = threading.Lock()  # plan + run of pages_prefill: one thread at a time
-        self._pages_plan: tuple | None = None  # what pages_prefill was last planned for
-        self._pages_planned: torch.cuda.Event | None = None  # ... behind that plan's copies
+        self._pages_lock = threading.Lock()  # plan + run of the pages wrappers: one thread at a time
+        # plan -> (a wrapper planned for it, the event behind that plan's copies), least recently used first
+        self._pages: OrderedDict[tuple, tuple[object, torch.cuda.Event]] = OrderedDict()
+        self.pages_plans = 0  # plans made (a plan per source a step, not per layer)
         group = self.num_heads // self.num_kv_heads
         # Tensor cores pay off for decode once several query heads share a KV head.
         self.decode_tensor_cores = group >= 4
@@ -193,10 +200,39 @@ class FlashInferBackend(AttentionBackend):
         out, lse2 = meta.wrapper.run(q, (kv_cache[0], kv_cache[1]), return_lse=True)
         return out, lse2.float() * LN2
 
+    def _pages_wrapper(self, plan: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], requests: int) -> object:
+        """A pages wrapper planned for `plan` (qo_indptr, indptr, pages): every layer of a step asks
+        the same of each source it reads (this engine's pages, each peer's), so each source's is
+        planned once and kept while the step's other sources are attended to, up to PAGES_PLANS.
+        Re-planning a wrapper first waits for its last plan's copy out of its page-locked buffer,
+        which the new plan rewrites (the step's plans: wait_planned)."""
+        hit = self._pages.get(plan)
+        if hit is not None:
+            self._pages.move_to_end(plan)
+            return hit[0]
+        if len(self._pages) < PAGES_PLANS:
+            wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(self.pages_workspace, "HND")
+        else:
+            wrapper, planned = self._pages.popitem(last=False)[1]
+            planned.synchronize()
+        ps, i32 = self.page_size, dict(dtype=torch.int32)
+        qo_indptr, indptr, pages = plan
+        wrapper.plan(
+            torch.tensor(qo_indptr, **i32), torch.tensor(indptr, **i32),
+            to_device(pages, torch.int32, self.device), torch.full((requests,), ps, **i32),
+            self.num_heads, self.num_kv_heads, self.head_dim, ps,
+            causal=False, pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        planned = torch.cuda.Event()
+        planned.record(torch.cuda.current_stream(self.device))
+        self._pages[plan] = (wrapper, planned)  # (a plan that fails is not kept)
+        self.pages_plans += 1
+        return wrapper
+
     def attend_pages(self, q, kv_cache, query: PageQuery):
         # Only requests with pages here are planned (a request of zero pages has no valid page
         # table); the rows of the others keep the empty state (o 0, lse −inf).
-        ps, i32 = self.page_size, dict(dtype=torch.int32)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         held = [i for i, pages in enumerate(query.pages)
@@ -208,28 +244,9 @@ class FlashInferBackend(AttentionBackend):
         indptr = [0, *itertools.accumulate(len(query.pages[i]) for i in held)]
         pages = [p for i in held for p in query.pages[i]]
         index = to_device(rows, torch.int64, self.device)
-        with self._pages_lock:  # the pool's query service and the engine's own step share the wrapper
-            # Every layer of a step asks the same of each source: planned once while the sources
-            # do not alternate. A new plan first waits for the last one's copy out of the wrapper's
-            # page-locked buffer, which it rewrites (the step's plans: wait_planned); two sources in
-            # one step (this engine's pages and a peer's) would otherwise run on each other's plan.
-            plan = (qo_indptr, indptr, pages)
-            if plan != self._pages_plan:
-                if self._pages_planned is not None:
-                    self._pages_planned.synchronize()
-                self._pages_plan = None  # (a plan that fails leaves none to reuse)
-                self.pages_prefill.plan(
-                    torch.tensor(qo_indptr, **i32), torch.tensor(indptr, **i32),
-                    to_device(pages, torch.int32, self.device), torch.full((len(held),), ps, **i32),
-                    self.num_heads, self.num_kv_heads, self.head_dim, ps,
-                    causal=False, pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype,
-                    kv_data_type=self.dtype,
-                )
-                self._pages_planned = torch.cuda.Event()
-                self._pages_planned.record(torch.cuda.current_stream(self.device))
-                self._pages_plan = plan
-            sub_out, sub_lse2 = self.pages_prefill.run(q.index_select(0, index), (kv_cache[0], kv_cache[1]),
-                                                       return_lse=True)
+        with self._pages_lock:  # the pool's query service and the engine's own step share the wrappers
+            wrapper = self._pages_wrapper((tuple(qo_indptr), tuple(indptr), tuple(pages)), len(held))
+            sub_out, sub_lse2 = wrapper.run(q.index_select(0, index), (kv_cache[0], kv_cache[1]), return_lse=True)
         out.index_copy_(0, index, sub_out)
         lse.index_copy_(0, index, sub_lse2.float() * LN2)
         return out, lse
