@@ -50,13 +50,19 @@ class StandInWrapper:
 
 
 class CountedEvent:
-    waits = 0
+    waits = 0  # the host's
+    followed = 0  # a stream's
 
     def record(self, stream=None) -> None:
         pass
 
     def synchronize(self) -> None:
         CountedEvent.waits += 1
+
+
+class Stream:
+    def wait_event(self, event: CountedEvent) -> None:
+        CountedEvent.followed += 1
 
 
 @pytest.fixture
@@ -66,12 +72,13 @@ def backend(monkeypatch):
     stand_in.BatchDecodeWithPagedKVCacheWrapper = lambda *a, **k: object()
     monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
     monkeypatch.setattr(torch.cuda, "Event", CountedEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     from tokenflowd.engine.attention.flashinfer_backend import FlashInferBackend
 
     fi = FlashInferBackend(8, 2, 16, 4, torch.float32, torch.device("cpu"))
     monkeypatch.setattr(StandInWrapper, "made", 0)  # (the step's prefill wrapper is made)
     monkeypatch.setattr(CountedEvent, "waits", 0)
+    monkeypatch.setattr(CountedEvent, "followed", 0)
     return fi
 
 
@@ -98,6 +105,7 @@ def test_each_source_of_a_steps_pages_is_planned_once_and_every_layer_runs_on_it
             torch.testing.assert_close(lse, want[source][1], atol=1e-5, rtol=1e-5)
     assert (backend.pages_plans, StandInWrapper.made, CountedEvent.waits) == (2, 2, 0), \
         "one plan a source, no wait on the GPU between layers"
+    assert CountedEvent.followed == 6, "a plan kept runs after its copies on the asker's stream"
 
 
 def test_with_more_sources_than_plans_kept_the_oldest_is_planned_again_after_its_copy(backend, monkeypatch):

@@ -205,10 +205,12 @@ class FlashInferBackend(AttentionBackend):
         the same of each source it reads (this engine's pages, each peer's), so each source's is
         planned once and kept while the step's other sources are attended to, up to PAGES_PLANS.
         Re-planning a wrapper first waits for its last plan's copy out of its page-locked buffer,
-        which the new plan rewrites (the step's plans: wait_planned)."""
+        which the new plan rewrites (the step's plans: wait_planned). A plan kept is run on the
+        stream of whoever asks (the engine's step, the query service's thread) after its copies."""
         hit = self._pages.get(plan)
         if hit is not None:
             self._pages.move_to_end(plan)
+            torch.cuda.current_stream(self.device).wait_event(hit[1])
             return hit[0]
         if len(self._pages) < PAGES_PLANS:
             wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(self.pages_workspace, "HND")
