@@ -108,6 +108,25 @@ def test_each_source_of_a_steps_pages_is_planned_once_and_every_layer_runs_on_it
     assert CountedEvent.followed == 6, "a plan kept runs after its copies on the asker's stream"
 
 
+def test_with_more_sources_than_plans_kept_the_least_recently_used_is_planned_again(backend, monkeypatch):
+    """Two plans kept, sources A B A C A B: C replaces B (A was asked since), then B replaces C."""
+    from tokenflowd.engine.attention import flashinfer_backend
+
+    monkeypatch.setattr(flashinfer_backend, "PAGES_PLANS", 2)
+    caches, queries, q, want = two_sources(backend)
+    third = PageQuery([0, 2, 4], [[20, 21], [30]])
+    kv = {"A": caches[0], "B": caches[1], "C": caches[1]}
+    query = {"A": queries[0], "B": queries[1], "C": third}
+    plans = []
+    for source in "ABACAB":
+        o, _ = backend.attend_pages(q, kv[source], query[source])
+        if source != "C":
+            torch.testing.assert_close(o, want["AB".index(source)][0], atol=1e-5, rtol=1e-5)
+        plans.append(backend.pages_plans)
+    assert plans == [1, 2, 2, 3, 3, 4] and StandInWrapper.made == 2, plans
+    assert CountedEvent.waits == 2, "each re-plan waited for the copy of the plan it replaced"
+
+
 def test_with_more_sources_than_plans_kept_the_oldest_is_planned_again_after_its_copy(backend, monkeypatch):
     from tokenflowd.engine.attention import flashinfer_backend
 

@@ -193,10 +193,11 @@ def test_pooled_pick_places_each_new_segment_at_its_home_dealt_round_the_engines
 def test_a_prompts_segments_are_dealt_evenly_round_the_engines_in_an_order_its_keys_hash_to():
     """pool/homes.py segment_homes: each group of as many segments as engines puts one on each, so a
     document's reads ask every engine alike; the order differs from group to group and document to
-    document, and a segment's home depends only on the keys up to it."""
+    document, and a segment's home depends only on the keys up to it. An engine that is gone (or
+    not serving yet) moves only the segments dealt to it, each where its key hashes over the rest."""
     from collections import Counter
 
-    from tokenflowd.pool.homes import segment_homes
+    from tokenflowd.pool.homes import rendezvous_home, segment_homes
 
     engines = list(range(8))
     docs = [keys_of([d] * PS + list(range(PS * 8 * 19))) for d in range(40)]  # 19 segments of 8 pages and more
@@ -207,7 +208,27 @@ def test_a_prompts_segments_are_dealt_evenly_round_the_engines_in_an_order_its_k
     assert len({tuple(h[:8]) for h in homes}) > 30, "each document's order is its own"
     assert len({h[0] for h in homes}) == 8 and len({h[16] for h in homes}) == 8, "so is each group's"
     assert all(segment_homes(k[7::8][:n], engines) == h[:n] for k, h in zip(docs, homes) for n in (1, 9, 17))
-    assert segment_homes(docs[0][7::8], [0, 1, 2, 4, 5, 6, 7]) != homes[0][:19]  # (over the engines left)
+    live = [0, 1, 2, 4, 5, 6, 7]  # engine 3 gone
+    for k, h in zip(docs, homes):
+        left = segment_homes(k[7::8], engines, live)
+        assert [a for a, b in zip(left, h) if b != 3] == [b for b in h if b != 3], "the others' stay"
+        assert all(a == rendezvous_home(key, live) for a, b, key in zip(left, h, k[7::8]) if b == 3)
+
+
+def test_the_router_deals_new_segments_round_every_engine_that_has_served_while_one_is_away():
+    """Router.places: the engines that have served make the deal; one away (restarting) has its
+    segments homed on the others meanwhile, the others' homes unchanged."""
+    from tokenflowd.pool.homes import segment_homes
+
+    tokens = list(range(4 * 2 * 8 + 1))  # 8 segments of 2 pages
+    k = keys_of(tokens)
+    r = router_with({})
+    all_up = r.pick_pooled([FakeEngine(e) for e in range(4)], tokens, segment_pages=2, target=0)
+    assert [home for home, keys in all_up.places for _ in range(len(keys) // 2)] == \
+        [h for h in segment_homes(k[1::2], range(4)) if h != 0]
+    away = r.pick_pooled([FakeEngine(e) for e in (0, 1, 3)], tokens, segment_pages=2, target=0)
+    assert [home for home, keys in away.places for _ in range(len(keys) // 2)] == \
+        [h for h in segment_homes(k[1::2], range(4), [0, 1, 3]) if h != 0]
 
 
 def test_pooled_pick_places_nothing_held_anywhere():

@@ -133,8 +133,8 @@ class EngineConfig:
     # pool/segments.py with α, B and k_comp measured at start-up (logged)
     pool_segment_tokens: int = 0
     # where the pool keeps a new segment: local (where it was computed; a request goes where its prefix
-    # is unless that engine is much busier) or home (the engine its key hashes to, pool/homes.py; the
-    # engine computing it writes it there once its prompt is computed)
+    # is unless that engine is much busier) or home (a prompt's segments dealt round the engines in
+    # an order their keys hash to, pool/homes.py segment_homes; the engine computing it writes it there)
     pool_placement: str = "local"
     # placement home: when the engine computing a new segment writes it into its home: once the
     # request's whole prompt is computed (prompt), or as each segment is computed (segment: the

@@ -58,7 +58,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pool-placement", choices=["home", "local"],
                    help="where the pool keeps a new segment: local (the default: where it was computed, and a "
                         "request goes where its prefix is unless that engine is much busier) or home (the engine "
-                        "its key hashes to; the engine computing it writes it there: --pool-hand-off)")
+                        "a prompt's segments are dealt round, in an order their keys hash to; the engine computing "
+                        "it writes it there: --pool-hand-off)")
     g.add_argument("--pool-hand-off", choices=POOL_HAND_OFFS,
                    help="with --pool-placement home, when a new segment is written into its home: prompt (once "
                         "the request's prompt is computed), segment (as each is computed: the engine needs room "

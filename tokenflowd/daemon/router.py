@@ -44,7 +44,7 @@ are topped up to an even load, and within that each request goes where it moves 
 minimum-cost bipartite matching; then its reads are named as `pick_pooled` names them.
 
 Placement by home (`--pool-placement home`): each whole segment of the prompt that no engine
-holds any page of has a home (the prompt's segments dealt round the serving engines, a group of
+holds any page of has a home (the prompt's segments dealt round the node's engines, a group of
 one each at a time in the order the group's first key hashes to: pool/homes.py `segment_homes`):
 the chosen engine computes it and, where the home is another engine, writes it into the home
 once the prompt is computed (`Choice.places`, AddRequest.place; pool/engine_hooks.py
@@ -132,6 +132,7 @@ class Router:
         self.clock = clock
         self.copy_hot = copy_hot  # hot segments an engine reads elsewhere are copied into it (`_copy`)
         self._copying: dict[tuple[bytes, int], float] = {}  # (hot segment, engine) -> since when it is copied there
+        self._node: set[int] = set()  # every engine that has served: new segments are dealt round them (`places`)
 
     def pick(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int]) -> Choice:
         """`engines` must be non-empty (the serving ones). Ties go to the lower engine id."""
@@ -302,17 +303,19 @@ class Router:
     def places(self, keys: Sequence[bytes], read: int, seg: int, target: int | None,
                 engines: list[int]) -> list[tuple[int, list[bytes]]]:
         """The homes of the whole segments past the `read` pages that the target computes and puts
-        at their homes (dealt round the serving engines, pool/homes.py `segment_homes`; its own are
-        kept; target None: all of them): those no engine but the home holds any page of. A segment
-        its home holds (whole or in part) is one the read could not reach, the chain cut before it:
-        put there, it costs only the pages the home lacks, and the chain is whole at the homes
-        again instead of a second copy staying where the request ran. One another engine holds (a
-        copy of a hot segment, a copy a full home did not take) stays where it is computed."""
+        at their homes (dealt round the node's engines, the serving ones standing in for any that
+        is not: pool/homes.py `segment_homes`; its own are kept; target None: all of them): those no
+        engine but the home holds any page of. A segment its home holds (whole or in part) is one
+        the read could not reach, the chain cut before it: put there, it costs only the pages the
+        home lacks, and the chain is whole at the homes again instead of a second copy staying
+        where the request ran. One another engine holds (a copy of a hot segment, a copy a full
+        home did not take) stays where it is computed."""
         places: list[tuple[int, list[bytes]]] = []
         first = -(-read // seg) * seg
         if first + seg > len(keys):
             return places
-        homes = segment_homes(keys[seg - 1 : len(keys) : seg], engines)
+        self._node.update(engines)
+        homes = segment_homes(keys[seg - 1 : len(keys) : seg], sorted(self._node), engines)
         for start in range(first, len(keys) - seg + 1, seg):
             chunk = keys[start : start + seg]
             home = homes[start // seg]

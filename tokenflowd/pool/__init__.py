@@ -17,8 +17,9 @@ In the daemon (`--pool-mode query|read`):
     dispatch.py    arrivals (or batches) to engines by minimum-cost bipartite matching (scipy)
     cuda_ipc.py    read mode on a GPU: a KV cache's allocation exported once, opened by its peers
 
-The front's side is router.py (`pick_pooled`, `dispatch`) and daemon/api/arrivals.py. Beside them, the
-segment-level model of the same policies drives the simulator (sim/pool.py):
+The front's side is router.py (`pick_pooled`, `dispatch`) and daemon/api/arrivals.py. Beside them, a
+segment-level model of TokenLake's policies drives the segment simulator (sim/pool.py; it homes each
+segment by its own hash, as TokenLake does; the router deals a prompt's segments round the engines):
 
     tree.py        the node-wide prefix tree of segments and where each has replicas
     homes.py       homes by rendezvous hash (the front's router deals a prompt's segments round

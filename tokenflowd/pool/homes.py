@@ -5,8 +5,8 @@
   whichever engine computed it, and it never migrates. When an engine dies its replicas leave
   the index; a segment computed again later hashes over the engines left, and the other engines'
   segments keep their homes (that is what rendezvous hashing buys over a modulo). The front's
-  router deals a prompt's segments round the engines instead (`segment_homes`): a prompt's reads
-  then spread evenly.
+  router deals a prompt's segments round the engines instead (`segment_homes`), which keeps
+  both: a prompt's reads spread evenly, and an engine that goes moves only its own segments.
 - **Heavy hitters are replicated.** Each engine's load is the prefix tokens it served for others
   and itself, decayed with the tree's half-life. When an engine's load exceeds (1 + slack) times
   the mean, its heavy hitters (the top ⌈N·ln N⌉ + N segments by accesses, found by best-first
@@ -46,21 +46,26 @@ def rendezvous_home(key: bytes, engines: Sequence[int]) -> int:
     return max(engines, key=lambda e: _rank(key, e))
 
 
-def segment_homes(ends: Sequence[bytes], engines: Sequence[int]) -> list[int]:
+def segment_homes(ends: Sequence[bytes], engines: Sequence[int], live: Sequence[int] | None = None) -> list[int]:
     """The home of each whole segment of a prompt, given the keys that end them, in order: the
-    segments are dealt round the engines in groups of len(engines), each group in the rendezvous
-    order of its first segment's key. Hashed one by one, a document's 24 segments over 8 engines
-    put 3 on each only on average (as many as 6, or none): every step of every request reading it
-    asks some engines twice as much as others. Dealt in groups, each engine holds a whole group's
-    share of it, and a segment's home still depends only on the chain up to it (a request that
-    computes it again after a cut names the same home)."""
+    segments are dealt round the node's engines in groups of len(engines), each group in the
+    rendezvous order of its first segment's key; a segment dealt to an engine not in `live` (gone,
+    or not serving yet) goes where its own key hashes over the live ones. Hashed one by one, a
+    document's 24 segments over 8 engines put 3 on each only on average (as many as 6, or none):
+    every step of every request reading it asks some engines twice as much as others. Dealt in
+    groups, each engine holds a whole group's share of it. A segment's home depends only on the
+    chain up to it and on which engines serve (a request that computes it again after a cut names
+    the same home), and an engine that goes or comes back moves only the segments dealt to it,
+    as rendezvous hashing alone would."""
     n = len(engines)
+    live = engines if live is None else live
     homes: list[int] = []
     order: list[int] = []
     for i, key in enumerate(ends):
         if i % n == 0:
             order = sorted(engines, key=lambda e: _rank(key, e), reverse=True)
-        homes.append(order[i % n])
+        home = order[i % n]
+        homes.append(home if home in live else rendezvous_home(key, live))
     return homes
 
 

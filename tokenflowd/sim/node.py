@@ -10,7 +10,7 @@ where a request runs and what it computes.
                 (named again and pinned once the request is near the front of its engine's queue,
                 pool/ahead.py, Router.reads: from where the pool holds them then, as the daemon's
                 engine asks its front with ResolveReads);
-                its new whole segments are put at their homes (rendezvous hash) once its prompt is
+                its new whole segments are put at their homes (homes.py segment_homes) once its prompt is
                 computed, and no longer cached where it ran (what the daemon's --pool-placement
                 home did before it wrote into the home)
       pool-local  the same, new segments kept where they are computed (--pool-placement local,

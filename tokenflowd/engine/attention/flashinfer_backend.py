@@ -31,7 +31,9 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 # segments where they live attends to one cache per engine holding them (up to the node's 8 GPUs),
 # every layer, and a wrapper planned for each is planned once a step, not once a layer each.
 PAGES_PLANS = 8
-PLAN_BYTES = 8 << 20  # the device workspace flashinfer's prefill wrapper holds its plan in (one a wrapper)
+# what one more prefill wrapper holds on the device: its 8 MiB plan workspace (flashinfer 0.7.2),
+# its buffer of KV lengths and the plan's index copies, rounded up
+PLAN_BYTES = 9 << 20
 LN2 = math.log(2.0)  # flashinfer's log-sum-exp is base 2; the seam's is base e
 
 
@@ -102,7 +104,9 @@ class FlashInferBackend(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND")
         # attend_pages runs between a step's layers (the pool's query service): wrappers and a
         # workspace of its own, so the step's planned wrapper stays as planned. Its wrappers share
-        # the workspace as the step's two share theirs (their runs queue one after another).
+        # the workspace as the step's two share theirs: both of its callers (the engine's step, the
+        # query service's thread) issue on the device's default stream, so their runs queue one
+        # after another. (On two streams they would race in it, as one wrapper would.)
         self.pages_workspace = torch.empty(WORKSPACE_BYTES // 4, dtype=torch.uint8, device=self.device)
         self._pages_lock = threading.Lock()  # plan + run of the pages wrappers: one thread at a time
         # plan -> (a wrapper planned for it, the event behind that plan's copies), least recently used first
@@ -205,8 +209,9 @@ class FlashInferBackend(AttentionBackend):
         the same of each source it reads (this engine's pages, each peer's), so each source's is
         planned once and kept while the step's other sources are attended to, up to PAGES_PLANS.
         Re-planning a wrapper first waits for its last plan's copy out of its page-locked buffer,
-        which the new plan rewrites (the step's plans: wait_planned). A plan kept is run on the
-        stream of whoever asks (the engine's step, the query service's thread) after its copies."""
+        which the new plan rewrites (the step's plans: wait_planned); its last run is queued ahead
+        of the new plan's copies on the default stream both callers issue on. A plan kept is run
+        after its copies on the asking stream (a no-op wait on that same stream)."""
         hit = self._pages.get(plan)
         if hit is not None:
             self._pages.move_to_end(plan)
