@@ -96,13 +96,19 @@ def two_sources(fi):
     return caches, queries, q, want
 
 
-def test_each_source_of_a_steps_pages_is_planned_once_and_every_layer_runs_on_its_own_plan(backend):
-    caches, queries, q, want = two_sources(backend)
-    for layer in range(4):
+def four_layers_of_two_sources(fi) -> None:
+    """Each layer attends to both sources in turn, as a step reading its own pages and a peer's;
+    every call's rows equal the torch backend's."""
+    caches, queries, q, want = two_sources(fi)
+    for _ in range(4):
         for source, (kv, query) in enumerate(zip(caches, queries)):
-            o, lse = backend.attend_pages(q, kv, query)
+            o, lse = fi.attend_pages(q, kv, query)
             torch.testing.assert_close(o, want[source][0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(lse, want[source][1], atol=1e-5, rtol=1e-5)
+
+
+def test_each_source_of_a_steps_pages_is_planned_once_and_every_layer_runs_on_its_own_plan(backend):
+    four_layers_of_two_sources(backend)
     assert (backend.pages_plans, StandInWrapper.made, CountedEvent.waits) == (2, 2, 0), \
         "one plan a source, no wait on the GPU between layers"
     assert CountedEvent.followed == 6, "a plan kept runs after its copies on the asker's stream"
@@ -131,11 +137,6 @@ def test_with_more_sources_than_plans_kept_the_oldest_is_planned_again_after_its
     from tokenflowd.engine.attention import flashinfer_backend
 
     monkeypatch.setattr(flashinfer_backend, "PAGES_PLANS", 1)
-    caches, queries, q, want = two_sources(backend)
-    for layer in range(4):
-        for source, (kv, query) in enumerate(zip(caches, queries)):
-            o, lse = backend.attend_pages(q, kv, query)
-            torch.testing.assert_close(o, want[source][0], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(lse, want[source][1], atol=1e-5, rtol=1e-5)
+    four_layers_of_two_sources(backend)
     # every call plans again, each after waiting for the plan before it (its page-locked buffer)
     assert (backend.pages_plans, StandInWrapper.made, CountedEvent.waits) == (8, 1, 7)
