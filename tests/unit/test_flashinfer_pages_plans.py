@@ -61,8 +61,14 @@ class CountedEvent:
 
 
 class Stream:
+    """A CUDA stream: the engine's step's, or another thread's."""
+
     def wait_event(self, event: CountedEvent) -> None:
         CountedEvent.followed += 1
+
+
+STEP, OTHER = Stream(), Stream()
+asking = [STEP]  # the stream current_stream answers
 
 
 @pytest.fixture
@@ -72,7 +78,8 @@ def backend(monkeypatch):
     stand_in.BatchDecodeWithPagedKVCacheWrapper = lambda *a, **k: object()
     monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
     monkeypatch.setattr(torch.cuda, "Event", CountedEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: asking[0])
+    asking[0] = STEP
     from tokenflowd.engine.attention.flashinfer_backend import FlashInferBackend
 
     fi = FlashInferBackend(8, 2, 16, 4, torch.float32, torch.device("cpu"))
@@ -111,7 +118,11 @@ def test_each_source_of_a_steps_pages_is_planned_once_and_every_layer_runs_on_it
     four_layers_of_two_sources(backend)
     assert (backend.pages_plans, StandInWrapper.made, CountedEvent.waits) == (2, 2, 0), \
         "one plan a source, no wait on the GPU between layers"
-    assert CountedEvent.followed == 6, "a plan kept runs after its copies on the asker's stream"
+    assert CountedEvent.followed == 0, "asked on the stream its copies are on: no call a layer"
+    asking[0] = OTHER  # the same plans asked from another thread's stream
+    four_layers_of_two_sources(backend)
+    assert backend.pages_plans == 2 and CountedEvent.followed == 8, \
+        "a plan kept runs after its copies on the asker's stream"
 
 
 def test_with_more_sources_than_plans_kept_the_least_recently_used_is_planned_again(backend, monkeypatch):

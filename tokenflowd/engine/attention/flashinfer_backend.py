@@ -109,8 +109,9 @@ class FlashInferBackend(AttentionBackend):
         # after another. (On two streams they would race in it, as one wrapper would.)
         self.pages_workspace = torch.empty(WORKSPACE_BYTES // 4, dtype=torch.uint8, device=self.device)
         self._pages_lock = threading.Lock()  # plan + run of the pages wrappers: one thread at a time
-        # plan -> (a wrapper planned for it, the event behind that plan's copies), least recently used first
-        self._pages: OrderedDict[tuple, tuple[object, torch.cuda.Event]] = OrderedDict()
+        # plan -> (a wrapper planned for it, the event behind that plan's copies, the stream they are
+        # queued on), least recently used first
+        self._pages: OrderedDict[tuple, tuple[object, torch.cuda.Event, object]] = OrderedDict()
         self.pages_plans = 0  # plans made (a plan per source a step, not per layer)
         group = self.num_heads // self.num_kv_heads
         # Tensor cores pay off for decode once several query heads share a KV head.
@@ -211,16 +212,20 @@ class FlashInferBackend(AttentionBackend):
         Re-planning a wrapper first waits for its last plan's copy out of its page-locked buffer,
         which the new plan rewrites (the step's plans: wait_planned); its last run is queued ahead
         of the new plan's copies on the default stream both callers issue on. A plan kept is run
-        after its copies on the asking stream (a no-op wait on that same stream)."""
+        after its copies: asked from the stream they are queued on, in order already (no call a
+        layer); from another, that stream waits for them first."""
+        stream = torch.cuda.current_stream(self.device)
         hit = self._pages.get(plan)
         if hit is not None:
             self._pages.move_to_end(plan)
-            torch.cuda.current_stream(self.device).wait_event(hit[1])
-            return hit[0]
+            wrapper, planned, planned_on = hit
+            if stream != planned_on:
+                stream.wait_event(planned)
+            return wrapper
         if len(self._pages) < PAGES_PLANS:
             wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(self.pages_workspace, "HND")
         else:
-            wrapper, planned = self._pages.popitem(last=False)[1]
+            wrapper, planned, _ = self._pages.popitem(last=False)[1]
             planned.synchronize()
         ps, i32 = self.page_size, dict(dtype=torch.int32)
         qo_indptr, indptr, pages = plan
@@ -232,8 +237,8 @@ class FlashInferBackend(AttentionBackend):
             kv_data_type=self.dtype,
         )
         planned = torch.cuda.Event()
-        planned.record(torch.cuda.current_stream(self.device))
-        self._pages[plan] = (wrapper, planned)  # (a plan that fails is not kept)
+        planned.record(stream)
+        self._pages[plan] = (wrapper, planned, stream)  # (a plan that fails is not kept)
         self.pages_plans += 1
         return wrapper
 
@@ -247,12 +252,12 @@ class FlashInferBackend(AttentionBackend):
         if not held:
             return out, lse
         rows = [r for i in held for r in range(query.query_start[i], query.query_start[i + 1])]
-        qo_indptr = [0, *itertools.accumulate(query.query_start[i + 1] - query.query_start[i] for i in held)]
-        indptr = [0, *itertools.accumulate(len(query.pages[i]) for i in held)]
-        pages = [p for i in held for p in query.pages[i]]
+        qo_indptr = (0, *itertools.accumulate(query.query_start[i + 1] - query.query_start[i] for i in held))
+        indptr = (0, *itertools.accumulate(len(query.pages[i]) for i in held))
+        pages = tuple(p for i in held for p in query.pages[i])
         index = to_device(rows, torch.int64, self.device)
         with self._pages_lock:  # the pool's query service and the engine's own step share the wrappers
-            wrapper = self._pages_wrapper((tuple(qo_indptr), tuple(indptr), tuple(pages)), len(held))
+            wrapper = self._pages_wrapper((qo_indptr, indptr, pages), len(held))
             sub_out, sub_lse2 = wrapper.run(q.index_select(0, index), (kv_cache[0], kv_cache[1]), return_lse=True)
         out.index_copy_(0, index, sub_out)
         lse.index_copy_(0, index, sub_lse2.float() * LN2)
