@@ -107,6 +107,10 @@ def main() -> None:
                     help="pool-write: new segments go to their homes once the prompt is computed (prompt), each "
                          "as it is computed (segment), or segment by segment where the prompt is over a quarter "
                          "of an engine's KV (auto, the daemon's default: pool/hand_off.py)")
+    ap.add_argument("--let-go-after", type=float, default=0.0,
+                    help="pool-write: s an engine keeps its own copy of what it wrote into the homes cached, the "
+                         "router finding it there too (the daemon kept it 1 s before its step message said where "
+                         "the segments went; sim/node.py NodeConfig.let_go_after)")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
@@ -124,7 +128,8 @@ def main() -> None:
             for load, rate in zip(("light", "overload"), rates):
                 t0 = time.perf_counter()
                 w = workload(spec, rate, a.num_prompts, a.seed, cap)
-                results = {m: simulate(cost, w, m, NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off))
+                results = {m: simulate(cost, w, m, NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off,
+                                                                 let_go_after=a.let_go_after))
                            for m in modes}
                 s = {m: r.summary() for m, r in results.items()}
                 row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
@@ -142,8 +147,10 @@ def main() -> None:
                     f"cv {row[m]['busy_cv']:.2f} load cv {row[m]['load_cv']:.2f} access cv {row[m]['access_cv']:.2f} slo {row[m]['slo_attainment']:.2f}" for m in modes), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(json_safe({"machine": platform.processor() or platform.machine(), "engines": 8,
+            json.dump(json_safe({"command": "python " + " ".join(sys.argv),
+                                 "machine": platform.processor() or platform.machine(), "engines": 8,
                                  "kv_scale": a.kv_scale, "policy": a.policy, "hand_off": a.hand_off,
+                                 "let_go_after": a.let_go_after,
                                  "num_prompts": a.num_prompts, "seed": a.seed, "rows": rows}), f, indent=1)
         print("wrote", a.out)
 

@@ -339,6 +339,9 @@ class StepOutputs(msgspec.Struct, tag=True):
     stats: EngineStats
     keys_added: list[bytes] = []  # prefix-cache page keys published since the last message
     keys_removed: list[bytes] = []  # ... and evicted
+    # pool: segments this engine wrote into their homes since the last message, now held there (its
+    # own keys of them are in keys_removed: the front learns of both at once, before the home reports)
+    keys_moved: list[PrefixRun] = []
 
 
 class RequestInfo(msgspec.Struct):

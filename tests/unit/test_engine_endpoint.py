@@ -91,10 +91,11 @@ def test_deltas_go_to_the_front_that_sent_the_request_and_the_rest_to_all(tmp_pa
         assert recv(outs[2]).query_id == 7 and not outs[0].poll(0) and not outs[1].poll(0)
         stats = p.EngineStats(3, 0, 0, 0, 0, 0, 0, 0.0)
         engine.send_step(1.0, [p.Delta("a", [5]), p.Delta("b", [6], "length"), p.Delta("c", [7])], stats,
-                         [b"k"], [])
+                         [b"k"], [b"m"], [p.PrefixRun(2, [b"m"])])
         got = [recv(s) for s in outs]
         assert [[d.request_id for d in m.deltas] for m in got] == [[], ["a"], ["b", "c"]]
-        assert all(m.stats == stats and m.keys_added == [b"k"] for m in got)
+        assert all(m.stats == stats and m.keys_added == [b"k"] and m.keys_removed == [b"m"]
+                   and m.keys_moved == [p.PrefixRun(2, [b"m"])] for m in got)
         assert "b" not in engine.request_front  # finished: forgotten
         inbox.send(enc.encode(p.AbortFront(2)))
         pump(lambda: "c" not in engine.request_front)

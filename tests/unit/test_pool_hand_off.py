@@ -4,11 +4,11 @@ pool holds them; its own pages of them go, its remaining pages keep the whole pr
 usage still counts those tokens as computed, not cached."""
 from __future__ import annotations
 
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
 
+from tokenflowd import protocol as p
 from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import PagePool, chain_page_keys
@@ -25,6 +25,7 @@ class Member:
 
     def __init__(self, takes: int | None = None) -> None:
         self.runs, self.takes = [], takes
+        self.replicas: set[bytes] = set()  # hot segments the front named this engine to copy in
 
     def hand_off(self, rid, runs):
         self.runs.append(runs)
@@ -45,7 +46,7 @@ def setup(takes: int | None = None, hand_off: str = "prompt", num_pages: int = 6
     h.config = SimpleNamespace(page_size=PS, pool_hand_off=hand_off)
     h.core = SimpleNamespace(scheduler=SimpleNamespace(requests={"r": req}), kv=kv, pool=pool, unlocked=_nothing)
     h.member = Member(takes)
-    h.homes, h.ends, h.placed = {}, {}, deque()
+    h.homes, h.ends, h.moved = {}, {}, []
     keys = chain_page_keys(req.prompt_token_ids, PS, [], 6 * PS)
     # segment 0 (pages 0-1) is homed here; segments 1 and 2 (pages 2-5) on engine 1
     h.added(SimpleNamespace(request_id="r", place=[SimpleNamespace(engine=1, keys=keys[2:6])]), False)
@@ -65,16 +66,17 @@ def test_the_segments_move_once_the_prompt_is_computed_with_the_pages_before_the
     before = list(kv.block_table(req))
     req.num_computed_tokens = 5 * PS  # segments 0 and 1 whole, the prompt not yet computed
     kv.commit(req)
-    h._hand_off(1.0)
+    h._hand_off()
     assert h.member.runs == [] and req.prefix_offset == 0, "nothing moves while the prompt is computed"
     req.num_computed_tokens = req.num_prompt_tokens  # segment 2 too: all of it goes, 0 pinned where it is
     kv.commit(req)
-    h._hand_off(2.0)
+    h._hand_off()
     (runs,) = h.member.runs
     assert [(e, k, p) for e, k, p in runs] == [(0, keys[0:2], before[0:2]), (1, keys[2:6], before[2:6])]
     assert req.prefix_offset == 6 * PS and req.num_computed_tokens == 5 and req.num_prompt_tokens == 5
     assert kv.block_table(req) == before[6:]
-    assert h.placed[-1][1] == keys[2:6], "only what went to the peer stops being cached here"
+    assert h.take_moved() == [p.PrefixRun(1, keys[2:6])] and h.take_moved() == [], "the step's message says where"
+    assert len(pool.lookup(keys)) == 2, "what went to the peer stops being cached here at once, its own pages stay"
     for page in before[2:6]:  # its own reference is gone (the member's pins on pages 0-1 are the member's)
         assert pool.ref_count(page) == 0
     assert req.prompt_cached_tokens == 0, "handed tokens were computed here, not read"
@@ -92,10 +94,22 @@ def test_what_the_home_does_not_take_stays_here_and_is_not_tried_again():
     h, req, kv, pool, keys = setup(takes=3)  # the peer took one page of segment 1, then was full
     req.num_computed_tokens = req.num_prompt_tokens
     kv.commit(req)
-    h._hand_off(1.0)
+    h._hand_off()
     assert req.prefix_offset == 3 * PS and len(kv.block_table(req)) == 4
-    h._hand_off(2.0)
-    assert len(h.member.runs) == 1 and "r" not in h.homes
+    assert h.take_moved() == [p.PrefixRun(1, keys[2:3])]
+    assert not pool.holds(keys[2]) and all(pool.holds(k) for k in keys[3:6]), "the rest is still its own, here"
+    h._hand_off()
+    assert len(h.member.runs) == 1 and "r" not in h.homes and h.take_moved() == []
+
+
+def test_a_hot_segment_the_front_named_to_copy_in_stays_cached_here_as_a_replica():
+    h, req, kv, pool, keys = setup()
+    h.member.replicas.update(keys[2:4])  # segment 1 is hot: the front named this engine to copy it in
+    req.num_computed_tokens = req.num_prompt_tokens
+    kv.commit(req)
+    h._hand_off()
+    assert h.take_moved() == [p.PrefixRun(1, keys[2:6])], "the home holds all of it"
+    assert [pool.holds(k) for k in keys] == [True] * 4 + [False] * 2
 
 
 def test_segment_by_segment_each_segment_moves_once_it_is_computed():
@@ -104,20 +118,20 @@ def test_segment_by_segment_each_segment_moves_once_it_is_computed():
     before = list(kv.block_table(req))
     req.num_computed_tokens = 3 * PS  # segment 0 (this engine's own) whole, segment 1 not yet
     kv.commit(req)
-    h._hand_off(1.0)
+    h._hand_off()
     assert h.member.runs == [], "nothing homed on a peer is whole yet"
     req.num_computed_tokens = 4 * PS  # segment 1 whole: it goes, with segment 0 pinned where it is
     kv.commit(req)
-    h._hand_off(2.0)
+    h._hand_off()
     (runs,) = h.member.runs
     assert [(e, k) for e, k, _ in runs] == [(0, keys[0:2]), (1, keys[2:4])]
     assert req.prefix_offset == 4 * PS and kv.block_table(req) == before[4:]
     for page in before[2:4]:
         assert pool.ref_count(page) == 0, "its own copy of what went to the peer is gone"
-    assert h.placed[-1][1] == keys[2:4] and "r" in h.homes, "segment 2 is still to come"
+    assert h.take_moved() == [p.PrefixRun(1, keys[2:4])] and "r" in h.homes, "segment 2 is still to come"
     req.num_computed_tokens = req.num_prompt_tokens  # the rest of the prompt (what is left of it here)
     kv.commit(req)
-    h._hand_off(3.0)
+    h._hand_off()
     assert [(e, k) for e, k, _ in h.member.runs[-1]] == [(1, keys[4:6])]
     assert req.prefix_offset == 6 * PS and req.num_prompt_tokens == 5 and "r" not in h.homes
     assert kv.block_table(req) == before[6:]
@@ -131,7 +145,7 @@ def test_by_default_a_prompt_goes_segment_by_segment_only_where_it_would_take_ov
         h, req, kv, pool, keys = setup(hand_off="auto", num_pages=pages)
         req.num_computed_tokens = 4 * PS  # segments 0 and 1 whole, the prompt not yet computed
         kv.commit(req)
-        h._hand_off(1.0)
+        h._hand_off()
         assert [[(e, len(k)) for e, k, _ in runs] for runs in h.member.runs] == moved, pages
     assert not by_segment("prompt", 1 << 20, 1) and by_segment("segment", 1, 1 << 20)
     from tokenflowd.sim.cost import cost_model

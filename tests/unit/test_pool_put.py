@@ -268,11 +268,10 @@ def test_a_copy_between_engines_of_different_cache_layouts_keeps_every_value_in_
 
 
 def test_a_hot_segment_named_to_copy_in_stays_here_though_a_request_here_wrote_it_into_its_home(pair):
-    """A request here computed a hot segment and wrote it into its home (PoolHooks._hand_off); the
-    front, seeing it read from here on the home, names it to copy in. It is held here already, so
-    nothing crosses, and it is a replica: it stays cached here when the handed-off keys stop being
-    cached (PoolHooks._unpublish_placed), until it is evicted here."""
-    from collections import deque
+    """A request here computed a hot segment and wrote it into its home; the front names it to copy
+    in here. It is held here already, so nothing crosses, and it is a replica: a hand-off lets go of
+    what its homes took but the replicas (PoolHooks._hand_off, tests/unit/test_pool_hand_off.py), and
+    it stays cached here until it is evicted here."""
     from types import SimpleNamespace
 
     from tokenflowd.pool.engine_hooks import PoolHooks
@@ -280,17 +279,10 @@ def test_a_hot_segment_named_to_copy_in_stays_here_though_a_request_here_wrote_i
     a, b = pair
     keys, _ = held_segment(a, 3)  # computed here; its home (engine 1) took it
     held_segment(b, 3)
-    other = [chain_page_keys(list(range(7, 7 + PAGE + 1)), PAGE, [])[0]]
-    a.pool.register(a.pool.allocate(), other[0])  # a cold one, handed off too
     h = PoolHooks.__new__(PoolHooks)
     h.member, h.core = a, SimpleNamespace(pool=a.pool)
-    h.placed = deque([(1.0, keys + other)])
     assert a.copy_in([p.PrefixRun(1, keys)]) == 0, "held here already: nothing crosses"
     assert a.replicas == set(keys)
-    h._unpublish_placed(0.5)
-    assert len(a.pool.lookup(keys + other)) == 4, "not before the front knows where they are"
-    h._unpublish_placed(1.0)
-    assert len(a.pool.lookup(keys)) == 3 and a.pool.lookup(other) == [], "the replica stays, the cold one goes"
     a.pool.unpublish(keys[2:])  # evicted here
     h.evicted(keys[1:])  # the report names keys[1] too: evicted and copied back in since, held here again
     assert a.replicas == set(keys[:2]), "evicted here: no longer a replica; one cached here again still is"

@@ -218,6 +218,10 @@ class Supervisor:
 
     def _on_step(self, slot: EngineHandle, msg: p.StepOutputs) -> None:
         slot.stats = msg.stats
+        for run in msg.keys_moved:  # held at their homes first: the sender's copies go next, and no chain is cut
+            home = self.slots[run.engine] if 0 <= run.engine < len(self.slots) else None
+            if home is not None and home.ready:
+                self.index.update(run.engine, run.keys, [])
         self.index.update(slot.engine_id, msg.keys_added, msg.keys_removed)
         self._send_chain_ends()
         if self.on_keys is not None and (msg.keys_added or msg.keys_removed):

@@ -20,7 +20,9 @@ where a request runs and what it computes.
       pool-write  the same, but once its prompt is computed its new segments are written into
                 their homes and it lets go of its own pages of them, reading them at the homes
                 from then on (the daemon's --pool-placement home, PoolHooks._hand_off): the node
-                holds each segment once. Readers that arrive before the write read the pages
+                holds each segment once. The router learns at the step's end that the homes hold
+                them and that the engine let go of its own (the daemon's step message says both:
+                StepOutputs.keys_moved). Readers that arrive before the write read the pages
                 where they are being computed, once computed (the engine publishes them as it goes).
                 With NodeConfig.hand_off "segment" (--pool-hand-off segment) each whole segment
                 goes as soon as it is computed; with "auto" (the default, as the daemon's) so does
@@ -116,6 +118,10 @@ class NodeConfig:
     # is ("segment"), or segment by segment where the prompt is over a quarter of the engine's KV
     # ("auto"), as the daemon's --pool-hand-off (pool/hand_off.py)
     hand_off: str = "auto"
+    # pool-write: s an engine keeps its own cached copy of what it wrote into the homes, the front
+    # finding it there too meanwhile (the daemon kept it two heartbeats, 1 s, before its step message
+    # said where the segments went); 0: it lets go at once, as the daemon does
+    let_go_after: float = 0.0
     steal: bool = True  # pool: an idle engine takes a queued request from a busy one (--no-pool-steal: False)
     copy: bool = True  # pool: hot segments an engine reads elsewhere are copied into it (--no-pool-copy: False)
 
@@ -239,6 +245,7 @@ class _Engine:
         # pool-write: request -> (each new page's home, the keys that end its segments), as the daemon's
         self.homes: dict[str, tuple[dict[bytes, int], set[bytes]]] = {}
         self.later: set[str] = set()  # deferred requests answered empty once: they ask again when wanted
+        self.letting_go: deque[tuple[float, list[bytes]]] = deque()  # (when, keys) written into homes, cached here
         self.replicas: set[bytes] = set()  # keys of hot segments named to copy in, kept here (PoolMember.replicas)
 
     @property
@@ -564,7 +571,16 @@ class NodeSimulator:
                 e.pool.decref(page)
             req.extend_foreign_prefix(got * ps, keys[got - 1])
             away = {k for home, run in runs if home != e.engine_id for k in run}
-            e.pool.unpublish([k for k in keys[:got] if k in away and k not in e.replicas])
+            e.letting_go.append((e.clock.now + self.config.let_go_after, [k for k in keys[:got] if k in away]))
+            self._let_go(e)
+
+    @staticmethod
+    def _let_go(e: _Engine) -> None:
+        """Stop caching on e what its requests wrote into the homes once NodeConfig.let_go_after
+        has passed (at the end of its first step after that), but hot segments named to copy in:
+        replicas stay."""
+        while e.letting_go and e.letting_go[0][0] <= e.clock.now:
+            e.pool.unpublish([k for k in e.letting_go.popleft()[1] if k not in e.replicas])
 
     def _unblock(self, e: _Engine, now: float) -> None:
         """As the daemon's PoolHooks._unblock: an engine that has run nothing for STUCK_SECONDS while
@@ -587,6 +603,8 @@ class NodeSimulator:
             self._place(e)
         if e.homes:
             self._hand_off(e)
+        if e.letting_go:
+            self._let_go(e)
         self._update(e.engine_id, *e.pool.drain_key_events())
         for rid in finished:
             e.release(rid)

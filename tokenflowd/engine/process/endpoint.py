@@ -237,13 +237,17 @@ class EngineEndpoint(abc.ABC):
             self._send_front(front, raw)
 
     def send_step(self, now: float, deltas: list[p.Delta], stats: p.EngineStats, keys_added: list[bytes] | None = None,
-                  keys_removed: list[bytes] | None = None) -> None:
+                  keys_removed: list[bytes] | None = None, keys_moved: list[p.PrefixRun] | None = None) -> None:
         """One StepOutputs to each output, with the deltas of its own requests (an output with none gets
         the same bytes as every other such output: encoded once)."""
         spec = self.spec
-        keys_added, keys_removed = keys_added or [], keys_removed or []
+
+        def step(own: list[p.Delta]) -> p.StepOutputs:
+            return p.StepOutputs(spec.engine_id, spec.incarnation, now, own, stats, keys_added or [], keys_removed or [],
+                                 keys_moved or [])
+
         if not self.fronts:
-            self.send(p.StepOutputs(spec.engine_id, spec.incarnation, now, deltas, stats, keys_added, keys_removed))
+            self.send(step(deltas))
             return
         mine: list[list[p.Delta]] = [[] for _ in range(len(self.fronts) + 1)]
         where = self.request_front
@@ -257,11 +261,9 @@ class EngineEndpoint(abc.ABC):
         def encoded(own: list[p.Delta]) -> bytes:
             nonlocal empty
             if own:
-                return self.encoder.encode(
-                    p.StepOutputs(spec.engine_id, spec.incarnation, now, own, stats, keys_added, keys_removed))
+                return self.encoder.encode(step(own))
             if empty is None:
-                empty = self.encoder.encode(
-                    p.StepOutputs(spec.engine_id, spec.incarnation, now, [], stats, keys_added, keys_removed))
+                empty = self.encoder.encode(step([]))
             return empty
 
         self._to_supervisor(encoded(mine[0]))

@@ -142,15 +142,24 @@ class EngineProcess(EngineEndpoint):
             now = time.monotonic()
             deltas = self.pace(deltas, now)
             if self.must_report(deltas, now, last_sent) or settled:
-                added, removed = core.pool.drain_key_events()
-                if self.pool is not None:
-                    self.pool.evicted(removed)
-                self.send_step(now, deltas, self._stats(), added, removed)
+                self.report(now, deltas)
                 last_sent = now
             if self.pool is not None:
                 self.pool.after_step(now)
+                moved = self.pool.take_moved()
+                if moved:  # said at once: this cache let go of them (PoolHooks._hand_off)
+                    self.report(now, [], moved)
+                    last_sent = now
             if self.orphaned(log):
                 break
+
+    def report(self, now: float, deltas: list[p.Delta], moved: list[p.PrefixRun] | None = None) -> None:
+        """A step message: `deltas`, the prefix cache's key events since the last one, and the
+        segments written into their homes since (`moved`)."""
+        added, removed = self.core.pool.drain_key_events()
+        if self.pool is not None:
+            self.pool.evicted(removed)
+        self.send_step(now, deltas, self._stats(), added, removed, moved)
 
     def store(self, msg: p.KeepKV | p.KeptKV | p.GiveKV) -> None:
         if self.federation is not None:
