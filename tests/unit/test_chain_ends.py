@@ -161,29 +161,40 @@ def test_the_marks_of_branches_come_in_the_same_order_whatever_the_hash_seed():
     assert len(orders) == 1 and orders.pop().count("branch") == 32, orders
 
 
-def test_segments_written_into_their_homes_are_held_there_before_the_senders_copies_go():
+def test_segments_written_into_their_homes_are_held_there_before_the_senders_copies_go(monkeypatch):
     """A step message's keys_moved (pool/engine_hooks.py `_hand_off`): the front holds the keys at
     their homes before it applies the sender's removals, so no chain is cut in between and no new
-    reader is named the sender's copy; a move to an engine that is not serving is not believed."""
+    reader is named the sender's copy; a move to an engine that is not serving is not believed. The
+    home's own reports have the last word: a key it has not reported within two heartbeats (it
+    evicted the page before the sender's word came, or restarted) leaves the index again."""
     from tokenflowd import protocol as p
     from tokenflowd.config import EngineConfig, ServerConfig
-    from tokenflowd.daemon.supervisor import Supervisor
+    from tokenflowd.daemon import supervisor
 
-    sup = Supervisor(ServerConfig(engines=3), EngineConfig())
+    now = [0.0]
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: now[0])
+    sup = supervisor.Supervisor(ServerConfig(engines=3, heartbeat_interval=0.5), EngineConfig())
     sent = []
     for slot in sup.slots[:2]:
         slot.state, slot.inbox = "ready", object()
     sup.send = lambda slot, msg: sent.append((slot.engine_id, msg)) or True
-    k = chain(3)
+    k = chain(4)
     sup.index.link(k)
     stats = p.EngineStats(0, 0, 0, 0, 0, 0, 0, 0.0)
-    sup._on_step(sup.slots[0], p.StepOutputs(0, 0, 0.0, [], stats, keys_added=k))
+
+    def step(engine: int, added=(), removed=(), moved=()) -> None:
+        sup._on_step(sup.slots[engine], p.StepOutputs(engine, 0, now[0], [], stats, keys_added=list(added),
+                                                      keys_removed=list(removed), keys_moved=list(moved)))
+
+    step(0, added=k)
     sent.clear()
-    sup._on_step(sup.slots[0], p.StepOutputs(0, 0, 0.0, [], stats, keys_removed=k[1:],
-                                             keys_moved=[p.PrefixRun(1, k[1:])]))
-    assert [sup.index.holders(key) for key in k] == [[0], [1], [1]]
-    assert all(not ends for _, msg in sent for ends in [msg.ends]), f"a chain was cut: {sent}"
-    sup._on_step(sup.slots[1], p.StepOutputs(1, 0, 0.0, [], stats, keys_added=k[1:]))  # the home's own report
-    assert [sup.index.holders(key) for key in k] == [[0], [1], [1]]
-    sup._on_step(sup.slots[1], p.StepOutputs(1, 0, 0.0, [], stats, keys_moved=[p.PrefixRun(2, k[2:])]))
-    assert sup.index.holders(k[2]) == [1], "engine 2 is not serving"
+    step(0, removed=k[1:], moved=[p.PrefixRun(1, k[1:])])
+    assert [sup.index.holders(key) for key in k] == [[0], [1], [1], [1]]
+    assert all(not msg.ends for _, msg in sent), f"a chain was cut: {sent}"
+    now[0] = 0.5
+    step(1, added=k[1:3])  # the home's own report: k1 k2 (k3 it evicted before the sender's word came)
+    now[0] = 1.1  # two heartbeats on
+    step(1)
+    assert [sup.index.holders(key) for key in k] == [[0], [1], [1], []], "k3 was not the home's to hold"
+    step(1, moved=[p.PrefixRun(2, k[3:])])
+    assert sup.index.holders(k[3]) == [], "engine 2 is not serving"

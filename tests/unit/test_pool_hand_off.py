@@ -42,7 +42,7 @@ def setup(takes: int | None = None, hand_off: str = "prompt", num_pages: int = 6
     assert kv.admit(req, kv.match(req), req.num_prompt_tokens)
     req.status = RequestStatus.RUNNING
     h = PoolHooks.__new__(PoolHooks)
-    h.spec = SimpleNamespace(engine_id=0, heartbeat_interval=0.5)
+    h.spec = SimpleNamespace(engine_id=0)
     h.config = SimpleNamespace(page_size=PS, pool_hand_off=hand_off)
     h.core = SimpleNamespace(scheduler=SimpleNamespace(requests={"r": req}), kv=kv, pool=pool, unlocked=_nothing)
     h.member = Member(takes)
@@ -152,3 +152,46 @@ def test_by_default_a_prompt_goes_segment_by_segment_only_where_it_would_take_ov
     from tokenflowd.sim.node import NodeConfig, NodeSimulator
     with pytest.raises(ValueError, match="hand_off must be one of"):  # (checked once with the config)
         NodeSimulator(cost_model("a100-llama2-7b"), [], "pool-write", NodeConfig(hand_off="layer"))
+
+
+def test_the_engine_says_at_once_where_the_segments_went_with_the_keys_its_cache_let_go():
+    """The engine loop after a step (EngineProcess.report_step): the step's own message, then the
+    pool's work between steps; segments the homes took go out in a second message at once, with
+    the removals of this cache's copies, not at the next step or heartbeat."""
+    from tokenflowd.engine.process.loop import EngineProcess
+
+    pool = PagePool(8)
+    pool.drain_key_events()  # (an engine records them from its start)
+    page = pool.allocate()
+    pool.register(page, b"k")
+    pool.decref(page)
+    sent = []
+
+    class Hooks:
+        def __init__(self):
+            self.moved = []
+
+        def after_step(self, now):
+            if self.moved:
+                pool.unpublish([b"k"])  # what _hand_off does: the home took it
+
+        def take_moved(self):
+            moved, self.moved = self.moved, []
+            return moved
+
+        def evicted(self, keys):
+            pass
+
+    engine = SimpleNamespace(core=SimpleNamespace(pool=pool), pool=Hooks(), _stats=lambda: None,
+                             must_report=lambda deltas, now, last: bool(deltas) or now - last >= 0.5,
+                             send_step=lambda now, deltas, stats, added, removed, moved=None:
+                             sent.append((deltas, added, removed, moved)))
+    engine.report = lambda *a: EngineProcess.report(engine, *a)
+    delta = p.Delta("r", [5])
+    assert EngineProcess.report_step(engine, 1.0, [], False, 0.9) == 0.9 and sent == [], "nothing to say yet"
+    engine.pool.moved = [p.PrefixRun(1, [b"k"])]
+    assert EngineProcess.report_step(engine, 1.1, [delta], False, 0.9) == 1.1
+    assert sent == [([delta], [b"k"], [], None), ([], [], [b"k"], [p.PrefixRun(1, [b"k"])])]
+    engine.pool.moved = [p.PrefixRun(2, [b"j"])]
+    assert EngineProcess.report_step(engine, 1.2, [], False, 1.1) == 1.2, "no delta: the move alone is said"
+    assert sent[-1] == ([], [], [], [p.PrefixRun(2, [b"j"])])

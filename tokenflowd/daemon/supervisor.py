@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -72,6 +73,10 @@ class Supervisor:
             for i, (cfg, env) in enumerate(placement or engine_configs(engine, server.engines))
         ]
         self.index = PrefixIndex()  # which page keys each engine holds (the router's)
+        # pool: keys a sender said it wrote into a home that the home has not reported holding yet,
+        # (home, key) -> when they leave the index unless it has (`_moved_keys`), and those times in order
+        self._moved: dict[tuple[int, bytes], float] = {}
+        self._moved_due: deque[tuple[float, int, bytes]] = deque()
         self.runtime_dir: Path | None = None
         self.launcher: LocalLauncher | None = None
         # Plain sockets: engine inboxes never block on send (no HWM); the shared output socket is
@@ -218,10 +223,8 @@ class Supervisor:
 
     def _on_step(self, slot: EngineHandle, msg: p.StepOutputs) -> None:
         slot.stats = msg.stats
-        for run in msg.keys_moved:  # held at their homes first: the sender's copies go next, and no chain is cut
-            home = self.slots[run.engine] if 0 <= run.engine < len(self.slots) else None
-            if home is not None and home.ready:
-                self.index.update(run.engine, run.keys, [])
+        if msg.keys_moved or self._moved:
+            self._moved_keys(slot.engine_id, msg, time.monotonic())
         self.index.update(slot.engine_id, msg.keys_added, msg.keys_removed)
         self._send_chain_ends()
         if self.on_keys is not None and (msg.keys_added or msg.keys_removed):
@@ -320,6 +323,33 @@ class Supervisor:
             slot.config = replace(slot.config, policy_params=policy_params)
             if slot.state in ("starting", "ready") and slot.inbox is not None:
                 self.send(slot, msg)
+
+    def _moved_keys(self, engine_id: int, msg: p.StepOutputs, now: float) -> None:
+        """Segments the sender wrote into their homes (StepOutputs.keys_moved) are held there from
+        now, before the sender's own removals apply, so no chain is cut in between and no reader is
+        named the sender's copy. The home's own reports have the last word: a key it has not
+        reported holding within two heartbeats leaves the index again (it was evicted there, or the
+        home restarted, before this word arrived: engines' messages reach the front in no fixed order)."""
+        for key in msg.keys_added:  # the home's own word
+            self._moved.pop((engine_id, key), None)
+        for key in msg.keys_removed:
+            self._moved.pop((engine_id, key), None)
+        due = self._moved_due
+        while due and due[0][0] <= now:
+            when, home, key = due.popleft()
+            if self._moved.get((home, key)) == when:
+                del self._moved[(home, key)]
+                self.index.update(home, [], [key])
+        until = now + 2 * self.server.heartbeat_interval
+        for run in msg.keys_moved:
+            home = self.slots[run.engine] if 0 <= run.engine < len(self.slots) else None
+            if home is None or not home.ready:
+                continue
+            fresh = [key for key in run.keys if run.engine not in self.index.holders(key)]
+            self.index.update(run.engine, fresh, [])
+            for key in fresh:
+                self._moved[(run.engine, key)] = until
+                due.append((until, run.engine, key))
 
     def _send_chain_ends(self) -> None:
         """The index's word on where the pool's chains end, to the engines holding those keys

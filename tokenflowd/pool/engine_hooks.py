@@ -321,14 +321,16 @@ class PoolHooks:
         What a home gone or full did not take stays here, as the request's own, and is not tried
         again. What the homes took stops being cached here at once, but a hot segment the front
         named to copy in: a replica of it stays (PoolMember.replicas). The step's message says
-        where it went (`take_moved`), with the keys this cache let go, so the front neither finds
-        it nowhere in between nor sends new readers to a copy here that is about to go. (The keys
-        stayed cached here until the homes' own reports had reached the front, two heartbeats, and
-        readers named in between pinned this copy and read it here, apart from its homes, for as
-        long as they ran. The node simulator with that second modelled, a quarter of the A100's KV,
-        the four document workloads at seeds 0-3: hit rate 0.73 against 0.82 at a light load,
-        access CV 0.28 against 0.19; in overload 1.07x routing's throughput against 1.22x, access
-        CV 0.29 against 0.23.)
+        where it went (`take_moved`, sent at once: EngineProcess.report_step), with the keys this
+        cache let go, so the front neither finds it nowhere in between nor names new readers a
+        copy here that is about to go (the homes' own reports have the last word:
+        Supervisor._moved_keys). (The keys stayed cached here until the homes' own reports had
+        reached the front, two heartbeats, and readers named in between pinned this copy and read
+        it here, apart from its homes, for as long as they ran. The node simulator with that second
+        modelled, sim/node.py NodeConfig.let_go_after, a quarter of the A100's KV, the four
+        document workloads at seeds 0-3: hit rate 0.73 against 0.82 at a light load, access CV
+        0.28 against 0.19; in overload 1.09x routing's throughput against 1.22x; at routing's
+        highest rate within TokenLake's SLO, 0.72 of requests within it against 0.86.)
 
         Segment by segment, the engine needs room for a segment of a long prompt, not the whole
         prompt, before the homes take it: where KV is short, computing a whole document here first

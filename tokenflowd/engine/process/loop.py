@@ -141,17 +141,25 @@ class EngineProcess(EngineEndpoint):
             settled = copying and not core.copies_in_flight()  # the pages they pinned are free: say so
             now = time.monotonic()
             deltas = self.pace(deltas, now)
-            if self.must_report(deltas, now, last_sent) or settled:
-                self.report(now, deltas)
-                last_sent = now
-            if self.pool is not None:
-                self.pool.after_step(now)
-                moved = self.pool.take_moved()
-                if moved:  # said at once: this cache let go of them (PoolHooks._hand_off)
-                    self.report(now, [], moved)
-                    last_sent = now
+            last_sent = self.report_step(now, deltas, settled, last_sent)
             if self.orphaned(log):
                 break
+
+    def report_step(self, now: float, deltas: list[p.Delta], settled: bool, last_sent: float) -> float:
+        """After a step: its message when there is something to say (`deltas`, copies `settled`) or
+        the heartbeat is due; then the pool's work between steps, and at once a second message if
+        segments went to their homes: this cache let go of them (PoolHooks._hand_off). -> when the
+        last message went."""
+        if self.must_report(deltas, now, last_sent) or settled:
+            self.report(now, deltas)
+            last_sent = now
+        if self.pool is not None:
+            self.pool.after_step(now)
+            moved = self.pool.take_moved()
+            if moved:
+                self.report(now, [], moved)
+                last_sent = now
+        return last_sent
 
     def report(self, now: float, deltas: list[p.Delta], moved: list[p.PrefixRun] | None = None) -> None:
         """A step message: `deltas`, the prefix cache's key events since the last one, and the
