@@ -198,3 +198,8 @@ def test_segments_written_into_their_homes_are_held_there_before_the_senders_cop
     assert [sup.index.holders(key) for key in k] == [[0], [1], [1], []], "k3 was not the home's to hold"
     step(1, moved=[p.PrefixRun(2, k[3:])])
     assert sup.index.holders(k[3]) == [], "engine 2 is not serving"
+    step(0, moved=[p.PrefixRun(1, k[3:])])  # moved again; then the home says all it holds, k3 with it
+    sup._on_message(p.KeySnapshot(1, sup.slots[1].incarnation, k[1:]))
+    now[0] = 2.5
+    step(1)
+    assert sup.index.holders(k[3]) == [1], "its snapshot is its own word"

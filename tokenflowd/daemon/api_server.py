@@ -118,6 +118,7 @@ class ApiServerSupervisor(Supervisor):
         handle.stats = None
         handle.info = None
         self.index.forget(handle.engine_id)
+        self.drop_moved(handle.engine_id)
         self._send_chain_ends()
         if self.on_keys is not None:
             self.on_keys(None, None)

@@ -142,6 +142,7 @@ class Supervisor:
                     os.remove(path)
         handle.retire()
         self.index.forget(handle.engine_id)
+        self.drop_moved(handle.engine_id)
         self._send_chain_ends()  # what followed its pages elsewhere is orphaned
         if self.on_keys is not None:
             self.on_keys(None, None)
@@ -202,6 +203,7 @@ class Supervisor:
                      msg.max_model_len)
         elif isinstance(msg, p.KeySnapshot):
             self.index.replace(msg.engine_id, msg.keys)
+            self.drop_moved(msg.engine_id)  # its own word on all it holds
             self._send_chain_ends()
             if self.on_keys is not None:
                 self.on_keys(None, None)
@@ -350,6 +352,12 @@ class Supervisor:
             for key in fresh:
                 self._moved[(run.engine, key)] = until
                 due.append((until, run.engine, key))
+
+    def drop_moved(self, home: int) -> None:
+        """Forget the moves to `home` its own reports have not confirmed yet: it is gone, or has just
+        said all it holds (a snapshot), so they must not leave the index later on their own."""
+        if self._moved:
+            self._moved = {hk: when for hk, when in self._moved.items() if hk[0] != home}
 
     def _send_chain_ends(self) -> None:
         """The index's word on where the pool's chains end, to the engines holding those keys
