@@ -156,42 +156,28 @@ def test_by_default_a_prompt_goes_segment_by_segment_only_where_it_would_take_ov
 
 def test_the_engine_says_at_once_where_the_segments_went_with_the_keys_its_cache_let_go():
     """The engine loop after a step (EngineProcess.report_step): the step's own message, then the
-    pool's work between steps; segments the homes took go out in a second message at once, with
-    the removals of this cache's copies, not at the next step or heartbeat."""
+    pool's work between steps (PoolHooks._hand_off here); segments the homes took go out in a
+    second message at once, with the removals of this cache's copies, not at the next step or
+    heartbeat."""
     from tokenflowd.engine.process.loop import EngineProcess
 
-    pool = PagePool(8)
+    h, req, kv, pool, keys = setup()
     pool.drain_key_events()  # (an engine records them from its start)
-    page = pool.allocate()
-    pool.register(page, b"k")
-    pool.decref(page)
     sent = []
-
-    class Hooks:
-        def __init__(self):
-            self.moved = []
-
-        def after_step(self, now):
-            if self.moved:
-                pool.unpublish([b"k"])  # what _hand_off does: the home took it
-
-        def take_moved(self):
-            moved, self.moved = self.moved, []
-            return moved
-
-        def evicted(self, keys):
-            pass
-
-    engine = SimpleNamespace(core=SimpleNamespace(pool=pool), pool=Hooks(), _stats=lambda: None,
+    engine = SimpleNamespace(core=h.core, _stats=lambda: None,
+                             pool=SimpleNamespace(after_step=lambda now: h._hand_off(), take_moved=h.take_moved,
+                                                  evicted=h.evicted),
                              must_report=lambda deltas, now, last: bool(deltas) or now - last >= 0.5,
                              send_step=lambda now, deltas, stats, added, removed, moved=None:
                              sent.append((deltas, added, removed, moved)))
     engine.report = lambda *a: EngineProcess.report(engine, *a)
-    delta = p.Delta("r", [5])
+    h.member.replicas = set()
+    req.num_computed_tokens = 5 * PS  # segments 0 and 1 whole, the prompt not yet computed
+    kv.commit(req)
     assert EngineProcess.report_step(engine, 1.0, [], False, 0.9) == 0.9 and sent == [], "nothing to say yet"
-    engine.pool.moved = [p.PrefixRun(1, [b"k"])]
+    req.num_computed_tokens = req.num_prompt_tokens  # computed: segments 1 and 2 go to engine 1
+    kv.commit(req)
+    delta = p.Delta("r", [5])
     assert EngineProcess.report_step(engine, 1.1, [delta], False, 0.9) == 1.1
-    assert sent == [([delta], [b"k"], [], None), ([], [], [b"k"], [p.PrefixRun(1, [b"k"])])]
-    engine.pool.moved = [p.PrefixRun(2, [b"j"])]
-    assert EngineProcess.report_step(engine, 1.2, [], False, 1.1) == 1.2, "no delta: the move alone is said"
-    assert sent[-1] == ([], [], [], [p.PrefixRun(2, [b"j"])])
+    assert sent == [([delta], keys[:6], [], None), ([], [], keys[2:6], [p.PrefixRun(1, keys[2:6])])]
+    assert EngineProcess.report_step(engine, 1.2, [], False, 1.1) == 1.1 and len(sent) == 2, "moved once"

@@ -24,7 +24,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -74,9 +73,8 @@ class Supervisor:
         ]
         self.index = PrefixIndex()  # which page keys each engine holds (the router's)
         # pool: keys a sender said it wrote into a home that the home has not reported holding yet,
-        # (home, key) -> when they leave the index unless it has (`_moved_keys`), and those times in order
+        # (home, key) -> when they leave the index unless it has (`_moved_keys`), soonest first
         self._moved: dict[tuple[int, bytes], float] = {}
-        self._moved_due: deque[tuple[float, int, bytes]] = deque()
         self.runtime_dir: Path | None = None
         self.launcher: LocalLauncher | None = None
         # Plain sockets: engine inboxes never block on send (no HWM); the shared output socket is
@@ -336,12 +334,12 @@ class Supervisor:
             self._moved.pop((engine_id, key), None)
         for key in msg.keys_removed:
             self._moved.pop((engine_id, key), None)
-        due = self._moved_due
-        while due and due[0][0] <= now:
-            when, home, key = due.popleft()
-            if self._moved.get((home, key)) == when:
-                del self._moved[(home, key)]
-                self.index.update(home, [], [key])
+        while self._moved:
+            (home, key), when = next(iter(self._moved.items()))
+            if when > now:
+                break
+            del self._moved[(home, key)]
+            self.index.update(home, [], [key])
         until = now + 2 * self.server.heartbeat_interval
         for run in msg.keys_moved:
             home = self.slots[run.engine] if 0 <= run.engine < len(self.slots) else None
@@ -349,9 +347,9 @@ class Supervisor:
                 continue
             fresh = [key for key in run.keys if run.engine not in self.index.holders(key)]
             self.index.update(run.engine, fresh, [])
-            for key in fresh:
+            for key in fresh:  # (appended: the dict stays in the order the keys leave)
+                self._moved.pop((run.engine, key), None)
                 self._moved[(run.engine, key)] = until
-                due.append((until, run.engine, key))
 
     def drop_moved(self, home: int) -> None:
         """Forget the moves to `home` its own reports have not confirmed yet: it is gone, or has just

@@ -277,7 +277,9 @@ class PoolHooks:
 
     def take_moved(self) -> list[p.PrefixRun]:
         """The segments homes took since the last call, for the step message (StepOutputs.keys_moved)."""
-        moved, self.moved = self.moved, []
+        moved = self.moved
+        if moved:  # (most steps move nothing: no new list for them)
+            self.moved = []
         return moved
 
     def _unblock(self, now: float) -> None:

@@ -572,7 +572,6 @@ class NodeSimulator:
             req.extend_foreign_prefix(got * ps, keys[got - 1])
             away = {k for home, run in runs if home != e.engine_id for k in run}
             e.letting_go.append((e.clock.now + self.config.let_go_after, [k for k in keys[:got] if k in away]))
-            self._let_go(e)
 
     @staticmethod
     def _let_go(e: _Engine) -> None:
