@@ -197,7 +197,7 @@ def test_an_engine_that_wrote_segments_into_their_homes_lets_go_of_its_own_at_on
     the simulator always had it. The same 16 documents of 12K tokens at a light load, a quarter of
     the A100's KV: at once, hit rate 0.834 and access CV 0.10; a second late, 0.593 and 0.19
     (over four workloads and seeds 0-3, light: 0.82 and 0.19 against 0.73 and 0.28; overload: 1.22x
-    routing's throughput against 1.09x: bench/results/node_contexts_small_cache_let_go_late.json)."""
+    routing's throughput against 1.07x: bench/results/node_contexts_small_cache_let_go_late.json)."""
     cost, light = small_cache_documents(2.0)
     at_once, late = (NodeSimulator(cost, light, "pool-write", NodeConfig(let_go_after=t)).run().summary()
                      for t in (0.0, 1.0))

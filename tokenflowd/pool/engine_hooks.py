@@ -331,8 +331,8 @@ class PoolHooks:
         it here, apart from its homes, for as long as they ran. The node simulator with that second
         modelled, sim/node.py NodeConfig.let_go_after, a quarter of the A100's KV, the four
         document workloads at seeds 0-3: hit rate 0.73 against 0.82 at a light load, access CV
-        0.28 against 0.19; in overload 1.09x routing's throughput against 1.22x; at routing's
-        highest rate within TokenLake's SLO, 0.72 of requests within it against 0.86.)
+        0.28 against 0.19; in overload 1.07x routing's throughput against 1.22x; at routing's
+        highest rate within TokenLake's SLO, 0.71 of requests within it against 0.86.)
 
         Segment by segment, the engine needs room for a segment of a long prompt, not the whole
         prompt, before the homes take it: where KV is short, computing a whole document here first
