@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--modes", default="routing,pool-local,pool-write")
     ap.add_argument("--calibrated", default=H200.removeprefix("calibrated:"),
                     help="the calibration file of the goodput file's calibrated cost model")
+    ap.add_argument("--no-follow", action="store_true",
+                    help="pool-write: readers of a sender's copy of what it wrote into the homes keep reading it "
+                         "there until they end (sim/node.py NodeConfig.follow; the daemon before protocol.Moved)")
     ap.add_argument("--let-go-after", type=float, default=0.0,
                     help="pool-write: s an engine keeps its own copy of what it wrote into the homes cached "
                          "(sim/node.py NodeConfig.let_go_after; the daemon kept it 1 s)")
@@ -58,7 +61,8 @@ def main() -> None:
                                 good["kv_scale"])
         spec, rate = search["workload"], met["rate"]
         w = at_rate(spec, rate, met["requests"], seed, cap)
-        config = NodeConfig(seed=seed, policy=good["policy"], hand_off=good["hand_off"], let_go_after=a.let_go_after)
+        config = NodeConfig(seed=seed, policy=good["policy"], hand_off=good["hand_off"], let_go_after=a.let_go_after,
+                            follow=not a.no_follow)
         row = {"cost_model": cost.name, "workload": spec, "seed": seed, "rate": rate, "requests": met["requests"]}
         for m in modes:
             s = simulate(cost, w, m, config).summary()
@@ -75,7 +79,7 @@ def main() -> None:
             json.dump(json_safe({"command": "python " + " ".join(sys.argv),
                                  "machine": platform.processor() or platform.machine(), "goodput": a.goodput,
                                  "at": a.at, "kv_scale": good["kv_scale"], "policy": good["policy"],
-                                 "hand_off": good["hand_off"], "let_go_after": a.let_go_after, "mean": summary,
+                                 "hand_off": good["hand_off"], "let_go_after": a.let_go_after, "follow": not a.no_follow, "mean": summary,
                                  "rows": rows}), f, indent=1)
         print("wrote", a.out)
 

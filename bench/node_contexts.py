@@ -107,6 +107,9 @@ def main() -> None:
                     help="pool-write: new segments go to their homes once the prompt is computed (prompt), each "
                          "as it is computed (segment), or segment by segment where the prompt is over a quarter "
                          "of an engine's KV (auto, the daemon's default: pool/hand_off.py)")
+    ap.add_argument("--no-follow", action="store_true",
+                    help="pool-write: readers of a sender's copy of what it wrote into the homes keep reading it "
+                         "there until they end (sim/node.py NodeConfig.follow; the daemon before protocol.Moved)")
     ap.add_argument("--let-go-after", type=float, default=0.0,
                     help="pool-write: s an engine keeps its own copy of what it wrote into the homes cached, the "
                          "router finding it there too (the daemon kept it 1 s before its step message said where "
@@ -129,7 +132,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 w = workload(spec, rate, a.num_prompts, a.seed, cap)
                 results = {m: simulate(cost, w, m, NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off,
-                                                                 let_go_after=a.let_go_after))
+                                                                 let_go_after=a.let_go_after,
+                                                                 follow=not a.no_follow))
                            for m in modes}
                 s = {m: r.summary() for m, r in results.items()}
                 row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
@@ -150,7 +154,7 @@ def main() -> None:
             json.dump(json_safe({"command": "python " + " ".join(sys.argv),
                                  "machine": platform.processor() or platform.machine(), "engines": 8,
                                  "kv_scale": a.kv_scale, "policy": a.policy, "hand_off": a.hand_off,
-                                 "let_go_after": a.let_go_after,
+                                 "let_go_after": a.let_go_after, "follow": not a.no_follow,
                                  "num_prompts": a.num_prompts, "seed": a.seed, "rows": rows}), f, indent=1)
         print("wrote", a.out)
 

@@ -230,9 +230,19 @@ class Withdraw(msgspec.Struct, tag=True):
     keep: list[str] = []
 
 
+class Moved(msgspec.Struct, tag=True):
+    """The pool: engine `holder` wrote segments into their homes (`runs`: each home and its keys;
+    StepOutputs.keys_moved), and this engine's requests read some of its pages of them: they read
+    them at the homes from now on, and the holder's copy goes (PoolMember.follow). The supervisor
+    sends it to the engines the holder named (StepOutputs.moved_readers)."""
+
+    holder: int
+    runs: list[PrefixRun]
+
+
 ToEngine = (AddRequest | AbortRequests | SetReadingRate | SetReadCursor | QueryRequests | Shutdown | Reconfigure
             | AbortFront | QueryKeys | PoolPeers | RemoteArrived | KeepKV | KeptKV | GiveKV | ChainEnds | Reads
-            | Withdraw)
+            | Withdraw | Moved)
 
 
 # -- engine → supervisor ---------------------------------------------------------------------
@@ -266,6 +276,7 @@ class EngineStats(msgspec.Struct):
     pool_unblocked: int = 0  # waiting requests that gave their pins back: nothing could run (engine_hooks.py)
     pool_pinned_queued: int = 0  # requests whose reads waited, pinned once near the queue's front (pool/ahead.py)
     pool_resolved: int = 0  # ... of them, those that pinned reads their front named again then (ResolveReads)
+    pool_followed: int = 0  # pages its requests read on a peer that moved to their homes, read there since (Moved)
     kv_remote_pages: int = 0  # federation: pages held for KV other nodes write or may still write
     # the step-time model (a conductor predicts TTFT and TBT from it): s per step and per token
     step_base: float = 0.0
@@ -342,6 +353,9 @@ class StepOutputs(msgspec.Struct, tag=True):
     # pool: segments this engine wrote into their homes since the last message, now held there (its
     # own keys of them are in keys_removed: the front learns of both at once, before the home reports)
     keys_moved: list[PrefixRun] = []
+    # ... and the peers whose requests read this engine's pages of them: the supervisor tells them
+    # where they went (Moved)
+    moved_readers: list[int] = []
 
 
 class RequestInfo(msgspec.Struct):

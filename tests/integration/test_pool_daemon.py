@@ -447,6 +447,48 @@ def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_
         assert d.stop() == 0
 
 
+def test_a_reader_of_the_writers_copy_follows_the_prefix_into_its_home_with_the_greedy_tokens(reference):
+    """A request that comes while a new 4,096-token prefix is computed on the other engine pins the
+    pages computed so far where they are, and computes the rest itself. Once the first prompt is
+    computed and its segments written into their homes (--pool-hand-off prompt), the reader is told
+    (protocol.Moved, from the supervisor: the writer names who reads what moved) and reads the
+    segments homed on its own engine from its own cache: the writer lets go of its copy
+    (pool/member.py follow). Both requests' tokens are one engine's."""
+    prefix, prompts = long_prompts(reference, "Chart", 2)
+    want = greedy(reference, prompts[:1], MAX_TOKENS) + greedy(reference, prompts[1:], 48)
+    home = homes(prefix)
+    d = Daemon(*LONG_FLAGS, "--pool-hand-off", "prompt")
+    try:
+        d.wait_all_engines()
+
+        async def both():
+            first = asyncio.create_task(stream_text(d.base_url, prompts[0], MAX_TOKENS))
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not first.done():  # two segments of it computed
+                pages = await asyncio.to_thread(used, d)
+                if max(pages.values()) >= 2 * SEGMENT_PAGES:
+                    break
+                await asyncio.sleep(0.02)
+            assert not first.done(), "the first prompt was computed before the reader came"
+            second = asyncio.create_task(stream_text(d.base_url, prompts[1], 48))
+            return await first, await second, max((0, 1), key=pages.__getitem__)
+
+        (text, error), (text2, error2), writer = asyncio.run(both())
+        assert error is None and text == want[0], (error, text, want[0])
+        assert error2 is None and text2 == want[1], (error2, text2, want[1])
+        reader = str(1 - writer)
+        # (the reader's figure comes with its next report)
+        wait_for(lambda: d.metric("tokenflowd_pool_followed_pages_total", engine=reader) > 0, 5,
+                 "the reader never followed the segments written into its engine")
+        assert d.metric("tokenflowd_pool_followed_pages_total", engine=reader) <= home[1 - writer]
+        assert d.metric("tokenflowd_pool_followed_pages_total", engine=str(writer)) == 0
+        for e in ("0", "1"):
+            wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
+            assert d.metric("tokenflowd_pool_pinned_pages", engine=e) == 0
+    finally:
+        assert d.stop() == 0
+
+
 async def _first_token(seen: dict) -> None:
     seen.setdefault("first_token", True)
 

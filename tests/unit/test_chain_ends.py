@@ -203,3 +203,29 @@ def test_segments_written_into_their_homes_are_held_there_before_the_senders_cop
     now[0] = 2.5
     step(1)
     assert sup.index.holders(k[3]) == [1], "its snapshot is its own word"
+
+
+def test_the_supervisor_tells_the_readers_the_sender_names_where_the_segments_went():
+    """StepOutputs.moved_readers: the engines whose requests read the sender's pages of what it wrote
+    into their homes get protocol.Moved (they read the homes from then on: PoolMember.follow); no
+    other engine, none that is not serving, and no API server process (the supervisor tells them)."""
+    from tokenflowd import protocol as p
+    from tokenflowd.config import EngineConfig, ServerConfig
+    from tokenflowd.daemon import supervisor
+    from tokenflowd.daemon.api_server import ApiServerSupervisor
+
+    sup = supervisor.Supervisor(ServerConfig(engines=4), EngineConfig())
+    sent = []
+    for slot in sup.slots[:3]:
+        slot.state, slot.inbox = "ready", object()
+    sup.send = lambda slot, msg: sent.append((slot.engine_id, msg)) or True
+    k = chain(4)
+    stats = p.EngineStats(0, 0, 0, 0, 0, 0, 0, 0.0)
+    moved = [p.PrefixRun(1, k[:2]), p.PrefixRun(2, k[2:])]
+    msg = p.StepOutputs(0, 0, 0.0, [], stats, keys_removed=k, keys_moved=moved, moved_readers=[2, 3])
+    sup._on_step(sup.slots[0], msg)
+    assert [(e, m) for e, m in sent if isinstance(m, p.Moved)] == [(2, p.Moved(0, moved))], "engine 3 is not serving"
+    sent.clear()
+    sup._on_step(sup.slots[0], p.StepOutputs(0, 0, 0.0, [], stats, keys_moved=moved))
+    assert not [m for _, m in sent if isinstance(m, p.Moved)], "no one reads them there"
+    assert supervisor.Supervisor.tells_readers and not ApiServerSupervisor.tells_readers

@@ -66,7 +66,11 @@ def test_deltas_go_to_the_front_that_sent_the_request_and_the_rest_to_all(tmp_pa
         def cached_keys(self):
             return [b"k1", b"k2"]
 
+        def pool_moved(self, msg):
+            self.moved.append(msg)
+
     engine = Recorder(spec)
+    engine.moved = []
     inbox = ctx.socket(zmq.PUSH)
     inbox.connect(spec.input_address)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(p.FromEngine)
@@ -91,11 +95,15 @@ def test_deltas_go_to_the_front_that_sent_the_request_and_the_rest_to_all(tmp_pa
         assert recv(outs[2]).query_id == 7 and not outs[0].poll(0) and not outs[1].poll(0)
         stats = p.EngineStats(3, 0, 0, 0, 0, 0, 0, 0.0)
         engine.send_step(1.0, [p.Delta("a", [5]), p.Delta("b", [6], "length"), p.Delta("c", [7])], stats,
-                         [b"k"], [b"m"], [p.PrefixRun(2, [b"m"])])
+                         [b"k"], [b"m"], [p.PrefixRun(2, [b"m"])], [3])
         got = [recv(s) for s in outs]
         assert [[d.request_id for d in m.deltas] for m in got] == [[], ["a"], ["b", "c"]]
         assert all(m.stats == stats and m.keys_added == [b"k"] and m.keys_removed == [b"m"]
-                   and m.keys_moved == [p.PrefixRun(2, [b"m"])] for m in got)
+                   and m.keys_moved == [p.PrefixRun(2, [b"m"])] and m.moved_readers == [3] for m in got)
+        moved = p.Moved(4, [p.PrefixRun(2, [b"m"])])  # a peer wrote what requests here read into its home
+        inbox.send(enc.encode(moved))
+        pump(lambda: engine.moved)
+        assert engine.moved == [moved], "handed to the pool (PoolHooks.follow)"
         assert "b" not in engine.request_front  # finished: forgotten
         inbox.send(enc.encode(p.AbortFront(2)))
         pump(lambda: "c" not in engine.request_front)

@@ -26,6 +26,16 @@ class Member:
     def __init__(self, takes: int | None = None) -> None:
         self.runs, self.takes = [], takes
         self.replicas: set[bytes] = set()  # hot segments the front named this engine to copy in
+        self.read_here: dict[int, int] = {}  # page -> the peer that pins it for a request of its own
+        self.foreign: dict = {}  # this engine's requests' foreign prefixes (only their number matters here)
+        self.followed: list = []
+
+    def readers(self, pages):
+        return sorted({self.read_here[page] for page in pages if page in self.read_here})
+
+    def follow(self, holder, runs):
+        self.followed.append((holder, runs))
+        return 0
 
     def hand_off(self, rid, runs):
         self.runs.append(runs)
@@ -46,7 +56,7 @@ def setup(takes: int | None = None, hand_off: str = "prompt", num_pages: int = 6
     h.config = SimpleNamespace(page_size=PS, pool_hand_off=hand_off)
     h.core = SimpleNamespace(scheduler=SimpleNamespace(requests={"r": req}), kv=kv, pool=pool, unlocked=_nothing)
     h.member = Member(takes)
-    h.homes, h.ends, h.moved = {}, {}, []
+    h.homes, h.ends, h.moved, h.readers, h.followed = {}, {}, [], set(), 0
     keys = chain_page_keys(req.prompt_token_ids, PS, [], 6 * PS)
     # segment 0 (pages 0-1) is homed here; segments 1 and 2 (pages 2-5) on engine 1
     h.added(SimpleNamespace(request_id="r", place=[SimpleNamespace(engine=1, keys=keys[2:6])]), False)
@@ -64,6 +74,7 @@ class _nothing:
 def test_the_segments_move_once_the_prompt_is_computed_with_the_pages_before_them():
     h, req, kv, pool, keys = setup()
     before = list(kv.block_table(req))
+    h.member.read_here = {before[0]: 3, before[3]: 2}  # peers read page 0 (stays: its home is here) and page 3
     req.num_computed_tokens = 5 * PS  # segments 0 and 1 whole, the prompt not yet computed
     kv.commit(req)
     h._hand_off()
@@ -75,7 +86,9 @@ def test_the_segments_move_once_the_prompt_is_computed_with_the_pages_before_the
     assert [(e, k, p) for e, k, p in runs] == [(0, keys[0:2], before[0:2]), (1, keys[2:6], before[2:6])]
     assert req.prefix_offset == 6 * PS and req.num_computed_tokens == 5 and req.num_prompt_tokens == 5
     assert kv.block_table(req) == before[6:]
-    assert h.take_moved() == [p.PrefixRun(1, keys[2:6])] and h.take_moved() == [], "the step's message says where"
+    assert h.take_moved() == ([p.PrefixRun(1, keys[2:6])], [2]), "the step's message says where, and who reads it"
+    assert h.take_moved() == ([], []), "once"
+    assert h.member.followed == [], "no other request here reads a foreign prefix"
     assert len(pool.lookup(keys)) == 2, "what went to the peer stops being cached here at once, its own pages stay"
     for page in before[2:6]:  # its own reference is gone (the member's pins on pages 0-1 are the member's)
         assert pool.ref_count(page) == 0
@@ -92,14 +105,15 @@ def test_the_segments_move_once_the_prompt_is_computed_with_the_pages_before_the
 
 def test_what_the_home_does_not_take_stays_here_and_is_not_tried_again():
     h, req, kv, pool, keys = setup(takes=3)  # the peer took one page of segment 1, then was full
+    h.member.read_here = {kv.block_table(req)[3]: 2}  # a peer reads a page that stays
     req.num_computed_tokens = req.num_prompt_tokens
     kv.commit(req)
     h._hand_off()
     assert req.prefix_offset == 3 * PS and len(kv.block_table(req)) == 4
-    assert h.take_moved() == [p.PrefixRun(1, keys[2:3])]
+    assert h.take_moved() == ([p.PrefixRun(1, keys[2:3])], []), "no peer reads what moved"
     assert not pool.holds(keys[2]) and all(pool.holds(k) for k in keys[3:6]), "the rest is still its own, here"
     h._hand_off()
-    assert len(h.member.runs) == 1 and "r" not in h.homes and h.take_moved() == []
+    assert len(h.member.runs) == 1 and "r" not in h.homes and h.take_moved() == ([], [])
 
 
 def test_a_hot_segment_the_front_named_to_copy_in_stays_cached_here_as_a_replica():
@@ -108,7 +122,7 @@ def test_a_hot_segment_the_front_named_to_copy_in_stays_cached_here_as_a_replica
     req.num_computed_tokens = req.num_prompt_tokens
     kv.commit(req)
     h._hand_off()
-    assert h.take_moved() == [p.PrefixRun(1, keys[2:6])], "the home holds all of it"
+    assert h.take_moved()[0] == [p.PrefixRun(1, keys[2:6])], "the home holds all of it"
     assert [pool.holds(k) for k in keys] == [True] * 4 + [False] * 2
 
 
@@ -128,7 +142,7 @@ def test_segment_by_segment_each_segment_moves_once_it_is_computed():
     assert req.prefix_offset == 4 * PS and kv.block_table(req) == before[4:]
     for page in before[2:4]:
         assert pool.ref_count(page) == 0, "its own copy of what went to the peer is gone"
-    assert h.take_moved() == [p.PrefixRun(1, keys[2:4])] and "r" in h.homes, "segment 2 is still to come"
+    assert h.take_moved()[0] == [p.PrefixRun(1, keys[2:4])] and "r" in h.homes, "segment 2 is still to come"
     req.num_computed_tokens = req.num_prompt_tokens  # the rest of the prompt (what is left of it here)
     kv.commit(req)
     h._hand_off()
@@ -168,10 +182,11 @@ def test_the_engine_says_at_once_where_the_segments_went_with_the_keys_its_cache
                              pool=SimpleNamespace(after_step=lambda now: h._hand_off(), take_moved=h.take_moved,
                                                   evicted=h.evicted),
                              must_report=lambda deltas, now, last: bool(deltas) or now - last >= 0.5,
-                             send_step=lambda now, deltas, stats, added, removed, moved=None:
-                             sent.append((deltas, added, removed, moved)))
+                             send_step=lambda now, deltas, stats, added, removed, moved=None, readers=None:
+                             sent.append((deltas, added, removed, moved, readers)))
     engine.report = lambda *a: EngineProcess.report(engine, *a)
     h.member.replicas = set()
+    h.member.read_here = {kv.block_table(req)[5]: 1}  # engine 1 reads a page of segment 2 here
     req.num_computed_tokens = 5 * PS  # segments 0 and 1 whole, the prompt not yet computed
     kv.commit(req)
     assert EngineProcess.report_step(engine, 1.0, [], False, 0.9) == 0.9 and sent == [], "nothing to say yet"
@@ -179,5 +194,5 @@ def test_the_engine_says_at_once_where_the_segments_went_with_the_keys_its_cache
     kv.commit(req)
     delta = p.Delta("r", [5])
     assert EngineProcess.report_step(engine, 1.1, [delta], False, 0.9) == 1.1
-    assert sent == [([delta], keys[:6], [], None), ([], [], keys[2:6], [p.PrefixRun(1, keys[2:6])])]
+    assert sent == [([delta], keys[:6], [], None, None), ([], [], keys[2:6], [p.PrefixRun(1, keys[2:6])], [1])]
     assert EngineProcess.report_step(engine, 1.2, [], False, 1.1) == 1.1 and len(sent) == 2, "moved once"

@@ -40,6 +40,8 @@ class ApiServerSupervisor(Supervisor):
     """The engines as one API server process sees them: it launches none, and follows the supervisor's
     EngineTable for their incarnations and states."""
 
+    tells_readers = False  # (the supervisor does)
+
     def __init__(self, server: ServerConfig, engine: EngineConfig, spec: p.ApiServerSpec) -> None:
         super().__init__(server, engine, placement=[(msgspec.convert(c, EngineConfig), {}) for c in spec.engines])
         self.front, self.front_epoch = spec.front, spec.epoch

@@ -48,6 +48,9 @@ class NoEngineReady(RuntimeError):
 class Supervisor:
     front = 0  # this process's output at every engine (0: the supervisor's own)
     front_epoch = 0  # which start of that front this is (AbortFront)
+    # the pool: this process tells engines where segments their requests read went (Moved); every
+    # front hears the same step messages, and the supervisor alone tells them
+    tells_readers = True
 
     def __init__(self, server: ServerConfig, engine: EngineConfig, num_fronts: int = 0,
                  placement: list[tuple[EngineConfig, dict[str, str]]] | None = None) -> None:
@@ -225,6 +228,8 @@ class Supervisor:
         slot.stats = msg.stats
         if msg.keys_moved or self._moved:
             self._moved_keys(slot.engine_id, msg, time.monotonic())
+        if msg.moved_readers and self.tells_readers:
+            self._tell_readers(slot.engine_id, msg)
         self.index.update(slot.engine_id, msg.keys_added, msg.keys_removed)
         self._send_chain_ends()
         if self.on_keys is not None and (msg.keys_added or msg.keys_removed):
@@ -350,6 +355,15 @@ class Supervisor:
             for key in fresh:  # (appended: the dict stays in the order the keys leave)
                 self._moved.pop((run.engine, key), None)
                 self._moved[(run.engine, key)] = until
+
+    def _tell_readers(self, holder: int, msg: p.StepOutputs) -> None:
+        """The engines whose requests read segments `holder` wrote into their homes (its pages of
+        them, kept for them) read them at the homes from now on (protocol.Moved, PoolMember.follow)."""
+        moved = p.Moved(holder, msg.keys_moved)
+        for engine_id in msg.moved_readers:
+            slot = self.slots[engine_id] if 0 <= engine_id < len(self.slots) else None
+            if slot is not None and slot.ready and slot.inbox is not None:
+                self.send(slot, moved)
 
     def drop_moved(self, home: int) -> None:
         """Forget the moves to `home` its own reports have not confirmed yet: it is gone, or has just

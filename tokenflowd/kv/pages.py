@@ -173,6 +173,10 @@ class PagePool:
         """Pages holding the longest cached prefix of `keys` (no references taken)."""
         return leading_run(keys, self._by_key) if self.enable_prefix_caching else []
 
+    def key_of(self, page: int) -> bytes | None:
+        """The key `page` is published under (None: private, or free)."""
+        return self._key[page]
+
     def holds(self, key: bytes) -> bool:
         """Whether a page is published under `key`."""
         return self.enable_prefix_caching and key in self._by_key

@@ -16,6 +16,8 @@
                                          stuck with nothing to run gives its waiting requests' pins
                                          back
     messages:         reads              the front's answer: pin the reads it names
+                      follow             a peer wrote pages requests here read on it into their
+                                         homes (Moved): read them there from now on
                       withdrawable       an idle peer takes a queued request (pool/steal.py,
                       withdrawn          protocol.Withdraw): which one, and forgetting it here
                       set_peers          a peer gone: its readers recompute their prefix here
@@ -60,8 +62,11 @@ class PoolHooks:
         # handed there yet; and the last key of each of those segments
         self.homes: dict[str, dict[bytes, int]] = {}
         self.ends: dict[str, set[bytes]] = {}
-        # segments homes took since the last step message, by home (StepOutputs.keys_moved)
+        # segments homes took since the last step message, by home (StepOutputs.keys_moved), and the
+        # peers that read them here (StepOutputs.moved_readers)
         self.moved: list[p.PrefixRun] = []
+        self.readers: set[int] = set()
+        self.followed = 0  # pages of this engine's requests' reads that moved to where their segments went
         self.deferred: dict[str, list[p.PrefixRun]] = {}  # queued request -> the reads it pins near the front
         self.asked: dict[str, float] = {}  # deferred request -> when it asked its front where its reads are now
         self.asking: list[str] = []  # ... and those to ask with this iteration (the loop sends ResolveReads)
@@ -275,12 +280,20 @@ class PoolHooks:
         if self.homes:
             self._hand_off()
 
-    def take_moved(self) -> list[p.PrefixRun]:
-        """The segments homes took since the last call, for the step message (StepOutputs.keys_moved)."""
-        moved = self.moved
+    def take_moved(self) -> tuple[list[p.PrefixRun], list[int]]:
+        """(the segments homes took since the last call, the peers that read them here), for the step
+        message (StepOutputs.keys_moved, moved_readers)."""
+        moved, readers = self.moved, sorted(self.readers)
         if moved:  # (most steps move nothing: no new list for them)
             self.moved = []
-        return moved
+            self.readers.clear()
+        return moved, readers
+
+    def follow(self, msg: p.Moved) -> None:
+        """A peer wrote segments into their homes, and requests here read its pages of them: they
+        read them at the homes from now on (PoolMember.follow)."""
+        with self.core.unlocked():
+            self.followed += self.member.follow(msg.holder, msg.runs)
 
     def _unblock(self, now: float) -> None:
         """Pins are taken as a request nears the front of the queue (pool/ahead.py), and a waiting
@@ -326,7 +339,10 @@ class PoolHooks:
         where it went (`take_moved`, sent at once: EngineProcess.report_step), with the keys this
         cache let go, so the front neither finds it nowhere in between nor names new readers a
         copy here that is about to go (the homes' own reports have the last word:
-        Supervisor._moved_keys). (The keys stayed cached here until the homes' own reports had
+        Supervisor._moved_keys). It names the peers whose requests read these pages here (named
+        before the move): the supervisor tells them (Moved) and they read them at the homes from
+        then on, as this engine's own other readers of them do at once (PoolMember.follow); the
+        pages here go once no one reads them. (The keys stayed cached here until the homes' own reports had
         reached the front, two heartbeats, and readers named in between pinned this copy and read
         it here, apart from its homes, for as long as they ran. The node simulator with that second
         modelled, sim/node.py NodeConfig.let_go_after, a quarter of the A100's KV, the four
@@ -382,13 +398,19 @@ class PoolHooks:
             for page in reversed(kv.hand_off(req, got)):  # tail first, as a request's release
                 self.core.pool.decref(page)
             req.extend_foreign_prefix(got * ps, keys[got - 1])
-            taken, replicas = 0, self.member.replicas
-            for home, run, _ in runs:
+            taken, replicas, moved, gone = 0, self.member.replicas, [], []
+            for home, run, local in runs:
                 run = run[: got - taken]
                 taken += len(run)
                 if home != self.spec.engine_id and run:
-                    self.moved.append(p.PrefixRun(home, run))
+                    moved.append(p.PrefixRun(home, run))
+                    gone += local[: len(run)]
                     self.core.pool.unpublish([key for key in run if key not in replicas])
+            self.moved += moved
+            self.readers.update(self.member.readers(gone))  # told where they went (Moved)
+            if moved and len(self.member.foreign) > 1:  # this engine's other requests that read them follow too
+                with self.core.unlocked():
+                    self.followed += self.member.follow(self.spec.engine_id, moved)
 
     def set_peers(self, msg: p.PoolPeers) -> None:
         with self.core.unlocked():
@@ -408,7 +430,8 @@ class PoolHooks:
                     pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
                     pool_copied_pages=m["copied_pages"],
                     pool_share=self.member.share, pool_unblocked=self.unblocked,
-                    pool_pinned_queued=self.pinned_queued, pool_resolved=self.resolved, pool_path=path,
+                    pool_pinned_queued=self.pinned_queued, pool_resolved=self.resolved,
+                    pool_followed=self.followed, pool_path=path,
                     pool_staged=staged, pool_peer_access=self.member.peer_access)
 
     def close(self) -> None:

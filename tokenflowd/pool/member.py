@@ -9,7 +9,8 @@ attends to theirs.
             (`hand_off`: read mode writes them through the home's mapped cache, query.py
             Reserve/Commit; query mode puts them, query.py Put) and the request reads them there
             from then on; its pages here go, and are no longer cached here (PagePool.unpublish).
-            No second copy outlives the prompt
+            Requests anywhere that read those pages here follow them into the homes (`follow`,
+            told by the front: protocol.Moved). No second copy outlives the prompt and its readers
     a step  every layer: own causal attention with LSE, merged with each holder's partial attention
             over its pinned pages (attention.py): query mode ships the rows, read mode maps the
             holder's cache (shared_kv.py on a CPU, cuda_ipc.py on a GPU) and attends in place; a
@@ -81,12 +82,30 @@ class ForeignPrefix:
     (their order does not matter to attention; read mode and this engine's own runs use them)."""
 
     pages: dict[int, list[int]] = field(default_factory=dict)
+    keys: dict[int, list[bytes]] = field(default_factory=dict)  # the key of each of those pages
     handed: dict[int, int] = field(default_factory=dict)  # of them, pages it computed and handed there
     touched: set[int] = field(default_factory=set)  # peers asked to pin for it (a failed write's too)
 
     @property
     def num_pages(self) -> int:
         return sum(len(p) for p in self.pages.values())
+
+    def add(self, engine: int, pages: list[int], keys: Sequence[bytes]) -> None:
+        """`pages` pinned on `engine`, the leading ones of `keys`."""
+        self.pages.setdefault(engine, []).extend(pages)
+        self.keys.setdefault(engine, []).extend(keys[: len(pages)])
+
+    def take(self, engine: int, keys: set[bytes]) -> list[int]:
+        """Its pages on `engine` of `keys`, which it reads elsewhere from now on (never pages it handed
+        there: those are homed there, and only an engine's own copies move). -> those pages."""
+        mine, theirs = self.pages[engine], self.keys[engine]
+        taken = [page for page, key in zip(mine, theirs) if key in keys]
+        left = [(page, key) for page, key in zip(mine, theirs) if key not in keys]
+        if left:
+            self.pages[engine], self.keys[engine] = [page for page, _ in left], [key for _, key in left]
+        else:
+            del self.pages[engine], self.keys[engine]
+        return taken
 
 
 class PoolMember:
@@ -375,7 +394,7 @@ class PoolMember:
                 prefix.touched.add(engine)
                 got = self._write_home(engine, request_id, keys, local)
             if got:
-                prefix.pages.setdefault(engine, []).extend(got)
+                prefix.add(engine, got, keys)
                 prefix.handed[engine] = prefix.handed.get(engine, 0) + len(got)
             done += len(got)
             if len(got) < len(keys):
@@ -413,6 +432,55 @@ class PoolMember:
         except (PeerGone, RuntimeError, OSError, ValueError, zmq.ZMQError) as e:
             log.warning("pool: writing %d pages into engine %d failed (%s); they stay here", len(keys), engine, e)
             return []
+
+    def readers(self, pages: Sequence[int]) -> list[int]:
+        """The peers that pin any of this engine's `pages` for their requests (they read them here)."""
+        return self.service.readers(set(pages))
+
+    def follow(self, holder: int, runs: Sequence[p.PrefixRun]) -> int:
+        """`holder` wrote segments into their homes (`runs`: each home and keys; protocol.Moved): the
+        requests here that read its pages of them read them at the homes from now on, pinned there
+        (where this engine is the home, its own pages), and let go of them on `holder`, whose copy
+        then goes once no one reads it. A read follows its segment: else requests that came while a
+        document was computed read it where it was computed, a second copy kept for them, apart from
+        its homes, for as long as they run. Best effort: what a home does not hold (evicted meanwhile,
+        a peer gone) stays read on `holder`. -> pages that moved. Call without `lock`."""
+        homes = {key: run.engine for run in runs for key in run.keys}
+        moved = 0
+        for rid, prefix in list(self.foreign.items()):
+            by_home: dict[int, list[bytes]] = {}
+            for key in prefix.keys.get(holder, ()):
+                home = homes.get(key, holder)
+                if home != holder:
+                    by_home.setdefault(home, []).append(key)
+            for home, keys in by_home.items():
+                pages = self._pin_at(rid, home, keys)
+                if not pages:
+                    continue
+                prefix.add(home, pages, keys)
+                gone = prefix.take(holder, set(keys[: len(pages)]))
+                if holder == self.engine:
+                    self._release([gone])
+                else:
+                    self._unpin(rid, holder, gone)
+                moved += len(pages)
+        return moved
+
+    def _pin_at(self, request_id: str, engine: int, keys: list[bytes]) -> list[int]:
+        """Pin the leading `keys` `engine` holds for the request. -> their pages there ([]: a peer
+        gone or failing; the request computes those tokens, or reads them where it did)."""
+        if engine == self.engine:
+            return [page for seg in self._resolve(keys) for page in seg]
+        peer = self.peers.get(engine)
+        if peer is None:
+            return []
+        try:
+            pages = self._client(peer).pin(request_id, keys).pages
+        except (PeerGone, RuntimeError, zmq.ZMQError) as e:
+            log.warning("pool: pin on engine %d failed: %s", engine, e)
+            return []
+        self._mapped(peer)  # (read mode: mapped now, or staged from here on)
+        return pages
 
     # -- peers ----------------------------------------------------------------------------------
     def set_peers(self, peers: list[p.PoolPeer]) -> list[str]:
@@ -511,7 +579,7 @@ class PoolMember:
             for run in runs:
                 engine, pages = self._pin_run(request_id, run)
                 if pages:
-                    prefix.pages.setdefault(engine, []).extend(pages)
+                    prefix.add(engine, pages, run.keys)
                 if len(pages) < len(run.keys):
                     break
         except Exception:
@@ -537,16 +605,7 @@ class PoolMember:
         if run.engine == self.engine or len(here) == len(run.keys):
             return self.engine, [page for seg in here for page in seg]
         self._release(here)
-        peer = self.peers.get(run.engine)
-        if peer is None:
-            return run.engine, []
-        try:
-            pinned = self._client(peer).pin(request_id, run.keys)
-        except (PeerGone, RuntimeError, zmq.ZMQError) as e:
-            log.warning("pool: pin on engine %d failed (%s); the request computes those tokens", run.engine, e)
-            return run.engine, []
-        self._mapped(peer)  # (read mode: mapped now, or staged from here on)
-        return run.engine, pinned.pages
+        return run.engine, self._pin_at(request_id, run.engine, run.keys)
 
     def release(self, request_id: str) -> None:
         """The request is gone or no longer reads its foreign prefix: drop its pins everywhere."""
@@ -559,12 +618,13 @@ class PoolMember:
             else:
                 self._unpin(request_id, engine)
 
-    def _unpin(self, request_id: str, engine: int) -> None:
+    def _unpin(self, request_id: str, engine: int, pages: list[int] | None = None) -> None:
+        """Drop the request's pins on peer `engine` (`pages`: those only)."""
         peer = self.peers.get(engine)
         if peer is None or peer.client is None or peer.client.dead:
             return  # gone: nothing of it is pinned any more
         try:
-            peer.client.unpin(request_id)
+            peer.client.unpin(request_id, pages)
         except (PeerGone, RuntimeError, zmq.ZMQError) as e:
             log.warning("pool: unpin on engine %d failed: %s", engine, e)
 

@@ -23,8 +23,8 @@ without peer access, IPC refused) answers why
 Pins. Before the first layer, the requester pins the segments a request reads (`pin`; a second
 pin of the same request adds to the first): the holder
 resolves their keys to its pages and holds a reference for that request, so no eviction can reuse
-them while queries run; `unpin` (the request ended) or `release_peer` (the requester died: the
-supervisor says so) drops them, and the requester's mapped blocks with them. Keys the holder no
+them while queries run; `unpin` (the request ended; of some pages only: they moved, and it reads
+them where they went) or `release_peer` (the requester died: the supervisor says so) drops them, and the requester's mapped blocks with them. Keys the holder no
 longer has are reported, and the requester computes those tokens itself. A holder that does not
 answer within the timeout is PeerGone for that call; the channel stays usable, and the late answer
 is dropped by its sequence number. A holder whose process is gone (`alive` says so; checked every
@@ -72,6 +72,8 @@ class Unpin(msgspec.Struct, tag=True):
     request_id: str
     incarnation: int = 0
     seq: int = 0
+    # these of the request's pages only (they moved: it reads them elsewhere from now on); None: all
+    pages: list[int] | None = None
 
 
 class ReleasePeer(msgspec.Struct, tag=True):
@@ -401,14 +403,28 @@ class QueryService:
                 self.pins.setdefault((msg.peer, msg.incarnation, msg.request_id), []).extend(pages)
             return Pinned(held=len(pages), pages=[p for seg in pages for p in seg])
         if isinstance(msg, Unpin):
-            pages = self.pins.pop((msg.peer, msg.incarnation, msg.request_id), None)
-            if pages is not None:
-                self.release(pages)
+            pin = (msg.peer, msg.incarnation, msg.request_id)
+            if msg.pages is None or pin not in self.pins:
+                pages = self.pins.pop(pin, None)
+                if pages is not None:
+                    self.release(pages)
+                return Done()
+            drop = set(msg.pages)
+            kept = [[page for page in seg if page not in drop] for seg in self.pins[pin]]
+            self.release([[page for page in seg if page in drop] for seg in self.pins[pin]])
+            self.pins[pin] = [seg for seg in kept if seg]
+            if not self.pins[pin]:
+                del self.pins[pin]
             return Done()
         if isinstance(msg, ReleasePeer):
             self._release_peer(msg.peer, msg.upto)
             return Done()
         return Done(error=f"unknown message {type(msg).__name__}")
+
+    def readers(self, pages: set[int]) -> list[int]:
+        """The peers whose pins hold any of `pages` (any thread)."""
+        with self._lock:
+            return sorted({pin[0] for pin, segs in self.pins.items() if any(p in pages for seg in segs for p in seg)})
 
     def release_peer(self, peer: int, incarnation: int) -> None:
         """The requester `peer`'s incarnation is gone: drop its pins and buffers, and those of its
@@ -566,8 +582,9 @@ class QueryClient:
         """The fresh pages `reserve` gave the request, written: the holder caches them under `keys`."""
         self._call(Commit(self.peer, request_id, keys, pages))
 
-    def unpin(self, request_id: str) -> None:
-        self._call(Unpin(self.peer, request_id))
+    def unpin(self, request_id: str, pages: list[int] | None = None) -> None:
+        """Drop the request's pins on the holder; `pages`: those pages only (the rest stay pinned)."""
+        self._call(Unpin(self.peer, request_id, pages=pages))
 
     def release_peer(self, peer: int, incarnation: int = 0) -> None:
         self._call(ReleasePeer(peer, incarnation))

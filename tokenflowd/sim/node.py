@@ -23,7 +23,9 @@ where a request runs and what it computes.
                 holds each segment once. The router learns at the step's end that the homes hold
                 them and that the engine let go of its own (the daemon's step message says both:
                 StepOutputs.keys_moved). Readers that arrive before the write read the pages
-                where they are being computed, once computed (the engine publishes them as it goes).
+                where they are being computed, once computed (the engine publishes them as it goes),
+                and read them at the homes once they are written there (NodeConfig.follow, the
+                daemon's protocol.Moved: PoolMember.follow), the sender's copy then let go of.
                 With NodeConfig.hand_off "segment" (--pool-hand-off segment) each whole segment
                 goes as soon as it is computed; with "auto" (the default, as the daemon's) so does
                 each of a prompt over a quarter of the engine's KV (pool/hand_off.py)
@@ -122,6 +124,10 @@ class NodeConfig:
     # finding it there too meanwhile (the daemon kept it two heartbeats, 1 s, before its step message
     # said where the segments went); 0: it lets go at once, as the daemon does
     let_go_after: float = 0.0
+    # pool-write: requests that read a sender's pages of what it wrote into the homes read them at
+    # the homes from then on, and the sender's copy goes (the daemon's PoolMember.follow); False:
+    # they read the sender's copy, kept for them, until they end (the daemon before it followed)
+    follow: bool = True
     steal: bool = True  # pool: an idle engine takes a queued request from a busy one (--no-pool-steal: False)
     copy: bool = True  # pool: hot segments an engine reads elsewhere are copied into it (--no-pool-copy: False)
 
@@ -571,7 +577,40 @@ class NodeSimulator:
                 e.pool.decref(page)
             req.extend_foreign_prefix(got * ps, keys[got - 1])
             away = {k for home, run in runs if home != e.engine_id for k in run}
+            if self.config.follow:
+                self._follow(e, {k: home for home, run in runs if home != e.engine_id for k in run[:got]})
             e.letting_go.append((e.clock.now + self.config.let_go_after, [k for k in keys[:got] if k in away]))
+
+    def _follow(self, e: _Engine, homes: dict[bytes, int]) -> None:
+        """As the daemon's PoolMember.follow, told by the front (protocol.Moved): requests on any
+        engine that read e's pages of segments e wrote into their homes (`homes`: key -> home) read
+        them at the homes from then on, pinned there, e's pins let go of (its copy goes once no one
+        reads it). What a home no longer holds stays read on e."""
+        for x in self.engines:
+            for pins in x.pins.values():
+                if not any(holder is e for holder, _ in pins):
+                    continue
+                out: list[tuple[_Engine, list[int]]] = []
+                for holder, pages in pins:
+                    moving: dict[int, list[int]] = {}
+                    for page in pages if holder is e else ():
+                        home = homes.get(e.pool.key_of(page))
+                        if home is not None:
+                            moving.setdefault(home, []).append(page)
+                    gone = {page for mine in moving.values() for page in mine}
+                    stay = [page for page in pages if page not in gone]
+                    for home_id, mine in moving.items():
+                        home = self.engines[home_id]
+                        there = home.pool.lookup([e.pool.key_of(page) for page in mine])
+                        for page in there:
+                            home.pool.incref(page)
+                        if there:
+                            out.append((home, there))
+                        _release(e.pool, mine[: len(there)])
+                        stay += mine[len(there):]
+                    if stay:
+                        out.append((holder, stay))
+                pins[:] = out
 
     @staticmethod
     def _let_go(e: _Engine) -> None:

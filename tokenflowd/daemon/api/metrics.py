@@ -169,6 +169,9 @@ class EngineCollector(Collector):
             "tokenflowd_pool_resolved_requests": ("Of those, the requests that pinned reads their front named again "
                                                   "as they neared the queue's front (where the pool held their "
                                                   "prefix then)", lambda s: s.pool_resolved),
+            "tokenflowd_pool_followed_pages": ("Pages an engine's requests read on a peer that the peer then wrote "
+                                               "into their segments' homes, read at the homes from then on",
+                                               lambda s: s.pool_followed),
         }
         for name, (doc, value) in figures.items():
             yield _per_engine(CounterMetricFamily(name, doc, labels=["engine"]), slots, value)

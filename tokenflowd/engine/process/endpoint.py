@@ -92,6 +92,9 @@ class EngineEndpoint(abc.ABC):
     def pool_reads(self, msg: p.Reads) -> None:
         """Where the pool holds a queued request's prefix now, as its front names it (pool/engine_hooks.py)."""
 
+    def pool_moved(self, msg: p.Moved) -> None:
+        """A peer wrote segments whose pages requests here read on it into their homes (pool/member.py follow)."""
+
     def withdraw(self, front: int, keep: Container[str] = ()) -> list[str]:
         """The pool: give back the last request of `front` queued here that has started nothing and
         is not in `keep` (pool/steal.py) -> its id, or none. (An engine without the pool gives back none.)"""
@@ -175,6 +178,8 @@ class EngineEndpoint(abc.ABC):
             self.chain_ends(msg)
         elif isinstance(msg, p.Reads):
             self.pool_reads(msg)
+        elif isinstance(msg, p.Moved):
+            self.pool_moved(msg)
         elif isinstance(msg, p.Withdraw):
             gone = self.withdraw(msg.front, set(msg.keep))
             for rid in gone:
@@ -237,14 +242,15 @@ class EngineEndpoint(abc.ABC):
             self._send_front(front, raw)
 
     def send_step(self, now: float, deltas: list[p.Delta], stats: p.EngineStats, keys_added: list[bytes] | None = None,
-                  keys_removed: list[bytes] | None = None, keys_moved: list[p.PrefixRun] | None = None) -> None:
+                  keys_removed: list[bytes] | None = None, keys_moved: list[p.PrefixRun] | None = None,
+                  moved_readers: list[int] | None = None) -> None:
         """One StepOutputs to each output, with the deltas of its own requests (an output with none gets
         the same bytes as every other such output: encoded once)."""
         spec = self.spec
 
         def step(own: list[p.Delta]) -> p.StepOutputs:
             return p.StepOutputs(spec.engine_id, spec.incarnation, now, own, stats, keys_added or [], keys_removed or [],
-                                 keys_moved or [])
+                                 keys_moved or [], moved_readers or [])
 
         if not self.fronts:
             self.send(step(deltas))

@@ -155,19 +155,20 @@ class EngineProcess(EngineEndpoint):
             last_sent = now
         if self.pool is not None:
             self.pool.after_step(now)
-            moved = self.pool.take_moved()
+            moved, readers = self.pool.take_moved()
             if moved:
-                self.report(now, [], moved)
+                self.report(now, [], moved, readers)
                 last_sent = now
         return last_sent
 
-    def report(self, now: float, deltas: list[p.Delta], moved: list[p.PrefixRun] | None = None) -> None:
+    def report(self, now: float, deltas: list[p.Delta], moved: list[p.PrefixRun] | None = None,
+               readers: list[int] | None = None) -> None:
         """A step message: `deltas`, the prefix cache's key events since the last one, and the
-        segments written into their homes since (`moved`)."""
+        segments written into their homes since (`moved`), with the peers that read them here."""
         added, removed = self.core.pool.drain_key_events()
         if self.pool is not None:
             self.pool.evicted(removed)
-        self.send_step(now, deltas, self._stats(), added, removed, moved)
+        self.send_step(now, deltas, self._stats(), added, removed, moved, readers)
 
     def store(self, msg: p.KeepKV | p.KeptKV | p.GiveKV) -> None:
         if self.federation is not None:
@@ -184,6 +185,10 @@ class EngineProcess(EngineEndpoint):
     def pool_reads(self, msg: p.Reads) -> None:
         if self.pool is not None:
             self.pool.reads(msg)
+
+    def pool_moved(self, msg: p.Moved) -> None:
+        if self.pool is not None:
+            self.pool.follow(msg)
 
     def withdraw(self, front: int, keep: Container[str] = ()) -> list[str]:
         if self.pool is None or self.federation is not None:
