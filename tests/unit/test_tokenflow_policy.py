@@ -129,6 +129,22 @@ def test_fallback_brings_silent_streams_back_before_new_requests_and_overdue_one
     assert TokenFlowPolicy(PARAMS).balance(v2).run == ("b", "c")
 
 
+def test_fallback_never_displaces_a_recompute_in_progress_for_another_silent_stream():
+    """Two streams silent for 2×max_stall, each recomputing a long context, one seat: the one whose
+    recompute is under way keeps the seat until it is done. Displaced mid-recompute, its work was
+    thrown away, it was the longest silent at the next pass and displaced the other in turn: in the
+    node simulator (A100, full KV, pool-write, sessions in overload, seed 3) two requests on one
+    engine took the seat from each other for 500 s, one recomputed chunk a pass, while the engine's
+    other seats and room stayed empty, and the run's span grew 3.5x."""
+    half = running("a", 0.0, 0.0, 35, n=400, out=5).replace(num_computed_tokens=200, pages_held=50)
+    v = view([running("r", 0.0, 0.0, 35), half],
+             [preempted("b", 0.5, 0.0, 35, n=400).replace(dry_for=40.0)], free=100, max_num_seqs=2, now=60.0)
+    d = TokenFlowPolicy(PARAMS).balance(v)
+    assert d.fallback and "a" in d.run and "b" not in d.run, d
+    done = replace(v, running=(running("r", 0.0, 0.0, 35), running("a", 0.0, 0.0, 35, n=400)))
+    assert "b" in TokenFlowPolicy(PARAMS).balance(done).run, "recomputed, it is a running request like any"
+
+
 def test_fallback_keeps_running_requests_that_count_and_admits_into_room_left_over():
     # Five readers at 35 tokens/s and at most four slots of ~40: Σ r = 175 > Γ. With four slots the
     # new request and the first preempted member both fit; with three the new one takes the last

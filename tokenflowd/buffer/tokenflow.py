@@ -274,7 +274,11 @@ class TokenFlowPolicy(SchedulingPolicy):
         # costs a reload or a recompute; the rest come back in the next passes or in free room)
         overdue = np.flatnonzero(preempted & (ws.dry >= 2.0 * self.params.max_stall))
         overdue = overdue[np.argsort(-ws.dry[overdue], kind="stable")][: max(1, max_seqs // 2)]
-        counting = np.flatnonzero((index < ws.num_running) & ~worthless)
+        # running requests whose prompt or recompute is part done: displaced, that work is thrown
+        # away, and two silent streams that need long recomputes displaced each other for good
+        computing = np.array([i < ws.num_running and r.num_computed_tokens < r.num_tokens - 1
+                              for i, r in enumerate(ws.reqs)], dtype=bool)
+        counting = np.flatnonzero((index < ws.num_running) & ~worthless & ~computing)
         # priority first: an overdue stream takes the place of one of equal or lower priority only
         ahead = np.concatenate([overdue, counting])
         group = np.r_[np.zeros(len(overdue)), np.ones(len(counting))]
@@ -282,8 +286,9 @@ class TokenFlowPolicy(SchedulingPolicy):
         ahead = ahead[np.lexsort((within, group, -priority[ahead]))]
         waiting_room = np.flatnonzero(silent & ~np.isin(index, overdue))
         waiting_room = waiting_room[np.argsort(-ws.dry[waiting_room], kind="stable")]
-        first = [*range(ws.num_running, ws.num_on_device), *ahead.tolist(), *waiting_room.tolist()]
-        rest = np.flatnonzero((preempted & ~silent) | worthless)
+        first = [*range(ws.num_running, ws.num_on_device), *np.flatnonzero(computing).tolist(), *ahead.tolist(),
+                 *waiting_room.tolist()]
+        rest = np.flatnonzero((preempted & ~silent) | (worthless & ~computing))
         rest = rest[np.lexsort((seconds[rest], tier[rest]))].tolist()
         chosen, used = self._fill(first, pages, capacity, max_seqs)
         admitted = []
