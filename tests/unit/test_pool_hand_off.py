@@ -4,6 +4,8 @@ pool holds them; its own pages of them go, its remaining pages keep the whole pr
 usage still counts those tokens as computed, not cached."""
 from __future__ import annotations
 
+import contextlib
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +33,9 @@ class Member:
         self.followed: list = []
 
     def readers(self, pages):
+        # the query service's lock is taken before the engine's by its thread: asked under the
+        # engine's, the two threads could each hold one and wait for the other
+        assert not self.engine_lock.locked(), "asked with the engine's lock held"
         return sorted({self.read_here[page] for page in pages if page in self.read_here})
 
     def follow(self, holder, runs):
@@ -54,21 +59,25 @@ def setup(takes: int | None = None, hand_off: str = "prompt", num_pages: int = 6
     h = PoolHooks.__new__(PoolHooks)
     h.spec = SimpleNamespace(engine_id=0)
     h.config = SimpleNamespace(page_size=PS, pool_hand_off=hand_off)
-    h.core = SimpleNamespace(scheduler=SimpleNamespace(requests={"r": req}), kv=kv, pool=pool, unlocked=_nothing)
+    lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def unlocked():  # as EngineCore.unlocked: the loop holds the lock but where it lets go
+        lock.release()
+        try:
+            yield
+        finally:
+            lock.acquire()
+
+    lock.acquire()  # (held by the engine's loop, as in EngineProcess.run)
+    h.core = SimpleNamespace(scheduler=SimpleNamespace(requests={"r": req}), kv=kv, pool=pool, unlocked=unlocked)
     h.member = Member(takes)
+    h.member.engine_lock = lock
     h.homes, h.ends, h.moved, h.readers, h.followed = {}, {}, [], set(), 0
     keys = chain_page_keys(req.prompt_token_ids, PS, [], 6 * PS)
     # segment 0 (pages 0-1) is homed here; segments 1 and 2 (pages 2-5) on engine 1
     h.added(SimpleNamespace(request_id="r", place=[SimpleNamespace(engine=1, keys=keys[2:6])]), False)
     return h, req, kv, pool, keys
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def test_the_segments_move_once_the_prompt_is_computed_with_the_pages_before_them():
