@@ -213,7 +213,7 @@ def test_readers_of_a_senders_copy_follow_the_segments_into_their_homes_and_the_
     over 16 documents of 12K tokens, a quarter of the A100's KV: throughput 603 against 498 tokens/s,
     hit rate 0.78 against 0.69, access CV 0.13 against 0.16 (four workloads and seeds 0-3 in
     overload, bench/results/node_contexts_small_cache_follow.json: 1.45x routing's throughput
-    against 1.22x, none below it, access CV 0.14 against 0.23)."""
+    against 1.22x, the least 0.997x, access CV 0.14 against 0.23)."""
     cost, over = small_cache_documents(16.0)
     follow, stay = (NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow", follow=f)).run().summary()
                     for f in (True, False))
