@@ -79,7 +79,8 @@ def main() -> None:
             json.dump(json_safe({"command": "python " + " ".join(sys.argv),
                                  "machine": platform.processor() or platform.machine(), "goodput": a.goodput,
                                  "at": a.at, "kv_scale": good["kv_scale"], "policy": good["policy"],
-                                 "hand_off": good["hand_off"], "let_go_after": a.let_go_after, "follow": not a.no_follow, "mean": summary,
+                                 "hand_off": good["hand_off"], "let_go_after": a.let_go_after,
+                                 "follow": not a.no_follow, "mean": summary,
                                  "rows": rows}), f, indent=1)
         print("wrote", a.out)
 

@@ -447,7 +447,7 @@ def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_
         assert d.stop() == 0
 
 
-def test_a_reader_of_the_writers_copy_follows_the_prefix_into_its_home_with_the_greedy_tokens(reference):
+def test_a_reader_of_the_writers_copy_follows_the_prefix_into_its_home_with_the_greedy_tokens(reference, tmp_path):
     """A request that comes while a new 4,096-token prefix is computed on the other engine pins the
     pages computed so far where they are, and computes the rest itself. Once the first prompt is
     computed and its segments written into their homes (--pool-hand-off prompt), the reader is told
@@ -457,7 +457,12 @@ def test_a_reader_of_the_writers_copy_follows_the_prefix_into_its_home_with_the_
     prefix, prompts = long_prompts(reference, "Chart", 2)
     want = greedy(reference, prompts[:1], MAX_TOKENS) + greedy(reference, prompts[1:], 48)
     home = homes(prefix)
-    d = Daemon(*LONG_FLAGS, "--pool-hand-off", "prompt")
+    # the writer's figures come with its reports, every heartbeat while it computes a prompt: at
+    # 0.1 s the reader comes a tenth of a second after two segments are in, however fast the prompt
+    # is computed (the prompt's 16 chunks leave 14 after that)
+    config = tmp_path / "tokenflowd.toml"
+    config.write_text("[server]\nheartbeat_interval = 0.1\n")
+    d = Daemon(*LONG_FLAGS, "--pool-hand-off", "prompt", "--config", str(config))
     try:
         d.wait_all_engines()
 
@@ -478,7 +483,7 @@ def test_a_reader_of_the_writers_copy_follows_the_prefix_into_its_home_with_the_
         assert error2 is None and text2 == want[1], (error2, text2, want[1])
         reader = str(1 - writer)
         # (the reader's figure comes with its next report)
-        wait_for(lambda: d.metric("tokenflowd_pool_followed_pages_total", engine=reader) > 0, 5,
+        wait_for(lambda: d.metric("tokenflowd_pool_followed_pages_total", engine=reader) > 0, 30,
                  "the reader never followed the segments written into its engine")
         assert d.metric("tokenflowd_pool_followed_pages_total", engine=reader) <= home[1 - writer]
         assert d.metric("tokenflowd_pool_followed_pages_total", engine=str(writer)) == 0

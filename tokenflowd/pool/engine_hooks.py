@@ -406,11 +406,13 @@ class PoolHooks:
                     moved.append(p.PrefixRun(home, run))
                     gone += local[: len(run)]
                     self.core.pool.unpublish([key for key in run if key not in replicas])
+            if not moved:
+                continue
             self.moved += moved
             # (unlocked: the query service takes its own lock, then the engine's)
             with self.core.unlocked():
                 self.readers.update(self.member.readers(gone))  # told where they went (Moved)
-                if moved and len(self.member.foreign) > 1:  # this engine's other readers of them follow at once
+                if len(self.member.foreign) > 1:  # this engine's other readers of them follow at once
                     self.followed += self.member.follow(self.spec.engine_id, moved)
 
     def set_peers(self, msg: p.PoolPeers) -> None:

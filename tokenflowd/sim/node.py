@@ -576,10 +576,11 @@ class NodeSimulator:
             for page in reversed(e.kv.hand_off(req, got)):
                 e.pool.decref(page)
             req.extend_foreign_prefix(got * ps, keys[got - 1])
-            away = {k for home, run in runs if home != e.engine_id for k in run}
+            away = {k: home for home, run in runs if home != e.engine_id for k in run}
+            moved = {k: away[k] for k in keys[:got] if k in away}  # what the homes took, and where
             if self.config.follow:
-                self._follow(e, {k: home for home, run in runs if home != e.engine_id for k in run[:got]})
-            e.letting_go.append((e.clock.now + self.config.let_go_after, [k for k in keys[:got] if k in away]))
+                self._follow(e, moved)
+            e.letting_go.append((e.clock.now + self.config.let_go_after, list(moved)))
 
     def _follow(self, e: _Engine, homes: dict[bytes, int]) -> None:
         """As the daemon's PoolMember.follow, told by the front (protocol.Moved): requests on any
