@@ -210,14 +210,16 @@ def test_readers_of_a_senders_copy_follow_the_segments_into_their_homes_and_the_
     it was written into its homes they read that copy, kept for them, apart from the homes, for as
     long as they ran. Now they are told where it went (protocol.Moved, pool/member.py follow; the
     simulator NodeConfig.follow) and read it at the homes, and the copy goes. Overload, 150 requests
-    over 16 documents of 12K tokens, a quarter of the A100's KV: throughput 603 against 498 tokens/s,
-    hit rate 0.78 against 0.69, access CV 0.13 against 0.16 (four workloads and seeds 0-3 in
+    over 16 documents of 12K tokens, a quarter of the A100's KV: throughput 603 against 562 tokens/s,
+    hit rate 0.78 against 0.69, access CV 0.13 against 0.16, within the SLO 0.94 against 0.81 (before
+    the policy kept a stream too big for the room from idling the device, 603 against 498; four workloads and seeds 0-3 in
     overload, bench/results/node_contexts_small_cache_follow.json: 1.45x routing's throughput
     against 1.22x, the least 0.997x, access CV 0.14 against 0.23)."""
     cost, over = small_cache_documents(16.0)
     follow, stay = (NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow", follow=f)).run().summary()
                     for f in (True, False))
-    assert follow["throughput"] >= 1.1 * stay["throughput"], (follow, stay)
+    assert follow["throughput"] >= 1.05 * stay["throughput"], (follow, stay)
+    assert follow["slo_attainment"] >= stay["slo_attainment"] + 0.1, (follow, stay)
     assert follow["hit_rate"] >= stay["hit_rate"] + 0.05, (follow, stay)
     assert follow["access_cv"] < 0.15 < stay["access_cv"], (follow, stay)
 
@@ -376,8 +378,10 @@ def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_thr
     grows while another empties (prompts of very different lengths). With the pool, where a request
     runs does not decide what it reads: an idle engine takes the last queued request that has started
     nothing from the longest queue, and reads its prefix where the pool holds it, unless the request
-    reads most of it where it is queued (`stays`). 16 documents, 16 req/s, seed 1: throughput 1.55x
-    the run without stealing, busy CV 0.053 against 0.177. Over the four document workloads and
+    reads most of it where it is queued (`stays`). 16 documents, 16 req/s, seed 1: throughput 1.12x
+    the run without stealing, busy CV 0.072 against 0.116 (1.55x and 0.053 against 0.177 while an
+    engine whose room could not hold the longest silent stream ran nothing, buffer/tokenflow.py:
+    the run without stealing lost most there). Over the four document workloads and
     seeds 0-3 in overload (bench/results/node_contexts_small_cache_later.json), 1.06x (geometric
     mean; 0.81x-1.55x). (Seed 0 gained 1.12x until a queued request told nothing holds its prefix
     asked again when picked, pool/ahead.py `asks_again`: 1.00x since, the run without stealing
@@ -387,7 +391,7 @@ def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_thr
     fixed = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow", seed=1, steal=False))
     s, f = stealing.run().summary(), fixed.run().summary()
     assert stealing.stolen > 5 and fixed.stolen == 0
-    assert s["throughput"] >= 1.3 * f["throughput"] and s["busy_cv"] < 0.5 * f["busy_cv"], (s, f)
+    assert s["throughput"] >= 1.08 * f["throughput"] and s["busy_cv"] < 0.7 * f["busy_cv"], (s, f)
 
 
 def test_the_load_cv_is_the_imbalance_across_engines_sampled_while_requests_arrive():

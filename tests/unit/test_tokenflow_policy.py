@@ -145,6 +145,24 @@ def test_fallback_never_displaces_a_recompute_in_progress_for_another_silent_str
     assert "b" in TokenFlowPolicy(PARAMS).balance(done).run, "recomputed, it is a running request like any"
 
 
+def test_a_silent_stream_too_big_for_the_room_does_not_leave_the_device_idle_with_smaller_ones_waiting():
+    """Nothing runs, 50 pages are free: the longest silent stream needs 100 to recompute, another
+    needs 10. Its pages capped at the room, the big one looked as if it fitted, took the whole
+    room in the plan, could not be admitted, and the device stayed idle pass after pass (node
+    simulator, A100, sessions in overload, pool-write seed 0: one engine, its memory pinned by
+    peers' readers, ran nothing while 13 streams waited, then recomputed their prefixes). The
+    small one runs; the big one comes back once the room is there."""
+    big = preempted("big", 0.5, 0.0, 35, n=400).replace(dry_for=40.0)
+    small = preempted("small", 0.6, 0.0, 35, n=40).replace(dry_for=30.0)
+    v = view([], [big, small], free=50, max_num_seqs=4, now=60.0)
+    policy = TokenFlowPolicy(PARAMS)
+    d = policy.balance(v)
+    assert d.fallback and d.run == ("small",), d
+    assert [rid for rid, _ in policy.plan(v).scheduled] == ["small"]
+    roomy = replace(v, free_pages=200)
+    assert "big" in TokenFlowPolicy(PARAMS).balance(roomy).run, "with the room there, it comes back"
+
+
 def test_fallback_keeps_running_requests_that_count_and_admits_into_room_left_over():
     # Five readers at 35 tokens/s and at most four slots of ~40: Σ r = 175 > Γ. With four slots the
     # new request and the first preempted member both fit; with three the new one takes the last

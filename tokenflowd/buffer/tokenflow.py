@@ -169,8 +169,12 @@ class TokenFlowPolicy(SchedulingPolicy):
         growth = int(g * t) + 1  # tokens a chosen request adds over the interval
         # held through the interval, capped at the device: a request the device can hold at all is
         # never left out for the growth of an interval it may not even need (it once preempted the
-        # only running request of a small pool, over and over)
-        pages = np.minimum(-(-(ws.num_tokens + growth) // view.page_size), max(capacity, 1)).tolist()
+        # only running request of a small pool, over and over). One whose tokens alone outgrow the
+        # room keeps its true size: capped, it looked as if it fitted, took the whole room in the
+        # plan, could not be admitted, and left the device idle with smaller ones waiting
+        ps = view.page_size
+        pages = np.minimum(-(-(ws.num_tokens + growth) // ps),
+                           np.maximum(-(-(ws.num_tokens + 1) // ps), max(capacity, 1))).tolist()
         pages[ws.num_running: ws.num_on_device] = [r.pages_held for r in view.loading]  # in place already
         max_seqs = view.max_num_seqs + len(view.loading)  # loading requests hold seats of their own
         # A request can never be fed faster than one running request decodes: a stated rate above g
