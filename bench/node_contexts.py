@@ -110,6 +110,10 @@ def main() -> None:
     ap.add_argument("--no-follow", action="store_true",
                     help="pool-write: readers of a sender's copy of what it wrote into the homes keep reading it "
                          "there until they end (sim/node.py NodeConfig.follow; the daemon before protocol.Moved)")
+    ap.add_argument("--serial-queries", action="store_true",
+                    help="the simulator's costing before: every query round trip adds to the step in full and the "
+                         "holder's answer is not waited for (sim/node.py NodeConfig.overlap_queries False); default: "
+                         "they overlap each layer's own attention, as pool/attention.py sends and collects them")
     ap.add_argument("--let-go-after", type=float, default=0.0,
                     help="pool-write: s an engine keeps its own copy of what it wrote into the homes cached, the "
                          "router finding it there too (the daemon kept it 1 s before its step message said where "
@@ -133,7 +137,8 @@ def main() -> None:
                 w = workload(spec, rate, a.num_prompts, a.seed, cap)
                 results = {m: simulate(cost, w, m, NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off,
                                                                  let_go_after=a.let_go_after,
-                                                                 follow=not a.no_follow))
+                                                                 follow=not a.no_follow,
+                                                                 overlap_queries=not a.serial_queries))
                            for m in modes}
                 s = {m: r.summary() for m, r in results.items()}
                 row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
@@ -155,6 +160,7 @@ def main() -> None:
                                  "machine": platform.processor() or platform.machine(), "engines": 8,
                                  "kv_scale": a.kv_scale, "policy": a.policy, "hand_off": a.hand_off,
                                  "let_go_after": a.let_go_after, "follow": not a.no_follow,
+                                 "overlap_queries": not a.serial_queries,
                                  "num_prompts": a.num_prompts, "seed": a.seed, "rows": rows}), f, indent=1)
         print("wrote", a.out)
 

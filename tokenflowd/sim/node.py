@@ -43,8 +43,12 @@ where a request runs and what it computes.
 
 The pool's costs (query mode, TokenLake §3.3). Per layer of a step, the holders that the step's
 rows read are asked together, as the daemon's PooledAttention does: one round trip and the rows'
-payload on the link, 2α + rows·payload/B, added to the requester's step (not overlapped with its
-own attention, which the daemon does: conservative). The holder's attention
+payload on the link, 2α + rows·payload/B, and the holder's answer: pool/attention.py sends the
+rows before each layer's own attention and collects them after it, so the requester's step waits
+only for what the round trips and the slowest holder's answer take beyond reading its own KV
+(NodeConfig.overlap_queries). Before, every round trip was added to the step in full and the
+answer not waited for (overlap_queries False): too dear for a decode step over a long context of
+its own, too cheap for a prompt chunk whose holder attends its rows over a long prefix. The holder's attention
 over its pages for those rows is added to the holder's next step, costed as the engine's own: the
 larger of its FLOPs (4·heads·head_dim per row, prefix token and layer) and reading the pages' KV
 once per request (the query service attends per request, as the engine's own decode does; costed
@@ -128,6 +132,11 @@ class NodeConfig:
     # the homes from then on, and the sender's copy goes (the daemon's PoolMember.follow); False:
     # they read the sender's copy, kept for them, until they end (the daemon before it followed)
     follow: bool = True
+    # the query path's round trips as pool/attention.py makes them: sent before the engine's own
+    # attention of each layer, collected after it (only what they and the holder's answer take
+    # beyond it adds); False: every round trip adds to the step and the answer is not waited for
+    # (the simulator before: --serial-queries)
+    overlap_queries: bool = True
     steal: bool = True  # pool: an idle engine takes a queued request from a busy one (--no-pool-steal: False)
     copy: bool = True  # pool: hot segments an engine reads elsewhere are copied into it (--no-pool-copy: False)
 
@@ -204,7 +213,10 @@ class _Executor(CostModelExecutor):
         cost, node, engine = self.cost, self.engine.node, self.engine
         window = engine.window()
         rows: dict[int, int] = {}
+        answer: dict[int, float] = {}  # holder -> s of its attention for this step's rows
+        own = 0  # KV tokens the step's own attention reads here
         for rid, n in zip(batch.request_ids, batch.num_tokens):
+            own += n + engine.scheduler.requests[rid].num_computed_tokens
             engine.read(window, n + engine.scheduler.requests[rid].num_computed_tokens)
             for holder, held in engine.pins.get(rid, ()):
                 pages = len(held)
@@ -217,10 +229,20 @@ class _Executor(CostModelExecutor):
                     tokens = pages * cost.page_size
                     flops = 4.0 * cost.num_layers * cost.num_heads * cost.head_dim * n * tokens
                     read = tokens * cost.kv_bytes_per_token / (cost.mem_bandwidth * cost.bandwidth_efficiency)
-                    holder.debt += max(flops / (cost.peak_flops * cost.compute_efficiency), read)
+                    work = max(flops / (cost.peak_flops * cost.compute_efficiency), read)
+                    holder.debt += work
+                    answer[holder.engine_id] = answer.get(holder.engine_id, 0.0) + work
         payload = 2 * cost.num_heads * cost.head_dim * cost.kv_dtype_bytes + 4 * cost.num_heads
         if rows:  # the holders are asked together and answer in parallel (pool/attention.py)
-            t += cost.num_layers * (2 * node.link_alpha + sum(rows.values()) * payload / node.link_bandwidth)
+            link = 2 * node.link_alpha + sum(rows.values()) * payload / node.link_bandwidth
+            if node.overlap_queries:
+                # per layer, the rows go out before this engine's own attention and are collected
+                # after it: only what the round trip and the slowest holder's answer take beyond
+                # reading this step's own KV adds to the step
+                mine = own * cost.kv_bytes_per_token / (cost.mem_bandwidth * cost.bandwidth_efficiency)
+                t += max(0.0, cost.num_layers * link + max(answer.values()) - mine)
+            else:
+                t += cost.num_layers * link
         return t
 
 
