@@ -210,8 +210,8 @@ def test_readers_of_a_senders_copy_follow_the_segments_into_their_homes_and_the_
     it was written into its homes they read that copy, kept for them, apart from the homes, for as
     long as they ran. Now they are told where it went (protocol.Moved, pool/member.py follow; the
     simulator NodeConfig.follow) and read it at the homes, and the copy goes. Overload, 150 requests
-    over 16 documents of 12K tokens, a quarter of the A100's KV: throughput 629 against 509 tokens/s,
-    hit rate 0.71 against 0.66, access CV 0.10 against 0.17, within the SLO 0.90 against 0.73 (with
+    over 16 documents of 12K tokens, a quarter of the A100's KV: throughput 731 against 552 tokens/s,
+    hit rate 0.76 against 0.71, access CV 0.10 against 0.13, within the SLO 0.98 against 0.79 (with
     the query round trips costed serially, sim/node.py NodeConfig.overlap_queries False: 603 against
     562, and 603 against 498 before the policy kept a stream too big for the room from idling the
     device; four workloads and seeds 0-3 in
@@ -223,7 +223,7 @@ def test_readers_of_a_senders_copy_follow_the_segments_into_their_homes_and_the_
     assert follow["throughput"] >= 1.05 * stay["throughput"], (follow, stay)
     assert follow["slo_attainment"] >= stay["slo_attainment"] + 0.1, (follow, stay)
     assert follow["hit_rate"] >= stay["hit_rate"] + 0.04, (follow, stay)
-    assert follow["access_cv"] < 0.15 < stay["access_cv"], (follow, stay)
+    assert follow["access_cv"] < 0.15 and follow["access_cv"] < 0.8 * stay["access_cv"], (follow, stay)
 
 
 def test_the_ideal_hit_rate_counts_the_leading_pages_an_earlier_request_had_but_never_the_last_token():
@@ -305,8 +305,8 @@ def test_under_tokenlakes_ttft_slo_only_the_head_of_a_queue_pins_its_reads_regar
     held, neither free nor held: each holder's buffer-aware policy counted that much less capacity
     and preempted, and the pool met the SLO for 0.72 of requests. Only the head: 0.99. (Since a
     request answered that nothing holds its prefix asks again when its policy picks it,
-    `asks_again`, both meet it: 0.97 with the first four, with a hit rate of 0.708 and 838 tokens/s;
-    1.0 with the head only, 0.725 and 888 tokens/s; 0.705 and 753 against 0.741 and 878 with the
+    `asks_again`, both meet it: 0.99 with the first four, with a hit rate of 0.722 and 784 tokens/s;
+    1.0 with the head only, 0.744 and 891 tokens/s; 0.705 and 753 against 0.741 and 878 with the
     query round trips costed serially, NodeConfig.overlap_queries False.)"""
     from tokenflowd.pool import ahead
 
@@ -321,7 +321,7 @@ def test_under_tokenlakes_ttft_slo_only_the_head_of_a_queue_pins_its_reads_regar
     monkeypatch.setattr(ahead, "PIN_AHEAD", 4)
     before, four = run()
     assert head >= before, (head, before)
-    assert h["hit_rate"] > four["hit_rate"] and h["throughput"] > 1.04 * four["throughput"], (h, four)
+    assert h["hit_rate"] > four["hit_rate"] and h["throughput"] > 1.1 * four["throughput"], (h, four)
 
 
 def test_a_request_told_nothing_holds_its_prefix_asks_again_when_picked_and_the_pool_balances_and_hits_more(
@@ -351,8 +351,7 @@ def test_a_request_told_nothing_holds_its_prefix_asks_again_when_picked_and_the_
         return {**result.summary(), "slo": sum(result.meets_slo(tbt=False)) / len(result.records)}
 
     r, q = run("routing"), run("pool-write")
-    # hit rate 0.695 against 0.578, 1,685 against 1,471 tokens/s, TTFT SLO met for 0.94 against 0.84
-    # (0.96 with the query round trips costed serially, NodeConfig.overlap_queries False)
+    # hit rate 0.700 against 0.578, 1,672 against 1,471 tokens/s, TTFT SLO met for 0.97 against 0.84
     assert q["hit_rate"] >= 1.15 * r["hit_rate"] and q["throughput"] >= 1.1 * r["throughput"], (q, r)
     assert q["slo"] >= 0.9 and q["slo"] >= r["slo"], (q, r)
     assert q["access_cv"] < 0.15 and r["access_cv"] > 0.3, (q, r)
@@ -383,8 +382,10 @@ def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_thr
     grows while another empties (prompts of very different lengths). With the pool, where a request
     runs does not decide what it reads: an idle engine takes the last queued request that has started
     nothing from the longest queue, and reads its prefix where the pool holds it, unless the request
-    reads most of it where it is queued (`stays`). 16 documents, 16 req/s, seed 1: throughput 1.12x
-    the run without stealing, busy CV 0.072 against 0.116 (1.55x and 0.053 against 0.177 while an
+    reads most of it where it is queued (`stays`). 16 documents, 16 req/s, seed 1: throughput 1.06x
+    the run without stealing, busy CV 0.072 against 0.123 (1.12x and 0.072 against 0.116 with the
+    query round trips costed serially, sim/node.py NodeConfig.overlap_queries False; 1.55x and
+    0.053 against 0.177 while an
     engine whose room could not hold the longest silent stream ran nothing, buffer/tokenflow.py:
     the run without stealing lost most there). Over the four document workloads and
     seeds 0-3 in overload (bench/results/node_contexts_small_cache_later.json), 1.06x (geometric
@@ -396,7 +397,7 @@ def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_thr
     fixed = NodeSimulator(cost, w, "pool-local", NodeConfig(policy="tokenflow", seed=1, steal=False))
     s, f = stealing.run().summary(), fixed.run().summary()
     assert stealing.stolen > 5 and fixed.stolen == 0
-    assert s["throughput"] >= 1.08 * f["throughput"] and s["busy_cv"] < 0.7 * f["busy_cv"], (s, f)
+    assert s["throughput"] >= 1.03 * f["throughput"] and s["busy_cv"] < 0.7 * f["busy_cv"], (s, f)
 
 
 def test_the_load_cv_is_the_imbalance_across_engines_sampled_while_requests_arrive():
@@ -537,8 +538,8 @@ def test_the_balance_bench_runs_each_mode_at_the_rate_a_goodput_search_met(tmp_p
 def test_with_the_query_round_trips_overlapped_a_step_waits_only_for_what_outlasts_its_own_attention():
     """pool/attention.py sends a step's rows to their holders before each layer's own attention and
     collects after it: NodeConfig.overlap_queries charges the step only what the round trips and the
-    slowest holder's answer take beyond reading its own KV; by default every round trip adds
-    (conservative, but for the holder's answer, which it leaves out). One request reading 128 pages
+    slowest holder's answer take beyond its own attention; without it every round trip adds and
+    the holder's answer is not waited for (the costing before). One request reading 128 pages
     (2,048 tokens) at a peer: its first step (a prompt of 16 tokens of its own) and a decode step
     after 8,000 of its own."""
     from tokenflowd.engine.request import Request, SamplingParams
@@ -566,7 +567,10 @@ def test_with_the_query_round_trips_overlapped_a_step_waits_only_for_what_outlas
         rows = 1 if decode else own
         link = cost.num_layers * (2 * node.link_alpha + rows * payload / node.link_bandwidth)
         assert full == pytest.approx(link) and answer > 0
-        mine = read * cost.kv_bytes_per_token / (cost.mem_bandwidth * cost.bandwidth_efficiency)
+        done = read - (1 if decode else own)
+        pairs = (1 if decode else own) * done + (1 if decode else own * (own + 1) // 2)
+        mine = max(4.0 * cost.num_layers * cost.num_heads * cost.head_dim * pairs / (cost.peak_flops * cost.compute_efficiency),
+                   read * cost.kv_bytes_per_token / (cost.mem_bandwidth * cost.bandwidth_efficiency))
         assert extra(own, True, decode)[0] == pytest.approx(max(0.0, link + answer - mine))
     # a lone short step waits for the holder's answer too, which the conservative charge leaves out
     assert extra(16, True, False)[0] > extra(16, False, False)[0]

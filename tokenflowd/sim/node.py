@@ -45,7 +45,7 @@ The pool's costs (query mode, TokenLake §3.3). Per layer of a step, the holders
 rows read are asked together, as the daemon's PooledAttention does: one round trip and the rows'
 payload on the link, 2α + rows·payload/B, and the holder's answer: pool/attention.py sends the
 rows before each layer's own attention and collects them after it, so the requester's step waits
-only for what the round trips and the slowest holder's answer take beyond reading its own KV
+only for what the round trips and the slowest holder's answer take beyond its own attention
 (NodeConfig.overlap_queries). Before, every round trip was added to the step in full and the
 answer not waited for (overlap_queries False): too dear for a decode step over a long context of
 its own, too cheap for a prompt chunk whose holder attends its rows over a long prefix. The holder's attention
@@ -214,9 +214,11 @@ class _Executor(CostModelExecutor):
         window = engine.window()
         rows: dict[int, int] = {}
         answer: dict[int, float] = {}  # holder -> s of its attention for this step's rows
-        own = 0  # KV tokens the step's own attention reads here
+        own = attended = 0  # KV tokens the step's own attention reads here, and the (row, token) pairs it attends
         for rid, n in zip(batch.request_ids, batch.num_tokens):
-            own += n + engine.scheduler.requests[rid].num_computed_tokens
+            done = engine.scheduler.requests[rid].num_computed_tokens
+            own += n + done
+            attended += n * done + n * (n + 1) // 2
             engine.read(window, n + engine.scheduler.requests[rid].num_computed_tokens)
             for holder, held in engine.pins.get(rid, ()):
                 pages = len(held)
@@ -238,8 +240,10 @@ class _Executor(CostModelExecutor):
             if node.overlap_queries:
                 # per layer, the rows go out before this engine's own attention and are collected
                 # after it: only what the round trip and the slowest holder's answer take beyond
-                # reading this step's own KV adds to the step
-                mine = own * cost.kv_bytes_per_token / (cost.mem_bandwidth * cost.bandwidth_efficiency)
+                # the step's own attention (its FLOPs or reading its own KV, as the holder's) adds
+                mine = max(4.0 * cost.num_layers * cost.num_heads * cost.head_dim * attended
+                           / (cost.peak_flops * cost.compute_efficiency),
+                           own * cost.kv_bytes_per_token / (cost.mem_bandwidth * cost.bandwidth_efficiency))
                 t += max(0.0, cost.num_layers * link + max(answer.values()) - mine)
             else:
                 t += cost.num_layers * link
