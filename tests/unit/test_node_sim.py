@@ -211,12 +211,8 @@ def test_readers_of_a_senders_copy_follow_the_segments_into_their_homes_and_the_
     long as they ran. Now they are told where it went (protocol.Moved, pool/member.py follow; the
     simulator NodeConfig.follow) and read it at the homes, and the copy goes. Overload, 150 requests
     over 16 documents of 12K tokens, a quarter of the A100's KV: throughput 731 against 552 tokens/s,
-    hit rate 0.76 against 0.71, access CV 0.10 against 0.13, within the SLO 0.98 against 0.79 (with
-    the query round trips costed serially, sim/node.py NodeConfig.overlap_queries False: 603 against
-    562, and 603 against 498 before the policy kept a stream too big for the room from idling the
-    device; four workloads and seeds 0-3 in
-    overload, bench/results/node_contexts_small_cache_follow.json: 1.45x routing's throughput
-    against 1.22x, the least 0.997x, access CV 0.14 against 0.23)."""
+    hit rate 0.76 against 0.71, access CV 0.10 against 0.13, within the SLO 0.98 against 0.79 (how
+    these came to be, and the four workloads at seeds 0-3: docs/pool_history.md)."""
     cost, over = small_cache_documents(16.0)
     follow, stay = (NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow", follow=f)).run().summary()
                     for f in (True, False))
@@ -383,11 +379,9 @@ def test_in_overload_an_idle_engine_takes_queued_requests_and_the_pool_gains_thr
     runs does not decide what it reads: an idle engine takes the last queued request that has started
     nothing from the longest queue, and reads its prefix where the pool holds it, unless the request
     reads most of it where it is queued (`stays`). 16 documents, 16 req/s, seed 1: throughput 1.06x
-    the run without stealing, busy CV 0.072 against 0.123 (1.12x and 0.072 against 0.116 with the
-    query round trips costed serially, sim/node.py NodeConfig.overlap_queries False; 1.55x and
-    0.053 against 0.177 while an
-    engine whose room could not hold the longest silent stream ran nothing, buffer/tokenflow.py:
-    the run without stealing lost most there). Over the four document workloads and
+    the run without stealing, busy CV 0.072 against 0.123 (1.55x and 0.053 against 0.177 while an
+    engine whose room could not hold its longest silent stream ran nothing, buffer/tokenflow.py: the
+    run without stealing lost most there). Over the four document workloads and
     seeds 0-3 in overload (bench/results/node_contexts_small_cache_later.json), 1.06x (geometric
     mean; 0.81x-1.55x). (Seed 0 gained 1.12x until a queued request told nothing holds its prefix
     asked again when picked, pool/ahead.py `asks_again`: 1.00x since, the run without stealing
@@ -567,11 +561,12 @@ def test_with_the_query_round_trips_overlapped_a_step_waits_only_for_what_outlas
         rows = 1 if decode else own
         link = cost.num_layers * (2 * node.link_alpha + rows * payload / node.link_bandwidth)
         assert full == pytest.approx(link) and answer > 0
-        done = read - (1 if decode else own)
-        pairs = (1 if decode else own) * done + (1 if decode else own * (own + 1) // 2)
-        mine = max(4.0 * cost.num_layers * cost.num_heads * cost.head_dim * pairs / (cost.peak_flops * cost.compute_efficiency),
+        # its own attention: the FLOPs of its rows over the keys before them, or reading its KV
+        pairs = read if decode else own * (own + 1) // 2
+        flops = 4.0 * cost.num_layers * cost.num_heads * cost.head_dim * pairs
+        mine = max(flops / (cost.peak_flops * cost.compute_efficiency),
                    read * cost.kv_bytes_per_token / (cost.mem_bandwidth * cost.bandwidth_efficiency))
         assert extra(own, True, decode)[0] == pytest.approx(max(0.0, link + answer - mine))
-    # a lone short step waits for the holder's answer too, which the conservative charge leaves out
+    # a lone short step waits for the holder's answer too, which the serial charge leaves out
     assert extra(16, True, False)[0] > extra(16, False, False)[0]
     assert extra(8000, True, True)[0] == 0.0  # a long context's own attention hides the round trips and the answer

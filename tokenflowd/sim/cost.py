@@ -177,6 +177,13 @@ class CostModel:
         flops = 2.0 * self.num_params * tokens + 4.0 * self.num_layers * self.num_heads * self.head_dim * attended
         return StepWork(flops, self.weight_bytes + float(self.kv_bytes_per_token) * context)
 
+    def attention_time(self, attended: int, kv_tokens: int) -> float:
+        """Seconds of attention alone over `attended` (query row, key) pairs that read `kv_tokens`
+        tokens' KV once: its FLOPs or that read, whichever bounds it."""
+        flops = 4.0 * self.num_layers * self.num_heads * self.head_dim * attended
+        read = kv_tokens * self.kv_bytes_per_token
+        return max(flops / (self.peak_flops * self.compute_efficiency), read / (self.mem_bandwidth * self.bandwidth_efficiency))
+
     def time_of(self, work: StepWork) -> float:
         compute = work.flops / (self.peak_flops * self.compute_efficiency)
         memory = work.bytes / (self.mem_bandwidth * self.bandwidth_efficiency)

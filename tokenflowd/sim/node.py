@@ -214,12 +214,12 @@ class _Executor(CostModelExecutor):
         window = engine.window()
         rows: dict[int, int] = {}
         answer: dict[int, float] = {}  # holder -> s of its attention for this step's rows
-        own = attended = 0  # KV tokens the step's own attention reads here, and the (row, token) pairs it attends
+        own = attended = 0  # KV tokens the step's own attention reads here, and the (row, key) pairs it attends
         for rid, n in zip(batch.request_ids, batch.num_tokens):
             done = engine.scheduler.requests[rid].num_computed_tokens
             own += n + done
             attended += n * done + n * (n + 1) // 2
-            engine.read(window, n + engine.scheduler.requests[rid].num_computed_tokens)
+            engine.read(window, n + done)
             for holder, held in engine.pins.get(rid, ()):
                 pages = len(held)
                 holder.read(window, pages * cost.page_size)
@@ -229,9 +229,7 @@ class _Executor(CostModelExecutor):
                     # the FLOPs, or reading the pages' KV, whichever bounds it (the query service
                     # attends per request: attend_pages reads each one's pages, shared or not)
                     tokens = pages * cost.page_size
-                    flops = 4.0 * cost.num_layers * cost.num_heads * cost.head_dim * n * tokens
-                    read = tokens * cost.kv_bytes_per_token / (cost.mem_bandwidth * cost.bandwidth_efficiency)
-                    work = max(flops / (cost.peak_flops * cost.compute_efficiency), read)
+                    work = cost.attention_time(n * tokens, tokens)
                     holder.debt += work
                     answer[holder.engine_id] = answer.get(holder.engine_id, 0.0) + work
         payload = 2 * cost.num_heads * cost.head_dim * cost.kv_dtype_bytes + 4 * cost.num_heads
@@ -240,11 +238,8 @@ class _Executor(CostModelExecutor):
             if node.overlap_queries:
                 # per layer, the rows go out before this engine's own attention and are collected
                 # after it: only what the round trip and the slowest holder's answer take beyond
-                # the step's own attention (its FLOPs or reading its own KV, as the holder's) adds
-                mine = max(4.0 * cost.num_layers * cost.num_heads * cost.head_dim * attended
-                           / (cost.peak_flops * cost.compute_efficiency),
-                           own * cost.kv_bytes_per_token / (cost.mem_bandwidth * cost.bandwidth_efficiency))
-                t += max(0.0, cost.num_layers * link + max(answer.values()) - mine)
+                # the step's own attention (costed as the holder's) adds
+                t += max(0.0, cost.num_layers * link + max(answer.values()) - cost.attention_time(attended, own))
             else:
                 t += cost.num_layers * link
         return t
