@@ -3,7 +3,9 @@ against the pool, placing new segments at their homes (`pool`) or keeping them w
 computed (`pool-local`), 8 engines, at a light load and in overload, per cost model. Idle engines
 take queued requests from busy ones in every pool mode (pool/steal.py) unless the mode is named
 with -nosteal (`--modes routing,pool-local,pool-local-nosteal`), and an engine copies in the hot
-segments it reads elsewhere unless the mode is named with -nocopy (`pool-write-nocopy`).
+segments it reads elsewhere unless the mode is named with -nocopy (`pool-write-nocopy`). A pool mode
+named with -read runs in read mode (`pool-write-read`: a request's rows in a step from the link's
+ridge on read its holders' pages in place, fewer are sent to them; -readall: every row read in place).
 
     python bench/node_contexts.py [--presets a100-llama2-7b,calibrated:FILE] [--num-prompts 300]
                                   [--workloads documents,...] [--runs SPEC@LIGHT/OVER;...]
@@ -34,7 +36,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenflowd.sim.cost import cost_model  # noqa: E402
-from tokenflowd.sim.node import MODES, NodeConfig, NodeResult, NodeSimulator, ideal_hit_rate  # noqa: E402
+from tokenflowd.sim.node import MODES, NodeConfig, NodeResult, NodeSimulator, ideal_hit_rate, link_ridge_rows  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape  # noqa: E402
 
@@ -71,18 +73,24 @@ def workload(spec: str, rate: float, n: int, seed: int, max_prompt_len: int = 32
                                        max_prompt_len=max_prompt_len))
 
 
+SUFFIXES = ("-nocopy", "-nosteal", "-readall", "-read")
+
+
 def simulate(cost, w, mode: str, config: NodeConfig) -> NodeResult:
     """One mode's run; a pool mode named with -nosteal runs without pool/steal.py (--no-pool-steal),
-    with -nocopy without copying hot segments in (--no-pool-copy)."""
-    base = mode_base(mode)
-    return NodeSimulator(cost, w, base, replace(config, steal="-nosteal" not in mode,
-                                                copy="-nocopy" not in mode)).run()
+    with -nocopy without copying hot segments in (--no-pool-copy), with -read in read mode (a request
+    whose rows in a step reach the link's ridge reads its holders' pages in place, fewer rows are
+    sent: --pool-mode read), with -readall in read mode reading every row in place."""
+    base, suffixes = mode_base(mode), mode.split("-")
+    read = 1 if "readall" in suffixes else link_ridge_rows(cost, config.link_bandwidth) if "read" in suffixes else 0
+    return NodeSimulator(cost, w, base, replace(config, steal="nosteal" not in suffixes,
+                                                copy="nocopy" not in suffixes, read_rows=read)).run()
 
 
 def mode_base(mode: str) -> str:
-    """The simulator's mode of a bench mode: its -nosteal and -nocopy suffixes off, in either order."""
-    for suffix in ("-nocopy", "-nosteal", "-nocopy"):
-        mode = mode.removesuffix(suffix)
+    """The simulator's mode of a bench mode: its suffixes (SUFFIXES) off, in any order."""
+    while mode.endswith(SUFFIXES):
+        mode = next(mode.removesuffix(s) for s in SUFFIXES if mode.endswith(s))
     return mode
 
 

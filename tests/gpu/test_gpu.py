@@ -533,6 +533,9 @@ def _pooled_pair(model: str, mode: str, ipc: bool, gpus: list[str]) -> tuple[lis
         got = asyncio.run(run(d.base_url))
         peer = sum(d.metric("tokenflowd_prompt_token_sources_total", engine=str(e), source="peer") for e in (0, 1))
         engines = d.health()["engines"]
+        for e in engines:  # layers read in place, and layers' rows sent to the peer
+            e["pool"]["calls"] = tuple(d.metric(f"tokenflowd_pool_{what}_total", engine=str(e["engine"]))
+                                       for what in ("reads", "queries"))
     finally:
         assert d.stop() == 0
     assert [e["attention"] for e in engines] == ["torch, pages gathered"] * 2, engines
@@ -552,10 +555,14 @@ def test_two_engines_on_one_gpu_read_each_others_pages_with_one_engines_greedy_t
     assert peer >= 64, "requests read segments the other engine holds"
     pools = [e["pool"] for e in engines]
     assert all(pool["peer_access"] == {} for pool in pools), "one GPU: no other GPU seen"
+    reads, queries = (sum(pool["calls"][i] for pool in pools) for i in (0, 1))
     if mode == "query":
         assert all((pool["path"], pool["staged"]) == ("cuda ipc (query mode)", {}) for pool in pools), pools
+        assert reads == 0 and queries > 0, pools
     elif ipc:
         assert all((pool["path"], pool["staged"]) == ("cuda ipc", {}) for pool in pools), pools
+        # a peer on this GPU is read in place whatever a step's rows (--pool-read-rows is for other GPUs')
+        assert reads > 0 and queries == 0, pools
     else:
         assert all(pool["path"] == "host staging (--no-pool-ipc)" for pool in pools), pools
         assert any(pool["staged"] for pool in pools), "a reader names the peer it queries instead"
@@ -582,6 +589,8 @@ def test_two_engines_on_two_gpus_map_each_others_pages_where_peer_access_is_on(g
             assert pool["staged"] == {}, pools
         else:
             assert pool["staged"] and all("no peer access" in why for why in pool["staged"].values()), pools
+    if mode == "read" and all(on):  # a request's few rows (9 of its own, then one a step) go to the other GPU
+        assert sum(pool["calls"][1] for pool in pools) > 0, pools
     assert got == want
 
 

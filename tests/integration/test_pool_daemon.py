@@ -123,7 +123,9 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
     asked, want_first, want = prompts[1:], want[0], want[1:]
     runtime = tempfile.mkdtemp(prefix="tf")  # short: its sockets' paths must fit a sun_path
     # (with seats, hot segments are not copied: each request pins its reads on the other engine)
+    # (read mode: --pool-read-rows above any step's rows, which on a CPU still reads every row in place)
     d = Daemon(*FLAGS, "--pool-mode", mode, *(("--max-num-seqs", str(seats), "--no-pool-copy") if seats else ()),
+               *(("--pool-read-rows", "100000") if mode == "read" else ()),
                "--runtime-dir", runtime)  # its own: other daemons' caches may be in /dev/shm meanwhile
     try:
         d.wait_all_engines()
@@ -150,6 +152,11 @@ def test_requests_read_the_peers_prefix_in_place_with_a_single_engines_greedy_to
         assert source_tokens(d, "peer") >= SYSTEM_TOKENS, "no request read its prefix on the other engine"
         path = "shared memory" if mode == "read" else "host staging (query mode)"  # (no GPU: no peer access)
         assert [e["pool"] for e in d.health()["engines"]] == [{"path": path, "staged": {}, "peer_access": {}}] * 2
+        # read mode attends the peer's pages in place (a CPU's peer is in the same memory: every row,
+        # --pool-read-rows or not) and asks the peer nothing; query mode sends every row
+        reads, queries = (sum(d.metric(f"tokenflowd_pool_{what}_total", engine=str(e)) for e in (0, 1))
+                          for what in ("reads", "queries"))
+        assert (reads > 0 and queries == 0) if mode == "read" else (queries > 0 and reads == 0), (reads, queries)
         queued = sum(d.metric("tokenflowd_pool_pinned_queued_requests_total", engine=str(e)) for e in (0, 1))
         resolved = sum(d.metric("tokenflowd_pool_resolved_requests_total", engine=str(e)) for e in (0, 1))
         if seats:

@@ -173,6 +173,7 @@ def test_values_of_the_right_type_load(tmp_path):
     ("[engine]\nnum_threads = 0\n", "num_threads must be >= 1"),
     ('[engine]\nkv_cache_memory = "0"\n', "kv_cache_memory must be above 0 bytes"),
     ('[engine]\npool_hand_off = "layer"\n', "pool_hand_off must be auto, prompt or segment"),
+    ("[engine]\npool_read_rows = 0\n", "pool_read_rows must be at least 1"),
 ])
 def test_values_that_would_break_the_daemon_are_refused_by_config_check(tmp_path, capsys, text, msg):
     path = tmp_path / "bad.toml"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -570,3 +571,42 @@ def test_with_the_query_round_trips_overlapped_a_step_waits_only_for_what_outlas
     # a lone short step waits for the holder's answer too, which the serial charge leaves out
     assert extra(16, True, False)[0] > extra(16, False, False)[0]
     assert extra(8000, True, True)[0] == 0.0  # a long context's own attention hides the round trips and the answer
+
+
+def test_in_read_mode_a_prompt_chunk_reads_its_holders_pages_in_place_and_a_decode_row_asks():
+    """NodeConfig.read_rows (--pool-read-rows; bench mode -read at link_ridge_rows): a request with
+    at least that many rows in a step attends its holder's pages here, read over the link (its FLOPs
+    or that read, whichever bounds it), and the holder is charged nothing; one with fewer sends
+    its rows as in query mode. Every row read so (-readall) makes a decode row read a long prefix
+    over the link at every step."""
+    from tokenflowd.engine.request import Request, SamplingParams
+    from tokenflowd.sim.node import link_ridge_rows
+
+    cost = cost_model("a100-llama2-7b")
+    node = NodeConfig(engines=2)
+    ridge = link_ridge_rows(cost, node.link_bandwidth)
+    page_read = cost.page_size * cost.kv_bytes_per_token / node.link_bandwidth
+    assert cost.attention_time(ridge * cost.page_size, 0) >= page_read > cost.attention_time((ridge - 1) * cost.page_size, 0)
+
+    def extra(own_tokens: int, read_rows: int, decode: bool) -> tuple[float, float]:
+        sim = NodeSimulator(cost, [], "pool-write", replace(node, read_rows=read_rows))
+        e, holder = sim.engines
+        e.scheduler.add(Request("r", list(range(1, own_tokens + 1)), SamplingParams(max_tokens=4),
+                                max_model_len=cost.max_model_len))
+        batch = e.scheduler.schedule()
+        if decode:
+            e.scheduler.update(batch, [5])
+            batch = e.scheduler.schedule()
+        alone = e.executor.step_time(batch)
+        e.pins["r"] = [(holder, list(range(128)))]
+        return e.executor.step_time(batch) - alone, holder.debt
+
+    tokens = 128 * cost.page_size
+    t, debt = extra(4096, ridge, False)  # a prompt chunk of 4,096 rows: read here
+    assert debt == 0.0
+    assert t == pytest.approx(max(cost.attention_time(4096 * tokens, 0), tokens * cost.kv_bytes_per_token / node.link_bandwidth))
+    assert extra(4096, ridge, True)[1] > 0, "a decode row asks its holder"
+    assert extra(4096, ridge, True) == extra(4096, 0, True), "as query mode does"
+    read_all = extra(4096, 1, True)[0]
+    assert read_all == pytest.approx(tokens * cost.kv_bytes_per_token / node.link_bandwidth)
+    assert read_all > 10 * extra(4096, 0, True)[0], "a decode row reading 2,048 tokens over the link"

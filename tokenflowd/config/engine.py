@@ -124,6 +124,14 @@ class EngineConfig:
     # CPU, CUDA IPC between engines on one GPU or on GPUs with peer access; a peer it cannot map is
     # queried through the host)
     pool_mode: str = "off"
+    # read mode, a peer on another GPU (its pages reached over NVLink or PCIe): a request whose rows
+    # in a step are at least this many attends the peer's pages in place; fewer (a decode step's
+    # row) are sent to the peer, as in query mode, where reading a long prefix over the link would
+    # take longer than the peer's attention over it. 1024: about where attention over a page takes as
+    # long as reading it over NVLink on an A100 or H200 in 16-bit KV (sim/node.py link_ridge_rows).
+    # Peers on this engine's GPU, or on a CPU (the same memory), are read in place whatever the rows.
+    # 1: every row in place
+    pool_read_rows: int = 1024
     # on a GPU: read mode exports the KV cache over CUDA IPC for its peers (on its GPU or one with
     # peer access to it; the engines then see the node's other GPUs: launcher.py), and query mode
     # its query buffers (false: they query each other through the host, for a container that
@@ -208,6 +216,8 @@ class EngineConfig:
             raise ValueError("disk_kv_memory needs disk_kv_dir (or systemd's STATE_DIRECTORY) to put its file in")
         if self.pool_mode not in ("off", "query", "read"):
             raise ValueError(f"pool_mode must be off, query or read, got {self.pool_mode!r}")
+        if self.pool_read_rows < 1:
+            raise ValueError(f"pool_read_rows must be at least 1, got {self.pool_read_rows}")
         if self.pool_segment_tokens < 0 or self.pool_segment_tokens % self.page_size:
             raise ValueError(f"pool_segment_tokens must be a multiple of page_size ({self.page_size}) or 0 (measured), "
                              f"got {self.pool_segment_tokens}")

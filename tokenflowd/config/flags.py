@@ -48,6 +48,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "requests follow their prefixes), query (a peer's prefix pages stay there and each layer's "
                         "queries go to it; LSE-merged) or read (peers' caches mapped and read in place: shared memory "
                         "on a CPU, CUDA IPC between engines on one GPU or on GPUs with peer access; other peers are queried)")
+    g.add_argument("--pool-read-rows", type=int,
+                   help="read mode, a peer on another GPU: a request whose rows in a step are at least this many "
+                        "attends the peer's pages in place over the link; fewer (decode) are sent to the peer "
+                        "(default 1024; peers on this GPU or on a CPU are always read in place; 1: every row)")
     g.add_argument("--no-pool-ipc", action="store_true",
                    help="on a GPU: share nothing over CUDA IPC (where the container refuses it): read mode "
                         "exports no KV cache and query mode keeps its query rows in host memory; peers query "
@@ -126,8 +130,8 @@ ENGINE_FLAGS = {
     "max_model_len": "max_model_len", "attention_backend": "attention_backend", "threads": "num_threads",
     "policy": "policy", "offload": "offload", "host_kv_memory": "host_kv_memory",
     "disk_kv_memory": "disk_kv_memory", "disk_kv_dir": "disk_kv_dir", "max_queue_delay": "max_queue_delay",
-    "pool_mode": "pool_mode", "pool_segment_tokens": "pool_segment_tokens", "pool_placement": "pool_placement",
-    "pool_hand_off": "pool_hand_off",
+    "pool_mode": "pool_mode", "pool_read_rows": "pool_read_rows", "pool_segment_tokens": "pool_segment_tokens",
+    "pool_placement": "pool_placement", "pool_hand_off": "pool_hand_off",
     "role": "role", "kv_host": "kv_host", "kv_transfer_timeout": "kv_transfer_timeout",
     "federation_peers": "federation_peers",
 }

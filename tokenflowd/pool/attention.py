@@ -65,12 +65,14 @@ class QueriedHolder:
 
 
 class PeerCache:
-    def __init__(self, rows: HolderRows, backend, layers: list[torch.Tensor]) -> None:
-        self.rows, self.backend, self.layers = rows, backend, layers
+    def __init__(self, rows: HolderRows, backend, layers: list[torch.Tensor], stats: dict | None = None) -> None:
+        """`stats`: a peer's cache, mapped here: each layer's read in place is counted."""
+        self.rows, self.backend, self.layers, self.stats = rows, backend, layers, stats
         self.query = PageQuery(rows.query_start, rows.pages)
 
     def submit(self, layer: int, q: torch.Tensor) -> None:
-        pass
+        if self.stats is not None:
+            self.stats["read_calls"] += 1
 
     def collect(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.backend.attend_pages(q, self.layers[layer], self.query)

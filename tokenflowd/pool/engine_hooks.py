@@ -105,7 +105,7 @@ class PoolHooks:
         self.member = PoolMember(
             self.spec.engine_id, self.spec.incarnation, config.pool_mode, self.spec.runtime_dir, runner.attn,
             runner.kv_layers, core.pool, core.lock, config.max_num_batched_tokens,
-            map_peers=config.pool_ipc or not runner.kv_cache.is_cuda)
+            map_peers=config.pool_ipc or not runner.kv_cache.is_cuda, read_rows=config.pool_read_rows)
         log.info("pool: %s mode, serving %d pages to peers", config.pool_mode, runner.num_pages)
         self.member.size_segments(config.pool_segment_tokens)
         core.scheduler.held = self.deferred  # not admitted before their reads are pinned (`_pin_due`)
@@ -429,7 +429,7 @@ class PoolHooks:
         m = self.member.stats
         path, staged = self.member.sharing()
         return dict(pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
-                    pool_query_seconds=m["query_seconds"], pool_pins=self.member.service.pinned_pages,
+                    pool_query_seconds=m["query_seconds"], pool_reads=m["read_calls"], pool_pins=self.member.service.pinned_pages,
                     pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
                     pool_copied_pages=m["copied_pages"],
                     pool_share=self.member.share, pool_unblocked=self.unblocked,

@@ -111,11 +111,14 @@ class ForeignPrefix:
 class PoolMember:
     def __init__(self, engine: int, incarnation: int, mode: str, runtime_dir: str, backend,
                  kv_layers: Sequence[torch.Tensor], pool: PagePool, lock: threading.Lock, max_rows: int,
-                 map_peers: bool = True) -> None:
+                 map_peers: bool = True, read_rows: int = 1) -> None:
         """`map_peers`: False where CUDA IPC is off (--no-pool-ipc): read mode queries its peers, and
-        query mode's rows go through the host."""
+        query mode's rows go through the host. `read_rows` (--pool-read-rows): read mode, a peer whose
+        cache is mapped from another GPU is read in place by a request with at least this many rows
+        in a step, and queried for one with fewer."""
         assert mode in ("query", "read")
         self.map_peers = map_peers
+        self.read_rows = read_rows
         # on a GPU: whether this one's kernels reach each other GPU it sees (peers there are mapped
         # only where they do; /health)
         self.peer_access = peer_access() if kv_layers[0].is_cuda and map_peers else {}
@@ -135,7 +138,7 @@ class PoolMember:
         # evicted here is forgotten (PoolHooks.evicted)
         self.replicas: set[bytes] = set()
         self.stats = {"query_calls": 0, "query_bytes": 0, "query_seconds": 0.0, "put_pages": 0, "stored_pages": 0,
-                      "copied_pages": 0}
+                      "copied_pages": 0, "read_calls": 0}
         self.service = QueryService(service_address(runtime_dir, engine, incarnation), backend, self.kv_layers,
                                     self._resolve, self._release, self._store, reserve=self._reserve,
                                     commit=self._commit, stage=self._give).start()
@@ -643,27 +646,45 @@ class PoolMember:
         return PooledAttention(attn, holders) if holders else None
 
     def holders(self, batch: ScheduledBatch, query_start: list[int]) -> list:
-        """This step's sources of foreign attention, one per engine holding pages of its requests
-        (attention.py), or raises ForeignPrefixLost for requests whose holder is gone."""
-        rows: dict[int, HolderRows] = {}
+        """This step's sources of foreign attention (attention.py): per engine holding pages of its
+        requests, its pages attended in place (this engine's own, or a peer's mapped here) or the rows
+        sent to it; a peer mapped from another GPU both, each request by its rows (`reads_in_place`).
+        Raises ForeignPrefixLost for requests whose holder is gone."""
+        rows: dict[tuple[int, bool], HolderRows] = {}  # (engine, read in place) -> rows
         lost: list[str] = []
         for i, rid in enumerate(batch.request_ids):
             prefix = self.foreign.get(rid)
             if prefix is None or not batch.offsets[i]:  # (its prefix recomputed here: unpinned soon)
                 continue
+            n = query_start[i + 1] - query_start[i]
             for engine, pages in prefix.pages.items():
                 if engine != self.engine and engine not in self.peers:
                     lost.append(rid)
                     break
-                rows.setdefault(engine, HolderRows()).add(rid, query_start[i], query_start[i + 1], pages)
+                here = engine == self.engine or self.reads_in_place(self.peers[engine], n)
+                rows.setdefault((engine, here), HolderRows()).add(rid, query_start[i], query_start[i + 1], pages)
         if lost:
             raise ForeignPrefixLost(lost, "a pool peer holding their prefix is gone")
         sources = []
-        for engine, r in rows.items():
+        for (engine, here), r in rows.items():
             if engine == self.engine:
                 sources.append(PeerCache(r, self.backend, self.kv_layers))
-            elif self._mapped(peer := self.peers[engine]):
-                sources.append(PeerCache(r, self.backend, peer.cache.layers))
+            elif here:
+                sources.append(PeerCache(r, self.backend, self.peers[engine].cache.layers, self.stats))
             else:
                 sources.append(QueriedHolder(r, self._client(self.peers[engine]), self.stats))
         return sources
+
+    def reads_in_place(self, peer: Peer, rows: int) -> bool:
+        """Whether a request with `rows` rows in a step attends this peer's pages here: read mode with
+        the peer's cache mapped, and the cache in this engine's memory (a CPU's, or this GPU's) or the
+        rows at least `read_rows`: reading a peer's pages over NVLink or PCIe is slower than reading
+        them where they are, so a decode row's attention over a long prefix is the peer's to compute,
+        and a prompt chunk's, bound by its FLOPs, this engine's (no round trip, nothing asked of the
+        peer)."""
+        return self._mapped(peer) and (rows >= self.read_rows or self.same_memory(peer))
+
+    def same_memory(self, peer: Peer) -> bool:
+        """Whether the peer's mapped cache is in this engine's memory: a CPU's, or this GPU's (engines
+        sharing one GPU), not another GPU's reached over the link."""
+        return peer.cache.layers[0].device == self.kv_layers[0].device

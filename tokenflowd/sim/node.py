@@ -71,6 +71,7 @@ prefix-cache key events are applied to the router's index at the end of each of 
 from __future__ import annotations
 
 import heapq
+import math
 import random
 import statistics
 from collections import deque
@@ -137,6 +138,13 @@ class NodeConfig:
     # beyond it adds); False: every round trip adds to the step and the answer is not waited for
     # (the simulator before: --serial-queries)
     overlap_queries: bool = True
+    # read mode (the daemon's --pool-mode read): a request whose rows in a step are at least these
+    # attends its holders' pages here, reading them over the link (PeerCache over the holder's cache
+    # mapped over CUDA IPC), rather than sending the rows to the holders (query mode); fewer rows are
+    # sent, as the daemon's --pool-read-rows has it. 0: query mode, every row sent; 1: every row read
+    # here. link_ridge_rows: the fewest rows whose attention over a page takes as long as reading it
+    # over the link, from where reading in place costs no more than the holder's answer
+    read_rows: int = 0
     steal: bool = True  # pool: an idle engine takes a queued request from a busy one (--no-pool-steal: False)
     copy: bool = True  # pool: hot segments an engine reads elsewhere are copied into it (--no-pool-copy: False)
 
@@ -224,11 +232,18 @@ class _Executor(CostModelExecutor):
                 pages = len(held)
                 holder.read(window, pages * cost.page_size)
                 if holder is not engine:
+                    tokens = pages * cost.page_size
+                    if node.read_rows and n >= node.read_rows:
+                        # read mode: this engine attends the rows over the holder's pages, read over the
+                        # link as the kernel goes (its FLOPs or that read, whichever bounds it); the
+                        # holder does nothing
+                        t += max(cost.attention_time(n * tokens, 0),
+                                 tokens * cost.kv_bytes_per_token / node.link_bandwidth)
+                        continue
                     rows[holder.engine_id] = rows.get(holder.engine_id, 0) + n
                     # the holder's attention for these rows over the request's pages, as its own step's:
                     # the FLOPs, or reading the pages' KV, whichever bounds it (the query service
                     # attends per request: attend_pages reads each one's pages, shared or not)
-                    tokens = pages * cost.page_size
                     work = cost.attention_time(n * tokens, tokens)
                     holder.debt += work
                     answer[holder.engine_id] = answer.get(holder.engine_id, 0.0) + work
@@ -756,6 +771,15 @@ class NodeSimulator:
         accesses = [[e.accessed.get(w, 0) for e in self.engines] for w in windows]
         return NodeResult(self.mode, ordered, self.prompt_tokens, local, self.peer_tokens, computed,
                           [e.busy for e in self.engines], self.put_pages, slo, samples, accesses)
+
+
+def link_ridge_rows(cost: CostModel, link_bandwidth: float) -> int:
+    """The fewest rows of one request whose attention over a page of KV takes at least as long as
+    reading that page over the link: from there, read mode's attention in place is bound by its FLOPs,
+    as the holder's answer would be (NodeConfig.read_rows)."""
+    page = cost.page_size
+    read = page * cost.kv_bytes_per_token / link_bandwidth
+    return max(1, math.ceil(read / cost.attention_time(page, 0)))
 
 
 def simulate_node(cost: CostModel, workload: Sequence[WorkloadRequest], modes: Sequence[str] = MODES,

@@ -149,7 +149,11 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("tokenflowd_pool_load_cv", "Coefficient of variation of the requests in flight "
                                 "across serving engines", value=cv)
         figures = {
-            "tokenflowd_pool_queries": ("Layer queries shipped to peers (query mode)", lambda s: s.pool_queries),
+            "tokenflowd_pool_queries": (("Layer queries shipped to peers (query mode; in read mode, the rows of "
+                                         "peers that are not read in place: --pool-read-rows)"),
+                                        lambda s: s.pool_queries),
+            "tokenflowd_pool_reads": (("Layers whose attention over a peer's pages an engine read in place (read "
+                                       "mode: the peer's cache mapped)"), lambda s: s.pool_reads),
             "tokenflowd_pool_query_bytes": ("Bytes of shipped query rows and answers", lambda s: s.pool_query_bytes),
             "tokenflowd_pool_query_seconds": ("Time steps waited for peers' answers (divide by queries for the "
                                               "mean latency)", lambda s: s.pool_query_seconds),
