@@ -266,7 +266,7 @@ class EngineStats(msgspec.Struct):
     prompt_tokens: int = 0
     hit_tokens: int = 0
     peer_tokens: int = 0
-    pool_queries: int = 0  # layer queries shipped to peers (query mode; read mode: rows of peers read elsewhere)
+    pool_queries: int = 0  # layer queries shipped to peers (query mode; read mode: rows not read in place)
     pool_reads: int = 0  # read mode: layers attended over a peer's pages in place (its cache mapped here)
     pool_query_bytes: int = 0  # their query rows and answers
     pool_query_seconds: float = 0.0  # waiting for the answers, after the own attention

@@ -115,6 +115,10 @@ def test_sim_node_command_prints_both_modes(tmp_path, capsys):
                  "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "routing" in text and "pool" in text and out.exists()
+    assert json.loads(out.read_text())["read_rows"] == 0, "query mode: every row sent"
+    assert main(["sim-node", "--engines", "2", "--num-prompts", "20", "--max-prompt-len", "4096", "--pool-mode", "read",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["read_rows"] == 1040, "read mode: from the A100's NVLink ridge"
 
 
 def small_cache_documents(rate: float, n: int = 150, shape: str = "documents:active=16:scale=0.5:uses=32",

@@ -429,7 +429,8 @@ class PoolHooks:
         m = self.member.stats
         path, staged = self.member.sharing()
         return dict(pool_queries=m["query_calls"], pool_query_bytes=m["query_bytes"],
-                    pool_query_seconds=m["query_seconds"], pool_reads=m["read_calls"], pool_pins=self.member.service.pinned_pages,
+                    pool_query_seconds=m["query_seconds"], pool_reads=m["read_calls"],
+                    pool_pins=self.member.service.pinned_pages,
                     pool_put_pages=m["put_pages"], pool_stored_pages=m["stored_pages"],
                     pool_copied_pages=m["copied_pages"],
                     pool_share=self.member.share, pool_unblocked=self.unblocked,

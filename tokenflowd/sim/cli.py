@@ -102,6 +102,10 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                     help="pool modes: an idle engine takes no queued request from a busy one (pool/steal.py)")
     sn.add_argument("--no-pool-copy", action="store_true",
                     help="pool modes: hot segments an engine reads elsewhere are not copied into it")
+    sn.add_argument("--pool-mode", choices=["query", "read"], default="query",
+                    help="pool modes: every row sent to its holders (query, the default), or read mode: a request "
+                         "whose rows in a step reach the link's ridge reads its holders' pages in place, fewer are "
+                         "sent (the daemon's --pool-mode read, --pool-read-rows)")
     sn.add_argument("--seed", type=int, default=0)
     sn.add_argument("--out", help="write the summaries as JSON here")
     sn.set_defaults(func=cmd_sim_node)
@@ -218,7 +222,7 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
     import json
 
     from tokenflowd.sim.cost import cost_model
-    from tokenflowd.sim.node import MODES, NodeConfig, simulate_node
+    from tokenflowd.sim.node import MODES, NodeConfig, link_ridge_rows, simulate_node
     from tokenflowd.sim.result import json_safe
     if a.engines < 1:
         raise ValueError("--engines must be at least 1")
@@ -228,6 +232,8 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
     requests = _node_workload(a)
     config = NodeConfig(engines=a.engines, policy=a.policy, segment_pages=a.segment_tokens // cost.page_size,
                         seed=a.seed, steal=not a.no_pool_steal, copy=not a.no_pool_copy)
+    if a.pool_mode == "read":
+        config = dataclasses.replace(config, read_rows=link_ridge_rows(cost, config.link_bandwidth))
     print(f"{len(requests)} {'synthetic ' + a.contexts if a.contexts else 'trace'} requests, {a.engines} engines, cost model {cost.name}, policy {a.policy}")
     keys = ("throughput", "effective_throughput", "ttft_mean", "ttft_p99", "hit_rate", "busy_cv", "load_cv",
             "access_cv", "computed_tokens")
@@ -241,7 +247,8 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
                "requests": len(requests), "workload": f"synthetic {a.contexts} at {a.rate} req/s" if a.contexts
                else "mooncake trace", "time_scale": a.time_scale, "max_prompt_len": a.max_prompt_len,
                "segment_tokens": a.segment_tokens, "steal": not a.no_pool_steal,
-               "copy": not a.no_pool_copy, "summaries": summaries}
+               "copy": not a.no_pool_copy, "pool_mode": a.pool_mode, "read_rows": config.read_rows,
+               "summaries": summaries}
         with open(a.out, "w") as f:
             json.dump(json_safe(doc), f, indent=1)
         print("wrote", a.out)

@@ -56,7 +56,10 @@ as FLOPs alone, a decode row's read of a long prefix elsewhere came out ~100x ch
 same read at home, and the pool "won" by reading remotely). A put, a write into a home, or a hot
 segment copied in (Choice.copies, as the engine's PoolMember.copy_in: once per engine, and read
 there from then on) costs the receiver or sender the pages' KV it lacked on the link, added to its
-next step.
+next step. Read mode (NodeConfig.read_rows, the daemon's --pool-mode read with --pool-read-rows): a
+request with at least that many rows in a step attends its holders' pages itself, read over the link
+(its FLOPs or that read, whichever bounds it, added to the step), and asks the holders nothing; one
+with fewer is costed as in query mode.
 Balance, three ways: busy_cv, the CV across engines of each one's busy time over the whole run (a
 burst's last long decodes, one engine each, weigh on it); load_cv, the CV across engines of the
 prompt tokens of the requests each holds (what the router balances), sampled every second while
