@@ -534,6 +534,25 @@ def test_the_balance_bench_runs_each_mode_at_the_rate_a_goodput_search_met(tmp_p
     assert result["mean"]["pool-write"]["access_cv"] == row["pool-write"]["access_cv"]
 
 
+def pinned_step(cost, config: NodeConfig, own_tokens: int, decode: bool) -> tuple[float, float, int]:
+    """One request on engine 0 of two, with `own_tokens` of its own, reading 128 pages (2,048 tokens)
+    at engine 1: its first step, or with `decode` its first decode step. -> (what the pages add to the
+    step, the holder's charge for them, the KV tokens the step's own attention reads)."""
+    from tokenflowd.engine.request import Request, SamplingParams
+
+    e, holder = NodeSimulator(cost, [], "pool-write", config).engines
+    e.scheduler.add(Request("r", list(range(1, own_tokens + 1)), SamplingParams(max_tokens=4),
+                            max_model_len=cost.max_model_len))
+    batch = e.scheduler.schedule()
+    if decode:
+        e.scheduler.update(batch, [5])
+        batch = e.scheduler.schedule()
+    alone = e.executor.step_time(batch)
+    e.pins["r"] = [(holder, list(range(128)))]
+    t = e.executor.step_time(batch)
+    return t - alone, holder.debt, batch.num_tokens[0] + e.scheduler.requests["r"].num_computed_tokens
+
+
 def test_with_the_query_round_trips_overlapped_a_step_waits_only_for_what_outlasts_its_own_attention():
     """pool/attention.py sends a step's rows to their holders before each layer's own attention and
     collects after it: NodeConfig.overlap_queries charges the step only what the round trips and the
@@ -541,23 +560,10 @@ def test_with_the_query_round_trips_overlapped_a_step_waits_only_for_what_outlas
     the holder's answer is not waited for (the costing before). One request reading 128 pages
     (2,048 tokens) at a peer: its first step (a prompt of 16 tokens of its own) and a decode step
     after 8,000 of its own."""
-    from tokenflowd.engine.request import Request, SamplingParams
-
     cost = cost_model("a100-llama2-7b")
 
     def extra(own_tokens: int, overlap: bool, decode: bool) -> tuple[float, float, int]:
-        sim = NodeSimulator(cost, [], "pool-write", NodeConfig(engines=2, overlap_queries=overlap))
-        e, holder = sim.engines
-        e.scheduler.add(Request("r", list(range(1, own_tokens + 1)), SamplingParams(max_tokens=4),
-                                max_model_len=cost.max_model_len))
-        batch = e.scheduler.schedule()
-        if decode:
-            e.scheduler.update(batch, [5])
-            batch = e.scheduler.schedule()
-        alone = e.executor.step_time(batch)
-        e.pins["r"] = [(holder, list(range(128)))]
-        t = e.executor.step_time(batch)
-        return t - alone, holder.debt, batch.num_tokens[0] + e.scheduler.requests["r"].num_computed_tokens
+        return pinned_step(cost, NodeConfig(engines=2, overlap_queries=overlap), own_tokens, decode)
 
     node = NodeConfig()
     payload = 2 * cost.num_heads * cost.head_dim * cost.kv_dtype_bytes + 4 * cost.num_heads
@@ -583,7 +589,6 @@ def test_in_read_mode_a_prompt_chunk_reads_its_holders_pages_in_place_and_a_deco
     or that read, whichever bounds it), and the holder is charged nothing; one with fewer sends
     its rows as in query mode. Every row read so (-readall) makes a decode row read a long prefix
     over the link at every step."""
-    from tokenflowd.engine.request import Request, SamplingParams
     from tokenflowd.sim.node import link_ridge_rows
 
     cost = cost_model("a100-llama2-7b")
@@ -593,17 +598,7 @@ def test_in_read_mode_a_prompt_chunk_reads_its_holders_pages_in_place_and_a_deco
     assert cost.attention_time(ridge * cost.page_size, 0) >= page_read > cost.attention_time((ridge - 1) * cost.page_size, 0)
 
     def extra(own_tokens: int, read_rows: int, decode: bool) -> tuple[float, float]:
-        sim = NodeSimulator(cost, [], "pool-write", replace(node, read_rows=read_rows))
-        e, holder = sim.engines
-        e.scheduler.add(Request("r", list(range(1, own_tokens + 1)), SamplingParams(max_tokens=4),
-                                max_model_len=cost.max_model_len))
-        batch = e.scheduler.schedule()
-        if decode:
-            e.scheduler.update(batch, [5])
-            batch = e.scheduler.schedule()
-        alone = e.executor.step_time(batch)
-        e.pins["r"] = [(holder, list(range(128)))]
-        return e.executor.step_time(batch) - alone, holder.debt
+        return pinned_step(cost, replace(node, read_rows=read_rows), own_tokens, decode)[:2]
 
     tokens = 128 * cost.page_size
     t, debt = extra(4096, ridge, False)  # a prompt chunk of 4,096 rows: read here
