@@ -82,7 +82,7 @@ def simulate(cost, w, mode: str, config: NodeConfig) -> NodeResult:
     whose rows in a step reach the link's ridge reads its holders' pages in place, fewer rows are
     sent: --pool-mode read), with -readall in read mode reading every row in place."""
     base, suffixes = mode_base(mode), mode.split("-")
-    read = 1 if "readall" in suffixes else link_ridge_rows(cost, config.link_bandwidth) if "read" in suffixes else 0
+    read = 1 if "readall" in suffixes else link_ridge_rows(cost, config) if "read" in suffixes else 0
     return NodeSimulator(cost, w, base, replace(config, steal="nosteal" not in suffixes,
                                                 copy="nocopy" not in suffixes, read_rows=read)).run()
 

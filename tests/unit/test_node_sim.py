@@ -593,7 +593,7 @@ def test_in_read_mode_a_prompt_chunk_reads_its_holders_pages_in_place_and_a_deco
 
     cost = cost_model("a100-llama2-7b")
     node = NodeConfig(engines=2)
-    ridge = link_ridge_rows(cost, node.link_bandwidth)
+    ridge = link_ridge_rows(cost, node)
     page_read = cost.page_size * cost.kv_bytes_per_token / node.link_bandwidth
     assert cost.attention_time(ridge * cost.page_size, 0) >= page_read > cost.attention_time((ridge - 1) * cost.page_size, 0)
 

@@ -648,9 +648,10 @@ class PoolMember:
     def holders(self, batch: ScheduledBatch, query_start: list[int]) -> list:
         """This step's sources of foreign attention (attention.py): per engine holding pages of its
         requests, its pages attended in place (this engine's own, or a peer's mapped here) or the rows
-        sent to it; a peer mapped from another GPU both, each request by its rows (`reads_in_place`).
+        sent to it; a peer mapped from another GPU both, each request by its rows (`read_in_place_from`).
         Raises ForeignPrefixLost for requests whose holder is gone."""
         rows: dict[tuple[int, bool], HolderRows] = {}  # (engine, read in place) -> rows
+        fewest: dict[int, float] = {}  # engine -> the fewest rows of a request read in place there, this step
         lost: list[str] = []
         for i, rid in enumerate(batch.request_ids):
             prefix = self.foreign.get(rid)
@@ -661,7 +662,9 @@ class PoolMember:
                 if engine != self.engine and engine not in self.peers:
                     lost.append(rid)
                     break
-                here = engine == self.engine or self.reads_in_place(self.peers[engine], n)
+                if engine not in fewest:
+                    fewest[engine] = 0 if engine == self.engine else self.read_in_place_from(self.peers[engine])
+                here = n >= fewest[engine]
                 rows.setdefault((engine, here), HolderRows()).add(rid, query_start[i], query_start[i + 1], pages)
         if lost:
             raise ForeignPrefixLost(lost, "a pool peer holding their prefix is gone")
@@ -675,14 +678,16 @@ class PoolMember:
                 sources.append(QueriedHolder(r, self._client(self.peers[engine]), self.stats))
         return sources
 
-    def reads_in_place(self, peer: Peer, rows: int) -> bool:
-        """Whether a request with `rows` rows in a step attends this peer's pages here: read mode with
-        the peer's cache mapped, and the cache in this engine's memory (a CPU's, or this GPU's) or the
-        rows at least `read_rows`: reading a peer's pages over NVLink or PCIe is slower than reading
-        them where they are, so a decode row's attention over a long prefix is the peer's to compute,
-        and a prompt chunk's, bound by its FLOPs, this engine's (no round trip, nothing asked of the
-        peer)."""
-        return self._mapped(peer) and (rows >= self.read_rows or self.same_memory(peer))
+    def read_in_place_from(self, peer: Peer) -> float:
+        """The fewest rows of a request in a step that attend this peer's pages here (fewer are sent
+        to it): none (inf) unless read mode has the peer's cache mapped; any (1) where the cache is in
+        this engine's memory (a CPU's, or this GPU's); else `read_rows`: reading a peer's pages over
+        NVLink or PCIe is slower than reading them where they are, so a decode row's attention over a
+        long prefix is the peer's to compute, and a prompt chunk's, bound by its FLOPs, this engine's
+        (no round trip, nothing asked of the peer)."""
+        if not self._mapped(peer):
+            return math.inf
+        return 1 if self.same_memory(peer) else self.read_rows
 
     def same_memory(self, peer: Peer) -> bool:
         """Whether the peer's mapped cache is in this engine's memory: a CPU's, or this GPU's (engines

@@ -233,7 +233,7 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
     config = NodeConfig(engines=a.engines, policy=a.policy, segment_pages=a.segment_tokens // cost.page_size,
                         seed=a.seed, steal=not a.no_pool_steal, copy=not a.no_pool_copy)
     if a.pool_mode == "read":
-        config = dataclasses.replace(config, read_rows=link_ridge_rows(cost, config.link_bandwidth))
+        config = dataclasses.replace(config, read_rows=link_ridge_rows(cost, config))
     print(f"{len(requests)} {'synthetic ' + a.contexts if a.contexts else 'trace'} requests, {a.engines} engines, cost model {cost.name}, policy {a.policy}")
     keys = ("throughput", "effective_throughput", "ttft_mean", "ttft_p99", "hit_rate", "busy_cv", "load_cv",
             "access_cv", "computed_tokens")

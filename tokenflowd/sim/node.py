@@ -151,6 +151,10 @@ class NodeConfig:
     steal: bool = True  # pool: an idle engine takes a queued request from a busy one (--no-pool-steal: False)
     copy: bool = True  # pool: hot segments an engine reads elsewhere are copied into it (--no-pool-copy: False)
 
+    def link_time(self, cost: CostModel, tokens: int) -> float:
+        """Seconds to move `tokens` tokens' KV over the link (a put, a copy, a read in place)."""
+        return tokens * cost.kv_bytes_per_token / self.link_bandwidth
+
 
 @dataclass
 class NodeResult:
@@ -240,8 +244,7 @@ class _Executor(CostModelExecutor):
                         # read mode: this engine attends the rows over the holder's pages, read over the
                         # link as the kernel goes (its FLOPs or that read, whichever bounds it); the
                         # holder does nothing
-                        t += max(cost.attention_time(n * tokens, 0),
-                                 tokens * cost.kv_bytes_per_token / node.link_bandwidth)
+                        t += max(cost.attention_time(n * tokens, 0), node.link_time(cost, tokens))
                         continue
                     rows[holder.engine_id] = rows.get(holder.engine_id, 0) + n
                     # the holder's attention for these rows over the request's pages, as its own step's:
@@ -471,8 +474,7 @@ class NodeSimulator:
             target.replicas.update(keys[: len(taken)])
             new = max(0, len(taken) - have)
             self.copied_pages += new
-            sent = new * cost.page_size * cost.kv_bytes_per_token
-            target.debt += self.config.link_alpha + sent / self.config.link_bandwidth
+            target.debt += self.config.link_alpha + self.config.link_time(cost, new * cost.page_size)
         self._update(target.engine_id, *target.pool.drain_key_events())
 
     def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]], queued: bool = False) -> None:
@@ -547,8 +549,7 @@ class NodeSimulator:
                 _release(home.pool, taken)
                 e.pool.unpublish([key for key in keys[:held] if key not in e.replicas])
                 self.put_pages += held
-                sent = held * cost.page_size * cost.kv_bytes_per_token
-                e.debt += self.config.link_alpha + sent / self.config.link_bandwidth
+                e.debt += self.config.link_alpha + self.config.link_time(cost, held * cost.page_size)
                 added, removed = home.pool.drain_key_events()
                 self._update(home_id, added, removed)
 
@@ -601,7 +602,7 @@ class NodeSimulator:
                     held = _hold(home.pool, run)
                     fresh = min(fresh, len(held))
                     self.put_pages += fresh
-                    e.debt += self.config.link_alpha + fresh * ps * cost.kv_bytes_per_token / self.config.link_bandwidth
+                    e.debt += self.config.link_alpha + self.config.link_time(cost, fresh * ps)
                     self._update(home_id, *home.pool.drain_key_events())
                 if held:
                     pinned.append((home, held))
@@ -776,13 +777,12 @@ class NodeSimulator:
                           [e.busy for e in self.engines], self.put_pages, slo, samples, accesses)
 
 
-def link_ridge_rows(cost: CostModel, link_bandwidth: float) -> int:
+def link_ridge_rows(cost: CostModel, config: NodeConfig) -> int:
     """The fewest rows of one request whose attention over a page of KV takes at least as long as
     reading that page over the link: from there, read mode's attention in place is bound by its FLOPs,
     as the holder's answer would be (NodeConfig.read_rows)."""
     page = cost.page_size
-    read = page * cost.kv_bytes_per_token / link_bandwidth
-    return max(1, math.ceil(read / cost.attention_time(page, 0)))
+    return max(1, math.ceil(config.link_time(cost, page) / cost.attention_time(page, 0)))
 
 
 def simulate_node(cost: CostModel, workload: Sequence[WorkloadRequest], modes: Sequence[str] = MODES,
