@@ -56,7 +56,8 @@ as FLOPs alone, a decode row's read of a long prefix elsewhere came out ~100x ch
 same read at home, and the pool "won" by reading remotely). A put, a write into a home, or a hot
 segment copied in (Choice.copies, as the engine's PoolMember.copy_in: once per engine, and read
 there from then on) costs the receiver or sender the pages' KV it lacked on the link, added to its
-next step. Read mode (NodeConfig.read_rows, the daemon's --pool-mode read with --pool-read-rows): a
+next step. An engine that idles meanwhile does that work as it idles (`_idle_until`): a holder idle
+for minutes once charged its next request's first step with every answer it gave in them. Read mode (NodeConfig.read_rows, the daemon's --pool-mode read with --pool-read-rows): a
 request with at least that many rows in a step attends its holders' pages itself, read over the link
 (its FLOPs or that read, whichever bounds it, added to the step), and asks the holders nothing; one
 with fewer is costed as in query mode.
@@ -280,7 +281,9 @@ class _Engine:
         self.executor = _Executor(self, cost, output_lens, self.clock, 0, SIM_EOS)
         self.core = EngineCore(self.executor, self.scheduler, max_model_len=cost.max_model_len,
                                vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(SIM_EOS,))
-        self.debt = 0.0  # s of peers' queries answered, charged to the next step
+        # s of peers' queries answered and of KV written to peers, charged to the next step (less
+        # what an idle spell covers: _idle_until)
+        self.debt = 0.0
         self.origin = origin  # the first arrival: LOAD_WINDOW windows count from it
         self.accessed: dict[int, int] = {}  # window -> KV tokens steps read from this engine's memory
         self.reported = 0.0  # an idle engine's last report (the pool's stealing: NodeSimulator._steal)
@@ -316,6 +319,15 @@ class _Engine:
     def release(self, request_id: str) -> None:
         for holder, pages in self.pins.pop(request_id, ()):
             _release(holder.pool, pages)
+
+
+def _idle_until(e: _Engine, now: float) -> None:
+    """e idles until `now`: what it owes for its peers (`_Engine.debt`: answers to their queries,
+    writes into homes) is done meanwhile, as its query service answers while it runs nothing; the
+    rest falls on its next step."""
+    if now > e.clock.now:
+        e.debt = max(0.0, e.debt - (now - e.clock.now))
+        e.clock.now = now
 
 
 def _hold(pool: PagePool, keys: list[bytes]) -> list[int]:
@@ -409,7 +421,7 @@ class NodeSimulator:
                 target.places[req.request_id] = choice.places
         req.max_model_len = max(self.cost.max_model_len, tokens) - req.prefix_offset
         if not target.scheduler.has_unfinished():
-            target.clock.now = max(target.clock.now, now)  # it was idle until now
+            _idle_until(target, now)  # it was idle until now
         target.scheduler.add(req)
 
     def _steal(self, e: _Engine, now: float) -> None:
@@ -737,7 +749,7 @@ class NodeSimulator:
             batch = e.core.last_batch
             if not len(batch):
                 if e.clock.now == start:  # the policy ran nothing: let time pass to the next event
-                    e.clock.now = start + max(self.cost.step_overhead, 1e-3)
+                    _idle_until(e, start + max(self.cost.step_overhead, 1e-3))
                 self._unblock(e, start)
                 continue
             e.stuck.since = None
