@@ -57,10 +57,11 @@ same read at home, and the pool "won" by reading remotely). A put, a write into 
 segment copied in (Choice.copies, as the engine's PoolMember.copy_in: once per engine, and read
 there from then on) costs the receiver or sender the pages' KV it lacked on the link, added to its
 next step. An engine that idles meanwhile does that work as it idles (`_idle_until`): a holder idle
-for minutes once charged its next request's first step with every answer it gave in them. Read mode (NodeConfig.read_rows, the daemon's --pool-mode read with --pool-read-rows): a
-request with at least that many rows in a step attends its holders' pages itself, read over the link
-(its FLOPs or that read, whichever bounds it, added to the step), and asks the holders nothing; one
-with fewer is costed as in query mode.
+for minutes once charged its next request's first step with every answer it gave in them. Read
+mode (NodeConfig.read_rows, the daemon's --pool-mode read with --pool-read-rows): a request with at
+least that many rows in a step attends its holders' pages itself, read over the link (its FLOPs or
+that read, whichever bounds it, added to the step), and asks the holders nothing; one with fewer is
+costed as in query mode.
 Balance, three ways: busy_cv, the CV across engines of each one's busy time over the whole run (a
 burst's last long decodes, one engine each, weigh on it); load_cv, the CV across engines of the
 prompt tokens of the requests each holds (what the router balances), sampled every second while
