@@ -621,13 +621,14 @@ def test_what_an_idle_engine_owes_for_its_peers_is_done_while_it_idles_not_in_it
     cost = cost_model("a100-llama2-7b")
     late = [WorkloadRequest("late", 10.0, 2048, 4, 20.0, (1, 2, 3, 4))]
 
-    def ttft(owed: float) -> float:
+    def ttft(owed: float, asked_at: float = 0.0) -> float:
         sim = NodeSimulator(cost, late, "pool-write", NodeConfig(engines=2))
         for e in sim.engines:
-            e.debt = owed  # answered or written at t=0, then idle until the request comes at 10 s
+            e.owe(owed, asked_at)  # answered or written from `asked_at`, idle until the request comes at 10 s
         rec = sim.run().records[0]
         return rec.token_times[0] - rec.arrival
 
     alone = ttft(0.0)
     assert ttft(4.0) == pytest.approx(alone)  # done within the 10 s it idled
     assert ttft(14.0) == pytest.approx(alone + 4.0)  # what the gap did not cover waits
+    assert ttft(4.0, asked_at=9.0) == pytest.approx(alone + 3.0)  # not before it was asked: 1 s of the gap

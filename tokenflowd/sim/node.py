@@ -253,7 +253,7 @@ class _Executor(CostModelExecutor):
                     # the FLOPs, or reading the pages' KV, whichever bounds it (the query service
                     # attends per request: attend_pages reads each one's pages, shared or not)
                     work = cost.attention_time(n * tokens, tokens)
-                    holder.debt += work
+                    holder.owe(work, engine.clock.now)
                     answer[holder.engine_id] = answer.get(holder.engine_id, 0.0) + work
         payload = 2 * cost.num_heads * cost.head_dim * cost.kv_dtype_bytes + 4 * cost.num_heads
         if rows:  # the holders are asked together and answer in parallel (pool/attention.py)
@@ -316,6 +316,14 @@ class _Engine:
         """As the daemon's EngineHandle.work: the whole prompts of the requests it holds, the tokens
         read where the pool holds them included."""
         return sum(r.prefix_offset + r.num_prompt_tokens for r in self.scheduler.requests.values())
+
+    def owe(self, seconds: float, now: float | None = None) -> None:
+        """Work for its peers (an answer to their query, KV written to them) charged to its next step,
+        asked of it at `now` (None: its own clock's): idle until then, it could not have done it
+        sooner (`_idle_until`)."""
+        if now is not None and not self.scheduler.has_unfinished():
+            _idle_until(self, now)
+        self.debt += seconds
 
     def release(self, request_id: str) -> None:
         for holder, pages in self.pins.pop(request_id, ()):
@@ -404,6 +412,8 @@ class NodeSimulator:
         """Queue `req` on `target`, with the pool's `choice` (None: routing): its reads pinned now, or
         named again once it nears the front; the homes of its new segments. `tokens`: its prompt and
         output."""
+        if not target.scheduler.has_unfinished():
+            _idle_until(target, now)  # it was idle until now (a copy it makes now is not done before)
         if choice is not None:
             if choice.copies:
                 self._copy(target, choice.copies)
@@ -421,8 +431,6 @@ class NodeSimulator:
             elif choice.places:
                 target.places[req.request_id] = choice.places
         req.max_model_len = max(self.cost.max_model_len, tokens) - req.prefix_offset
-        if not target.scheduler.has_unfinished():
-            _idle_until(target, now)  # it was idle until now
         target.scheduler.add(req)
 
     def _steal(self, e: _Engine, now: float) -> None:
@@ -487,7 +495,7 @@ class NodeSimulator:
             target.replicas.update(keys[: len(taken)])
             new = max(0, len(taken) - have)
             self.copied_pages += new
-            target.debt += self.config.link_alpha + self.config.link_time(cost, new * cost.page_size)
+            target.owe(self.config.link_alpha + self.config.link_time(cost, new * cost.page_size))
         self._update(target.engine_id, *target.pool.drain_key_events())
 
     def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]], queued: bool = False) -> None:
@@ -562,7 +570,7 @@ class NodeSimulator:
                 _release(home.pool, taken)
                 e.pool.unpublish([key for key in keys[:held] if key not in e.replicas])
                 self.put_pages += held
-                e.debt += self.config.link_alpha + self.config.link_time(cost, held * cost.page_size)
+                e.owe(self.config.link_alpha + self.config.link_time(cost, held * cost.page_size))
                 added, removed = home.pool.drain_key_events()
                 self._update(home_id, added, removed)
 
@@ -615,7 +623,7 @@ class NodeSimulator:
                     held = _hold(home.pool, run)
                     fresh = min(fresh, len(held))
                     self.put_pages += fresh
-                    e.debt += self.config.link_alpha + self.config.link_time(cost, fresh * ps)
+                    e.owe(self.config.link_alpha + self.config.link_time(cost, fresh * ps))
                     self._update(home_id, *home.pool.drain_key_events())
                 if held:
                     pinned.append((home, held))
