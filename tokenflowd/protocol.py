@@ -77,6 +77,10 @@ class AddRequest(msgspec.Struct, tag=True):
     # The pool: runs of `prefix` held by peers that are heavy hitters: this engine copies them into its
     # own cache first (a replica), and this request and later ones read them here (pool/member.py).
     copy: list[PrefixRun] = []
+    # The pool: the first page of the prompt past `prefix` is one an earlier request is computing
+    # (router.py PENDING_SECONDS): this one asks where its prefix is as it nears the front, even where
+    # the engine would take it at once (pool/ahead.py `waits`)
+    pending: bool = False
     # Federation, on a prefill node: compute the prompt, write its KV there layer by layer as each
     # layer ends, sample the first token, and answer Prefilled.
     kv_target: KVTarget | None = None

@@ -225,6 +225,22 @@ def test_a_reader_that_goes_straight_in_or_has_no_whole_page_asks_nothing():
     assert not h.take_prefix(request("alone", 64), []) and not h.deferred, "no peer: nothing to ask about"
 
 
+def test_a_reader_whose_prefix_is_being_computed_asks_where_it_is_even_where_it_would_go_straight_in():
+    """AddRequest.pending (router.py PENDING_SECONDS): the engine computing its prefix writes it into
+    its homes and lets go of its own copy once done; taken at once, the reader computed it all again."""
+    sched, h = engine(0)
+    assert not h.take_prefix(request("alone", 64), []) and not h.deferred, "(told nothing: it goes straight in)"
+    req = request("r", 64)
+    assert not h.take_prefix(req, [], pending=True) and "r" in h.deferred
+    sched.add(req)
+    sched.held = h.deferred
+    h._pin_due()
+    assert h.take_asking() == ["r"], "at the front: it asks its front where its prefix is now"
+    assert sched.schedule().request_ids == [], "not admitted before the answer"
+    h.reads(p.Reads("r", runs(3)))
+    assert h.member.pinned == {"r": 3} and req.prefix_offset == 3 * PS and "r" in sched.schedule().request_ids
+
+
 def test_a_reader_whose_front_does_not_answer_reads_what_it_came_with(monkeypatch):
     sched, h = engine(LONG)
     req = request("r", 64)

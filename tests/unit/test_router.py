@@ -68,7 +68,41 @@ def test_no_match_goes_to_the_least_loaded_then_lowest_id():
     assert router_with({}).pick(engines, prompt).engine_id == 1
 
 
+def test_with_a_tie_breaker_ties_go_to_any_of_the_best_and_never_to_a_worse_engine():
+    import random
+
+    prompt = list(range(10))
+    engines = [FakeEngine(0, load=3), FakeEngine(1, load=1), FakeEngine(2, load=1), FakeEngine(3, load=1)]
+    router = Router(PS, PrefixIndex(), ties=random.Random(0))
+    picked = {router.pick(engines, prompt).engine_id for _ in range(200)}
+    assert picked == {1, 2, 3}
+    held = Router(PS, router_with({2: keys_of(prompt[:8])}).index, ties=random.Random(0))
+    assert {held.pick(engines, prompt).engine_id for _ in range(50)} == {2}  # (no tie: the prefix wins)
+
+
 # -- the pool (--pool-mode query|read) ---------------------------------------------------------
+def test_a_pooled_pick_whose_first_unread_page_an_earlier_request_is_computing_is_told_it_is_pending():
+    from tokenflowd.daemon import router as router_module
+
+    now = [0.0]
+    index = PrefixIndex()
+    r = Router(PS, index, clock=lambda: now[0])
+    engines = [FakeEngine(0), FakeEngine(1)]
+    system = list(range(32))  # 8 pages every prompt starts with
+    first = r.pick_pooled(engines, system + [100, 101], segment_pages=2)
+    assert not first.pending, "the first one computes it"
+    now[0] = 0.5
+    assert r.pick_pooled(engines, system + [200, 201], segment_pages=2).pending, "it is being computed"
+    assert not r.pick_pooled(engines, [7] * 40, segment_pages=2).pending, "another prefix: nothing computes it"
+    assert not r.pick_pooled(engines, system + [250, 251], segment_pages=2, place=False).pending, \
+        "kept where computed: one behind it reads it at its admission"
+    index.update(0, keys_of(system), [])  # computed, held on engine 0
+    read = r.pick_pooled(engines, system + [300] * 8 + [301], segment_pages=2)
+    assert not read.pending and read.cached_pages + sum(len(k) for _, k in read.runs) >= 8, read
+    now[0] += router_module.PENDING_SECONDS
+    assert not r.pick_pooled(engines, [7] * 40 + [1], segment_pages=2).pending, "named too long ago"
+
+
 def test_pooled_pick_runs_on_the_least_loaded_engine_and_names_where_each_segment_is_read():
     tokens = list(range(33))  # 8 full pages before the last token
     k = keys_of(tokens)

@@ -35,6 +35,14 @@ queue (`reads`, asked by the engine: protocol.ResolveReads): from where the pool
 then, which in a burst over a document is where the first request over it computed it meanwhile,
 with the hot segments among them its engine copies in (a burst behind one system prompt came
 before anything held it, so no copy was named as it came).
+With placement at homes, a request whose first page it does not read is one an earlier request was
+named to compute within PENDING_SECONDS (`Choice.pending`, AddRequest.pending: in a burst, the first
+request over a system prompt or a document is computing it) waits to ask where its prefix is as it
+nears the front, even where its engine would take it at the next step (pool/ahead.py `waits`): the
+engine computing it writes it into its homes and lets go of its own copy once it is done, so one
+taken at once read nothing there and computed it all again. (Kept where computed, a request behind
+the one computing it reads it at its admission all the same; told to wait, a quarter of the A100's
+KV, 12 documents at routing's highest rate under the TTFT SLO, seed 3: 832 tokens/s against 891.)
 An idle engine takes a queued request from a busy one (pool/steal.py): `pick_pooled` with that
 engine as the target, its use not counted again, names its reads and homes for where it runs now.
 
@@ -83,6 +91,15 @@ AFFINITY_SLACK = 8.0
 # s a hot segment being copied into an engine is not named for copying there again (the copy is
 # made as the engine takes the request, and the engine's next report shows it there)
 COPY_SECONDS = 5.0
+# s after a request is named to compute a prompt's page from the first page it does not read, during
+# which a request whose first unread page is that one is told it is being computed (`Choice.pending`:
+# it asks where it is as it nears the front). Node simulator, 8 engines, 300 requests, segments
+# written into their homes, read mode: a burst behind one 2K-token system prompt (A100, 80 req/s,
+# seeds 0-3) hit 0.870-0.893 of its prompt tokens where routing hit 0.887-0.893, and as often as
+# routing with it; a quarter of the A100's KV, 16 documents at 16 req/s (seeds 0 and 1), 0.61 -> 0.70
+# and 1.45x -> 1.70x routing's throughput. Longer than a prefill of the longest prompt takes; a
+# request told so needlessly (the one computing it gone) asks once more as its policy picks it.
+PENDING_SECONDS = 10.0
 
 
 class EngineLoad(Protocol):
@@ -120,22 +137,31 @@ class Choice:
     places: list[tuple[int, list[bytes]]] = field(default_factory=list)
     # pool: (engine, keys) runs of hot segments it reads there that the chosen engine copies in
     copies: list[tuple[int, list[bytes]]] = field(default_factory=list)
+    # pool: the first page it does not read is one an earlier request is computing (PENDING_SECONDS)
+    pending: bool = False
 
 
 class Router:
     def __init__(self, page_size: int, index: PrefixIndex, load_weight: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, copy_hot: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, copy_hot: bool = True,
+                 ties: random.Random | None = None) -> None:
+        """`ties`: `pick` breaks ties between engines of the best score at random with it (else to
+        the lower id; bench/node_noise.py weighs what that choice alone moves)."""
         self.page_size = page_size
+        self.ties = ties
         self.index = index
         self.load_weight = load_weight
         self.heat = SegmentHeat()  # the pool's: which segments are read most
         self.clock = clock
         self.copy_hot = copy_hot  # hot segments an engine reads elsewhere are copied into it (`_copy`)
         self._copying: dict[tuple[bytes, int], float] = {}  # (hot segment, engine) -> since when it is copied there
+        # the first page a pooled pick named its request to compute -> when (`_pending`)
+        self._computing: dict[bytes, float] = {}
         self._node: set[int] = set()  # every engine that has served: new segments are dealt round them (`places`)
 
     def pick(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int]) -> Choice:
-        """`engines` must be non-empty (the serving ones). Ties go to the lower engine id."""
+        """`engines` must be non-empty (the serving ones). Ties go to the lower engine id, or to one
+        of them at random with `ties`."""
         if len(engines) == 1:
             return Choice(engines[0].engine_id, 0)
         # The last prompt token is always computed, so only pages before it can be hits.
@@ -144,15 +170,14 @@ class Router:
     def pick_keys(self, engines: Sequence[EngineLoad], keys: Sequence[bytes]) -> Choice:
         """`pick` for a request whose chained page keys are known (its cached pages counted even
         with one engine)."""
-        best: tuple[float, int, Choice] | None = None
+        scored = []
         for e in engines:
             hit = self.index.cached_pages(e.engine_id, keys) if keys else 0
-            score = (hit - self.load_weight * e.load) * self.page_size
-            cand = (score, -e.engine_id, Choice(e.engine_id, hit))
-            if best is None or cand[:2] > best[:2]:
-                best = cand
-        assert best is not None
-        return best[2]
+            scored.append(((hit - self.load_weight * e.load) * self.page_size, -e.engine_id, Choice(e.engine_id, hit)))
+        best = max(scored, key=lambda c: c[:2])
+        if self.ties is None:
+            return best[2]
+        return self.ties.choice([c for c in scored if c[0] == best[0]])[2]
 
     def pick_pooled(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int = 1,
                     rng: random.Random | None = None, place: bool = True, target: int | None = None,
@@ -170,11 +195,25 @@ class Router:
             target = self._near(engines, keys, len(prompt_token_ids), AFFINITY_SLACK if not place else 0.0)
         runs, copies = self._runs(engines, keys, segment_pages, rng or random, target, count=count, copy=count)
         own = sum(len(k) for e, k in runs if e == target)
+        pending = place and self._pending(keys[sum(len(k) for _, k in runs):])
         places = self.places(keys, sum(len(k) for _, k in runs), max(1, segment_pages), target,
                              [e.engine_id for e in engines]) if place else []
-        if all(e == target for e, _ in runs):
-            return Choice(target, own, [], places)  # all of it here: the engine's own prefix cache serves it
-        return Choice(target, own, runs, places, copies)
+        if all(e == target for e, _ in runs):  # all of it here: the engine's own prefix cache serves it
+            return Choice(target, own, [], places, pending=pending)
+        return Choice(target, own, runs, places, copies, pending)
+
+    def _pending(self, computed: Sequence[bytes]) -> bool:
+        """Whether the first of the pages a request computes (`computed`, none: it reads all) is one
+        an earlier request was named to compute within PENDING_SECONDS; else it is named this one's."""
+        if not computed:
+            return False
+        now, computing = self.clock(), self._computing
+        while computing and now - next(iter(computing.values())) >= PENDING_SECONDS:
+            del computing[next(iter(computing))]  # (oldest first: each key goes to the end when named)
+        if computed[0] in computing:
+            return True
+        computing[computed[0]] = now
+        return False
 
     def reads(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int, target: int,
               rng: random.Random | None = None) -> tuple[list[tuple[int, list[bytes]]], list[tuple[int, list[bytes]]]]:

@@ -69,12 +69,15 @@ def pins_on_arrival(waiting: Sequence[Queued], req: Queued, free_pages: int, pag
                     free_pages)
 
 
-def waits(waiting: Sequence[Queued], req: Queued, free_pages: int, page_size: int) -> bool:
+def waits(waiting: Sequence[Queued], req: Queued, free_pages: int, page_size: int, pending: bool = False) -> bool:
     """Whether `req`, joining the end of `waiting`, waits for its turn (others are queued ahead of it,
-    or its pages do not fit those free) rather than going in at the next step. One that found nothing
-    to read as it came asks again when it is due: by then a request ahead of it may have computed
-    its prefix. One that goes straight in does not hold its step for the answer."""
-    return bool(waiting) or pages_of(req, page_size) > free_pages
+    or its pages do not fit those free) rather than going in at the next step, or waits for what it
+    does not read to be computed (`pending`: an earlier request is computing it, router.py
+    PENDING_SECONDS). One that found nothing to read as it came asks again when it is due: by then
+    a request ahead of it may have computed its prefix. One that goes straight in does not hold its
+    step for the answer; one whose prefix is being computed does, or it computes it all again (the
+    engine computing it writes it into its homes and lets go of its own copy once done)."""
+    return bool(waiting) or pages_of(req, page_size) > free_pages or pending
 
 
 def asks_again(found: bool, wanted: bool, asked_again: bool, holds: Callable[[], bool]) -> bool:

@@ -115,20 +115,22 @@ class PoolHooks:
         """Ready's pool fields: the segment size and what dispatch weighs."""
         return self.member.segment_pages, *self.member.traffic_bytes()
 
-    def take_prefix(self, req: Request, runs: list[p.PrefixRun], copies: list[p.PrefixRun] = ()) -> bool:
+    def take_prefix(self, req: Request, runs: list[p.PrefixRun], copies: list[p.PrefixRun] = (),
+                    pending: bool = False) -> bool:
         """Copy in the hot segments of `copies` first (a replica here: PoolMember.copy_in). Then pin the
         prompt's leading pages where the pool holds them (this engine's own first), if the request
         joins the queue near its front (pool/ahead.py); the request keeps the rest. Else, or where
         nothing could be pinned (the prefix not computed yet: a request before it may be computing
-        it) and it waits for its turn (`waits`), it waits for `_pin_due` and, near the front, asks
-        where its reads are then. -> whether it pinned any (for this request: what a failed add
-        releases)."""
+        it) and it waits for its turn, or what it does not read is being computed (`pending`,
+        AddRequest.pending: `waits`), it waits for `_pin_due` and, near the front, asks where its
+        reads are then. -> whether it pinned any (for this request: what a failed add releases)."""
         self._copy_in(copies)
         self.deferred.pop(req.request_id, None)
         self.later.discard(req.request_id)
         waiting, free, ps = self.core.scheduler.waiting, self.core.pool.num_free, self.config.page_size
         pinned = bool(runs) and pins_on_arrival(waiting, req, free, ps) and self._pin(req, runs, queued=False)
-        if not pinned and req.num_prompt_tokens > ps and waits(waiting, req, free, ps) and (runs or self.member.peers):
+        if not pinned and req.num_prompt_tokens > ps and waits(waiting, req, free, ps, pending) and (
+                runs or self.member.peers):
             self.deferred[req.request_id] = runs  # (an engine alone in its pool has nothing to ask about)
         return pinned
 

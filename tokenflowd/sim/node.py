@@ -152,6 +152,9 @@ class NodeConfig:
     read_rows: int = 0
     steal: bool = True  # pool: an idle engine takes a queued request from a busy one (--no-pool-steal: False)
     copy: bool = True  # pool: hot segments an engine reads elsewhere are copied into it (--no-pool-copy: False)
+    # routing: ties between engines of the best score go to one at random (seeded by `seed`), not to the
+    # lower id as the daemon's router has them (bench/node_noise.py: what that alone moves)
+    random_ties: bool = False
 
     def link_time(self, cost: CostModel, tokens: int) -> float:
         """Seconds to move `tokens` tokens' KV over the link (a put, a copy, a read in place)."""
@@ -380,7 +383,8 @@ class NodeSimulator:
         origin = self.workload[0].arrival_time if self.workload else 0.0
         self.engines = [_Engine(i, cost, config, output_lens, origin) for i in range(config.engines)]
         self.index = PrefixIndex()
-        self.router = Router(cost.page_size, self.index, clock=lambda: self._now, copy_hot=config.copy)
+        self.router = Router(cost.page_size, self.index, clock=lambda: self._now, copy_hot=config.copy,
+                             ties=random.Random(f"ties {config.seed}") if config.random_ties else None)
         self.rng = random.Random(config.seed)
         self._now = 0.0
         self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time, r.reading_rate, r.prompt_len,
@@ -420,7 +424,8 @@ class NodeSimulator:
             waiting, free, ps = target.scheduler.waiting, target.pool.num_free, self.cost.page_size
             if pins_on_arrival(waiting, req, free, ps):
                 self._pin(target, req, choice.runs)
-            if not req.foreign_token_ids and req.num_prompt_tokens > ps and waits(waiting, req, free, ps):
+            if not req.foreign_token_ids and req.num_prompt_tokens > ps and waits(waiting, req, free, ps,
+                                                                                  choice.pending):
                 # its reads are named when it nears the front, from where the pool holds them then
                 target.deferred[req.request_id] = choice.runs
             seg = self.config.segment_pages

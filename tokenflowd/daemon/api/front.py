@@ -486,7 +486,8 @@ class Front:
                                                  place=self.supervisor.engine_config.pool_placement == "home",
                                                  target=target.engine_id, count=False)
                 add = msgspec.structs.replace(stream.add, prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
-                                              place=[PrefixRun(e, keys) for e, keys in choice.places], copy=[])
+                                              place=[PrefixRun(e, keys) for e, keys in choice.places], copy=[],
+                                              pending=choice.pending)
                 if self.supervisor.move(stream, target, add):
                     if target is not giver:
                         self.metrics.moved.labels(str(giver.engine_id)).inc()
@@ -521,8 +522,8 @@ class Front:
                          front=self.supervisor.front, front_epoch=self.supervisor.front_epoch, coalesce=coalesce,
                          prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
                          place=[PrefixRun(e, keys) for e, keys in choice.places],
-                         copy=[PrefixRun(e, keys) for e, keys in choice.copies], remote_kv=prefill_node is not None,
-                         after=after)
+                         copy=[PrefixRun(e, keys) for e, keys in choice.copies], pending=choice.pending,
+                         remote_kv=prefill_node is not None, after=after)
         try:
             reserved = self.supervisor.expect(request_id) if prefill_node is not None else None
         except ValueError as e:

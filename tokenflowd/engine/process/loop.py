@@ -242,7 +242,7 @@ class EngineProcess(EngineEndpoint):
             return f"request id {msg.request_id!r} is already in use"
         if msg.kv_target is not None or msg.remote_kv:
             return self._add_federated(msg, req)
-        pinned = self.pool.take_prefix(req, msg.prefix, msg.copy) if self.pool is not None else False
+        pinned = self.pool.take_prefix(req, msg.prefix, msg.copy, msg.pending) if self.pool is not None else False
         try:
             self.core.add_request(req, msg.after or None)
         except QueueDelayExceeded as e:
