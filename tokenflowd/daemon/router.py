@@ -96,9 +96,11 @@ COPY_SECONDS = 5.0
 # it asks where it is as it nears the front). Node simulator, 8 engines, 300 requests, segments
 # written into their homes, read mode: a burst behind one 2K-token system prompt (A100, 80 req/s,
 # seeds 0-3) hit 0.870-0.893 of its prompt tokens where routing hit 0.887-0.893, and as often as
-# routing with it; a quarter of the A100's KV, 16 documents at 16 req/s (seeds 0 and 1), 0.61 -> 0.70
-# and 1.45x -> 1.70x routing's throughput. Longer than a prefill of the longest prompt takes; a
-# request told so needlessly (the one computing it gone) asks once more as its policy picks it.
+# routing with it; a quarter of the A100's KV, 16 documents at 16 req/s (seeds 0 and 1), 0.61 -> 0.68
+# and 1.45x -> 1.70x routing's throughput (all four document workloads at seeds 0-3: 1.43x, hit rate
+# 1.65x routing's: bench/results/node_contexts_small_cache_pending.json). Longer than a prefill of
+# the longest prompt takes; a request told so needlessly (the one computing it gone) asks once more
+# as its policy picks it.
 PENDING_SECONDS = 10.0
 
 
