@@ -172,14 +172,12 @@ class Router:
     def pick_keys(self, engines: Sequence[EngineLoad], keys: Sequence[bytes]) -> Choice:
         """`pick` for a request whose chained page keys are known (its cached pages counted even
         with one engine)."""
-        scored = []
-        for e in engines:
-            hit = self.index.cached_pages(e.engine_id, keys) if keys else 0
-            scored.append(((hit - self.load_weight * e.load) * self.page_size, -e.engine_id, Choice(e.engine_id, hit)))
-        best = max(scored, key=lambda c: c[:2])
-        if self.ties is None:
-            return best[2]
-        return self.ties.choice([c for c in scored if c[0] == best[0]])[2]
+        scored = [((hit - self.load_weight * e.load) * self.page_size, -e.engine_id, hit)
+                  for e in engines for hit in (self.index.cached_pages(e.engine_id, keys) if keys else 0,)]
+        best = max(scored)
+        if self.ties is not None:
+            best = self.ties.choice([c for c in scored if c[0] == best[0]])
+        return Choice(-best[1], best[2])
 
     def pick_pooled(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int = 1,
                     rng: random.Random | None = None, place: bool = True, target: int | None = None,
