@@ -61,7 +61,10 @@ for minutes once charged its next request's first step with every answer it gave
 mode (NodeConfig.read_rows, the daemon's --pool-mode read with --pool-read-rows): a request with at
 least that many rows in a step attends its holders' pages itself, read over the link (its FLOPs or
 that read, whichever bounds it, added to the step), and asks the holders nothing; one with fewer is
-costed as in query mode.
+costed as in query mode. Pages a request reads in its own engine's cache through its pins (its
+segments homed there, a replica copied in) are attended there as its own KV is, in the step's
+roofline (before, they cost nothing: a decode over a long prefix homed on its own engine came out as
+cheap as one over none).
 Balance, three ways: busy_cv, the CV across engines of each one's busy time over the whole run (a
 burst's last long decodes, one engine each, weigh on it); load_cv, the CV across engines of the
 prompt tokens of the requests each holds (what the router balances), sampled every second while
@@ -228,18 +231,22 @@ class _Executor(CostModelExecutor):
         self.engine = engine
 
     def step_time(self, batch: ScheduledBatch) -> float:
-        t = super().step_time(batch) + self.engine.debt
-        self.engine.debt = 0.0
         cost, node, engine = self.cost, self.engine.node, self.engine
+        # the pages a request reads in this engine's own cache through its pins (its segments homed
+        # here, a replica copied in) are attended here as its own KV is: in the step's roofline
+        here = [sum(len(held) for holder, held in engine.pins.get(rid, ()) if holder is engine) * cost.page_size
+                for rid in batch.request_ids]
+        t = cost.step_time(zip((p + h for p, h in zip(batch.positions, here)), batch.num_tokens)) + engine.debt
+        engine.debt = 0.0
         window = engine.window()
         rows: dict[int, int] = {}
         answer: dict[int, float] = {}  # holder -> s of its attention for this step's rows
         own = attended = 0  # KV tokens the step's own attention reads here, and the (row, key) pairs it attends
-        for rid, n in zip(batch.request_ids, batch.num_tokens):
-            done = engine.scheduler.requests[rid].num_computed_tokens
+        for rid, n, mine in zip(batch.request_ids, batch.num_tokens, here):
+            done = engine.scheduler.requests[rid].num_computed_tokens + mine
             own += n + done
             attended += n * done + n * (n + 1) // 2
-            engine.read(window, n + done)
+            engine.read(window, n + done - mine)  # (its pinned pages are counted below, with the holders')
             for holder, held in engine.pins.get(rid, ()):
                 pages = len(held)
                 holder.read(window, pages * cost.page_size)
