@@ -99,9 +99,10 @@ class Inbox:
         self.sent.append(raw)
 
 
-def front(num_engines: int = 3) -> tuple[Front, Supervisor]:
-    """A front over `num_engines` ready engines with the pool on, each with a recording inbox."""
-    sup = Supervisor(ServerConfig(), EngineConfig(pool_mode="query"),
+def front(num_engines: int = 3, placement: str = "local") -> tuple[Front, Supervisor]:
+    """A front over `num_engines` ready engines with the pool on (new segments kept where computed,
+    or with `placement` "home" written into their homes), each with a recording inbox."""
+    sup = Supervisor(ServerConfig(), EngineConfig(pool_mode="query", pool_placement=placement),
                      placement=[(EngineConfig(pool_mode="query", max_num_seqs=8), {}) for _ in range(num_engines)])
     for slot in sup.slots:
         slot.state, slot.inbox = "ready", Inbox()
@@ -141,6 +142,32 @@ def test_an_idle_engine_asks_the_longest_queue_once_and_takes_what_it_gives_back
     assert f._withdrawing == {}
     idle_slot.deliver(p.Delta("r", [7], "length"))
     assert got[-1].token_ids == [7], "its deltas come from the engine it runs on now"
+
+
+def test_a_request_that_moves_is_not_told_that_it_is_computing_its_own_prefix():
+    """The router records the first page a pooled pick names its request to compute (Router
+    `_pending`): a request that moves before it ran is named again, and its own record is no
+    earlier request's (an idle engine that took it waited for itself, asking again where its prefix
+    was). One told that an earlier request computes it is still told so."""
+    f, sup = front(placement="home")
+    idle_slot, busy, _ = sup.slots
+    busy.stats = p.EngineStats(1, 5, 90, 0, 100, 0, 0, 0.0)
+    prompt = list(range(1000, 1064))
+    first = f.router.pick_pooled(sup.slots, prompt, target=busy.engine_id)
+    second = f.router.pick_pooled(sup.slots, prompt + [5], target=busy.engine_id)
+    assert not first.pending and second.pending
+    for rid, choice in (("a", first), ("b", second)):
+        sup.submit(busy, p.AddRequest(rid, prompt, p.Sampling(max_tokens=4), 10.0, pending=choice.pending),
+                   lambda delta: None)
+    sent(busy)
+    f._steal(idle_slot)
+    assert sent(busy) == [p.Withdraw(0)]
+    f._withdrawn(busy, p.Withdrawn(1, 0, ["a"]))
+    [add] = sent(idle_slot)
+    assert add.request_id == "a" and not add.pending
+    f._withdrawn(busy, p.Withdrawn(1, 0, ["b"]))  # (no steal in flight: back to the end of its queue)
+    [add] = sent(busy)
+    assert add.request_id == "b" and add.pending
 
 
 def test_a_request_whose_client_left_meanwhile_goes_nowhere_and_one_whose_thief_left_goes_back():

@@ -93,6 +93,10 @@ def test_a_pooled_pick_whose_first_unread_page_an_earlier_request_is_computing_i
     assert not first.pending, "the first one computes it"
     now[0] = 0.5
     assert r.pick_pooled(engines, system + [200, 201], segment_pages=2).pending, "it is being computed"
+    # the first one moves (an idle engine takes it): the record is its own, and it computes it there;
+    # the second moves too: still behind the first
+    assert not r.pick_pooled(engines, system + [100, 101], segment_pages=2, target=1, count=False, named=True).pending
+    assert r.pick_pooled(engines, system + [200, 201], segment_pages=2, target=1, count=False).pending
     assert not r.pick_pooled(engines, [7] * 40, segment_pages=2).pending, "another prefix: nothing computes it"
     assert not r.pick_pooled(engines, system + [250, 251], segment_pages=2, place=False).pending, \
         "kept where computed: one behind it reads it at its admission"

@@ -181,37 +181,40 @@ class Router:
 
     def pick_pooled(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int = 1,
                     rng: random.Random | None = None, place: bool = True, target: int | None = None,
-                    count: bool = True) -> Choice:
+                    count: bool = True, named: bool = False) -> Choice:
         """The pool's pick (see the module docstring); `engines` non-empty. A request reads each
         segment (`segment_pages` pages) from one engine that holds all of it; of a segment no engine
         holds whole, the longest leading part one engine holds, and nothing after it. `place`: name
         the homes of the new segments it computes (else they stay where it runs). `target`: the engine
         it runs on, chosen already (`dispatch`, or an idle engine that takes a queued request:
         pool/steal.py). `count`: its use of hot segments counts towards their heat (not again for a
-        request that moves)."""
+        request that moves). `named`: a request that moves, told at its first pick to compute its
+        prefix (not `pending`): the record of the page it was named to compute is its own, not an
+        earlier request's (else an idle engine that took it waited for itself to compute it)."""
         keys = self.prompt_keys(prompt_token_ids)
         self.index.link(keys)
         if target is None:
             target = self._near(engines, keys, len(prompt_token_ids), AFFINITY_SLACK if not place else 0.0)
         runs, copies = self._runs(engines, keys, segment_pages, rng or random, target, count=count, copy=count)
         own = sum(len(k) for e, k in runs if e == target)
-        pending = place and self._pending(keys[sum(len(k) for _, k in runs):])
+        pending = place and self._pending(keys[sum(len(k) for _, k in runs):], named)
         places = self.places(keys, sum(len(k) for _, k in runs), max(1, segment_pages), target,
                              [e.engine_id for e in engines]) if place else []
         if all(e == target for e, _ in runs):  # all of it here: the engine's own prefix cache serves it
             return Choice(target, own, [], places, pending=pending)
         return Choice(target, own, runs, places, copies, pending)
 
-    def _pending(self, computed: Sequence[bytes]) -> bool:
+    def _pending(self, computed: Sequence[bytes], named: bool = False) -> bool:
         """Whether the first of the pages a request computes (`computed`, none: it reads all) is one
-        an earlier request was named to compute within PENDING_SECONDS; else it is named this one's."""
+        an earlier request was named to compute within PENDING_SECONDS; else it is named this one's.
+        `named`: the request was named one such page before (it moves): a record of it is its own."""
         if not computed:
             return False
         now, computing = self.clock(), self._computing
         while computing and now - next(iter(computing.values())) >= PENDING_SECONDS:
             del computing[next(iter(computing))]  # (oldest first: each key goes to the end when named)
         if computed[0] in computing:
-            return True
+            return not named
         computing[computed[0]] = now
         return False
 

@@ -405,6 +405,7 @@ class NodeSimulator:
         self.stolen = 0  # queued requests an idle engine took from a busy one (pool/steal.py)
         self.copied_pages = 0  # pages of hot segments copied into engines that read them elsewhere
         self.keys: dict[str, list[bytes]] = {}  # queued request -> its prompt's page keys, once a steal weighed it
+        self.told_pending: set[str] = set()  # requests whose last pick said their prefix was being computed
 
     def _route(self, w: WorkloadRequest) -> None:
         self._now = w.arrival_time
@@ -426,6 +427,10 @@ class NodeSimulator:
         if not target.scheduler.has_unfinished():
             _idle_until(target, now)  # it was idle until now (a copy it makes now is not done before)
         if choice is not None:
+            if choice.pending:  # (as the front keeps AddRequest.pending: a move names it again, Router.pick_pooled)
+                self.told_pending.add(req.request_id)
+            else:
+                self.told_pending.discard(req.request_id)
             if choice.copies:
                 self._copy(target, choice.copies)
             waiting, free, ps = target.scheduler.waiting, target.pool.num_free, self.cost.page_size
@@ -473,7 +478,8 @@ class NodeSimulator:
             req = Request(rid, old.prompt_token_ids, old.sampling_params, eos_token_ids=(SIM_EOS,),
                           arrival_time=old.arrival_time, reading_rate=old.reading_rate, priority=old.priority)
             choice = self.router.pick_pooled(self.engines, req.prompt_token_ids, self.config.segment_pages, self.rng,
-                                             self.mode != "pool-local", target=thief.engine_id, count=False)
+                                             self.mode != "pool-local", target=thief.engine_id, count=False,
+                                             named=rid not in self.told_pending)
             rec = self.records[rid]
             self._admit(thief, req, choice, now, rec.prompt_len + rec.output_len)
             self.stolen += 1

@@ -484,7 +484,8 @@ class Front:
                     continue
                 choice = self.router.pick_pooled(slots, stream.add.prompt_token_ids, self._segment_pages(slots),
                                                  place=self.supervisor.engine_config.pool_placement == "home",
-                                                 target=target.engine_id, count=False)
+                                                 target=target.engine_id, count=False,
+                                                 named=not stream.add.pending)
                 add = msgspec.structs.replace(stream.add, prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
                                               place=[PrefixRun(e, keys) for e, keys in choice.places], copy=[],
                                               pending=choice.pending)
