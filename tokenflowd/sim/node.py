@@ -727,6 +727,7 @@ class NodeSimulator:
         for rid in finished:
             e.release(rid)
             self.keys.pop(rid, None)
+            self.told_pending.discard(rid)
         if self.config.steal and self.mode != "routing":
             self._steal(e, e.clock.now)
 
