@@ -555,13 +555,16 @@ def test_the_balance_bench_runs_each_mode_at_the_rate_a_goodput_search_met(tmp_p
     assert result["mean"]["pool-write"]["access_cv"] == row["pool-write"]["access_cv"]
 
 
-def pinned_step(cost, config: NodeConfig, own_tokens: int, decode: bool) -> tuple[float, float, int]:
+def pinned_step(cost, config: NodeConfig, own_tokens: int, decode: bool, here: bool = False
+                ) -> tuple[float, float, int]:
     """One request on engine 0 of two, with `own_tokens` of its own, reading 128 pages (2,048 tokens)
-    at engine 1: its first step, or with `decode` its first decode step. -> (what the pages add to the
-    step, the holder's charge for them, the KV tokens the step's own attention reads)."""
+    at engine 1 (`here`: in engine 0's own cache): its first step, or with `decode` its first decode
+    step. -> (what the pages add to the step, the holder's charge for them, the KV tokens the step's
+    own attention reads)."""
     from tokenflowd.engine.request import Request, SamplingParams
 
     e, holder = NodeSimulator(cost, [], "pool-write", config).engines
+    holder = e if here else holder
     e.scheduler.add(Request("r", list(range(1, own_tokens + 1)), SamplingParams(max_tokens=4),
                             max_model_len=cost.max_model_len))
     batch = e.scheduler.schedule()
@@ -580,22 +583,11 @@ def test_pages_a_request_reads_in_its_own_engines_cache_through_its_pins_cost_as
     step costs what the step of a request holding those tokens as its own does. The simulator
     charged them nothing before: a decode over a long prefix homed on its own engine came out as
     cheap as one over no prefix."""
-    from tokenflowd.engine.request import Request, SamplingParams
-
     cost = cost_model("a100-llama2-7b")
-    for decode in (False, True):
-        e, _ = NodeSimulator(cost, [], "pool-write", NodeConfig(engines=2)).engines
-        e.scheduler.add(Request("r", list(range(1, 17)), SamplingParams(max_tokens=4), max_model_len=cost.max_model_len))
-        batch = e.scheduler.schedule()
-        if decode:
-            e.scheduler.update(batch, [5])
-            batch = e.scheduler.schedule()
-        alone = e.executor.step_time(batch)
-        e.pins["r"] = [(e, list(range(128)))]
-        pinned = e.executor.step_time(batch)
-        computed = e.scheduler.requests["r"].num_computed_tokens
-        assert pinned == pytest.approx(cost.step_time([(2048 + computed, batch.num_tokens[0])]))
-        assert pinned > alone and e.debt == 0.0
+    for decode, computed, n in ((False, 0, 16), (True, 16, 1)):
+        extra, owed, _ = pinned_step(cost, NodeConfig(engines=2), 16, decode, here=True)
+        assert extra == pytest.approx(cost.step_time([(2048 + computed, n)]) - cost.step_time([(computed, n)]))
+        assert extra > 0 and owed == 0.0
 
 
 def test_with_the_query_round_trips_overlapped_a_step_waits_only_for_what_outlasts_its_own_attention():
