@@ -36,7 +36,12 @@ class CostModelExecutor(Executor):
 
     def step_time(self, batch: ScheduledBatch) -> float:
         """Seconds the step takes."""
-        t = self.cost.step_time(zip(batch.positions, batch.num_tokens))
+        return self.chunks_time(zip(batch.positions, batch.num_tokens))
+
+    def chunks_time(self, chunks) -> float:
+        """Seconds of a step computing, per request, (computed, n): n new tokens after `computed`
+        tokens that have KV (CostModel.work), jittered."""
+        t = self.cost.step_time(chunks)
         if self.jitter:
             t *= math.exp(self._rng.gauss(-self.jitter**2 / 2, self.jitter))
         return t

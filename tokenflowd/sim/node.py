@@ -232,31 +232,27 @@ class _Executor(CostModelExecutor):
 
     def step_time(self, batch: ScheduledBatch) -> float:
         cost, node, engine = self.cost, self.engine.node, self.engine
-        # the pages a request reads in this engine's own cache through its pins (its segments homed
-        # here, a replica copied in) are attended here as its own KV is: in the step's roofline
-        here = [sum(len(held) for holder, held in engine.pins.get(rid, ()) if holder is engine) * cost.page_size
-                for rid in batch.request_ids]
-        t = cost.step_time(zip((p + h for p, h in zip(batch.positions, here)), batch.num_tokens)) + engine.debt
-        engine.debt = 0.0
         window = engine.window()
         rows: dict[int, int] = {}
         answer: dict[int, float] = {}  # holder -> s of its attention for this step's rows
         own = attended = 0  # KV tokens the step's own attention reads here, and the (row, key) pairs it attends
-        for rid, n, mine in zip(batch.request_ids, batch.num_tokens, here):
-            done = engine.scheduler.requests[rid].num_computed_tokens + mine
-            own += n + done
-            attended += n * done + n * (n + 1) // 2
-            engine.read(window, n + done - mine)  # (its pinned pages are counted below, with the holders')
-            for holder, held in engine.pins.get(rid, ()):
+        chunks: list[tuple[int, int]] = []  # per row, (the KV it attends here, its new tokens): the roofline's
+        read_in_place: list[float] = []  # s of each read of a holder's pages over the link (read mode)
+        for rid, position, n in zip(batch.request_ids, batch.positions, batch.num_tokens):
+            engine.read(window, n + engine.scheduler.requests[rid].num_computed_tokens)
+            mine = 0  # tokens it reads in this engine's own cache through its pins (its segments homed
+            for holder, held in engine.pins.get(rid, ()):  # here, a replica): attended as its own KV is
                 pages = len(held)
                 holder.read(window, pages * cost.page_size)
-                if holder is not engine:
+                if holder is engine:
+                    mine += pages * cost.page_size
+                else:
                     tokens = pages * cost.page_size
                     if node.read_rows and n >= node.read_rows:
                         # read mode: this engine attends the rows over the holder's pages, read over the
                         # link as the kernel goes (its FLOPs or that read, whichever bounds it); the
                         # holder does nothing
-                        t += max(cost.attention_time(n * tokens, 0), node.link_time(cost, tokens))
+                        read_in_place.append(max(cost.attention_time(n * tokens, 0), node.link_time(cost, tokens)))
                         continue
                     rows[holder.engine_id] = rows.get(holder.engine_id, 0) + n
                     # the holder's attention for these rows over the request's pages, as its own step's:
@@ -265,6 +261,14 @@ class _Executor(CostModelExecutor):
                     work = cost.attention_time(n * tokens, tokens)
                     holder.owe(work, engine.clock.now)
                     answer[holder.engine_id] = answer.get(holder.engine_id, 0.0) + work
+            done = engine.scheduler.requests[rid].num_computed_tokens + mine
+            own += n + done
+            attended += n * done + n * (n + 1) // 2
+            chunks.append((position + mine, n))
+        t = self.chunks_time(chunks) + engine.debt
+        engine.debt = 0.0
+        for read in read_in_place:
+            t += read
         payload = 2 * cost.num_heads * cost.head_dim * cost.kv_dtype_bytes + 4 * cost.num_heads
         if rows:  # the holders are asked together and answer in parallel (pool/attention.py)
             link = 2 * node.link_alpha + sum(rows.values()) * payload / node.link_bandwidth
