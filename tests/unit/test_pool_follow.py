@@ -141,3 +141,20 @@ def test_the_engine_follows_when_told_and_so_do_the_senders_own_readers(node):
     assert hooks.followed == N and list(reader.foreign["r"].pages) == [1]
     assert sender.follow(0, [p.PrefixRun(1, keys)]) == N and list(sender.foreign["own"].pages) == [1]
     assert all(sender.pool.ref_count(page) == 1 for page in local), "only the computing request's own"
+
+
+def test_a_segment_split_between_two_holders_is_pinned_in_its_parts_and_attended_as_one(node):
+    """The router names a segment no engine holds whole in its parts where they are (Router._parts:
+    its leading pages at one engine, the rest at another). The reader pins each part on its holder,
+    and its attention over them, merged, is its attention over the whole read at one holder."""
+    (sender, home, reader), keys, local = node
+    assert reader.pin("whole", [p.PrefixRun(0, keys)]) == N
+    q = torch.randn(3, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(8))
+    before, _ = foreign_attention(reader, "whole", q)
+    write_into_home(sender, keys, local, upto=5)  # the second segment (pages 4-7): page 4 at the home
+    assert reader.pin("split", [p.PrefixRun(1, keys[:5]), p.PrefixRun(0, keys[5:])]) == N
+    assert reader.foreign["split"].keys == {1: keys[:5], 0: keys[5:]}
+    after, kinds = foreign_attention(reader, "split", q)
+    assert kinds == {QueriedHolder.__name__} and torch.allclose(after, before, atol=1e-5), "two holders, merged"
+    for rid in ("whole", "split"):
+        reader.release(rid)

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.daemon.prefix_index import PrefixIndex
-from tokenflowd.daemon.router import Router
+from tokenflowd.daemon.router import Arrival, Router, TrafficCost
 
 PS = 4
 
@@ -136,6 +136,27 @@ def test_pooled_pick_reads_a_segment_from_one_holder_and_stops_where_none_holds_
     c = r.pick_pooled([FakeEngine(0, load=3), FakeEngine(1), FakeEngine(2, load=1)], tokens, segment_pages=4)
     assert c.engine_id == 1
     assert c.runs == [(0, k[:7])]
+
+
+def test_a_segment_no_engine_holds_whole_is_read_in_parts_and_the_read_goes_on_past_it():
+    """A request read a segment's leading pages on engine 0 and computed the rest on engine 1, and
+    its next segments went to their homes (engine 2): no engine holds that segment whole, but its
+    parts are held, so a request over the same prompt reads them where they are and everything
+    after them (it read up to engine 0's part and computed the rest before)."""
+    tokens = list(range(33))  # 8 full pages before the last token: 2 segments of 4
+    k = keys_of(tokens)
+    r = router_with({0: k[:2], 1: k[2:4], 2: k[4:8]})
+    engines = [FakeEngine(0, load=3), FakeEngine(1, load=3), FakeEngine(2, load=3), FakeEngine(3)]
+    c = r.pick_pooled(engines, tokens, segment_pages=4)
+    assert c.engine_id == 3 and c.runs == [(0, k[:2]), (1, k[2:4]), (2, k[4:8])]
+    assert r.reads(engines, tokens, 4, target=3)[0] == c.runs, "named again at the front, the same"
+    gap = router_with({0: k[:2], 1: k[3:4], 2: k[4:8]})  # page 2 is nowhere: nothing past it is read
+    assert gap.pick_pooled(engines, tokens, segment_pages=4).runs == [(0, k[:2])]
+    # a burst's dispatch weighs the same reads: every part's holder but the engine's own is sent rows
+    cost = TrafficCost(query_row_bytes=1, kv_token_bytes=0)
+    rows = len(tokens) - 8 * PS + 2
+    assert r._traffic(k, Arrival(tokens, 2), [0, 1, 2, 3], 4, cost, place=False) == [2 * rows, 2 * rows,
+                                                                                       2 * rows, 3 * rows]
 
 
 def test_pooled_pick_takes_the_less_loaded_of_two_replicas():

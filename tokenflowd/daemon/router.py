@@ -24,7 +24,9 @@ preferring them piles requests on the first segment's home.) Then it names, for 
 longest prefix held anywhere, which
 engine each segment is read from: the chosen engine's own where
 it has it, else the previous segment's holder while it has it, else the less loaded of two random
-holders (power of two choices). A hot segment (a heavy hitter, pool/heat.py) that the chosen
+holders (power of two choices); a segment no engine holds whole is read in parts where they are
+(a request that read its leading pages on a peer and computed the rest holds the rest only), and
+nothing past a page no engine holds. A hot segment (a heavy hitter, pool/heat.py) that the chosen
 engine reads elsewhere is copied into it, once (`Choice.copies`, AddRequest.copy; PoolMember.copy_in:
 the pages' KV, not their computation), and read there from then on: a system prompt every request
 reads is then read on every engine, not answered by its holder for every engine's every step
@@ -65,7 +67,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -183,8 +185,8 @@ class Router:
                     rng: random.Random | None = None, place: bool = True, target: int | None = None,
                     count: bool = True, named: bool = False) -> Choice:
         """The pool's pick (see the module docstring); `engines` non-empty. A request reads each
-        segment (`segment_pages` pages) from one engine that holds all of it; of a segment no engine
-        holds whole, the longest leading part one engine holds, and nothing after it. `place`: name
+        segment (`segment_pages` pages) from one engine that holds all of it; a segment no engine
+        holds whole in parts where they are (`_parts`), up to the first page no engine holds. `place`: name
         the homes of the new segments it computes (else they stay where it runs). `target`: the engine
         it runs on, chosen already (`dispatch`, or an idle engine that takes a queued request:
         pool/steal.py). `count`: its use of hot segments counts towards their heat (not again for a
@@ -252,10 +254,12 @@ class Router:
             whole = [e for e, n in held.items() if n == len(chunk)]
             current = runs[-1][0] if runs else None
             if not whole:
-                best = max(held, key=lambda e: (held[e], e == target, -e))
-                if held[best]:
-                    self._extend(runs, best, chunk[: held[best]])
-                break
+                parts, whole_read = self._parts(chunk, load, target)
+                for engine, part in parts:
+                    self._extend(runs, engine, part)
+                if not whole_read:
+                    break
+                continue
             if target in whole:
                 holder = target
             elif current in whole:
@@ -267,6 +271,27 @@ class Router:
             if copy and self.copy_hot and holder != target and self._copy(chunk[-1], len(load), target, now):
                 self._extend(copies, holder, chunk)
         return runs, copies
+
+    def _parts(self, chunk: Sequence[bytes], engines: Iterable[int], target: int
+               ) -> tuple[list[tuple[int, list[bytes]]], bool]:
+        """A segment no engine holds whole, read in parts where they are, in order: at each page the
+        longest run one engine holds from there (ties: the target, then the lower id). A request that
+        read the segment's leading pages on a peer and computed the rest holds the rest only (its own
+        pages go to no home: the segment is not one it computed whole), and a request after it over
+        the same prompt read up to that peer's part and computed everything after it again, though
+        the homes held most of it. -> (the (engine, keys) parts up to the first page no engine
+        holds, whether they cover the segment: the read goes on past it only then)."""
+        parts: list[tuple[int, list[bytes]]] = []
+        start = 0
+        while start < len(chunk):
+            rest = chunk[start:]
+            held = {e: self.index.cached_pages(e, rest) for e in engines}
+            best = max(held, key=lambda e: (held[e], e == target, -e))
+            if not held[best]:
+                return parts, False
+            parts.append((best, list(rest[: held[best]])))
+            start += held[best]
+        return parts, True
 
     def _copy(self, key: bytes, engines: int, target: int, now: float) -> bool:
         """Whether the target copies in this segment that it reads elsewhere: a heavy hitter, not being
@@ -317,15 +342,23 @@ class Router:
         """Bytes a request would move on each of `engines`: its query rows (the prompt it computes,
         and its output) to each other engine it reads segments on, and its new segments' KV to
         their homes elsewhere."""
-        reads: list[set[int]] = []  # per segment read: the engines holding all of it
+        # per segment read, the engines holding all of it (a segment held whole nowhere: per part, the
+        # one holding it, `_parts`); and the pages read
+        reads: list[set[int]] = []
+        read = 0
         for start in range(0, len(keys) - seg + 1, seg):
+            chunk = keys[start : start + seg]
             whole = set(engines)
-            for key in keys[start : start + seg]:
+            for key in chunk:
                 whole.intersection_update(self.index.holders(key))
             if not whole:
-                break
-            reads.append(whole)
-        read = len(reads) * seg
+                parts, whole_read = self._parts(chunk, engines, -1)
+                if not whole_read:
+                    break
+                reads += [{engine} for engine, _ in parts]
+            else:
+                reads.append(whole)
+            read += seg
         rows = len(arrival.prompt_token_ids) - read * self.page_size + arrival.max_tokens
         homes = self.places(keys, read, seg, None, engines) if place else []
         out = []
