@@ -67,7 +67,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import numpy as np
 
@@ -272,10 +272,10 @@ class Router:
                 self._extend(copies, holder, chunk)
         return runs, copies
 
-    def _parts(self, chunk: Sequence[bytes], engines: Iterable[int], target: int
+    def _parts(self, chunk: Sequence[bytes], engines: Collection[int], target: int | None
                ) -> tuple[list[tuple[int, list[bytes]]], bool]:
         """A segment no engine holds whole, read in parts where they are, in order: at each page the
-        longest run one engine holds from there (ties: the target, then the lower id). A request that
+        longest run one engine holds from there (ties: the target, if any, then the lower id). A request that
         read the segment's leading pages on a peer and computed the rest holds the rest only (its own
         pages go to no home: the segment is not one it computed whole), and a request after it over
         the same prompt read up to that peer's part and computed everything after it again, though
@@ -352,7 +352,7 @@ class Router:
             for key in chunk:
                 whole.intersection_update(self.index.holders(key))
             if not whole:
-                parts, whole_read = self._parts(chunk, engines, -1)
+                parts, whole_read = self._parts(chunk, engines, None)
                 if not whole_read:
                     break
                 reads += [{engine} for engine, _ in parts]
