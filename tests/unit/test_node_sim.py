@@ -216,19 +216,18 @@ def test_readers_of_a_senders_copy_follow_the_segments_into_their_homes_and_the_
     it was written into its homes they read that copy, kept for them, apart from the homes, for as
     long as they ran. Now they are told where it went (protocol.Moved, pool/member.py follow; the
     simulator NodeConfig.follow) and read it at the homes, and the copy goes. Overload, 150 requests
-    over 16 documents of 12K tokens, a quarter of the A100's KV: hit rate 0.824 against 0.772,
-    access CV 0.09 against 0.25, within the SLO 0.97 against 0.88, throughput 689 against 706
-    tokens/s (seeds 1-3: 1.15x, 1.45x and 1.37x the copy's; routing serves 0.48x-0.66x of it).
-    (Before a segment no engine holds whole was read in parts, Router._parts: 731 against 552
-    tokens/s, hit rate 0.76 against 0.71; how these came to be, and the four workloads at seeds 0-3:
-    docs/pool_history.md.)"""
+    over 16 documents of 12K tokens, a quarter of the A100's KV: throughput 734 against 709 tokens/s
+    (seeds 1-3: 1.10x, 1.21x and 1.13x the copy's; routing serves 0.47x-0.68x of it), within the SLO
+    0.99 against 0.91, access CV 0.15 against 0.21; hit rate 0.79 against 0.84 (seeds 1-3: 0.86
+    against 0.84-0.85). (With each row's query costed once a run rather than once a holder, before:
+    689 against 706 tokens/s, hit rate 0.824 against 0.772; how these came to be, and the four
+    workloads at seeds 0-3: docs/pool_history.md.)"""
     cost, over = small_cache_documents(16.0)
     follow, stay = (NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow", follow=f)).run().summary()
                     for f in (True, False))
-    assert follow["throughput"] >= 0.95 * stay["throughput"], (follow, stay)
+    assert follow["throughput"] > stay["throughput"], (follow, stay)
     assert follow["slo_attainment"] >= stay["slo_attainment"] + 0.05, (follow, stay)
-    assert follow["hit_rate"] >= stay["hit_rate"] + 0.04, (follow, stay)
-    assert follow["access_cv"] < 0.15 and follow["access_cv"] < 0.8 * stay["access_cv"], (follow, stay)
+    assert follow["access_cv"] < 0.8 * stay["access_cv"], (follow, stay)
 
 
 def test_the_ideal_hit_rate_counts_the_leading_pages_an_earlier_request_had_but_never_the_last_token():
@@ -559,12 +558,12 @@ def test_the_balance_bench_runs_each_mode_at_the_rate_a_goodput_search_met(tmp_p
     assert result["mean"]["pool-write"]["access_cv"] == row["pool-write"]["access_cv"]
 
 
-def pinned_step(cost, config: NodeConfig, own_tokens: int, decode: bool, here: bool = False
+def pinned_step(cost, config: NodeConfig, own_tokens: int, decode: bool, here: bool = False, runs: int = 1
                 ) -> tuple[float, float, int]:
     """One request on engine 0 of two, with `own_tokens` of its own, reading 128 pages (2,048 tokens)
-    at engine 1 (`here`: in engine 0's own cache): its first step, or with `decode` its first decode
-    step. -> (what the pages add to the step, the holder's charge for them, the KV tokens the step's
-    own attention reads)."""
+    at engine 1 (`here`: in engine 0's own cache), pinned as `runs` runs (segments homed there apart,
+    others' between them): its first step, or with `decode` its first decode step. -> (what the pages
+    add to the step, the holder's charge for them, the KV tokens the step's own attention reads)."""
     from tokenflowd.engine.request import Request, SamplingParams
 
     e, holder = NodeSimulator(cost, [], "pool-write", config).engines
@@ -576,7 +575,8 @@ def pinned_step(cost, config: NodeConfig, own_tokens: int, decode: bool, here: b
         e.scheduler.update(batch, [5])
         batch = e.scheduler.schedule()
     alone = e.executor.step_time(batch)
-    e.pins["r"] = [(holder, list(range(128)))]
+    per = 128 // runs
+    e.pins["r"] = [(holder, list(range(i, i + per))) for i in range(0, 128, per)]
     t = e.executor.step_time(batch)
     return t - alone, holder.debt, batch.num_tokens[0] + e.scheduler.requests["r"].num_computed_tokens
 
@@ -622,6 +622,24 @@ def test_with_the_query_round_trips_overlapped_a_step_waits_only_for_what_outlas
     # a lone short step waits for the holder's answer too, which the serial charge leaves out
     assert extra(16, True, False)[0] > extra(16, False, False)[0]
     assert extra(8000, True, True)[0] == 0.0  # a long context's own attention hides the round trips and the answer
+
+
+def test_a_request_asks_each_holder_once_whatever_runs_of_its_prefix_the_holder_holds():
+    """A request's prefix written into its homes lies in runs at each home, segments homed elsewhere
+    between them; the engine sends its rows to each holder once a layer, with all the pages it holds
+    (PoolMember.holders: a request's pages by engine). The simulator sent them once a run: a prompt
+    chunk reading a 20K-token session dealt round eight engines paid each row's query and answer
+    about six times over on the link (an H200 sessions turn of 2,020 new tokens: a 396 ms step where
+    routing's took 113 ms). 128 pages at a peer in one run and in eight cost the same, asked or
+    (read mode) read in place."""
+    from tokenflowd.sim.node import link_ridge_rows
+
+    cost = cost_model("a100-llama2-7b")
+    for node in (NodeConfig(engines=2), NodeConfig(engines=2, read_rows=link_ridge_rows(cost, NodeConfig()))):
+        for own, decode in ((4096, False), (16, False), (8000, True)):
+            one = pinned_step(cost, node, own, decode)
+            assert pinned_step(cost, node, own, decode, runs=8) == pytest.approx(one), (node, own, decode)
+            assert one[0] > 0 or decode  # (a long context's own attention hides a decode row's query)
 
 
 def test_in_read_mode_a_prompt_chunk_reads_its_holders_pages_in_place_and_a_decode_row_asks():

@@ -43,7 +43,9 @@ where a request runs and what it computes.
 
 The pool's costs (query mode, TokenLake §3.3). Per layer of a step, the holders that the step's
 rows read are asked together, as the daemon's PooledAttention does: one round trip and the rows'
-payload on the link, 2α + rows·payload/B, and the holder's answer: pool/attention.py sends the
+payload on the link, 2α + rows·payload/B, a request's rows once to each holder whatever runs of its
+prefix the holder holds (PoolMember.holders; before, once a run: a prefix dealt round the homes paid
+its rows about six times over), and the holder's answer: pool/attention.py sends the
 rows before each layer's own attention and collects them after it, so the requester's step waits
 only for what the round trips and the slowest holder's answer take beyond its own attention
 (NodeConfig.overlap_queries). Before, every round trip was added to the step in full and the
@@ -239,28 +241,30 @@ class _Executor(CostModelExecutor):
         chunks: list[tuple[int, int]] = []  # per row, (the KV it attends here, its new tokens): the roofline's
         read_in_place: list[float] = []  # s of each read of a holder's pages over the link (read mode)
         for rid, position, n in zip(batch.request_ids, batch.positions, batch.num_tokens):
-            engine.read(window, n + engine.scheduler.requests[rid].num_computed_tokens)
-            mine = 0  # tokens it reads in this engine's own cache through its pins (its segments homed
-            for holder, held in engine.pins.get(rid, ()):  # here, a replica): attended as its own KV is
-                pages = len(held)
-                holder.read(window, pages * cost.page_size)
-                if holder is engine:
-                    mine += pages * cost.page_size
-                else:
-                    tokens = pages * cost.page_size
-                    if node.read_rows and n >= node.read_rows:
-                        # read mode: this engine attends the rows over the holder's pages, read over the
-                        # link as the kernel goes (its FLOPs or that read, whichever bounds it); the
-                        # holder does nothing
-                        read_in_place.append(max(cost.attention_time(n * tokens, 0), node.link_time(cost, tokens)))
-                        continue
-                    rows[holder.engine_id] = rows.get(holder.engine_id, 0) + n
-                    # the holder's attention for these rows over the request's pages, as its own step's:
-                    # the FLOPs, or reading the pages' KV, whichever bounds it (the query service
-                    # attends per request: attend_pages reads each one's pages, shared or not)
-                    work = cost.attention_time(n * tokens, tokens)
-                    holder.owe(work, engine.clock.now)
-                    answer[holder.engine_id] = answer.get(holder.engine_id, 0.0) + work
+            # per holder, the tokens of the request's prefix it holds, its runs there together: a request's
+            # rows go to each holder once, whatever runs it holds (PoolMember.holders: its pages by engine)
+            held: dict[_Engine, int] = {}
+            for holder, pages in engine.pins.get(rid, ()):
+                held[holder] = held.get(holder, 0) + len(pages) * cost.page_size
+            # tokens it reads in this engine's own cache through its pins (its segments homed here, a
+            # replica): attended as its own KV is
+            mine = held.pop(engine, 0)
+            engine.read(window, n + engine.scheduler.requests[rid].num_computed_tokens + mine)
+            for holder, tokens in held.items():
+                holder.read(window, tokens)
+                if node.read_rows and n >= node.read_rows:
+                    # read mode: this engine attends the rows over the holder's pages, read over the
+                    # link as the kernel goes (its FLOPs or that read, whichever bounds it); the
+                    # holder does nothing
+                    read_in_place.append(max(cost.attention_time(n * tokens, 0), node.link_time(cost, tokens)))
+                    continue
+                rows[holder.engine_id] = rows.get(holder.engine_id, 0) + n
+                # the holder's attention for these rows over the request's pages, as its own step's:
+                # the FLOPs, or reading the pages' KV, whichever bounds it (the query service
+                # attends per request: attend_pages reads each one's pages, shared or not)
+                work = cost.attention_time(n * tokens, tokens)
+                holder.owe(work, engine.clock.now)
+                answer[holder.engine_id] = answer.get(holder.engine_id, 0.0) + work
             done = engine.scheduler.requests[rid].num_computed_tokens + mine
             own += n + done
             attended += n * done + n * (n + 1) // 2
