@@ -217,7 +217,7 @@ def test_readers_of_a_senders_copy_follow_the_segments_into_their_homes_and_the_
     long as they ran. Now they are told where it went (protocol.Moved, pool/member.py follow; the
     simulator NodeConfig.follow) and read it at the homes, and the copy goes. Overload, 150 requests
     over 16 documents of 12K tokens, a quarter of the A100's KV: throughput 734 against 709 tokens/s
-    (seeds 1-3: 1.10x, 1.21x and 1.13x the copy's; routing serves 0.47x-0.68x of it), within the SLO
+    (seeds 1-3: 1.10x, 1.21x and 1.13x the copy's; routing serves 0.47x-0.66x of it), within the SLO
     0.99 against 0.91, access CV 0.15 against 0.21; hit rate 0.79 against 0.84 (seeds 1-3: 0.86
     against 0.84-0.85). (With each row's query costed once a run rather than once a holder, before:
     689 against 706 tokens/s, hit rate 0.824 against 0.772; how these came to be, and the four
@@ -628,7 +628,7 @@ def test_a_request_asks_each_holder_once_whatever_runs_of_its_prefix_the_holder_
     """A request's prefix written into its homes lies in runs at each home, segments homed elsewhere
     between them; the engine sends its rows to each holder once a layer, with all the pages it holds
     (PoolMember.holders: a request's pages by engine). The simulator sent them once a run: a prompt
-    chunk reading a 20K-token session dealt round eight engines paid each row's query and answer
+    chunk reading a 20K-token session dealt round eight engines paid each row's q and (o, lse)
     about six times over on the link (an H200 sessions turn of 2,020 new tokens: a 396 ms step where
     routing's took 113 ms). 128 pages at a peer in one run and in eight cost the same, asked or
     (read mode) read in place."""
