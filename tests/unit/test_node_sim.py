@@ -575,7 +575,8 @@ def pinned_step(cost, config: NodeConfig, own_tokens: int, decode: bool, here: b
         e.scheduler.update(batch, [5])
         batch = e.scheduler.schedule()
     alone = e.executor.step_time(batch)
-    per = 128 // runs
+    per, rest = divmod(128, runs)
+    assert rest == 0, f"{runs} runs do not split 128 pages evenly"
     e.pins["r"] = [(holder, list(range(i, i + per))) for i in range(0, 128, per)]
     t = e.executor.step_time(batch)
     return t - alone, holder.debt, batch.num_tokens[0] + e.scheduler.requests["r"].num_computed_tokens
