@@ -231,14 +231,24 @@ def bench_cpu(a: argparse.Namespace, prefixes: list[int], rows_list: list[int]) 
     doc = {
         "machine": {**cpu_info(), "torch": torch.__version__},
         "threads": a.threads,
-        "alpha_us": round(alpha * 1e6, 2), "bandwidth_GBps": round(bandwidth / 1e9, 3),
-        "k_comp_ns_per_token": round(k_comp * 1e9, 3), "payload_bytes": payload,
-        "threshold_tokens": round(threshold, 1), "pages_per_segment": pages_per_segment(costs, PAGE),
+        "k_comp_ns_per_token": significant(k_comp * 1e9), "payload_bytes": payload, **link_figures(costs),
         "rows": rows_out,
     }
-    print(f"alpha {alpha * 1e6:.1f} us, B {bandwidth / 1e9:.2f} GB/s, k_comp {k_comp * 1e9:.2f} ns/token, "
+    print(f"alpha {alpha * 1e6:.1f} us, B {bandwidth / 1e9:.4g} GB/s, k_comp {k_comp * 1e9:.2f} ns/token, "
           f"payload {payload} B -> threshold {threshold:.0f} tokens = {doc['pages_per_segment']} pages of {PAGE}")
     return doc
+
+
+def significant(x: float, digits: int = 4) -> float:
+    """`x` to `digits` significant figures: a loaded machine can measure B at a few MB/s, where
+    a fixed three decimals of GB/s would move the threshold rebuilt from the record by percents."""
+    return float(f"{x:.{digits}g}")
+
+
+def link_figures(costs: SegmentCosts) -> dict:
+    """α, B and the segment size they give, as the bench records them."""
+    return {"alpha_us": significant(costs.alpha * 1e6), "bandwidth_GBps": significant(costs.bandwidth / 1e9),
+            "threshold_tokens": round(costs.threshold_tokens(), 1), "pages_per_segment": pages_per_segment(costs, PAGE)}
 
 
 # -- on a GPU -----------------------------------------------------------------------------------
@@ -360,10 +370,8 @@ def bench_cuda(a: argparse.Namespace, prefixes: list[int], rows_list: list[int])
     link_doc = {}
     for name, (alpha, bandwidth) in links.items():
         costs = SegmentCosts(alpha, bandwidth, k_comp, payload)
-        link_doc[name] = {"alpha_us": round(alpha * 1e6, 2), "bandwidth_GBps": round(bandwidth / 1e9, 3),
-                          "threshold_tokens": round(costs.threshold_tokens(), 1),
-                          "pages_per_segment": pages_per_segment(costs, PAGE)}
-        print(f"{name}: alpha {alpha * 1e6:.1f} us, B {bandwidth / 1e9:.2f} GB/s -> threshold "
+        link_doc[name] = link_figures(costs)
+        print(f"{name}: alpha {alpha * 1e6:.1f} us, B {bandwidth / 1e9:.4g} GB/s -> threshold "
               f"{costs.threshold_tokens():.0f} tokens = {link_doc[name]['pages_per_segment']} pages of {PAGE}")
     not_measured = {k: v for k, v in (("read_ipc", not_read), ("query_device", staged)) if v}
     for name, why in not_measured.items():
@@ -371,7 +379,7 @@ def bench_cuda(a: argparse.Namespace, prefixes: list[int], rows_list: list[int])
     return {
         "machine": machine, "device": "cuda", "dtype": str(b.dtype).removeprefix("torch."), "backend": b.name,
         "backend_fallback": fallback, "threads": a.threads, "not_measured": not_measured,
-        "k_comp_ns_per_token": round(k_comp * 1e9, 3), "payload_bytes": payload, "links": link_doc,
+        "k_comp_ns_per_token": significant(k_comp * 1e9), "payload_bytes": payload, "links": link_doc,
         "rows": rows_out,
     }
 

@@ -30,13 +30,27 @@ def test_the_cpu_bench_times_each_prefix_and_row_count_and_sizes_segments_from_i
     for row in doc["rows"]:
         assert min(row["local_us"], row["shipped_us"], row["read_us"]) > 0, row
         assert row["query_added_us_per_layer"] == pytest.approx(row["shipped_us"] - row["local_us"], abs=0.2), row
-    threshold = (2 * doc["alpha_us"] * 1e-6 / (doc["k_comp_ns_per_token"] * 1e-9)
-                 + doc["payload_bytes"] / (doc["k_comp_ns_per_token"] * doc["bandwidth_GBps"]))
-    assert doc["threshold_tokens"] == pytest.approx(threshold, rel=0.02)  # from the rounded figures
+    assert doc["threshold_tokens"] == pytest.approx(threshold_from(doc, doc), rel=0.002)  # from the rounded figures
     t = doc["threshold_tokens"]  # rounded to 0.1
     assert max(1, math.ceil((t - 0.1) / pool_query.PAGE)) <= doc["pages_per_segment"] <= \
         max(1, math.ceil((t + 0.1) / pool_query.PAGE))
     assert doc["payload_bytes"] == 2 * pool_query.HEADS * pool_query.HEAD_DIM * 4 + 4 * pool_query.HEADS
+
+
+def threshold_from(link: dict, doc: dict) -> float:
+    """The segment threshold rebuilt from a record's figures, as a reader of the record would."""
+    k = doc["k_comp_ns_per_token"] * 1e-9
+    return 2 * link["alpha_us"] * 1e-6 / k + doc["payload_bytes"] / (k * link["bandwidth_GBps"] * 1e9)
+
+
+@pytest.mark.parametrize("bandwidth", [6.49e6, 0.0155e9, 5.944e9, 3.25e13])  # a loaded machine's few MB/s up
+def test_the_recorded_figures_give_back_the_threshold_whatever_the_links_speed(bandwidth):
+    costs = pool_query.SegmentCosts(alpha=131.07e-6, bandwidth=bandwidth, k_comp=127.5e-9,
+                                    payload=pool_query.query_payload(pool_query.HEADS, pool_query.HEAD_DIM, 4))
+    doc = {"k_comp_ns_per_token": pool_query.significant(costs.k_comp * 1e9), "payload_bytes": costs.payload}
+    link = pool_query.link_figures(costs)
+    assert link["threshold_tokens"] == pytest.approx(costs.threshold_tokens(), abs=0.05)
+    assert threshold_from(link, doc) == pytest.approx(costs.threshold_tokens(), rel=0.002)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="its holder would start on this GPU")
