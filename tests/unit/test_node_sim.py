@@ -516,6 +516,36 @@ def test_in_a_burst_behind_a_hot_system_prompt_each_engine_copies_it_in_at_its_q
     assert no_copy_at_front["peer"] > 0.3 and not_kept["peer"] > 0.3, (no_copy_at_front, not_kept)
 
 
+def test_a_hot_system_prompt_computed_in_a_burst_stays_where_it_is_computed_and_the_engines_read_alike(monkeypatch):
+    """TokenLake's point for the system prompt on the A100 (routing's highest rate under its TTFT
+    SLO: 1,076 req/s, bench/results/node_balance_a100_holders.json): every engine's first requests
+    compute the prompt together, and most of them were picked after its segments turned hot. Moved
+    to their homes (Router.places before), those requests read the prompt there at every step of
+    their decodes, and so did the requests after them until each engine's copy landed: the four
+    homes read twice what the others did in the burst's second (measured: access CV 0.278 and 0.249
+    at seeds 0 and 1, routing's 0.055 and 0.057). Kept where computed: 0.083 and 0.077."""
+    from tokenflowd.daemon.router import Router
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
+
+    cost = cost_model("a100-llama2-7b")
+    w = build_workload(WorkloadSpec("poisson", 600, rate=1076.0, seed=0, contexts=parse_context_shape("system-prompt"),
+                                    max_prompt_len=min(32_768, cost.max_tokens_in_pool // 2)))
+    kept = NodeSimulator(cost, w, "pool-write", NodeConfig(policy="tokenflow")).run().summary()
+    places = Router.places
+
+    def placing_hot(self, *a, **k):  # as before: a hot segment too goes to its home
+        self.copy_hot = False
+        try:
+            return places(self, *a, **k)
+        finally:
+            self.copy_hot = True
+
+    monkeypatch.setattr(Router, "places", placing_hot)
+    moved = NodeSimulator(cost, w, "pool-write", NodeConfig(policy="tokenflow")).run().summary()
+    assert kept["access_cv"] < 0.15 < 0.2 < moved["access_cv"], (kept["access_cv"], moved["access_cv"])
+    assert kept["throughput"] > moved["throughput"], (kept["throughput"], moved["throughput"])  # 4,547 against 4,198
+
+
 def test_in_a_burst_behind_a_system_prompt_requests_that_come_while_it_is_computed_read_it_once_written(
         monkeypatch):
     """Router PENDING_SECONDS, AddRequest.pending. The A100, 300 short chats behind one 2,048-token

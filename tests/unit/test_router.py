@@ -333,6 +333,40 @@ def test_a_segment_its_home_still_holds_past_a_cut_is_put_back_there_and_one_hel
     assert placed == {tuple(k[s : s + 2]) for s in (0, 2) if home[s] != 0}
 
 
+def test_a_hot_segment_goes_to_no_home_the_engine_that_computes_it_keeps_it():
+    """A burst behind one system prompt: every engine's first requests compute it together, and
+    by the time they are picked its segments are hot. A hot segment stays where it is computed, as
+    a copy there would (Choice.copies): moved to its home, the requests that computed it read it
+    there at every step of their decodes, and so does every engine's every request until its copy
+    lands. A cold one goes to its home; with --no-pool-copy, a hot one too."""
+    from tokenflowd.pool.homes import segment_homes
+
+    tokens = list(range(33))  # 8 full pages before the last token: 4 segments of 2
+    k = keys_of(tokens)
+    engines = [FakeEngine(e) for e in range(3)]
+    home = segment_homes(k[1::2], [0, 1, 2])
+    away = [i for i in range(4) if home[i] != 0]
+    for copy_hot in (True, False):
+        r = router_with({})
+        r.clock = lambda: 0.0
+        r.copy_hot = copy_hot
+        first = r.pick_pooled(engines, tokens, segment_pages=2, target=0)
+        assert [key for _, run in first.places for key in run] == [key for i in away for key in k[2 * i : 2 * i + 2]]
+        for _ in range(6):  # the burst comes while the first computes it: hot (2 x 3 engines' reads)
+            later = r.pick_pooled(engines, tokens, segment_pages=2, target=0)
+        assert r.heat.is_heavy(k[1], 3, 0.0)
+        assert later.places == (first.places if not copy_hot else []), copy_hot
+        # a cold prompt past the hot one still goes to its homes
+        longer = tokens[:-1] + list(range(100, 117))
+        kl = keys_of(longer)
+        c = r.pick_pooled(engines, longer, segment_pages=2, target=0)
+        homes_after = segment_homes(kl[1::2], [0, 1, 2])
+        cold_away = [i for i in range(4, 6) if homes_after[i] != 0]
+        placed = [key for _, run in c.places for key in run]
+        assert placed[len(placed) - 2 * len(cold_away):] == [key for i in cold_away for key in kl[2 * i : 2 * i + 2]]
+        assert not copy_hot or len(placed) == 2 * len(cold_away), "the hot head stays where it is computed"
+
+
 def test_dispatch_of_arrivals_balances_load_then_moves_the_fewest_bytes():
     import itertools
     import random
