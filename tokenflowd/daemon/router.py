@@ -391,7 +391,7 @@ class Router:
         home lacks, and the chain is whole at the homes again instead of a second copy staying
         where the request ran. One another engine holds (a copy of a hot segment, a copy a full
         home did not take) stays where it is computed, and so does a hot one (module docstring;
-        with copy_hot: --no-pool-copy keeps hot segments where they are, so homes take them)."""
+        under --no-pool-copy, no copy_hot, a hot segment is homed as any other)."""
         places: list[tuple[int, list[bytes]]] = []
         first = -(-read // seg) * seg
         if first + seg > len(keys):
