@@ -118,6 +118,14 @@ class Daemon:
             raise KeyError(f"{name} {labels} not in /metrics")
         return total
 
+    def count(self, name: str, **labels: str) -> float:
+        """A counter's sum over `labels`, 0 where no such sample exists yet (a labelled counter's
+        series appears at its first increment)."""
+        try:
+            return self.metric(name, **labels)
+        except KeyError:
+            return 0.0
+
     def wait_idle(self, timeout: float = 10.0) -> tuple[float, float]:
         """(requests running or waiting, KV pages used) once both are 0, or as they are after `timeout`:
         a request whose client has just gone is aborted asynchronously."""

@@ -152,8 +152,11 @@ def test_greedy_text_through_either_front_is_the_engines(daemon):
     assert [text for _, text, _ in asyncio.run(run())] == whole
 
 
-def test_disconnects_through_either_front_free_pages_within_a_second(daemon):
+def test_disconnects_through_either_front_abort_their_requests_and_free_their_pages(daemon):
+    """As test_daemon.py's, through two fronts: the abort crosses from a front's process to the
+    engine's (the wait is no speed bound; the abort count says why the pages came back)."""
     idle = idle_pages(daemon)
+    aborted = daemon.count("tokenflowd_requests_total", outcome="abort")
 
     async def run():
         limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)
@@ -164,10 +167,10 @@ def test_disconnects_through_either_front_free_pages_within_a_second(daemon):
 
     asyncio.run(run())
     dropped = time.monotonic()
-    while daemon.metric("tokenflowd_kv_pages_used") != idle and time.monotonic() - dropped < 1.0:
+    while daemon.metric("tokenflowd_kv_pages_used") != idle and time.monotonic() - dropped < 10.0:
         time.sleep(0.05)
     assert daemon.metric("tokenflowd_kv_pages_used") == idle
-    assert daemon.metric("tokenflowd_requests_total", outcome="abort") >= 16
+    assert daemon.metric("tokenflowd_requests_total", outcome="abort") - aborted == 16
 
 
 def test_sigkill_of_one_front_leaves_the_other_serving_and_its_requests_are_aborted(daemon):

@@ -377,8 +377,12 @@ def test_fifty_concurrent_streams_complete_in_order(daemon, client):
     assert daemon.wait_idle()[0] == 0
 
 
-def test_disconnects_free_kv_pages_within_a_second(daemon):
-    idle = daemon.metric("tokenflowd_kv_pages_used")
+def test_disconnects_abort_their_requests_and_free_their_kv_pages(daemon):
+    """20 streams of 2,000 tokens dropped after their third event: their requests are aborted and
+    their pages freed long before they could have ended (the wait is no speed bound: a loaded
+    machine takes longer to see the sockets close, and the abort count says why the pages came back)."""
+    idle = daemon.wait_idle()[1]  # (another test's aborted streams may still be ending)
+    aborted = daemon.count("tokenflowd_requests_total", outcome="abort")
 
     async def open_and_drop():
         async with httpx.AsyncClient(base_url=daemon.base_url, timeout=60) as http:
@@ -397,14 +401,14 @@ def test_disconnects_free_kv_pages_within_a_second(daemon):
     asyncio.run(open_and_drop())
     dropped = time.monotonic()
     used = None
-    while time.monotonic() - dropped < 1.0:
+    while time.monotonic() - dropped < 10.0:
         used = daemon.metric("tokenflowd_kv_pages_used")
         if used == idle:
             break
         time.sleep(0.05)
-    assert used == idle, f"{used} pages still used a second after 20 disconnects (idle: {idle})"
+    assert used == idle, f"{used} pages still used 10 s after 20 disconnects (idle: {idle})"
     assert daemon.metric("tokenflowd_requests_running") + daemon.metric("tokenflowd_requests_waiting") == 0
-    assert daemon.metric("tokenflowd_requests_total", outcome="abort") >= 20
+    assert daemon.metric("tokenflowd_requests_total", outcome="abort") - aborted == 20
 
 
 def test_live_request_shows_rate_buffer_and_state(daemon):

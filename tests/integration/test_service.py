@@ -320,15 +320,25 @@ def test_api_servers_report_ready_once_a_front_listens_and_drain_on_sigterm(tmp_
         async def scenario():
             limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)  # spread over both fronts
             async with httpx.AsyncClient(base_url=d.base_url, timeout=60, limits=limits) as c:
+                opened: list[int] = []
+                all_open = asyncio.Event()
+
                 async def one() -> int:
-                    n = 0
+                    n, first = 0, True
                     async with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "hi",
                                                                          "max_tokens": 40, "stream": True}) as r:
                         async for line in r.aiter_lines():
+                            if first and line.startswith("data: "):
+                                first = False
+                                opened.append(1)
+                                if len(opened) == 10:
+                                    all_open.set()
                             n += line.count(" the")
                     return n
                 streams = [asyncio.create_task(one()) for _ in range(10)]
-                await asyncio.sleep(0.5)
+                # every stream has its first event from a front (a loaded machine takes its time): then
+                # SIGTERM, which must let them all end
+                await asyncio.wait_for(all_open.wait(), 60)
                 d.proc.send_signal(signal.SIGTERM)
                 return await asyncio.gather(*streams)
 
