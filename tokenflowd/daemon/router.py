@@ -274,7 +274,7 @@ class Router:
                 two = rng.sample(whole, 2) if len(whole) > 2 else whole
                 holder = min(two, key=lambda e: (load[e], e))
             self._extend(runs, holder, chunk)
-            if copy and self.copy_hot and holder != target and self._copy(chunk[-1], len(load), target, now):
+            if copy and holder != target and self._copy(chunk[-1], len(load), target, now):
                 self._extend(copies, holder, chunk)
         return runs, copies
 
@@ -299,12 +299,17 @@ class Router:
             start += held[best]
         return parts, True
 
+    def _replicated(self, key: bytes, engines: int, now: float) -> bool:
+        """Whether the pool replicates this segment: a heavy hitter, copied into the engines that read
+        it elsewhere (`_copy`) and kept where it is computed (`places`); never with --no-pool-copy."""
+        return self.copy_hot and self.heat.is_heavy(key, engines, now)
+
     def _copy(self, key: bytes, engines: int, target: int, now: float) -> bool:
-        """Whether the target copies in this segment that it reads elsewhere: a heavy hitter, not being
-        copied there already."""
+        """Whether the target copies in this segment that it reads elsewhere: one the pool replicates,
+        not being copied there already."""
         if now - self._copying.get((key, target), -math.inf) < COPY_SECONDS:
             return False
-        if not self.heat.is_heavy(key, engines, now):
+        if not self._replicated(key, engines, now):
             return False
         if len(self._copying) > 4096:
             self._copying = {k: t for k, t in self._copying.items() if now - t < COPY_SECONDS}
@@ -404,7 +409,7 @@ class Router:
             home = homes[start // seg]
             if any(e != home for key in chunk for e in self.index.holders(key)):
                 continue
-            if self.copy_hot and self.heat.is_heavy(chunk[-1], len(engines), now):
+            if self._replicated(chunk[-1], len(engines), now):
                 continue  # kept where computed, as a copy would be
             if home != target:
                 self._extend(places, home, chunk)
