@@ -722,3 +722,30 @@ def test_what_an_idle_engine_owes_for_its_peers_is_done_while_it_idles_not_in_it
     assert ttft(4.0) == pytest.approx(alone)  # done within the 10 s it idled
     assert ttft(14.0) == pytest.approx(alone + 4.0)  # what the gap did not cover waits
     assert ttft(4.0, asked_at=9.0) == pytest.approx(alone + 3.0)  # not before it was asked: 1 s of the gap
+
+
+def test_routing_spreads_chats_behind_one_system_prompt_over_every_engine_at_a_light_load():
+    """Router IDLE_SPILL. The A100, 8 engines, 300 chats behind one 2,048-token system prompt at
+    20 req/s: the first engines to compute the prompt held 128 pages of it, which by the score
+    outweighed 128 requests of load, so three engines served every chat and five none (access CV
+    1.29). Every chat begins with the prompt, more than one engine's share of the requests: an idle
+    engine takes a chat from a holder of four, computes the prompt once and shares its chats from
+    then on. Every engine serves, at the cost of one prompt an engine."""
+    from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
+
+    cost = cost_model("a100-llama2-7b")
+    w = build_workload(WorkloadSpec("poisson", 300, rate=20.0, seed=0, contexts=parse_context_shape("system-prompt"),
+                                    max_prompt_len=min(32_768, cost.max_tokens_in_pool // 2)))
+    sim = NodeSimulator(cost, w, "routing", NodeConfig(policy="tokenflow"))
+    served: dict[int, int] = {}
+    pick = sim.router.pick
+
+    def counted(engines, ids):
+        choice = pick(engines, ids)
+        served[choice.engine_id] = served.get(choice.engine_id, 0) + 1
+        return choice
+
+    sim.router.pick = counted
+    s = sim.run().summary()
+    assert sorted(served) == list(range(8)) and min(served.values()) >= 20, served
+    assert s["access_cv"] < 0.3 and s["hit_rate"] > 0.85, (s["access_cv"], s["hit_rate"])

@@ -53,3 +53,12 @@ def test_a_segment_counted_once_is_forgotten_so_memory_follows_the_recent_prompt
         heat.hit(i.to_bytes(4, "big"), i * 0.01)
     # a count of 1 falls under FORGET after 6.6 half-lives (664 segments here); the sweep may lag by as many
     assert len(heat._scores) <= 2 * 664, len(heat._scores)
+
+
+def test_a_count_halves_every_half_life_and_is_zero_for_a_key_never_counted():
+    heat = SegmentHeat(half_life=10.0)
+    for _ in range(8):
+        heat.hit(b"a", 0.0)
+    assert abs(heat.count(b"a", 0.0) - 8.0) < 1e-9 and abs(heat.count(b"a", 20.0) - 2.0) < 1e-9
+    heat.hit(b"a", 20.0)
+    assert abs(heat.count(b"a", 20.0) - 3.0) < 1e-9 and heat.count(b"b", 20.0) == 0.0

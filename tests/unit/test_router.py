@@ -514,3 +514,50 @@ def test_an_engine_handles_work_is_the_prompt_tokens_of_its_streams():
     h = EngineHandle(0, EngineConfig(), {})
     h.streams = {"a": Stream("a", h, 30_000, print), "b": Stream("b", h, 12, print)}
     assert (h.load, h.work) == (2, 30_012)
+
+
+
+def test_an_idle_engine_takes_a_request_from_a_holder_of_its_prefix_that_holds_idle_spill_requests():
+    """A long shared prefix (a system prompt: 16 pages here) outweighs 16 requests of load, so by
+    the score alone its holder took every request until it held 16 more than an idle engine. An
+    engine holding none takes the request once the holder holds IDLE_SPILL; after that both hold
+    the prefix and share its requests by load. A busy engine does not take it."""
+    from tokenflowd.daemon.router import IDLE_SPILL
+
+    system = list(range(64))  # 16 pages of 4 tokens
+    chat = system + [1000 + i for i in range(8)]
+    r = router_with({0: keys_of(system)})
+    holder, other = FakeEngine(0, load=IDLE_SPILL - 1), FakeEngine(1)
+    assert r.pick([holder, other], chat).engine_id == 0
+    holder.load = IDLE_SPILL
+    c = r.pick([holder, other], chat)
+    assert (c.engine_id, c.cached_pages) == (1, 0)
+    holder.load, other.load = 12, 1  # not idle: the prefix outweighs 11 requests
+    assert r.pick([holder, other], chat).engine_id == 0
+    idle = [FakeEngine(2), FakeEngine(3)]  # of two idle engines, the one holding more of the prompt
+    r.index.update(3, keys_of(system[:8]), [])
+    assert r.pick([holder, other, *idle], chat).engine_id == 3
+    r.index.update(1, keys_of(system), [])  # engine 1 computed it: both hold it, the lighter wins
+    assert r.pick([holder, other], chat).engine_id == 1
+
+
+def test_a_prefix_under_one_engines_share_of_the_requests_stays_with_its_holder_while_another_is_idle():
+    """One document among four, a quarter of the requests each, on two engines: an idle engine would
+    compute it again and evict what it holds, so the holder keeps its questions. Once the document
+    is more than half of the requests, the idle engine takes one."""
+    from tokenflowd.daemon.router import IDLE_SPILL
+
+    docs = [[d * 1000 + i for i in range(64)] for d in range(4)]
+    questions = [doc + [9000 + q for q in range(8)] for doc in docs]
+    now = [0.0]
+    r = Router(PS, PrefixIndex(), clock=lambda: now[0])
+    r.index.update(0, keys_of(docs[0]), [])
+    holder, idle = FakeEngine(0, load=IDLE_SPILL), FakeEngine(1)
+    for q in questions * 3:
+        now[0] += 0.1
+        r.pick([FakeEngine(0, load=IDLE_SPILL), FakeEngine(1, load=IDLE_SPILL)], q)
+    assert r.pick([holder, idle], questions[0]).engine_id == 0
+    for _ in range(12):  # now document 0's questions come alone
+        now[0] += 0.1
+        r.pick([FakeEngine(0, load=IDLE_SPILL), FakeEngine(1, load=IDLE_SPILL)], questions[0])
+    assert r.pick([holder, idle], questions[0]).engine_id == 1

@@ -9,7 +9,15 @@ requests an engine holds (running + waiting, and those sent but not yet seen in 
     score(e) = cached_prompt_tokens(e) − load_weight · page_size · load(e)
 
 A cached page saves its prefill; a request ahead in the queue costs about a page of waiting at
-load_weight 1, so the router gives up a match only for a clearly busier engine.
+load_weight 1, so the router gives up a match only for a clearly busier engine. But a prefix that
+more than one engine's share of the requests begins with (1/N of them, counts halving every
+LEAD_HALF_LIFE seconds: a system prompt every chat reads) cannot be served from one engine of a
+balanced node: for such a request an engine holding none takes it from the one the score picks once
+that one holds IDLE_SPILL requests. By the score alone a system prompt of 2K tokens (128 pages)
+kept every request on its holder until it held 128 more than the idle engine; the idle engine,
+once it has computed the prefix, holds it too and shares its requests by load from then on. A
+document among several, each under 1/N of the requests, stays with its holder: an idle engine
+would compute it again, evict what it holds, and get requests of its own soon enough.
 
 With the node's pool on (`--pool-mode query|read`, pool/), where a prefix lives no longer has to
 decide where a request runs: any engine reads any engine's pages. `pick_pooled` takes the engine
@@ -96,6 +104,21 @@ from tokenflowd.pool.homes import segment_homes
 # attention over it at each step, unseen by the work this weighs: below 8 the pool sent a
 # document's questions away from their holder only to have the holder answer them.
 AFFINITY_SLACK = 8.0
+# Requests the engine the score picks holds from which an engine holding none takes a request whose
+# prefix is widely shared (`pick_keys`). 2 engines on a CPU (AMD EPYC, 2 cores, AVX2), 120 chats
+# behind a 1,024-token system prompt at Poisson arrivals (bench/pool_daemon.py --contexts
+# system-prompt:scale=0.5 --modes off; pool_daemon_workloads.json): before, one engine held every
+# chat in flight at each second sampled (load CV 1.00; mean TTFT 13.0 s, 17.8 tokens/s); now 0.36,
+# 1.5 s and 21.3 tokens/s, as the pool's 1.6 s and 21.4. Four shared documents: as before (hit
+# rate 0.44, 7.2 tokens/s, mean TTFT 23 s); spilled without the share test: 0.37, 6.0 and 40 s.
+# Node simulator, 8 engines, seed 0 (bench/node_contexts.py --modes routing): the system prompt at
+# a light load went from 3 engines serving to 8 (A100 1,822 -> 2,558 tokens/s, H200 preset 3,942 ->
+# 4,872); of the other 34 runs 30 did not move and 4 by 0.99x-1.00x. (The TTFT estimate Mooncake's
+# conductor uses, the prefill queued on an engine plus the prompt's uncached part, sent questions
+# away from their documents' holders in overload: a quarter of the A100's KV, 16 documents, 32
+# questions each, 951 -> 525 tokens/s.)
+IDLE_SPILL = 4
+LEAD_HALF_LIFE = 60.0  # s: how fast the share of requests a prefix begins counts forgets
 # s a hot segment being copied into an engine is not named for copying there again (the copy is
 # made as the engine takes the request, and the engine's next report shows it there)
 COPY_SECONDS = 5.0
@@ -162,6 +185,8 @@ class Router:
         self.index = index
         self.load_weight = load_weight
         self.heat = SegmentHeat()  # the pool's: which segments are read most
+        self.leads = SegmentHeat(LEAD_HALF_LIFE)  # the first page key of each prompt `pick_keys` saw
+        self.picks = SegmentHeat(LEAD_HALF_LIFE)  # those prompts, all under one key (their decayed number)
         self.clock = clock
         self.copy_hot = copy_hot  # hot segments an engine reads elsewhere are copied into it (`_copy`)
         self._copying: dict[tuple[bytes, int], float] = {}  # (hot segment, engine) -> since when it is copied there
@@ -185,7 +210,19 @@ class Router:
         best = max(scored)
         if self.ties is not None:
             best = self.ties.choice([c for c in scored if c[0] == best[0]])
+        loads = {e.engine_id: e.load for e in engines}
+        if keys and self._widely_shared(keys[0], len(engines)) and loads[-best[1]] >= IDLE_SPILL and \
+                (idle := [c for c in scored if loads[-c[1]] == 0]):
+            best = max(idle)  # (an idle engine's score is its hit: the one holding most of the prompt)
         return Choice(-best[1], best[2])
+
+    def _widely_shared(self, lead: bytes, num_engines: int) -> bool:
+        """Counts a prompt beginning with page key `lead`; whether more than 1/`num_engines` of the
+        prompts lately began with it (the module docstring)."""
+        now = self.clock()
+        self.leads.hit(lead, now)
+        self.picks.hit(b"", now)
+        return self.leads.count(lead, now) * num_engines > self.picks.count(b"", now)
 
     def pick_pooled(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int = 1,
                     rng: random.Random | None = None, place: bool = True, target: int | None = None,

@@ -63,6 +63,11 @@ class SegmentHeat:
             else:
                 self._top.pop(key, None)  # (a hitter this cold: none is one now)
 
+    def count(self, key: bytes, now: float) -> float:
+        """Its decayed count now (0 for one never counted, or forgotten)."""
+        score = self._scores.get(key)
+        return 0.0 if score is None else self._value(score, now)
+
     def is_heavy(self, key: bytes, num_engines: int, now: float) -> bool:
         k = num_heavy_hitters(num_engines)
         if k != self._k:  # (the engines changed: ranked once)
