@@ -516,7 +516,6 @@ def test_an_engine_handles_work_is_the_prompt_tokens_of_its_streams():
     assert (h.load, h.work) == (2, 30_012)
 
 
-
 def test_an_idle_engine_takes_a_request_from_a_holder_of_its_prefix_that_holds_idle_spill_requests():
     """A long shared prefix (a system prompt: 16 pages here) outweighs 16 requests of load, so by
     the score alone its holder took every request until it held 16 more than an idle engine. An
