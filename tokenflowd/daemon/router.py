@@ -210,9 +210,9 @@ class Router:
         best = max(scored)
         if self.ties is not None:
             best = self.ties.choice([c for c in scored if c[0] == best[0]])
+        shared = bool(keys) and self._widely_shared(keys[0], len(engines))  # (every prompt counted)
         loads = {e.engine_id: e.load for e in engines}
-        if keys and self._widely_shared(keys[0], len(engines)) and loads[-best[1]] >= IDLE_SPILL and \
-                (idle := [c for c in scored if loads[-c[1]] == 0]):
+        if shared and loads[-best[1]] >= IDLE_SPILL and (idle := [c for c in scored if loads[-c[1]] == 0]):
             best = max(idle)  # (an idle engine's score is its hit: the one holding most of the prompt)
         return Choice(-best[1], best[2])
 
