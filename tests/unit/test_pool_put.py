@@ -318,6 +318,24 @@ def test_a_replica_takes_free_pages_only_and_goes_before_other_cached_pages_unti
     assert len(a.pool.lookup(own)) == 9 and len(a.pool.lookup(keys)) == 1, "then by use: the read page stays"
 
 
+def test_an_engines_replicas_take_at_most_one_nth_of_its_pages(pair):
+    """pool/heat.py replica_pages: a copy that would leave this engine's replicas holding more than
+    1/N of its pages (N: the node's engines) is not made, free pages or not; held here already, a
+    segment costs nothing and is a replica all the same."""
+    a, b = pair  # a: 16 pages, 2 engines: at most 8 in replicas
+    keys, _ = held_segment(b, 5)
+    assert a.copy_in([p.PrefixRun(1, keys)]) == 5 and a.replicas == set(keys)
+    more = chain_page_keys(list(range(900, 900 + 4 * PAGE + 1)), PAGE, [])
+    for key in more:  # a second hot segment on the holder (its first one's pages make room)
+        page = b.pool.allocate()
+        b.pool.register(page, key)
+        b.pool.decref(page)
+    assert a.pool.num_unused >= 4
+    assert a.copy_in([p.PrefixRun(1, more)]) == 0 and a.replicas == set(keys), "5 + 4 pages: over 8"
+    assert a.copy_in([p.PrefixRun(1, more[:3])]) == 3 and a.replicas == set(keys) | set(more[:3]), "5 + 3: 8"
+    assert a.copy_in([p.PrefixRun(1, keys)]) == 0 and a.replicas == set(keys) | set(more[:3])
+
+
 def test_a_copy_that_fails_or_is_cut_short_counts_as_a_replica_only_what_it_holds(pair):
     a, b = pair
     keys, _ = held_segment(b, 3)

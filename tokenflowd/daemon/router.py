@@ -36,7 +36,8 @@ holders (power of two choices); a segment no engine holds whole is read in parts
 (a request that read its leading pages on a peer and computed the rest holds the rest only), and
 nothing past a page no engine holds. A hot segment (a heavy hitter, pool/heat.py) that the chosen
 engine reads elsewhere is copied into it, once (`Choice.copies`, AddRequest.copy; PoolMember.copy_in:
-the pages' KV, not their computation), and read there from then on: a system prompt every request
+the pages' KV, not their computation, into unused pages, while its replicas hold at most 1/N of its
+pages: pool/heat.py replica_pages), and read there from then on: a system prompt every request
 reads is then read on every engine, not answered by its holder for every engine's every step
 (TokenLake §4.3 replicates heavy hitters the same way; `--no-pool-copy` keeps them where they are).
 

@@ -44,6 +44,7 @@ from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.kv.staging import gather_pages, scatter_pages
 from tokenflowd.pool.attention import HolderRows, PeerCache, PooledAttention, QueriedHolder
 from tokenflowd.pool.cuda_ipc import DeviceKV, peer_access
+from tokenflowd.pool.heat import replica_pages
 from tokenflowd.pool.names import cache_name, export_path, query_buffers_path, service_address
 from tokenflowd.pool.query import PeerGone, QueryClient, QueryService
 from tokenflowd.pool.segments import (
@@ -339,8 +340,10 @@ class PoolMember:
         them. Best effort: a peer gone leaves the rest where it is.
 
         A replica is a second copy of what the node holds: it takes unused pages only (a run whose
-        pages it lacks outnumber them is not copied), and its pages go before any other cached page
-        until a request reads them, so that it never costs this engine a prefix held nowhere else.
+        pages it lacks outnumber them is not copied), the replicas here hold at most 1/N of this
+        engine's pages (pool/heat.py replica_pages: a run that would pass it is not copied), and its
+        pages go before any other cached page until a request reads them, so that it never costs
+        this engine a prefix held nowhere else.
         (Node simulator, a quarter of an A100's KV, documents read 32 times each at 16 req/s,
         segments written into their homes, four runs: copies that evicted as any page met the TTFT
         SLO for 0.52, 0.72, 0.41 and 0.84 of requests, hit 0.73, 0.82, 0.74, 0.77; these, 0.64,
@@ -354,7 +357,8 @@ class PoolMember:
             with self.lock:
                 have = len(self.pool.lookup(run.keys))
                 keys = run.keys[have:]  # (keys are chained: any stretch names its pages)
-                if len(keys) > self.pool.num_unused:
+                if len(keys) > self.pool.num_unused or (
+                        len(self.replicas) + len(keys) > replica_pages(self.pool.num_pages, len(self.peers) + 1)):
                     continue
                 if not keys:
                     self.replicas.update(run.keys)
