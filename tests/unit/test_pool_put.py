@@ -320,8 +320,8 @@ def test_a_replica_takes_free_pages_only_and_goes_before_other_cached_pages_unti
 
 def test_an_engines_replicas_take_at_most_one_nth_of_its_pages(pair):
     """pool/heat.py replica_pages: a copy that would leave this engine's replicas holding more than
-    1/N of its pages (N: the node's engines) is not made, free pages or not; held here already, a
-    segment costs nothing and is a replica all the same."""
+    1/N of its pages (N: the node's engines) is not made, free pages or not; a segment held here
+    already is made a replica only within it too; replicas evicted here since are not counted."""
     a, b = pair  # a: 16 pages, 2 engines: at most 8 in replicas
     keys, _ = held_segment(b, 5)
     assert a.copy_in([p.PrefixRun(1, keys)]) == 5 and a.replicas == set(keys)
@@ -334,6 +334,14 @@ def test_an_engines_replicas_take_at_most_one_nth_of_its_pages(pair):
     assert a.copy_in([p.PrefixRun(1, more)]) == 0 and a.replicas == set(keys), "5 + 4 pages: over 8"
     assert a.copy_in([p.PrefixRun(1, more[:3])]) == 3 and a.replicas == set(keys) | set(more[:3]), "5 + 3: 8"
     assert a.copy_in([p.PrefixRun(1, keys)]) == 0 and a.replicas == set(keys) | set(more[:3])
+    mine = chain_page_keys(list(range(700, 700 + 2 * PAGE + 1)), PAGE, [])
+    for key in mine:  # cached here, not a replica
+        page = a.pool.allocate()
+        a.pool.register(page, key)
+        a.pool.decref(page)
+    assert a.copy_in([p.PrefixRun(1, mine)]) == 0 and not a.replicas & set(mine), "held here, but 8 + 2: over 8"
+    a.pool.unpublish(more[:3])  # evicted here, before any report
+    assert a.copy_in([p.PrefixRun(1, mine)]) == 0 and a.replicas == set(keys) | set(mine), "5 + 2: the evicted not counted"
 
 
 def test_a_copy_that_fails_or_is_cut_short_counts_as_a_replica_only_what_it_holds(pair):

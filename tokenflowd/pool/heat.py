@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import Collection, Iterable
 
 FORGET = 0.01  # a count decayed below this is forgotten
 SWEEP = 2  # segments looked at for forgetting at each count: more than the one it may add
@@ -40,6 +41,12 @@ def replica_pages(num_pages: int, num_engines: int) -> int:
     req/s, seed 0; capped, 0.17, 0.925 and 1,063). A system prompt's few segments fit under it.
     """
     return num_pages // max(1, num_engines)
+
+
+def within_replica_cap(replicas: Collection[bytes], keys: Iterable[bytes], num_pages: int, num_engines: int) -> bool:
+    """Whether `keys` may all be replicas here: with those of them not replicas yet (copied in, or
+    held here already), the replicas hold at most `replica_pages`."""
+    return len(replicas) + sum(key not in replicas for key in keys) <= replica_pages(num_pages, num_engines)
 
 
 class SegmentHeat:

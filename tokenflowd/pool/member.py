@@ -44,7 +44,7 @@ from tokenflowd.kv.pages import OutOfPages, PagePool
 from tokenflowd.kv.staging import gather_pages, scatter_pages
 from tokenflowd.pool.attention import HolderRows, PeerCache, PooledAttention, QueriedHolder
 from tokenflowd.pool.cuda_ipc import DeviceKV, peer_access
-from tokenflowd.pool.heat import replica_pages
+from tokenflowd.pool.heat import within_replica_cap
 from tokenflowd.pool.names import cache_name, export_path, query_buffers_path, service_address
 from tokenflowd.pool.query import PeerGone, QueryClient, QueryService
 from tokenflowd.pool.segments import (
@@ -341,7 +341,8 @@ class PoolMember:
 
         A replica is a second copy of what the node holds: it takes unused pages only (a run whose
         pages it lacks outnumber them is not copied), the replicas here hold at most 1/N of this
-        engine's pages (pool/heat.py replica_pages: a run that would pass it is not copied), and its
+        engine's pages (pool/heat.py replica_pages: a run that would pass it, counting its pages held
+        here already, is neither copied nor made a replica), and its
         pages go before any other cached page until a request reads them, so that it never costs
         this engine a prefix held nowhere else.
         (Node simulator, a quarter of an A100's KV, documents read 32 times each at 16 req/s,
@@ -357,8 +358,7 @@ class PoolMember:
             with self.lock:
                 have = len(self.pool.lookup(run.keys))
                 keys = run.keys[have:]  # (keys are chained: any stretch names its pages)
-                if len(keys) > self.pool.num_unused or (
-                        len(self.replicas) + len(keys) > replica_pages(self.pool.num_pages, len(self.peers) + 1)):
+                if len(keys) > self.pool.num_unused or not self._room_for_replicas(run.keys):
                     continue
                 if not keys:
                     self.replicas.update(run.keys)
@@ -384,6 +384,15 @@ class PoolMember:
             copied += stored
             self.stats["copied_pages"] += stored
         return copied
+
+    def _room_for_replicas(self, keys: Sequence[bytes]) -> bool:
+        """Whether `keys` may all be replicas here (pool/heat.py replica_pages, N the engines serving
+        now); replicas evicted since this engine's last report are no longer counted. Call with `lock`."""
+        engines = len(self.peers) + 1
+        if within_replica_cap(self.replicas, keys, self.pool.num_pages, engines):
+            return True
+        self.replicas.difference_update([key for key in self.replicas if not self.pool.holds(key)])
+        return within_replica_cap(self.replicas, keys, self.pool.num_pages, engines)
 
     def hand_off(self, request_id: str, runs: Sequence[tuple[int, list[bytes], list[int]]]) -> int:
         """Write into the home: the request's leading computed pages here, in runs of (home, keys,

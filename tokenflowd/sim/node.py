@@ -100,7 +100,7 @@ from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool, chain_page_keys
 from tokenflowd.pool.ahead import asks_again, due, pins_on_arrival, waits
 from tokenflowd.pool.hand_off import by_segment
-from tokenflowd.pool.heat import replica_pages
+from tokenflowd.pool.heat import within_replica_cap
 from tokenflowd.pool.steal import idle, staying, victim, withdrawable
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
@@ -513,8 +513,8 @@ class NodeSimulator:
         for holder_id, keys in copies:
             keys = keys[: len(self.engines[holder_id].pool.lookup(keys))]
             have = len(target.pool.lookup(keys))
-            if len(keys) - have > target.pool.num_unused or (
-                    len(target.replicas) + len(keys) - have > replica_pages(cost.num_pages, len(self.engines))):
+            if len(keys) - have > target.pool.num_unused or not within_replica_cap(
+                    target.replicas, keys, cost.num_pages, len(self.engines)):
                 continue  # a replica: unused pages only, at most 1/N of the engine's in all (PoolMember.copy_in)
             fresh = [not target.pool.holds(key) for key in keys]
             taken = _hold(target.pool, keys)
