@@ -341,7 +341,8 @@ def test_an_engines_replicas_take_at_most_one_nth_of_its_pages(pair):
         a.pool.decref(page)
     assert a.copy_in([p.PrefixRun(1, mine)]) == 0 and not a.replicas & set(mine), "held here, but 8 + 2: over 8"
     a.pool.unpublish(more[:3])  # evicted here, before any report
-    assert a.copy_in([p.PrefixRun(1, mine)]) == 0 and a.replicas == set(keys) | set(mine), "5 + 2: the evicted not counted"
+    assert a.copy_in([p.PrefixRun(1, mine)]) == 0 and a.replicas == set(keys) | set(mine), \
+        "5 + 2: the evicted not counted"
 
 
 def test_a_copy_that_fails_or_is_cut_short_counts_as_a_replica_only_what_it_holds(pair):

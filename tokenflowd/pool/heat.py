@@ -36,10 +36,10 @@ def replica_pages(num_pages: int, num_engines: int) -> int:
     engine's worth of the node's memory from what it holds once. The heavy hitters are counted in
     segments, not pages: where KV is short, a hot 12K-token document (24 segments, 43% of an engine
     with a quarter of an A100's KV) was copied whole into each engine that read it, and the engines
-    holding it took its readers (node simulator, read mode, 16 documents read with a Zipf skew, a quarter of the
-    A100's KV: with no cap, access CV 0.49 and hit rate 0.892 at 2 req/s, seed 2; 962 tokens/s at 16
-    req/s, seed 0; capped, 0.17, 0.925 and 1,063). A system prompt's few segments fit under it.
-    """
+    holding it took its readers (node simulator, read mode, 16 documents read with a Zipf skew, a
+    quarter of the A100's KV: with no cap, access CV 0.49 and hit rate 0.892 at 2 req/s, seed 2;
+    962 tokens/s at 16 req/s, seed 0; capped, 0.17, 0.925 and 1,063). A system prompt's few
+    segments fit under it."""
     return num_pages // max(1, num_engines)
 
 

@@ -342,9 +342,9 @@ class PoolMember:
         A replica is a second copy of what the node holds: it takes unused pages only (a run whose
         pages it lacks outnumber them is not copied), the replicas here hold at most 1/N of this
         engine's pages (pool/heat.py replica_pages: a run that would pass it, counting its pages held
-        here already, is neither copied nor made a replica), and its
-        pages go before any other cached page until a request reads them, so that it never costs
-        this engine a prefix held nowhere else.
+        here already, is neither copied nor made a replica), and its pages go before any other
+        cached page until a request reads them, so that it never costs this engine a prefix held
+        nowhere else.
         (Node simulator, a quarter of an A100's KV, documents read 32 times each at 16 req/s,
         segments written into their homes, four runs: copies that evicted as any page met the TTFT
         SLO for 0.52, 0.72, 0.41 and 0.84 of requests, hit 0.73, 0.82, 0.74, 0.77; these, 0.64,
