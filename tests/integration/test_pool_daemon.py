@@ -271,7 +271,13 @@ LONG_FLAGS = ("--engines", "2", "--dtype", "float32", "--quantization", "none", 
               "--pool-mode", "read", "--pool-placement", "home")
 
 
+ARCHIVE = "Letter"  # the long tests' prefix: the reference computes it once (its prefix cache keeps it between tests)
+
+
 def long_prompts(reference: Engine, what: str, n: int, tokens: int = LONG_TOKENS) -> tuple[list[int], list[list[int]]]:
+    """The first `tokens` of a text on `what` and n questions after it. The tests that need a long
+    prefix new to their daemon share ARCHIVE's (each daemon starts empty), so the module's reference
+    engine computes it once, not once a test: on 2 cores that is a minute a test."""
     tok = reference.tokenizer
     text = " ".join(f"{what} {i}: the archive holds letters, maps and ledgers from the old port." for i in range(600))
     prefix = tok.encode(text, add_special_tokens=True)[:tokens]
@@ -310,7 +316,7 @@ def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_ki
     segment homed on its peer into the peer's cache once the prompt is computed, and keeps no copy
     of it while the request runs on. (--pool-hand-off prompt: by default, auto, a prompt over a
     quarter of the engine's KV, as this one is, goes segment by segment: the test below.)"""
-    prefix, prompts = long_prompts(reference, "Letter", 20)
+    prefix, prompts = long_prompts(reference, ARCHIVE, 20)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     want = [reference.generate({"first": {"prompt": prompts[0], "sampling_params": params}})["first"].text]
     out = reference.generate({f"r{i}": {"prompt": q, "sampling_params": params} for i, q in enumerate(prompts[1:])})
@@ -416,7 +422,7 @@ def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_
     a new 2,048-token prefix writes each segment homed on its peer into it as soon as it is computed,
     256-token chunks apart, so the peer holds pages of it before the request's first token; the rest
     of the prompt reads them there, and the tokens are one engine's."""
-    prefix, prompts = long_prompts(reference, "Map", 4, 2048)
+    prefix, prompts = long_prompts(reference, ARCHIVE, 4, 2048)
     want = greedy(reference, prompts[:1], MAX_TOKENS) + greedy(reference, prompts[1:], MAX_TOKENS)
     home = homes(prefix)
     keys = chain_page_keys(prefix, 16, [], len(prefix))
@@ -461,7 +467,7 @@ def test_a_reader_of_the_writers_copy_follows_the_prefix_into_its_home_with_the_
     (protocol.Moved, from the supervisor: the writer names who reads what moved) and reads the
     segments homed on its own engine from its own cache: the writer lets go of its copy
     (pool/member.py follow). Both requests' tokens are one engine's."""
-    prefix, prompts = long_prompts(reference, "Chart", 2)
+    prefix, prompts = long_prompts(reference, ARCHIVE, 2)
     want = greedy(reference, prompts[:1], MAX_TOKENS) + greedy(reference, prompts[1:], 48)
     home = homes(prefix)
     # the writer's figures come with its reports, every heartbeat while it computes a prompt: at
