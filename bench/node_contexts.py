@@ -7,7 +7,7 @@ segments it reads elsewhere unless the mode is named with -nocopy (`pool-write-n
 named with -read runs in read mode (`pool-write-read`: a request's rows in a step from the link's
 ridge on read its holders' pages in place, fewer are sent to them; -readall: every row read in place).
 
-    python bench/node_contexts.py [--presets a100-llama2-7b,calibrated:FILE] [--num-prompts 300]
+    python bench/node_contexts.py [--presets a100-llama2-7b,calibrated:FILE] [--num-prompts 300] [--min-seconds 10]
                                   [--workloads documents,...] [--runs SPEC@LIGHT/OVER;...]
                                   [--kv-scale F] [--policy fcfs|tokenflow] [--hand-off prompt|segment]
                                   [--out FILE]
@@ -15,7 +15,10 @@ ridge on read its holders' pages in place, fewer are sent to them; -readall: eve
 Workloads (sim/workload.py CONTEXT_SHAPES, synthetic with the datasets' published shapes, Poisson
 arrivals), each at two rates (requests/s) per cost model; contexts are scaled where one engine's
 KV pool could not hold one (sessions' 227K-token mean on an A100's 113K). The Mooncake trace
-(its first --num-prompts requests, prompts capped at 32K) runs at its own rate and 3x slower.
+(its first --num-prompts requests, prompts capped at 32K) runs at its own rate and 3x slower. The
+other workloads offer --num-prompts requests, or --min-seconds of arrivals where that is more: the
+system prompt's short chats, 300 at a time, were a burst of one or two seconds that every mode served
+within the SLO (its overload ran at a third of what the node sustains; bench/node_goodput.py).
 Prompts are capped at 32K tokens (a longer context is cut, a session that would outgrow it ends).
 Per run: the workload's ideal hit rate (every page any earlier request had, read: sim/node.py
 ideal_hit_rate; no placement beats it), hit rate, throughput (output tokens/s), P99 TTFT, the load
@@ -43,13 +46,15 @@ from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_
 H200 = "calibrated:" + os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "h200",
                                     "calibrated_h200.json")
 # (workload, light rate, overload rate) per cost model, req/s; an A100 engine's pool is 113K tokens,
-# the calibrated H200's 803K
+# the calibrated H200's 803K. The system prompt's overload is ~1.4x the highest rate routing holds
+# within the TTFT SLO over 10 s of arrivals (226 and 320 req/s: node_goodput_system_prompt_sustained.json)
 RUNS = {
     "a100-llama2-7b": [("documents:active=16", 1.0, 4.0), ("documents:active=32", 1.0, 4.0),
-                       ("sessions:scale=0.1", 1.0, 4.0), ("system-prompt", 20.0, 80.0), ("trace", 3.0, 1.0)],
+                       ("sessions:scale=0.1", 1.0, 4.0), ("system-prompt", 20.0, 320.0), ("trace", 3.0, 1.0)],
     "calibrated": [("documents:active=64", 4.0, 16.0), ("documents:active=128", 4.0, 16.0),
-                   ("sessions:scale=0.1", 4.0, 16.0), ("system-prompt", 40.0, 160.0), ("trace", 3.0, 1.0)],
+                   ("sessions:scale=0.1", 4.0, 16.0), ("system-prompt", 40.0, 480.0), ("trace", 3.0, 1.0)],
 }
+MIN_SECONDS = 10.0  # of arrivals a run offers at least (--min-seconds)
 KEYS = ("hit_rate", "throughput", "ttft_p99", "busy_cv", "load_cv", "access_cv", "slo_attainment", "slo_throughput")
 
 
@@ -64,6 +69,12 @@ def scaled_cost(preset: str, kv_scale: float):
 def at_rate(spec: str, rate: float, n: int, seed: int, max_prompt_len: int):
     """`workload` at an arrival rate: the trace's rate is its speed (1 / the time scale)."""
     return workload(spec, 1.0 / rate if spec == "trace" else rate, n, seed, max_prompt_len)
+
+
+def requests(spec: str, rate: float, num_prompts: int, min_seconds: float = MIN_SECONDS) -> int:
+    """A run's requests: `num_prompts`, or `min_seconds` of arrivals at `rate` where that is more
+    (the trace: its first `num_prompts`)."""
+    return num_prompts if spec == "trace" else max(num_prompts, round(rate * min_seconds))
 
 
 def workload(spec: str, rate: float, n: int, seed: int, max_prompt_len: int = 32_768):
@@ -127,6 +138,8 @@ def main() -> None:
                          "router finding it there too (the daemon kept it 1 s before its step message said where "
                          "the segments went; sim/node.py NodeConfig.let_go_after)")
     ap.add_argument("--num-prompts", type=int, default=300)
+    ap.add_argument("--min-seconds", type=float, default=MIN_SECONDS,
+                    help="of arrivals a run offers, past --num-prompts (not the trace's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -142,7 +155,8 @@ def main() -> None:
                 continue
             for load, rate in zip(("light", "overload"), rates):
                 t0 = time.perf_counter()
-                w = workload(spec, rate, a.num_prompts, a.seed, cap)
+                n = requests(spec, rate, a.num_prompts, a.min_seconds)
+                w = workload(spec, rate, n, a.seed, cap)
                 results = {m: simulate(cost, w, m, NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off,
                                                                  let_go_after=a.let_go_after,
                                                                  follow=not a.no_follow,
@@ -150,7 +164,7 @@ def main() -> None:
                            for m in modes}
                 s = {m: r.summary() for m, r in results.items()}
                 row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
-                       "load": load, "rate": rate, "seconds": time.perf_counter() - t0,
+                       "load": load, "rate": rate, "requests": n, "seconds": time.perf_counter() - t0,
                        "ideal_hit_rate": ideal_hit_rate(w, cost.page_size),
                        **{m: {k: s[m][k] for k in KEYS} | {"put_pages": results[m].put_pages} for m in modes}}
                 for m in modes[1:]:
@@ -169,7 +183,8 @@ def main() -> None:
                                  "kv_scale": a.kv_scale, "policy": a.policy, "hand_off": a.hand_off,
                                  "let_go_after": a.let_go_after, "follow": not a.no_follow,
                                  "overlap_queries": not a.serial_queries,
-                                 "num_prompts": a.num_prompts, "seed": a.seed, "rows": rows}), f, indent=1)
+                                 "num_prompts": a.num_prompts, "min_seconds": a.min_seconds, "seed": a.seed,
+                                 "rows": rows}), f, indent=1)
         print("wrote", a.out)
 
 

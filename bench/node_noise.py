@@ -9,6 +9,8 @@ band of 1 is a tie, not a loss or a win.
                                [--workloads documents:active=32,...] [--kv-scale F]
                                [--num-prompts 300] [--jobs 2] [--out FILE]
 
+Each run offers --num-prompts requests, or node_contexts' MIN_SECONDS of arrivals where that is more.
+
 Per workload and load: each seed's ratio (random ties over the lower id) and their geometric mean;
 overall, the ratios' range and geometric mean. The policy is tokenflow, as node_contexts' runs.
 """
@@ -25,14 +27,14 @@ from concurrent.futures import ProcessPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from node_contexts import H200, RUNS, scaled_cost, workload  # noqa: E402
+from node_contexts import H200, RUNS, requests, scaled_cost, workload  # noqa: E402
 from tokenflowd.sim.node import NodeConfig, NodeSimulator  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 
 
 def run(preset: str, spec: str, rate: float, seed: int, kv_scale: float, n: int, random_ties: bool) -> float:
     cost, cap = scaled_cost(preset, kv_scale)
-    w = workload(spec, rate, n, seed, cap)
+    w = workload(spec, rate, requests(spec, rate, n), seed, cap)
     config = NodeConfig(seed=seed, policy="tokenflow", random_ties=random_ties)
     return NodeSimulator(cost, w, "routing", config).run().summary()["throughput"]
 
