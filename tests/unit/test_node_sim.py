@@ -54,14 +54,19 @@ def test_pool_write_keeps_one_copy_of_each_segment_in_the_node():
     the prompt copies a segment to its home while the engine that computed it still holds its own
     (a second copy); pool-write writes it into its home and lets go of its own pages of it, reading
     it there (the daemon's write into the home), so the node holds fewer pages at its peak and
-    each segment is cached on one engine, but for copies of the hot ones."""
+    each segment is cached on one engine, but for copies of the hot ones. It hits more than routing
+    and about as often as placing after the prompt: a request that comes while its document is
+    computed elsewhere reads it only once it is (router.py PENDING_SECONDS), so which of the two
+    modes a few such requests happen to find done moves the hit rate by a request's prefix (here
+    one of 40: 0.750 and 0.728; before the simulator kept an engine's pages from the router's index
+    until its step computing them ended, such a request read them first, 0.793 both)."""
     from tokenflowd.sim.node import NodeSimulator
     from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
 
     cost = cost_model("a100-llama2-7b")
     w = build_workload(WorkloadSpec("poisson", 40, rate=8.0, contexts=parse_context_shape("documents:scale=0.1:active=4")))
     peaks, results = {}, {}
-    for mode in ("pool", "pool-write"):
+    for mode in ("routing", "pool", "pool-write"):
         sim = NodeSimulator(cost, w, mode, NodeConfig(engines=4, segment_pages=8))
         peak = [0]
         for e in sim.engines:
@@ -80,7 +85,8 @@ def test_pool_write_keeps_one_copy_of_each_segment_in_the_node():
             assert sum(holders.values()) - len(holders) <= sim.copied_pages, "a segment cached on two engines"
     assert results["pool-write"].put_pages > 0
     assert peaks["pool-write"] < peaks["pool"], peaks
-    assert results["pool-write"].summary()["hit_rate"] >= results["pool"].summary()["hit_rate"]
+    hits = {mode: r.summary()["hit_rate"] for mode, r in results.items()}
+    assert hits["pool-write"] > hits["routing"] and hits["pool-write"] > hits["pool"] - 0.05, hits
 
 
 def test_a_reader_cannot_read_a_segment_before_it_is_computed():
@@ -96,6 +102,27 @@ def test_a_reader_cannot_read_a_segment_before_it_is_computed():
         assert r.computed_tokens >= 2 * 4096, mode
 
 
+def test_a_reader_cannot_find_a_document_on_an_engine_still_computing_it():
+    """A step publishes the pages it computes as it begins; the router learns of them at its end,
+    as the daemon's engines report them with the step. Request a computes an 8K-token document in
+    one step; b, on another engine, finishes its short prompt first and writes its segments into
+    their homes, a's engine among them. That write took a's engine's new keys into the router's
+    index with it, and c, coming for the document at 0.2 s, was sent to read a's pages there: its
+    first token at 0.214 s, a's at 0.844 s (KV no step had computed yet). It cannot read them
+    before a's step ends."""
+    from tokenflowd.sim.node import NodeSimulator
+
+    doc, other = tuple(range(1, 17)), tuple(range(101, 105))  # blocks of 512 tokens
+    w = [WorkloadRequest("a", 0.0, 8200, 8, 20.0, doc + (5000,)),
+         WorkloadRequest("b", 0.001, 2100, 8, 20.0, other + (6000,)),
+         WorkloadRequest("c", 0.2, 8200, 8, 20.0, doc + (7000,))]
+    sim = NodeSimulator(cost_model("a100-llama2-7b"), w, "pool-write", NodeConfig(engines=4, segment_pages=8))
+    r = sim.run()
+    a, b, c = r.records
+    assert b.token_times[0] < 0.2 < a.token_times[0] and r.put_pages > 0  # b wrote into homes as a computed
+    assert c.num_cached_tokens == 0 or c.token_times[0] > a.token_times[0], (c.num_cached_tokens, c.token_times[0])
+
+
 def test_engines_whose_waiting_requests_pin_each_others_pages_give_the_pins_back_and_finish():
     """Where one engine cannot hold the documents, in overload, placing after the prompt (`pool`)
     left every engine's pages pinned by requests waiting on the others, and no engine could admit
@@ -103,7 +130,9 @@ def test_engines_whose_waiting_requests_pin_each_others_pages_give_the_pins_back
     that has run nothing for STUCK_SECONDS with requests waiting gives their pins back."""
     from tokenflowd.sim.node import NodeSimulator
 
-    cost, over = small_cache_documents(16.0, 100)
+    # (16 documents of 6K tokens, a few questions each: here 3 engines got stuck; with 32 questions
+    # a document, none since a step's pages stopped reaching the router before the step ended)
+    cost, over = small_cache_documents(16.0, 100, shape="documents:active=16:scale=0.5")
     sim = NodeSimulator(cost, over, "pool", NodeConfig(steal=False))  # (an idle engine taking work unsticks it too)
     assert sim.run().summary()["requests_served"] == 100
     assert sim.unblocked > 0
@@ -222,14 +251,14 @@ def test_an_engine_that_wrote_segments_into_their_homes_lets_go_of_its_own_at_on
     named readers the copy about to go. Now it lets go at once and its step message says where the
     segments went (StepOutputs.keys_moved: tests/unit/test_pool_hand_off.py, test_chain_ends.py), as
     the simulator always had it. The same 16 documents of 12K tokens at a light load, a quarter of
-    the A100's KV: at once, hit rate 0.834 and access CV 0.10; a second late, 0.593 and 0.19
+    the A100's KV: at once, hit rate 0.876 and access CV 0.097; a second late, 0.668 and 0.143
     (over four workloads and seeds 0-3, light: 0.82 and 0.19 against 0.73 and 0.28; overload: 1.22x
     routing's throughput against 1.07x: bench/results/node_contexts_small_cache_let_go_late.json)."""
     cost, light = small_cache_documents(2.0)
     at_once, late = (NodeSimulator(cost, light, "pool-write", NodeConfig(let_go_after=t)).run().summary()
                      for t in (0.0, 1.0))
     assert at_once["hit_rate"] >= late["hit_rate"] + 0.1, (at_once, late)
-    assert at_once["access_cv"] < 0.15 < late["access_cv"], (at_once, late)
+    assert at_once["access_cv"] < min(0.15, 0.75 * late["access_cv"]), (at_once, late)
 
 
 def test_readers_of_a_senders_copy_follow_the_segments_into_their_homes_and_the_copy_goes():
@@ -237,18 +266,18 @@ def test_readers_of_a_senders_copy_follow_the_segments_into_their_homes_and_the_
     it was written into its homes they read that copy, kept for them, apart from the homes, for as
     long as they ran. Now they are told where it went (protocol.Moved, pool/member.py follow; the
     simulator NodeConfig.follow) and read it at the homes, and the copy goes. Overload, 150 requests
-    over 16 documents of 12K tokens, a quarter of the A100's KV: throughput 734 against 709 tokens/s
-    (seeds 1-3: 1.10x, 1.21x and 1.13x the copy's; routing serves 0.47x-0.66x of it), within the SLO
-    0.99 against 0.91, access CV 0.15 against 0.21; hit rate 0.79 against 0.84 (seeds 1-3: 0.86
-    against 0.84-0.85). (With each row's query costed once a run rather than once a holder, before:
-    689 against 706 tokens/s, hit rate 0.824 against 0.772; how these came to be, and the four
+    over 16 documents of 12K tokens, a quarter of the A100's KV: throughput 672 against 641 tokens/s,
+    hit rate 0.80 against 0.65, within the SLO 0.91 against 0.86. (Before the simulator kept a step's
+    pages from the router's index until the step ended, some of these requests read pages still being
+    computed: 734 against 709 tokens/s, hit rate 0.79 against 0.84, within the SLO 0.99 against 0.91,
+    access CV 0.15 against 0.21, where both are now 0.074; how these came to be, and the four
     workloads at seeds 0-3: docs/pool_history.md.)"""
     cost, over = small_cache_documents(16.0)
     follow, stay = (NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow", follow=f)).run().summary()
                     for f in (True, False))
     assert follow["throughput"] > stay["throughput"], (follow, stay)
-    assert follow["slo_attainment"] >= stay["slo_attainment"] + 0.05, (follow, stay)
-    assert follow["access_cv"] < 0.8 * stay["access_cv"], (follow, stay)
+    assert follow["hit_rate"] >= stay["hit_rate"] + 0.1, (follow, stay)
+    assert follow["slo_attainment"] > stay["slo_attainment"], (follow, stay)
 
 
 def test_the_ideal_hit_rate_counts_the_leading_pages_an_earlier_request_had_but_never_the_last_token():
@@ -493,15 +522,16 @@ def test_a_hot_system_prompt_is_copied_once_into_each_engine_that_reads_it_elsew
 
 def test_in_a_burst_behind_a_hot_system_prompt_each_engine_copies_it_in_at_its_queues_front_and_keeps_its_own(
         monkeypatch):
-    """The H200 preset, 600 short chats behind one 2,048-token system prompt at routing's highest
-    rate under TokenLake's TTFT SLO (3,320 req/s; bench/results/node_goodput_h200_marks.json),
-    segments written into their homes. Nearly all of the burst came before the prompt was
+    """The H200 preset, a burst of 600 short chats behind one 2,048-token system prompt (3,320
+    req/s, 0.18 s: the rate TokenLake's TTFT SLO search found while its probes were 1,200 requests;
+    bench/results/node_goodput_h200_marks.json), segments written into their homes. Nearly all of the burst came before the prompt was
     computed, so none was told to copy it as it came, and an engine whose request computed a
     segment wrote it into its home and dropped its own though the segment was hot: the prompt's
     homes answered every engine. Copies are named when a queued request asks where its reads are
     (Router.reads), and a hot segment computed here stays as a replica (PoolMember.replicas):
-    the engines read the prompt where they run. Either alone leaves a third of the prompt tokens
-    or more read at the homes."""
+    the engines read the prompt where they run. Without the copies named at the front, 0.09 of
+    the prompt tokens are read at the homes and the access CV is 0.23 against 0.09; without the
+    replicas kept, 0.69 (each a round trip per layer)."""
     from tokenflowd.daemon.router import Router
     from tokenflowd.sim import node
     from tokenflowd.sim.cost import CostModel
@@ -518,7 +548,7 @@ def test_in_a_burst_behind_a_hot_system_prompt_each_engine_copies_it_in_at_its_q
         return {**result.summary(), "peer": result.peer_tokens / result.prompt_tokens, "copied": sim.copied_pages}
 
     both = run()
-    assert both["peer"] < 0.05 and both["access_cv"] < 0.3 and both["copied"] > 0, both  # measured: 0.0, 0.25
+    assert both["peer"] < 0.05 and both["access_cv"] < 0.15 and both["copied"] > 0, both  # measured: 0.0, 0.089
     reads = Router.reads
     monkeypatch.setattr(Router, "reads", lambda *a, **k: (reads(*a, **k)[0], []))
     no_copy_at_front = run()
@@ -531,10 +561,10 @@ def test_in_a_burst_behind_a_hot_system_prompt_each_engine_copies_it_in_at_its_q
 
     monkeypatch.setattr(node.NodeSimulator, "_copy", forgetting)
     not_kept = run()
-    # measured: 0.33 and 0.37 of the prompt tokens read on peers, each of them a round trip per
-    # layer. (Their access CV, 0.16 and 0.17, is no worse: the prompt's four segments are dealt to
-    # four engines, pool/homes.py segment_homes. Homed by each one's hash, they were 0.25 and 0.49.)
-    assert no_copy_at_front["peer"] > 0.3 and not_kept["peer"] > 0.3, (no_copy_at_front, not_kept)
+    # measured: 0.087 and 0.69 of the prompt tokens read on peers, access CV 0.23 and 1.29
+    assert no_copy_at_front["peer"] > 0.05 and no_copy_at_front["access_cv"] > 2 * both["access_cv"], \
+        (both, no_copy_at_front)
+    assert not_kept["peer"] > 0.3, not_kept
 
 
 def test_a_hot_system_prompt_computed_in_a_burst_stays_where_it_is_computed_and_the_engines_read_alike(monkeypatch):

@@ -295,6 +295,9 @@ class _Engine:
         self.clock = VirtualClock()
         self.pool = PagePool(cost.num_pages, True)
         self.pool.drain_key_events()  # record from here on: the router's index follows them
+        # keys its step in flight published as it began, drained with a peer's put into it: the
+        # router's index has them at the step's end (NodeSimulator._update_now)
+        self.unreported: list[bytes] = []
         self.kv = KVCacheManager(self.pool, cost.page_size)
         policy = make_policy(config.policy, PolicyConfig())
         self.scheduler = Scheduler(self.kv, policy, cost.max_num_batched_tokens, cost.max_num_seqs, clock=self.clock)
@@ -510,6 +513,7 @@ class NodeSimulator:
         PoolMember.copy_in): the pages it lacks, unreferenced in its prefix cache; it pays their KV on
         the link at its next step."""
         cost = self.cost
+        copied: list[bytes] = []
         for holder_id, keys in copies:
             keys = keys[: len(self.engines[holder_id].pool.lookup(keys))]
             have = len(target.pool.lookup(keys))
@@ -521,10 +525,11 @@ class NodeSimulator:
             _release(target.pool, taken)
             target.pool.evict_first([page for page, new in zip(taken, fresh) if new])
             target.replicas.update(keys[: len(taken)])
+            copied += keys[: len(taken)]
             new = max(0, len(taken) - have)
             self.copied_pages += new
             target.owe(self.config.link_alpha + self.config.link_time(cost, new * cost.page_size))
-        self._update(target.engine_id, *target.pool.drain_key_events())
+        self._update_now(target, copied)
 
     def _pin(self, target: _Engine, req: Request, runs: list[tuple[int, list[bytes]]], queued: bool = False) -> None:
         """The runs' pages, where they are, up to the first that is gone (as the engine's PoolMember);
@@ -599,8 +604,7 @@ class NodeSimulator:
                 e.pool.unpublish([key for key in keys[:held] if key not in e.replicas])
                 self.put_pages += held
                 e.owe(self.config.link_alpha + self.config.link_time(cost, held * cost.page_size))
-                added, removed = home.pool.drain_key_events()
-                self._update(home_id, added, removed)
+                self._update_now(home, keys[:held])
 
     def _hand_off(self, e: _Engine) -> None:
         """Write into the home, as the daemon's PoolHooks._hand_off: once a running request's prompt
@@ -652,7 +656,7 @@ class NodeSimulator:
                     fresh = min(fresh, len(held))
                     self.put_pages += fresh
                     e.owe(self.config.link_alpha + self.config.link_time(cost, fresh * ps))
-                    self._update(home_id, *home.pool.drain_key_events())
+                    self._update_now(home, run[: len(held)])
                 if held:
                     pinned.append((home, held))
                 got += len(held)
@@ -733,13 +737,28 @@ class NodeSimulator:
             self._hand_off(e)
         if e.letting_go:
             self._let_go(e)
-        self._update(e.engine_id, *e.pool.drain_key_events())
+        added, removed = e.pool.drain_key_events()
+        if e.unreported:
+            added = [key for key in e.unreported if e.pool.holds(key)] + added
+            e.unreported = []
+        self._update(e.engine_id, added, removed)
         for rid in finished:
             e.release(rid)
             self.keys.pop(rid, None)
             self.told_pending.discard(rid)
         if self.config.steal and self.mode != "routing":
             self._steal(e, e.clock.now)
+
+    def _update_now(self, e: _Engine, keys: list[bytes]) -> None:
+        """Pages of `keys` a peer put or copied into e just now, into the router's index, with what
+        e evicted for them. e's other new keys wait for its step's end (`_effects`): a step publishes
+        the pages it computes as it begins, and the router found them on e before they were computed
+        (a request arriving meanwhile was sent to e to read a document e was still computing, and
+        read it there, not at its homes, while it ran). The daemon's engines report them with the step."""
+        added, removed = e.pool.drain_key_events()
+        now = set(keys)
+        e.unreported += [key for key in added if key not in now]
+        self._update(e.engine_id, [key for key in added if key in now], removed)
 
     def _update(self, engine_id: int, added: list[bytes], removed: list[bytes]) -> None:
         """An engine's key events into the router's index, and the index's word on where chains end
