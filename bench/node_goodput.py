@@ -32,7 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from node_contexts import H200, RUNS, at_rate, mode_base, scaled_cost, simulate  # noqa: E402
+from node_contexts import H200, MIN_SECONDS, RUNS, at_rate, mode_base, requests, scaled_cost, simulate  # noqa: E402
 from tokenflowd.sim.node import MODES, SLO_FACTOR, NodeConfig  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 
@@ -40,8 +40,8 @@ ATTAINMENT = 0.9
 
 
 def probe(cost, spec: str, rate: float, mode: str, a, cap: int) -> dict:
-    n = a.num_prompts if spec == "trace" else max(min(a.max_prompts, max(a.num_prompts, round(rate * a.seconds))),
-                                                  round(rate * a.min_seconds))
+    n = requests(spec, rate, a.num_prompts if spec == "trace" else
+                 min(a.max_prompts, max(a.num_prompts, round(rate * a.seconds))), a.min_seconds)
     r = simulate(cost, at_rate(spec, rate, n, a.seed, cap), mode,
                  NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off)).summary()
     return {"rate": rate, "requests": n,
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--seconds", type=float, default=30.0, help="of arrivals a probe offers")
     ap.add_argument("--max-prompts", type=int, default=1200)
-    ap.add_argument("--min-seconds", type=float, default=10.0,
+    ap.add_argument("--min-seconds", type=float, default=MIN_SECONDS,
                     help="of arrivals a probe offers however many requests that takes (past --max-prompts)")
     ap.add_argument("--slo", default="ttft", choices=["ttft", "both"])
     ap.add_argument("--seed", type=int, default=0)
