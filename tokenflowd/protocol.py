@@ -214,14 +214,27 @@ class ChainEnds(msgspec.Struct, tag=True):
     ends: list[bytes]
 
 
+class Computing(msgspec.Struct, tag=True):
+    """The pool: the step about to run begins computing these requests' prompts (sent before it
+    runs: a request the router named to compute a prefix is computing it now, and one told it is
+    being computed waits for it: daemon/router.py `being_computed`)."""
+
+    engine_id: int
+    incarnation: int
+    request_ids: list[str]
+
+
 class Reads(msgspec.Struct, tag=True):
     """The front's answer to ResolveReads: where the pool holds the queued request's prefix now
     (runs as AddRequest.prefix; []: nowhere but, at most, the engine's own cache), and the hot
-    segments among them the engine copies in first (as AddRequest.copy)."""
+    segments among them the engine copies in first (as AddRequest.copy). `pending`: the request
+    that AddRequest.pending named as computing the rest of it has not finished its prompt yet: ask
+    again a little later (pool/ahead.py ASK_EVERY) rather than compute it too."""
 
     request_id: str
     prefix: list[PrefixRun] = []
     copy: list[PrefixRun] = []
+    pending: bool = False
 
 
 class Withdraw(msgspec.Struct, tag=True):
@@ -453,7 +466,7 @@ class Withdrawn(msgspec.Struct, tag=True):
 
 
 FromEngine = (Ready | StepOutputs | QueryReply | Reconfigured | KeySnapshot | Reserved | Prefilled | ResolveReads
-              | Withdrawn)
+              | Withdrawn | Computing)
 
 
 class EngineSpec(msgspec.Struct):

@@ -54,7 +54,7 @@ class Pair:
         req = self.make("a")
         self.d._validate(req)
         self.target = self.receiver.reserve(self.d, req)
-        self.p.on_batch = self._plan
+        self.p.on_batch = [self._plan]
 
     def _plan(self, batch) -> None:
         self.p.runner.layer_hook = self.sender.after_layer if self.sender.plan(batch, self.p.scheduler.requests) else None

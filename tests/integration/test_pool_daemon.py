@@ -507,6 +507,34 @@ def test_a_reader_of_the_writers_copy_follows_the_prefix_into_its_home_with_the_
         assert d.stop() == 0
 
 
+def test_a_request_that_comes_while_its_prefix_is_computed_on_the_other_engine_waits_and_reads_it(reference):
+    """Two requests over a new 2,048-token prefix come together and go one to each engine: the first
+    is named to compute the prefix, the second is told it is being computed (AddRequest.pending).
+    Its engine is idle, but it does not compute the prefix too: each time it asks where its prefix
+    is, its front answers that the first has no first token yet (Reads.pending), and it asks again
+    a little later (pool/ahead.py ASK_EVERY). Once the first's prompt is computed, it reads the whole
+    prefix where the pool holds it. Both requests' tokens are one engine's."""
+    prefix, prompts = long_prompts(reference, ARCHIVE, 2, 2048)
+    want = greedy(reference, prompts, MAX_TOKENS)
+    d = Daemon(*LONG_FLAGS)
+    try:
+        d.wait_all_engines()
+        responses = asyncio.run(post_all(d.base_url, [body(q) for q in prompts]))
+        assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+        assert [r.json()["choices"][0]["text"] for r in responses] == want
+        took = {e: sum(d.metric("tokenflowd_prompt_token_sources_total", engine=str(e), source=s)
+                       for s in ("local", "peer", "miss")) for e in (0, 1)}
+        assert min(took.values()) > 0, ("both ran on one engine", took)
+        cached = sorted(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in responses)
+        assert cached[1] >= len(prefix), ("the second computed the prefix again", cached)
+        assert source_tokens(d, "miss") < 2 * len(prefix), "the prefix was computed twice"
+        for e in ("0", "1"):
+            wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
+            assert d.metric("tokenflowd_pool_pinned_pages", engine=e) == 0
+    finally:
+        assert d.stop() == 0
+
+
 async def _first_token(seen: dict) -> None:
     seen.setdefault("first_token", True)
 

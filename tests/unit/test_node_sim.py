@@ -91,15 +91,21 @@ def test_pool_write_keeps_one_copy_of_each_segment_in_the_node():
 
 def test_a_reader_cannot_read_a_segment_before_it_is_computed():
     """Two requests for the same 4K-token document at once: the second arrives before the first has
-    computed anything, so there is nothing to read; each computes the document (pool-write writes it
-    into its homes only once its prompt is computed). A model that let the second read pages the
-    first had only reserved at their homes counted hits that no KV stood behind."""
+    computed anything, so there is nothing to read. Placed at homes, it is told that the first is
+    computing it (AddRequest.pending), waits, and reads the document once the first's prompt is
+    computed, not before (a model that let it read pages the first had only reserved at their homes
+    counted hits that no KV stood behind). Kept where computed (pool-local) it is told nothing, and
+    computes the document too, beside the first."""
     doc = tuple(range(1, 9))  # 8 blocks of 512 tokens
     w = [WorkloadRequest("a", 0.0, 4160, 8, 20.0, doc + (5000,)), WorkloadRequest("b", 0.0, 4160, 8, 20.0, doc + (6000,))]
     for mode in ("pool", "pool-write", "pool-local"):
         r = simulate_node(cost_model("a100-llama2-7b"), w, (mode,), NodeConfig(engines=2))[mode]
-        assert r.peer_tokens == 0 and r.local_tokens == 0, mode
-        assert r.computed_tokens >= 2 * 4096, mode
+        a, b = r.records
+        if mode == "pool-local":
+            assert r.peer_tokens == 0 and r.local_tokens == 0 and r.computed_tokens >= 2 * 4096, mode
+        else:
+            assert b.num_cached_tokens == 4096 and r.computed_tokens < 4096 + 200, (mode, b, r.computed_tokens)
+            assert b.admit_time >= a.token_times[0], (mode, b.admit_time, a.token_times[0])
 
 
 def test_a_reader_cannot_find_a_document_on_an_engine_still_computing_it():
@@ -123,6 +129,25 @@ def test_a_reader_cannot_find_a_document_on_an_engine_still_computing_it():
     assert c.num_cached_tokens == 0 or c.token_times[0] > a.token_times[0], (c.num_cached_tokens, c.token_times[0])
 
 
+def test_a_request_whose_document_a_peer_is_computing_waits_for_it_and_reads_it():
+    """As above, c comes while a computes the document on another engine, and is told so
+    (AddRequest.pending). Its engine is idle: it asked where the document was at once and again as
+    its policy picked it, found nothing, and computed all 8K tokens again (first token 1.029 s).
+    Told on each ask that a has not finished (Reads.pending), it asks again ASK_EVERY later, and
+    reads the document once a's first token has come."""
+    from tokenflowd.pool.ahead import ASK_EVERY
+    from tokenflowd.sim.node import NodeSimulator
+
+    doc, other = tuple(range(1, 17)), tuple(range(101, 105))
+    w = [WorkloadRequest("a", 0.0, 8200, 8, 20.0, doc + (5000,)),
+         WorkloadRequest("b", 0.001, 2100, 8, 20.0, other + (6000,)),
+         WorkloadRequest("c", 0.2, 8200, 8, 20.0, doc + (7000,))]
+    r = NodeSimulator(cost_model("a100-llama2-7b"), w, "pool-write", NodeConfig(engines=4, segment_pages=8)).run()
+    a, _, c = r.records
+    assert c.num_cached_tokens == 8192, "it read the whole document"
+    assert a.token_times[0] <= c.admit_time <= a.token_times[0] + ASK_EVERY + 0.01, (a.token_times[0], c.admit_time)
+
+
 def test_engines_whose_waiting_requests_pin_each_others_pages_give_the_pins_back_and_finish():
     """Where one engine cannot hold the documents, in overload, placing after the prompt (`pool`)
     left every engine's pages pinned by requests waiting on the others, and no engine could admit
@@ -130,8 +155,8 @@ def test_engines_whose_waiting_requests_pin_each_others_pages_give_the_pins_back
     that has run nothing for STUCK_SECONDS with requests waiting gives their pins back."""
     from tokenflowd.sim.node import NodeSimulator
 
-    # (16 documents of 6K tokens, a few questions each: here 3 engines got stuck; with 32 questions
-    # a document, none since a step's pages stopped reaching the router before the step ended)
+    # (16 documents of 6K tokens, a few questions each: here one request gives its pins back; with 32
+    # questions a document, none since a step's pages stopped reaching the router before the step ended)
     cost, over = small_cache_documents(16.0, 100, shape="documents:active=16:scale=0.5")
     sim = NodeSimulator(cost, over, "pool", NodeConfig(steal=False))  # (an idle engine taking work unsticks it too)
     assert sim.run().summary()["requests_served"] == 100
@@ -266,18 +291,17 @@ def test_readers_of_a_senders_copy_follow_the_segments_into_their_homes_and_the_
     it was written into its homes they read that copy, kept for them, apart from the homes, for as
     long as they ran. Now they are told where it went (protocol.Moved, pool/member.py follow; the
     simulator NodeConfig.follow) and read it at the homes, and the copy goes. Overload, 150 requests
-    over 16 documents of 12K tokens, a quarter of the A100's KV: throughput 672 against 641 tokens/s,
-    hit rate 0.80 against 0.65, within the SLO 0.91 against 0.86. (Before the simulator kept a step's
-    pages from the router's index until the step ended, some of these requests read pages still being
-    computed: 734 against 709 tokens/s, hit rate 0.79 against 0.84, within the SLO 0.99 against 0.91,
-    access CV 0.15 against 0.21, where both are now 0.074; how these came to be, and the four
-    workloads at seeds 0-3: docs/pool_history.md.)"""
+    over 16 documents of 12K tokens, a quarter of the A100's KV: hit rate 0.84 against 0.82, within
+    the SLO 0.99 against 0.98, throughput 730 against 757 tokens/s. Since a request told its
+    document is being computed waits for it (Reads.pending), few requests read a copy mid-prompt, and
+    following gains little: before, 672 against 641 tokens/s, hit rate 0.80 against 0.65, within
+    the SLO 0.91 against 0.86 (how these came to be: docs/pool_history.md)."""
     cost, over = small_cache_documents(16.0)
     follow, stay = (NodeSimulator(cost, over, "pool-write", NodeConfig(policy="tokenflow", follow=f)).run().summary()
                     for f in (True, False))
-    assert follow["throughput"] > stay["throughput"], (follow, stay)
-    assert follow["hit_rate"] >= stay["hit_rate"] + 0.1, (follow, stay)
-    assert follow["slo_attainment"] > stay["slo_attainment"], (follow, stay)
+    assert follow["hit_rate"] >= stay["hit_rate"], (follow, stay)
+    assert follow["slo_attainment"] >= stay["slo_attainment"], (follow, stay)
+    assert follow["throughput"] >= 0.95 * stay["throughput"], (follow, stay)
 
 
 def test_the_ideal_hit_rate_counts_the_leading_pages_an_earlier_request_had_but_never_the_last_token():
@@ -405,13 +429,15 @@ def test_a_request_told_nothing_holds_its_prefix_asks_again_when_picked_and_the_
         return {**result.summary(), "slo": sum(result.meets_slo(tbt=False)) / len(result.records)}
 
     r, q = run("routing"), run("pool-write")
-    # hit rate 0.700 against 0.578, 1,672 against 1,471 tokens/s, TTFT SLO met for 0.97 against 0.84
+    # hit rate 0.715 against 0.578, 1,777 against 1,471 tokens/s, TTFT SLO met for 0.96 against 0.84
     assert q["hit_rate"] >= 1.15 * r["hit_rate"] and q["throughput"] >= 1.1 * r["throughput"], (q, r)
     assert q["slo"] >= 0.9 and q["slo"] >= r["slo"], (q, r)
     assert q["access_cv"] < 0.15 and r["access_cv"] > 0.3, (q, r)
     monkeypatch.setattr(node, "asks_again", lambda *_: False)
     before = run("pool-write")
-    assert before["hit_rate"] < r["hit_rate"] and before["slo"] < 0.9, (before, r)
+    # hit rate 0.605, 1,509 tokens/s, SLO 0.84 (above routing's hit rate since a request told its
+    # document is being computed waits for it; below it before)
+    assert before["hit_rate"] < q["hit_rate"] - 0.05 and before["slo"] < 0.9, (before, q)
 
 
 def test_in_overload_where_one_engine_cannot_hold_the_documents_requests_read_what_was_computed_while_they_waited():
@@ -482,9 +508,9 @@ def test_the_access_cv_counts_the_kv_each_engines_memory_serves_a_peers_reads_at
         finally:
             stepping.pop()
 
-    def counted(self, window, tokens):
+    def counted(self, start, duration, tokens):
         reads["own" if self.engine_id == stepping[-1] else "peer"] += tokens
-        read(self, window, tokens)
+        read(self, start, duration, tokens)
 
     monkeypatch.setattr(node._Executor, "step_time", timed)
     monkeypatch.setattr(node._Engine, "read", counted)
@@ -529,9 +555,11 @@ def test_in_a_burst_behind_a_hot_system_prompt_each_engine_copies_it_in_at_its_q
     segment wrote it into its home and dropped its own though the segment was hot: the prompt's
     homes answered every engine. Copies are named when a queued request asks where its reads are
     (Router.reads), and a hot segment computed here stays as a replica (PoolMember.replicas):
-    the engines read the prompt where they run. Without the copies named at the front, 0.09 of
-    the prompt tokens are read at the homes and the access CV is 0.23 against 0.09; without the
-    replicas kept, 0.69 (each a round trip per layer)."""
+    the engines read the prompt where they run. Without the copies named at the front, 0.71 of
+    the prompt tokens are read at the homes and the access CV is 0.88 against 0.095; without the
+    replicas kept, 0.31 (each a round trip per layer). (Before a request told the prompt was being
+    computed waited for it, most engines' first requests computed it too, and kept it: 0.09 and
+    0.69.)"""
     from tokenflowd.daemon.router import Router
     from tokenflowd.sim import node
     from tokenflowd.sim.cost import CostModel
@@ -548,7 +576,7 @@ def test_in_a_burst_behind_a_hot_system_prompt_each_engine_copies_it_in_at_its_q
         return {**result.summary(), "peer": result.peer_tokens / result.prompt_tokens, "copied": sim.copied_pages}
 
     both = run()
-    assert both["peer"] < 0.05 and both["access_cv"] < 0.15 and both["copied"] > 0, both  # measured: 0.0, 0.089
+    assert both["peer"] < 0.05 and both["access_cv"] < 0.15 and both["copied"] > 0, both  # measured: 0.0, 0.095
     reads = Router.reads
     monkeypatch.setattr(Router, "reads", lambda *a, **k: (reads(*a, **k)[0], []))
     no_copy_at_front = run()
@@ -561,10 +589,10 @@ def test_in_a_burst_behind_a_hot_system_prompt_each_engine_copies_it_in_at_its_q
 
     monkeypatch.setattr(node.NodeSimulator, "_copy", forgetting)
     not_kept = run()
-    # measured: 0.087 and 0.69 of the prompt tokens read on peers, access CV 0.23 and 1.29
-    assert no_copy_at_front["peer"] > 0.05 and no_copy_at_front["access_cv"] > 2 * both["access_cv"], \
+    # measured: 0.71 and 0.31 of the prompt tokens read on peers, access CV 0.88 and 0.42
+    assert no_copy_at_front["peer"] > 0.3 and no_copy_at_front["access_cv"] > 2 * both["access_cv"], \
         (both, no_copy_at_front)
-    assert not_kept["peer"] > 0.3, not_kept
+    assert not_kept["peer"] > 0.2, not_kept
 
 
 def test_a_hot_system_prompt_computed_in_a_burst_stays_where_it_is_computed_and_the_engines_read_alike(monkeypatch):
@@ -573,8 +601,12 @@ def test_a_hot_system_prompt_computed_in_a_burst_stays_where_it_is_computed_and_
     compute the prompt together, and most of them were picked after its segments turned hot. Moved
     to their homes (Router.places before), those requests read the prompt there at every step of
     their decodes, and so did the requests after them until each engine's copy landed: the four
-    homes read twice what the others did in the burst's second (measured: access CV 0.278 and 0.249
-    at seeds 0 and 1, routing's 0.055 and 0.057). Kept where computed: 0.083 and 0.077."""
+    homes read twice what the others did in the burst's second (then measured: access CV 0.278 and
+    0.249 at seeds 0 and 1, kept where computed 0.083 and 0.077). Since a request told the prompt is
+    being computed waits for it, one engine computes it and the others copy it in; and since a
+    step's reads are spread over the seconds it spans, not counted in the one it began in, the
+    burst's one second reads 0.220 kept and 0.243 moved: what stays is the throughput, 4,615
+    against 4,160 tokens/s. (At the 226 req/s the node sustains, kept and moved alike: 0.14.)"""
     from tokenflowd.daemon.router import Router
     from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
 
@@ -593,8 +625,8 @@ def test_a_hot_system_prompt_computed_in_a_burst_stays_where_it_is_computed_and_
 
     monkeypatch.setattr(Router, "places", placing_hot)
     moved = NodeSimulator(cost, w, "pool-write", NodeConfig(policy="tokenflow")).run().summary()
-    assert kept["access_cv"] < 0.15 < 0.2 < moved["access_cv"], (kept["access_cv"], moved["access_cv"])
-    assert kept["throughput"] > moved["throughput"], (kept["throughput"], moved["throughput"])  # 4,547 against 4,198
+    assert kept["access_cv"] < moved["access_cv"], (kept["access_cv"], moved["access_cv"])
+    assert kept["throughput"] > 1.05 * moved["throughput"], (kept["throughput"], moved["throughput"])
 
 
 def test_in_a_burst_behind_a_system_prompt_requests_that_come_while_it_is_computed_read_it_once_written(
@@ -603,19 +635,21 @@ def test_in_a_burst_behind_a_system_prompt_requests_that_come_while_it_is_comput
     system prompt at 80 req/s, seed 3, segments written into their homes. The first eight requests
     compute the prompt on eight engines; one that came meanwhile to an engine computing it went in
     at its next step, after that engine had written the prompt into its homes and let go of its
-    own copy, and computed it all again (5 of 300; hit rate 0.880 against routing's 0.892). Told
-    that its prefix is being computed, it asks where it is as it nears the front, and reads it at
-    the homes: 0.892, as routing (seeds 0-3: 0.870-0.893 before, routing's own now)."""
-    from tokenflowd.daemon import router
+    own copy, and computed it all again (untold: hit rate 0.886 against routing's 0.892). Told that
+    its prefix is being computed, it asks where it is as it nears the front, and reads it at the
+    homes: 0.892, as routing (seeds 0-3: 0.870-0.893 before, routing's own then); waiting, picked or
+    not, while the request computing it runs (Reads.pending), 0.914: the first request computes the
+    prompt, and the other engines' first requests read it rather than compute it too."""
+    from tokenflowd.daemon.router import Router
     from tokenflowd.sim.workload import WorkloadSpec, build_workload, parse_context_shape
 
     w = build_workload(WorkloadSpec("poisson", 300, rate=80.0, seed=3, contexts=parse_context_shape("system-prompt"),
                                     max_prompt_len=32_768))
     cost, config = cost_model("a100-llama2-7b"), NodeConfig(policy="tokenflow", seed=3)
     routing, told = (NodeSimulator(cost, w, mode, config).run().summary()["hit_rate"] for mode in ("routing", "pool-write"))
-    monkeypatch.setattr(router, "PENDING_SECONDS", 0.0)
+    monkeypatch.setattr(Router, "_pending", lambda *_, **__: False)
     untold = NodeSimulator(cost, w, "pool-write", config).run().summary()["hit_rate"]
-    assert told >= routing > untold + 0.005, (told, routing, untold)
+    assert told > routing + 0.01 and routing > untold + 0.005, (told, routing, untold)
 
 
 def test_the_balance_bench_runs_each_mode_at_the_rate_a_goodput_search_met(tmp_path, monkeypatch):

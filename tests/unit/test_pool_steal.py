@@ -12,7 +12,7 @@ from tokenflowd import protocol as p
 from tokenflowd.buffer import make_policy
 from tokenflowd.config import EngineConfig, PolicyConfig, ServerConfig
 from tokenflowd.daemon.api.front import Front
-from tokenflowd.daemon.router import Router
+from tokenflowd.daemon.router import Arrival, Router
 from tokenflowd.daemon.supervisor import Supervisor
 from tokenflowd.engine.process.loop import EngineProcess
 from tokenflowd.engine.request import Request, SamplingParams
@@ -71,7 +71,7 @@ def engine(queued: int):
     h = PoolHooks.__new__(PoolHooks)
     h.core = SimpleNamespace(scheduler=sched, pool=sched.kv.pool, leaders={}.keys(), unlocked=lambda: None)
     h.config = SimpleNamespace(page_size=PS)
-    h.member, h.deferred, h.asked, h.homes, h.ends, h.later = Member(), {}, {}, {}, {}, set()
+    h.member, h.deferred, h.asked, h.homes, h.ends, h.later, h.again_at = Member(), {}, {}, {}, {}, set(), {}
     return sched, h
 
 
@@ -144,6 +144,19 @@ def test_an_idle_engine_asks_the_longest_queue_once_and_takes_what_it_gives_back
     assert got[-1].token_ids == [7], "its deltas come from the engine it runs on now"
 
 
+def two_over_one_prefix(f: Front, sup: Supervisor, slot) -> None:
+    """Requests "a" and "b" over one new prefix, queued on `slot`: a is named to compute it, b is
+    told it is being computed (AddRequest.pending)."""
+    prompt = list(range(1000, 1064))
+    first = f.router.pick_pooled(sup.slots, prompt, target=slot.engine_id, request_id="a")
+    second = f.router.pick_pooled(sup.slots, prompt + [5], target=slot.engine_id, request_id="b")
+    assert not first.pending and second.pending
+    for rid, choice in (("a", first), ("b", second)):
+        sup.submit(slot, p.AddRequest(rid, prompt, p.Sampling(max_tokens=4), 10.0, pending=choice.pending),
+                   lambda delta: None)
+    sent(slot)
+
+
 def test_a_request_that_moves_is_not_told_that_it_is_computing_its_own_prefix():
     """The router records the first page a pooled pick names its request to compute (Router
     `_pending`): a request that moves before it ran is named again, and its own record is no
@@ -152,14 +165,7 @@ def test_a_request_that_moves_is_not_told_that_it_is_computing_its_own_prefix():
     f, sup = front(placement="home")
     idle_slot, busy, _ = sup.slots
     busy.stats = p.EngineStats(1, 5, 90, 0, 100, 0, 0, 0.0)
-    prompt = list(range(1000, 1064))
-    first = f.router.pick_pooled(sup.slots, prompt, target=busy.engine_id)
-    second = f.router.pick_pooled(sup.slots, prompt + [5], target=busy.engine_id)
-    assert not first.pending and second.pending
-    for rid, choice in (("a", first), ("b", second)):
-        sup.submit(busy, p.AddRequest(rid, prompt, p.Sampling(max_tokens=4), 10.0, pending=choice.pending),
-                   lambda delta: None)
-    sent(busy)
+    two_over_one_prefix(f, sup, busy)
     f._steal(idle_slot)
     assert sent(busy) == [p.Withdraw(0)]
     f._withdrawn(busy, p.Withdrawn(1, 0, ["a"]))
@@ -168,6 +174,40 @@ def test_a_request_that_moves_is_not_told_that_it_is_computing_its_own_prefix():
     f._withdrawn(busy, p.Withdrawn(1, 0, ["b"]))  # (no steal in flight: back to the end of its queue)
     [add] = sent(busy)
     assert add.request_id == "b" and add.pending
+
+
+def test_a_queued_request_hears_its_prefix_is_pending_until_the_request_computing_it_has_its_first_token():
+    """Reads.pending (Router.being_computed): the front answers a queued request's ResolveReads that
+    the request named to compute its prefix is computing it (protocol.Computing) and has not
+    finished its prompt, until that request's first token comes (Supervisor.on_started: Front.done,
+    which tells the waiting request so without its asking)."""
+    f, sup = front(placement="home")
+    sup.on_started, sup.on_computing = f.done, f.router.computing  # (as Front.__init__ sets them)
+    _, busy, _ = sup.slots
+    two_over_one_prefix(f, sup, busy)
+    f._resolve(busy, busy.streams["b"])
+    assert sent(busy) == [p.Reads("b", [], [], pending=False)], "a waits in the queue: b does not wait for it"
+    sup._on_message(p.Computing(1, 0, ["a"]))  # a step begins a's prompt
+    f._resolve(busy, busy.streams["b"])
+    assert sent(busy) == [p.Reads("b", [], [], pending=True)]
+    sup._on_step(busy, p.StepOutputs(1, 0, 0.0, [p.Delta("a", [7])], p.EngineStats(1, 1, 90, 0, 100, 0, 0, 0.0)))
+    assert sent(busy) == [p.Reads("b", [], [], pending=False)], "its first token: b hears unasked"
+
+
+def test_a_request_placed_on_an_engine_with_nothing_queued_is_computing_at_once():
+    """Front._place: such an engine begins it at its next step, and its Computing may reach the
+    front after a peer's request asks whether it is (that one computed the prefix too); one placed
+    behind a queue is computing only once its engine says so."""
+    for queued in (0, 3):
+        f, sup = front(2, placement="home")
+        for slot in sup.slots:
+            slot.info = SimpleNamespace(pool_segment_pages=1, pool_query_row_bytes=1, pool_kv_token_bytes=1)
+            slot.stats = p.EngineStats(1, queued, 90, 0, 100, 0, 0, 0.0)
+        prompt = list(range(1000, 1064))
+        [a] = f._place([Arrival(prompt, 4, "a")])
+        [b] = f._place([Arrival(prompt + [5], 4, "b")])
+        assert not a.pending and b.pending
+        assert f.router.being_computed("b") == (not queued), queued
 
 
 def test_a_request_whose_client_left_meanwhile_goes_nowhere_and_one_whose_thief_left_goes_back():

@@ -89,14 +89,20 @@ def test_a_pooled_pick_whose_first_unread_page_an_earlier_request_is_computing_i
     r = Router(PS, index, clock=lambda: now[0])
     engines = [FakeEngine(0), FakeEngine(1)]
     system = list(range(32))  # 8 pages every prompt starts with
-    first = r.pick_pooled(engines, system + [100, 101], segment_pages=2)
+    first = r.pick_pooled(engines, system + [100, 101], segment_pages=2, request_id="a")
     assert not first.pending, "the first one computes it"
     now[0] = 0.5
-    assert r.pick_pooled(engines, system + [200, 201], segment_pages=2).pending, "it is being computed"
+    assert r.pick_pooled(engines, system + [200, 201], segment_pages=2, request_id="b").pending, "being computed"
+    assert not r.being_computed("b"), "a waits in its queue yet: b does not wait for it as it asks"
+    r.computing("a")  # (protocol.Computing: a step begins a's prompt)
+    assert r.being_computed("b") and not r.being_computed("a"), "a waits for nothing"
     # the first one moves (an idle engine takes it): the record is its own, and it computes it there;
     # the second moves too: still behind the first
-    assert not r.pick_pooled(engines, system + [100, 101], segment_pages=2, target=1, count=False, named=True).pending
-    assert r.pick_pooled(engines, system + [200, 201], segment_pages=2, target=1, count=False).pending
+    assert not r.pick_pooled(engines, system + [100, 101], segment_pages=2, target=1, count=False,
+                             request_id="a").pending
+    assert r.pick_pooled(engines, system + [200, 201], segment_pages=2, target=1, count=False,
+                         request_id="b").pending
+    assert r.being_computed("b")
     assert not r.pick_pooled(engines, [7] * 40, segment_pages=2).pending, "another prefix: nothing computes it"
     assert not r.pick_pooled(engines, system + [250, 251], segment_pages=2, place=False).pending, \
         "kept where computed: one behind it reads it at its admission"
@@ -105,6 +111,31 @@ def test_a_pooled_pick_whose_first_unread_page_an_earlier_request_is_computing_i
     assert not read.pending and read.cached_pages + sum(len(k) for _, k in read.runs) >= 8, read
     now[0] += router_module.PENDING_SECONDS
     assert not r.pick_pooled(engines, [7] * 40 + [1], segment_pages=2).pending, "named too long ago"
+    assert not r.being_computed("b"), "(nor does b wait any longer)"
+
+
+def test_a_request_told_pending_waits_until_the_one_computing_its_prefix_has_its_first_token_or_ends():
+    """Router.being_computed (protocol.Reads.pending): true while the request named to compute the
+    page it waits for has not finished its prompt (Router.done: the front's Supervisor.on_started,
+    and the request's end); a request that ends forgets what it waited for."""
+    r = Router(PS, PrefixIndex(), clock=lambda: 0.0)
+    engines = [FakeEngine(0), FakeEngine(1)]
+    doc = list(range(32))
+    assert not r.pick_pooled(engines, doc + [1, 2], segment_pages=2, request_id="a").pending
+    assert r.pick_pooled(engines, doc + [3, 4], segment_pages=2, request_id="b").pending
+    assert r.pick_pooled(engines, doc + [5, 6], segment_pages=2, request_id="c").pending
+    r.computing("b")  # (not named to compute anything: no matter)
+    r.computing("a")
+    assert r.done("c") == [], "c was named to compute nothing"
+    assert r.being_computed("b") and not r.being_computed("c")
+    assert r.done("a") == ["b"], "its first token: b hears where the document is, unasked"
+    assert not r.being_computed("b")
+    assert not r.pick_pooled(engines, doc + [7, 8], segment_pages=2, request_id="d").pending, \
+        "nothing computes it now: d is named to"
+    r.computing("d")
+    assert r.pick_pooled(engines, doc + [9, 9], segment_pages=2, request_id="e").pending and r.being_computed("e")
+    assert r.done("d") == ["e"]  # it ended before its first token (an abort): nothing computes it
+    assert not r.being_computed("e")
 
 
 def test_pooled_pick_runs_on_the_least_loaded_engine_and_names_where_each_segment_is_read():

@@ -101,11 +101,13 @@ class EngineHandle:
             return False
         return True
 
-    def deliver(self, delta: p.Delta) -> None:
+    def deliver(self, delta: p.Delta) -> bool:
+        """-> whether the delta started its stream (its first token, or its end before one)."""
         stream = self.streams.get(delta.request_id)
         if stream is None:
-            return  # aborted here already
-        if not stream.started and (delta.token_ids or delta.finish_reason):
+            return False  # aborted here already
+        started = not stream.started and bool(delta.token_ids or delta.finish_reason)
+        if started:
             stream.started = True
             self.num_waiting -= 1
         if delta.finish_reason is not None:
@@ -115,6 +117,7 @@ class EngineHandle:
             stream.on_delta(delta)
         except Exception:  # one handler's fault must not cost the other streams their tokens
             log.exception("request %s: its handler failed on a delta", delta.request_id)
+        return started
 
     def fail_streams(self, message: str) -> None:
         for stream in list(self.streams.values()):

@@ -54,6 +54,12 @@ engine computing it writes it into its homes and lets go of its own copy once it
 taken at once read nothing there and computed it all again. (Kept where computed, a request behind
 the one computing it reads it at its admission all the same; told to wait, a quarter of the A100's
 KV, 12 documents at routing's highest rate under the TTFT SLO, seed 3: 832 tokens/s against 891.)
+While the request named to compute it is computing it (its engine says so as the step that
+begins its prompt starts: protocol.Computing) and has no first token, the one that asks is told
+so (`being_computed`, Reads.pending) and keeps waiting, picked or not; the first token (or the
+end) of the one computing it tells it where its prefix is then, unasked (`done`, Front.done). An
+idle engine's request otherwise computed a document its peer finished a moment later; not while
+the one named waits in a queue, for which it would wait longer than computing takes.
 An idle engine takes a queued request from a busy one (pool/steal.py): `pick_pooled` with that
 engine as the target, its use not counted again, names its reads and homes for where it runs now.
 
@@ -151,6 +157,7 @@ class EngineLoad(Protocol):
 class Arrival:
     prompt_token_ids: Sequence[int]
     max_tokens: int  # the output it may produce: rows it queries with, each step
+    request_id: str = ""  # (Router.pick_pooled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +198,12 @@ class Router:
         self.clock = clock
         self.copy_hot = copy_hot  # hot segments an engine reads elsewhere are copied into it (`_copy`)
         self._copying: dict[tuple[bytes, int], float] = {}  # (hot segment, engine) -> since when it is copied there
-        # the first page a pooled pick named its request to compute -> when (`_pending`)
-        self._computing: dict[bytes, float] = {}
+        # the first page a pooled pick named a request to compute -> (that request, when) (`_pending`)
+        self._computing: dict[bytes, tuple[str, float]] = {}
+        self._named: dict[str, bytes] = {}  # request -> the page it was named to compute (`done`)
+        self._awaits: dict[str, bytes] = {}  # request told pending -> the page it waits for (`being_computed`)
+        self._waiters: dict[bytes, set[str]] = {}  # ... and the other way round
+        self._running: set[str] = set()  # of `_named`, those whose engine has begun their prompt (`computing`)
         self._node: set[int] = set()  # every engine that has served: new segments are dealt round them (`places`)
 
     def pick(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int]) -> Choice:
@@ -227,42 +238,112 @@ class Router:
 
     def pick_pooled(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int = 1,
                     rng: random.Random | None = None, place: bool = True, target: int | None = None,
-                    count: bool = True, named: bool = False) -> Choice:
+                    count: bool = True, request_id: str = "") -> Choice:
         """The pool's pick (see the module docstring); `engines` non-empty. A request reads each
         segment (`segment_pages` pages) from one engine that holds all of it; a segment no engine
         holds whole in parts where they are (`_parts`), up to the first page no engine holds. `place`: name
         the homes of the new segments it computes (else they stay where it runs). `target`: the engine
         it runs on, chosen already (`dispatch`, or an idle engine that takes a queued request:
         pool/steal.py). `count`: its use of hot segments counts towards their heat (not again for a
-        request that moves). `named`: a request that moves, told at its first pick to compute its
-        prefix (not `pending`): the record of the page it was named to compute is its own, not an
-        earlier request's (else an idle engine that took it waited for itself to compute it)."""
+        request that moves). `request_id`: whose pick it is, so that a request that moves, named at
+        its first pick to compute its prefix, is not told that it waits for itself ("": a request
+        no later call names)."""
         keys = self.prompt_keys(prompt_token_ids)
         self.index.link(keys)
         if target is None:
             target = self._near(engines, keys, len(prompt_token_ids), AFFINITY_SLACK if not place else 0.0)
         runs, copies = self._runs(engines, keys, segment_pages, rng or random, target, count=count, copy=count)
         own = sum(len(k) for e, k in runs if e == target)
-        pending = place and self._pending(keys[sum(len(k) for _, k in runs):], named)
+        pending = place and self._pending(keys[sum(len(k) for _, k in runs):], request_id)
         places = self.places(keys, sum(len(k) for _, k in runs), max(1, segment_pages), target,
                              [e.engine_id for e in engines]) if place else []
         if all(e == target for e, _ in runs):  # all of it here: the engine's own prefix cache serves it
             return Choice(target, own, [], places, pending=pending)
         return Choice(target, own, runs, places, copies, pending)
 
-    def _pending(self, computed: Sequence[bytes], named: bool = False) -> bool:
+    def _pending(self, computed: Sequence[bytes], request_id: str = "") -> bool:
         """Whether the first of the pages a request computes (`computed`, none: it reads all) is one
-        an earlier request was named to compute within PENDING_SECONDS; else it is named this one's.
-        `named`: the request was named one such page before (it moves): a record of it is its own."""
+        another request was named to compute within PENDING_SECONDS and has not finished (`done`);
+        else it is named this one's."""
+        self._unawait(request_id)
         if not computed:
             return False
-        now, computing = self.clock(), self._computing
-        while computing and now - next(iter(computing.values())) >= PENDING_SECONDS:
-            del computing[next(iter(computing))]  # (oldest first: each key goes to the end when named)
-        if computed[0] in computing:
-            return not named
-        computing[computed[0]] = now
+        now = self._expire()
+        record = self._computing.get(computed[0])
+        if record is not None and (record[0] != request_id or not request_id):
+            if request_id:
+                self._awaits[request_id] = computed[0]
+                self._waiters.setdefault(computed[0], set()).add(request_id)
+            return True
+        if record is None:
+            self.done(request_id)  # (a page it was named before, from a pick before it moved)
+            self._computing[computed[0]] = (request_id, now)
+            if request_id:
+                self._named[request_id] = computed[0]
         return False
+
+    def _unawait(self, request_id: str) -> None:
+        key = self._awaits.pop(request_id, None)
+        if key is not None:
+            waiters = self._waiters[key]
+            waiters.discard(request_id)
+            if not waiters:
+                del self._waiters[key]
+
+    def _expire(self) -> float:
+        """Forget the records older than PENDING_SECONDS, but those of requests computing now (a
+        long prompt on a CPU takes longer: they end with `done`). -> now"""
+        now, old = self.clock(), []
+        for key, (rid, named) in self._computing.items():  # (oldest first: a record is made once, at the end)
+            if now - named < PENDING_SECONDS:
+                break
+            if rid not in self._running:
+                old.append(key)
+        for key in old:
+            rid, _ = self._computing.pop(key)
+            if self._named.get(rid) == key:
+                del self._named[rid]
+            for waiter in self._waiters.pop(key, ()):
+                del self._awaits[waiter]
+        return now
+
+    def being_computed(self, request_id: str) -> bool:
+        """Whether the page `request_id` was told is being computed (`Choice.pending`) is being
+        computed now: the request named to compute it has begun its prompt (`computing`), has not
+        finished it (`done`), and was named within PENDING_SECONDS. A request told so waits for word
+        that it has (protocol.Reads.pending) rather than compute it too; not while that one still
+        waits in its queue (H200 preset, 64 documents at routing's highest rate under the TTFT SLO,
+        seed 0: requests that waited for one queued 1.6 s met the SLO 0.90 of the time, against 0.97)."""
+        if request_id not in self._awaits:
+            return False
+        self._expire()
+        if request_id not in self._awaits:
+            return False
+        record = self._computing.get(self._awaits[request_id])
+        if record is None or record[0] == request_id:
+            self._unawait(request_id)
+            return False
+        return record[0] in self._running
+
+    def computing(self, request_id: str) -> None:
+        """A step begins `request_id`'s prompt (protocol.Computing)."""
+        if request_id in self._named:
+            self._running.add(request_id)
+
+    def done(self, request_id: str) -> list[str]:
+        """`request_id` has computed its prompt, or ended: the page it was named to compute is no
+        longer being computed (it is where the index says, or nowhere), and it waits for none.
+        -> the requests that waited for that page (`being_computed`): now they do not."""
+        self._unawait(request_id)
+        self._running.discard(request_id)
+        key = self._named.pop(request_id, None)
+        if key is None or self._computing.get(key, ("",))[0] != request_id:
+            return []
+        del self._computing[key]
+        waiters = self._waiters.pop(key, set())
+        for waiter in waiters:
+            del self._awaits[waiter]
+        return sorted(waiters)
 
     def reads(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int, target: int,
               rng: random.Random | None = None) -> tuple[list[tuple[int, list[bytes]]], list[tuple[int, list[bytes]]]]:
@@ -377,14 +458,15 @@ class Router:
         its query rows to each other engine holding segments it reads, and its new segments to
         their homes elsewhere. Then each one's reads are named as `pick_pooled` does."""
         if len(arrivals) == 1 or len(engines) == 1:
-            return [self.pick_pooled(engines, a.prompt_token_ids, segment_pages, rng, place) for a in arrivals]
+            return [self.pick_pooled(engines, a.prompt_token_ids, segment_pages, rng, place, request_id=a.request_id)
+                    for a in arrivals]
         ids = [e.engine_id for e in engines]
         keys = [self.prompt_keys(a.prompt_token_ids) for a in arrivals]
         costs = np.array([self._traffic(k, a, ids, max(1, segment_pages), cost, place)
                           for k, a in zip(keys, arrivals)], dtype=np.float64)
         targets = assign(costs, ids, balanced_slots({e.engine_id: e.load for e in engines}, len(arrivals)))
-        return [self.pick_pooled(engines, a.prompt_token_ids, segment_pages, rng, place, target=t)
-                for a, t in zip(arrivals, targets)]
+        return [self.pick_pooled(engines, a.prompt_token_ids, segment_pages, rng, place, target=t,
+                                 request_id=a.request_id) for a, t in zip(arrivals, targets)]
 
     def _traffic(self, keys: Sequence[bytes], arrival: Arrival, engines: list[int], seg: int, cost: TrafficCost,
                  place: bool) -> list[float]:

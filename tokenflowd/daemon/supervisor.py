@@ -66,6 +66,9 @@ class Supervisor:
         self.on_keys: Callable[[list[bytes] | None, list[bytes] | None], None] | None = None
         # the pool: a queued request asks where its prefix is now (the front that routes answers)
         self.on_resolve: Callable[[EngineHandle, Stream], None] | None = None
+        # a request's first token came (its prompt is computed, its pages in the index) or it ended
+        self.on_started: Callable[[str], None] | None = None
+        self.on_computing: Callable[[str], None] | None = None  # a step begins a request's prompt (p.Computing)
         # the pool: an engine reported its state (StepOutputs: an idle one may take a queued request),
         # and an engine gave queued requests back (Withdrawn)
         self.on_report: Callable[[EngineHandle], None] | None = None
@@ -219,6 +222,10 @@ class Supervisor:
         elif isinstance(msg, p.Withdrawn):
             if self.on_withdrawn is not None:
                 self.on_withdrawn(slot, msg)
+        elif isinstance(msg, p.Computing):
+            if self.on_computing is not None:
+                for rid in msg.request_ids:
+                    self.on_computing(rid)
         elif isinstance(msg, (p.Reserved, p.Prefilled)):
             fut = self._answers.pop(msg.request_id, None)
             if fut is not None and not fut.done():
@@ -235,7 +242,8 @@ class Supervisor:
         if self.on_keys is not None and (msg.keys_added or msg.keys_removed):
             self.on_keys(msg.keys_added, msg.keys_removed)
         for delta in msg.deltas:
-            slot.deliver(delta)
+            if slot.deliver(delta) and self.on_started is not None:
+                self.on_started(delta.request_id)
         if self.on_report is not None:
             self.on_report(slot)
 

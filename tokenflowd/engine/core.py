@@ -104,7 +104,7 @@ class EngineCore:
         # the model runs. None: only the loop's thread touches them.
         self.lock: threading.Lock | None = None
         # called with each step's batch before it runs (federation/: a prefill node plans its sends)
-        self.on_batch: Callable[[ScheduledBatch], None] | None = None
+        self.on_batch: list[Callable[[ScheduledBatch], None]] = []  # each batch, scheduled, before it runs
         self._in_flight: Launched | None = None  # overlapped: the step launched and not yet collected
         self._overlap = False
 
@@ -351,8 +351,8 @@ class EngineCore:
             if self.scheduler.loading:
                 self.kv.wait_oldest()  # nothing to compute until KV is back in place
             return []
-        if self.on_batch is not None:
-            self.on_batch(batch)
+        for hook in self.on_batch:
+            hook(batch)
         t0 = clock()
         try:
             with self.unlocked():

@@ -58,7 +58,7 @@ class FederationHooks:
         runner = core.runner
         layers, axis = runner.kv_layers, runner.attn.page_axis
         self.sender = Sender(self.transport, runner.kv_cache, axis, config.page_size, core.pool)
-        core.on_batch = self._plan_sends
+        core.on_batch.append(self._plan_sends)
         self.receiver = Receiver(self.transport, runner.kv_cache, axis)
         core.kv.remote_quarantine = horizon(config.kv_transfer_timeout)
         self.keeper = Keeper(core.pool, layers, axis)  # a reply's KV from a decode node (MemServe)

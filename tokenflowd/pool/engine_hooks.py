@@ -35,7 +35,7 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, RequestStatus
-from tokenflowd.pool.ahead import asks_again, due, pins_on_arrival, waits
+from tokenflowd.pool.ahead import ASK_EVERY, asks_again, due, pins_on_arrival, waits
 from tokenflowd.pool.hand_off import by_segment
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool import cuda_ipc
@@ -70,7 +70,10 @@ class PoolHooks:
         self.deferred: dict[str, list[p.PrefixRun]] = {}  # queued request -> the reads it pins near the front
         self.asked: dict[str, float] = {}  # deferred request -> when it asked its front where its reads are now
         self.asking: list[str] = []  # ... and those to ask with this iteration (the loop sends ResolveReads)
-        self.later: set[str] = set()  # deferred requests answered empty once: they ask again when wanted
+        self.later: set[str] = set()  # deferred requests answered empty: they ask again when wanted, or at again_at
+        # those, and deferred requests told their prefix is being computed (Reads.pending) -> when they ask again
+        self.again_at: dict[str, float] = {}
+        self.computing: set[str] = set()  # requests whose prompts a step began computing, told to the front
         self.resolved = 0  # requests that pinned reads their front named again near the queue's front
         self.peer_tokens = self.own_tokens = 0  # prompt tokens read where peers hold them, or from this cache
         self.stuck = StuckTimer()  # since when this engine has run nothing while requests wait
@@ -127,6 +130,7 @@ class PoolHooks:
         self._copy_in(copies)
         self.deferred.pop(req.request_id, None)
         self.later.discard(req.request_id)
+        self.again_at.pop(req.request_id, None)
         waiting, free, ps = self.core.scheduler.waiting, self.core.pool.num_free, self.config.page_size
         pinned = bool(runs) and pins_on_arrival(waiting, req, free, ps) and self._pin(req, runs, queued=False)
         if not pinned and req.num_prompt_tokens > ps and waits(waiting, req, free, ps, pending) and (
@@ -166,10 +170,14 @@ class PoolHooks:
                 del self.deferred[rid]
                 self.asked.pop(rid, None)
                 self.later.discard(rid)
+                self.again_at.pop(rid, None)
         now = time.monotonic()
+        later = {rid for rid in self.later if self.again_at.get(rid, now) > now}  # (not due again yet)
         for req in due(sched.waiting, self.deferred, self.core.pool.num_free, self.config.page_size,
-                       sched.held_back, self.later):
+                       sched.held_back, later):
             rid = req.request_id
+            if rid not in self.later and self.again_at.get(rid, now) > now:
+                continue  # (told its prefix is being computed: it waits for word, or ASK_EVERY)
             asked = self.asked.get(rid)
             if asked is None:
                 self.asked[rid] = now
@@ -181,25 +189,44 @@ class PoolHooks:
                 self.later.discard(rid)
                 self._pin_queued(req, self.deferred.pop(rid))
 
+    def began(self, batch) -> list[str]:
+        """The requests of `batch` (scheduled, not run yet) whose prompts it begins computing, each
+        once (protocol.Computing: one told its prefix is being computed waits only while the
+        request named to compute it is computing it, not while that one waits in a queue)."""
+        reqs = self.core.scheduler.requests
+        self.computing.intersection_update(reqs)
+        new = [rid for rid, position in zip(batch.request_ids, batch.positions)
+               if rid not in self.computing and rid in reqs and position < reqs[rid].num_prompt_tokens]
+        self.computing.update(new)
+        return new
+
     def take_asking(self) -> list[str]:
         asking, self.asking = self.asking, []
         return asking
 
     def reads(self, msg: p.Reads) -> None:
         """The front's answer to ResolveReads: copy in the hot segments it names and pin the runs it
-        names, if the request still waits. One told that nothing holds any of its prefix, which its
-        policy has not picked yet, waits to ask again when it does (pool/ahead.py `asks_again`): the
-        request computing it may be done then."""
+        names, if the request still waits. One told that the request computing its prefix has not
+        finished yet (`pending`) waits, picked or not, for the front's word once it has (sent
+        unasked), or asks again ASK_EVERY later; one told that nothing holds any of its prefix,
+        which its policy has not picked yet, asks again when it does or ASK_EVERY later
+        (pool/ahead.py `asks_again`): the request computing it may be done then."""
         rid = msg.request_id
-        if self.asked.pop(rid, None) is None or rid not in self.deferred:
+        awaited = self.asked.pop(rid, None) is not None or rid in self.again_at  # (told unasked: Front.done)
+        if not awaited or rid not in self.deferred:
             self._copy_in(msg.copy)  # (the front named it once: later readers read it here)
             return  # answered already (its arrival runs pinned), or admitted, or gone
         sched = self.core.scheduler
         req = sched.requests.get(rid)
         waiting = req is not None and req.status is RequestStatus.WAITING and not req.num_computed_tokens
-        if waiting and asks_again(bool(msg.prefix), rid in sched.held_back, rid in self.later,
-                                  lambda: self._holds(req)):
+        if waiting and msg.pending:
+            self.again_at[rid] = time.monotonic() + ASK_EVERY
+            self.later.discard(rid)
+            return
+        self.again_at.pop(rid, None)
+        if waiting and asks_again(bool(msg.prefix), rid in sched.held_back, lambda: self._holds(req)):
             self.later.add(rid)
+            self.again_at[rid] = time.monotonic() + ASK_EVERY
             return
         del self.deferred[rid]
         self.later.discard(rid)
@@ -245,6 +272,7 @@ class PoolHooks:
         self.deferred.pop(request_id, None)
         self.asked.pop(request_id, None)
         self.later.discard(request_id)
+        self.again_at.pop(request_id, None)
         if pinned:
             with self.core.unlocked():
                 self.member.release(request_id)

@@ -98,7 +98,7 @@ from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool, chain_page_keys
-from tokenflowd.pool.ahead import asks_again, due, pins_on_arrival, waits
+from tokenflowd.pool.ahead import ASK_EVERY, asks_again, due, pins_on_arrival, waits
 from tokenflowd.pool.hand_off import by_segment
 from tokenflowd.pool.heat import within_replica_cap
 from tokenflowd.pool.steal import idle, staying, victim, withdrawable
@@ -235,7 +235,7 @@ class _Executor(CostModelExecutor):
 
     def step_time(self, batch: ScheduledBatch) -> float:
         cost, node, engine = self.cost, self.engine.node, self.engine
-        window = engine.window()
+        reads: list[tuple[_Engine, int]] = []  # (engine, KV tokens the step reads there): LOAD_WINDOWs once timed
         rows: dict[int, int] = {}
         answer: dict[int, float] = {}  # holder -> s of its attention for this step's rows
         own = attended = 0  # KV tokens the step's own attention reads here, and the (row, key) pairs it attends
@@ -250,9 +250,9 @@ class _Executor(CostModelExecutor):
             # tokens it reads in this engine's own cache through its pins (its segments homed here, a
             # replica): attended as its own KV is
             mine = held.pop(engine, 0)
-            engine.read(window, n + engine.scheduler.requests[rid].num_computed_tokens + mine)
+            reads.append((engine, n + engine.scheduler.requests[rid].num_computed_tokens + mine))
             for holder, tokens in held.items():
-                holder.read(window, tokens)
+                reads.append((holder, tokens))
                 if node.read_rows and n >= node.read_rows:
                     # read mode: this engine attends the rows over the holder's pages, read over the
                     # link as the kernel goes (its FLOPs or that read, whichever bounds it); the
@@ -284,6 +284,9 @@ class _Executor(CostModelExecutor):
                 t += max(0.0, cost.num_layers * link + max(answer.values()) - cost.attention_time(attended, own))
             else:
                 t += cost.num_layers * link
+        start = engine.clock.now - engine.origin
+        for where, tokens in reads:
+            where.read(start, t, tokens)
         return t
 
 
@@ -308,7 +311,7 @@ class _Engine:
         # what an idle spell covers: _idle_until)
         self.debt = 0.0
         self.origin = origin  # the first arrival: LOAD_WINDOW windows count from it
-        self.accessed: dict[int, int] = {}  # window -> KV tokens steps read from this engine's memory
+        self.accessed: dict[int, float] = {}  # window -> KV tokens steps read from this engine's memory
         self.reported = 0.0  # an idle engine's last report (the pool's stealing: NodeSimulator._steal)
         self.stuck = StuckTimer()  # since when it has run nothing with requests waiting
         self.busy = 0.0
@@ -318,7 +321,8 @@ class _Engine:
         self.places: dict[str, list[tuple[int, list[bytes]]]] = {}  # pool: request -> (home, keys) of its new segments
         # pool-write: request -> (each new page's home, the keys that end its segments), as the daemon's
         self.homes: dict[str, tuple[dict[bytes, int], set[bytes]]] = {}
-        self.later: set[str] = set()  # deferred requests answered empty once: they ask again when wanted
+        self.later: set[str] = set()  # deferred requests answered empty: they ask again when wanted, or at again_at
+        self.again_at: dict[str, float] = {}  # those, and those told their prefix is being computed -> next ask
         self.letting_go: deque[tuple[float, list[bytes]]] = deque()  # (when, keys) written into homes, cached here
         self.replicas: set[bytes] = set()  # keys of hot segments named to copy in, kept here (PoolMember.replicas)
 
@@ -326,12 +330,23 @@ class _Engine:
     def load(self) -> int:
         return len(self.scheduler.requests)
 
-    def window(self) -> int:
-        """The LOAD_WINDOW this engine's clock is in."""
-        return int((self.clock.now - self.origin) // LOAD_WINDOW)
-
-    def read(self, window: int, tokens: int) -> None:
-        self.accessed[window] = self.accessed.get(window, 0) + tokens
+    def read(self, start: float, duration: float, tokens: int) -> None:
+        """`tokens` of KV read here by a step from `start` (s after the origin) for `duration`,
+        spread over the LOAD_WINDOWs it spans by the share of its time in each. Counted whole in the
+        window it began in, a step of 0.7 s moved a burst's one-second access CV by where it began:
+        the A100 burst behind one system prompt (test_node_sim.py) read 0.08 where an engine's long
+        step began just before the second's end and 0.44 where it began just after; spread, 0.21
+        and 0.22."""
+        if duration <= 0:
+            window = int(start // LOAD_WINDOW)
+            self.accessed[window] = self.accessed.get(window, 0) + tokens
+            return
+        end = start + duration
+        window = int(start // LOAD_WINDOW)
+        while window * LOAD_WINDOW < end:
+            share = (min(end, (window + 1) * LOAD_WINDOW) - max(start, window * LOAD_WINDOW)) / duration
+            self.accessed[window] = self.accessed.get(window, 0) + tokens * share
+            window += 1
 
     @property
     def work(self) -> int:
@@ -417,7 +432,6 @@ class NodeSimulator:
         self.stolen = 0  # queued requests an idle engine took from a busy one (pool/steal.py)
         self.copied_pages = 0  # pages of hot segments copied into engines that read them elsewhere
         self.keys: dict[str, list[bytes]] = {}  # queued request -> its prompt's page keys, once a steal weighed it
-        self.told_pending: set[str] = set()  # requests whose last pick said their prefix was being computed
 
     def _route(self, w: WorkloadRequest) -> None:
         self._now = w.arrival_time
@@ -428,7 +442,7 @@ class NodeSimulator:
             target, choice = self.engines[self.router.pick(self.engines, ids).engine_id], None
         else:
             choice = self.router.pick_pooled(self.engines, ids, self.config.segment_pages, self.rng,
-                                             place=self.mode != "pool-local")
+                                             place=self.mode != "pool-local", request_id=w.request_id)
             target = self.engines[choice.engine_id]
         self._admit(target, req, choice, w.arrival_time, w.prompt_len + w.output_len)
 
@@ -439,10 +453,6 @@ class NodeSimulator:
         if not target.scheduler.has_unfinished():
             _idle_until(target, now)  # it was idle until now (a copy it makes now is not done before)
         if choice is not None:
-            if choice.pending:  # (as the front keeps AddRequest.pending: a move names it again, Router.pick_pooled)
-                self.told_pending.add(req.request_id)
-            else:
-                self.told_pending.discard(req.request_id)
             if choice.copies:
                 self._copy(target, choice.copies)
             waiting, free, ps = target.scheduler.waiting, target.pool.num_free, self.cost.page_size
@@ -491,7 +501,7 @@ class NodeSimulator:
                           arrival_time=old.arrival_time, reading_rate=old.reading_rate, priority=old.priority)
             choice = self.router.pick_pooled(self.engines, req.prompt_token_ids, self.config.segment_pages, self.rng,
                                              self.mode != "pool-local", target=thief.engine_id, count=False,
-                                             named=rid not in self.told_pending)
+                                             request_id=rid)
             rec = self.records[rid]
             self._admit(thief, req, choice, now, rec.prompt_len + rec.output_len)
             self.stolen += 1
@@ -564,21 +574,33 @@ class NodeSimulator:
 
     def _pin_due(self, e: _Engine) -> None:
         """Before e's step, as the daemon's PoolHooks._pin_due: its queued requests near the front pin
-        their reads (pool/ahead.py); one that finds nothing anywhere asks once more when the policy
-        picks it (`asks_again`); those admitted without them, or gone, forget theirs."""
+        their reads (pool/ahead.py); one that finds nothing anywhere asks again when the policy picks
+        it or ASK_EVERY later (`asks_again`), and one whose prefix another request is computing waits
+        for it (Reads.pending: `_done`, or ASK_EVERY); those admitted without them, or gone, forget
+        theirs."""
         sched = e.scheduler
         for rid in list(e.deferred):
             req = sched.requests.get(rid)
             if req is None or req.status is not RequestStatus.WAITING or req.num_computed_tokens:
                 del e.deferred[rid]
+                e.again_at.pop(rid, None)
         e.later.intersection_update(e.deferred)
-        for req in due(sched.waiting, e.deferred, e.pool.num_free, self.cost.page_size, sched.held_back, e.later):
+        now = self._now = max(self._now, e.clock.now)
+        later = {rid for rid in e.later if e.again_at.get(rid, now) > now}
+        for req in due(sched.waiting, e.deferred, e.pool.num_free, self.cost.page_size, sched.held_back, later):
             rid = req.request_id
+            if rid not in e.later and e.again_at.get(rid, now) > now:
+                continue
             runs, copies = self.router.reads(self.engines, req.prompt_token_ids, self.config.segment_pages,
                                              e.engine_id, self.rng)
-            if asks_again(bool(runs), rid in sched.held_back, rid in e.later,
-                          lambda: bool(e.kv.match(req).device_pages)):
+            if self.router.being_computed(rid):
+                e.again_at[rid] = now + ASK_EVERY
+                e.later.discard(rid)
+                continue
+            e.again_at.pop(rid, None)
+            if asks_again(bool(runs), rid in sched.held_back, lambda: bool(e.kv.match(req).device_pages)):
                 e.later.add(rid)
+                e.again_at[rid] = now + ASK_EVERY
                 continue
             del e.deferred[rid]
             e.later.discard(rid)
@@ -729,8 +751,9 @@ class NodeSimulator:
             e.release(req.request_id)
             self.unblocked += 1
 
-    def _effects(self, e: _Engine, finished: list[str]) -> None:
-        """What e's step did beyond e, at the step's end."""
+    def _effects(self, e: _Engine, finished: list[str], started: list[str]) -> None:
+        """What e's step did beyond e, at the step's end (`started`: the requests it gave a first
+        token, their prompts computed)."""
         if e.places:
             self._place(e)
         if e.homes:
@@ -742,12 +765,23 @@ class NodeSimulator:
             added = [key for key in e.unreported if e.pool.holds(key)] + added
             e.unreported = []
         self._update(e.engine_id, added, removed)
+        for rid in started:
+            self._done(rid)  # (the front's Supervisor.on_started)
         for rid in finished:
             e.release(rid)
             self.keys.pop(rid, None)
-            self.told_pending.discard(rid)
+            self._done(rid)
         if self.config.steal and self.mode != "routing":
             self._steal(e, e.clock.now)
+
+    def _done(self, request_id: str) -> None:
+        """As the front's Front.done: the requests that waited for what `request_id` computed hear
+        where their prefix is now (they ask at their engine's next step)."""
+        for waiter in self.router.done(request_id):
+            for e in self.engines:
+                if waiter in e.again_at:
+                    e.again_at[waiter] = -math.inf
+                    break
 
     def _update_now(self, e: _Engine, keys: list[bytes]) -> None:
         """Pages of `keys` a peer put or copied into e just now, into the router's index, with what
@@ -787,8 +821,8 @@ class NodeSimulator:
             t = min((e.clock.now for e in busy), default=float("inf"))
             now = min(t, pending[0].arrival_time if pending else float("inf"))
             if effects and effects[0][0] <= now:
-                _, _, done, finished = heapq.heappop(effects)
-                self._effects(done, finished)
+                _, _, done, finished, started = heapq.heappop(effects)
+                self._effects(done, finished, started)
                 continue
             while sample_at <= min(now, last_arrival):
                 samples.append([e.work for e in self.engines])
@@ -816,19 +850,22 @@ class NodeSimulator:
                 rec = records[rid]
                 if rec.admit_time is None:
                     rec.admit_time = start
+                    self.router.computing(rid)  # (protocol.Computing, sent as the step begins)
                     req = e.scheduler.requests.get(rid)
                     cached = req.prefix_offset + req.num_cached_tokens if req is not None else \
                         next(o.num_cached_tokens for o in outs if o.request_id == rid)
                     rec.num_cached_tokens = cached
-            finished = []
+            finished, started = [], []
             for out in outs:
                 rec = records[out.request_id]
                 if out.new_token_ids:
                     rec.token_times.append(e.clock.now)
+                    if len(rec.token_times) == 1:
+                        started.append(out.request_id)
                 if out.finished:
                     rec.finish_time = e.clock.now
                     finished.append(out.request_id)
-            heapq.heappush(effects, (e.clock.now, seq, e, finished))
+            heapq.heappush(effects, (e.clock.now, seq, e, finished, started))
             seq += 1
         for e in self.engines:
             if e.pool.num_used:

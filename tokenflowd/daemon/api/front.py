@@ -123,6 +123,8 @@ class Front:
                              copy_hot=supervisor.engine_config.pool_copy)
         self.arrivals: Arrivals[Arrival, Choice] = Arrivals(self._place)  # the pool's dispatch groups
         supervisor.on_resolve = self._resolve
+        supervisor.on_started = self.done
+        supervisor.on_computing = self.router.computing
         # the pool: an engine asked to give back a queued request (Withdraw) -> (the idle engine it goes to, when asked)
         self._withdrawing: dict[int, tuple[int, float]] = {}
         self._refused: dict[int, int] = {}  # an engine that gave nothing back -> its queue's length then
@@ -397,14 +399,26 @@ class Front:
         why = "draining for shutdown" if self.draining else "starting or restarting its engines"
         return APIError(503, f"the server is {why}: retry shortly", code="unavailable", headers={"Retry-After": "1"})
 
-    async def pick(self, prep: Prepared) -> Choice:
+    async def pick(self, prep: Prepared, request_id: str = "") -> Choice:
         """The engine (and, with the pool on, where its prefix is read and its new segments go):
-        refusals first (draining, the waiting bound, no engine ready)."""
+        refusals first (draining, the waiting bound, no engine ready). `done(request_id)` once the
+        request ends (the pool's router records what it was named to compute)."""
         self.admissible()
         if self.supervisor.engine_config.pool_mode == "off":
             return self.router.pick(self.ready_slots(), prep.prompt_ids)
         output = prep.sampling.max_tokens or DEFAULT_EXPECTED_OUTPUT
-        return await self.arrivals.add(Arrival(prep.prompt_ids, min(output, DEFAULT_EXPECTED_OUTPUT)))
+        return await self.arrivals.add(Arrival(prep.prompt_ids, min(output, DEFAULT_EXPECTED_OUTPUT), request_id))
+
+    def done(self, request_id: str) -> None:
+        """The request has its first token (Supervisor.on_started), or ended: what it was named to
+        compute is no longer being computed (Router.done), and the queued requests that waited for
+        it (Reads.pending) hear where their prefix is now, without asking again."""
+        for waiter in self.router.done(request_id):
+            for slot in self.supervisor.slots:
+                stream = slot.streams.get(waiter)
+                if stream is not None:
+                    self._resolve(slot, stream)
+                    break
 
     def _place(self, arrivals: Sequence[Arrival]) -> list[Choice]:
         """A group of arrivals with the pool on (daemon/api/arrivals.py)."""
@@ -413,7 +427,12 @@ class Front:
         segment = self._segment_pages(slots)
         cost = TrafficCost(max(i.pool_query_row_bytes for i in infos), max(i.pool_kv_token_bytes for i in infos))
         place = self.supervisor.engine_config.pool_placement == "home"
-        return self.router.dispatch(slots, arrivals, segment, cost, place=place)
+        choices = self.router.dispatch(slots, arrivals, segment, cost, place=place)
+        for arrival, choice in zip(arrivals, choices):  # (its engine's Computing may come after a peer's question)
+            slot = self.supervisor.slots[choice.engine_id]
+            if not slot.num_waiting and slot.stats is not None and not slot.stats.num_waiting:
+                self.router.computing(arrival.request_id)  # nothing queued there: it begins at the next step
+        return choices
 
     @staticmethod
     def _segment_pages(slots: Sequence) -> int:
@@ -426,7 +445,8 @@ class Front:
         runs, copies = self.router.reads(slots, stream.add.prompt_token_ids, self._segment_pages(slots),
                                          slot.engine_id) if slot in slots and stream.add is not None else ([], [])
         self.supervisor.send(slot, Reads(stream.request_id, [PrefixRun(e, keys) for e, keys in runs],
-                                         [PrefixRun(e, keys) for e, keys in copies]))
+                                         [PrefixRun(e, keys) for e, keys in copies],
+                                         self.router.being_computed(stream.request_id)))
 
     def _steal(self, slot) -> None:
         """An engine reported its state (each step, and every heartbeat while it runs nothing): if it
@@ -484,8 +504,7 @@ class Front:
                     continue
                 choice = self.router.pick_pooled(slots, stream.add.prompt_token_ids, self._segment_pages(slots),
                                                  place=self.supervisor.engine_config.pool_placement == "home",
-                                                 target=target.engine_id, count=False,
-                                                 named=not stream.add.pending)
+                                                 target=target.engine_id, count=False, request_id=rid)
                 add = msgspec.structs.replace(stream.add, prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
                                               place=[PrefixRun(e, keys) for e, keys in choice.places], copy=[],
                                               pending=choice.pending)

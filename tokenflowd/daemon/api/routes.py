@@ -124,8 +124,10 @@ class Routes:
         pull_from = self.front.federation.pulls_from(request)
         self._open(caller)
         try:
-            gen = self.front.start(prep, chunks.rid, arrival, await self.front.pick(prep), prefill_node, pull_from)
+            gen = self.front.start(prep, chunks.rid, arrival, await self.front.pick(prep, chunks.rid), prefill_node,
+                                   pull_from)
         except BaseException:
+            self.front.done(chunks.rid)
             self.front.open_counts.close(caller.identity)
             raise
         self.front.live[chunks.rid] = Live(gen, prep.rate, caller.identity)
@@ -146,6 +148,7 @@ class Routes:
                 conversation = (prep.prompt_ids + gen.output_ids)[:-1]
                 self.front.federation.give_back(gen.stream.engine, conversation, prefill_node)
             del self.front.live[chunks.rid]
+            self.front.done(chunks.rid)
             self.front.federation.decoding.discard(chunks.rid)
             self.front.open_counts.close(caller.identity)
             if gen.finish_reason == "shed":
@@ -164,7 +167,7 @@ class Routes:
         self._open(caller)
         gens: list[Generation] = []
         try:
-            placed = await self.front.pick(prep)
+            placed = await self.front.pick(prep, chunks.rid)
             seed = prep.sampling.seed
             for i in range(prep.n):
                 sampling = prep.sampling if seed is None else msgspec.structs.replace(prep.sampling, seed=seed + i)
@@ -175,6 +178,7 @@ class Routes:
         except BaseException:
             for g in gens:
                 g.close()
+            self.front.done(chunks.rid)
             self.front.open_counts.close(caller.identity)
             raise
         self.front.live[chunks.rid] = Live(gens[0], prep.rate, caller.identity)
@@ -189,6 +193,7 @@ class Routes:
             for g in gens:
                 g.close()
             del self.front.live[chunks.rid]
+            self.front.done(chunks.rid)
             self.front.open_counts.close(caller.identity)
 
     async def _stream_choices(self, request: web.Request, gens: list[Generation], prep: Prepared,

@@ -70,8 +70,18 @@ class EngineProcess(EngineEndpoint):
         self.prompt_tokens = 0  # of the requests taken (EngineStats)
         if self.pool is not None:
             self.pool.join(self.core)
+            if self.config.pool_placement == "home":  # (the router names requests to compute prefixes)
+                self.core.on_batch.append(self._tell_computing)
         self.federation = (FederationHooks(spec, self.config, self.core, self) if self.config.role != "both"
                            else None)
+
+    def _tell_computing(self, batch) -> None:
+        """Before a step runs: the fronts hear which requests' prompts it begins (protocol.Computing)."""
+        fronts: dict[int, list[str]] = {}
+        for rid in self.pool.began(batch):
+            fronts.setdefault(self.request_front.get(rid, 0), []).append(rid)
+        for front, rids in fronts.items():
+            self.reply(rids[0], p.Computing(self.spec.engine_id, self.spec.incarnation, rids), front)
 
     def run(self) -> None:
         core = self.core
