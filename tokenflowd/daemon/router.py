@@ -137,8 +137,8 @@ COPY_SECONDS = 5.0
 # routing with it; a quarter of the A100's KV, 16 documents at 16 req/s (seeds 0 and 1), 0.61 -> 0.68
 # and 1.45x -> 1.70x routing's throughput (all four document workloads at seeds 0-3: 1.43x, hit rate
 # 1.65x routing's: bench/results/node_contexts_small_cache_pending.json). Longer than a prefill of
-# the longest prompt takes; a request told so needlessly (the one computing it gone) asks once more
-# as its policy picks it.
+# the longest prompt takes; a request told so needlessly (the one computing it gone) asks again as
+# its policy picks it. A record whose request is computing (`computing`) stays until `done`.
 PENDING_SECONDS = 10.0
 
 

@@ -159,7 +159,8 @@ class PoolHooks:
     def _pin_due(self) -> None:
         """Queued requests whose reads wait name them again once they are near the front (pool/ahead.py):
         each asks its front where the pool holds its prefix now (ResolveReads; `reads` pins what it
-        answers; one answered that nothing holds any of it asks once more when the policy picks it),
+        answers; one answered that nothing holds any of it asks again when the policy picks it or
+        ASK_EVERY later, one answered that it is being computed when told it is done or ASK_EVERY later),
         and pins the runs it came with if no answer comes within RESOLVE_SECONDS. One
         admitted without them (its own prefix cache serves what it holds) or gone forgets them.
         What the holders evicted meanwhile it computes."""
