@@ -44,7 +44,7 @@ step, first token 1.029 s where waiting gave 0.824 s.
 """
 from __future__ import annotations
 
-from typing import Callable, Container, Iterable, Protocol, Sequence
+from typing import Callable, Container, Iterable, Mapping, Protocol, Sequence
 
 # Only the head pins regardless of room. A queued request's pins hold pages on its holders (its own
 # engine or peers) that are in no running request's table there: neither free nor held, so each
@@ -106,11 +106,15 @@ def asks_again(found: bool, wanted: bool, holds: Callable[[], bool]) -> bool:
 
 
 def due(waiting: Iterable[Queued], deferred: Container[str], free_pages: int, page_size: int,
-        wanted: Container[str] = (), later: Container[str] = ()) -> list:
-    """The requests of `waiting` (in queue order) whose reads wait in `deferred` and that pin now:
-    near the front, or `wanted`, the scheduler's last plan would have admitted them (Scheduler.held_back:
-    its policy takes requests out of queue order, and one it picks is due whatever its place). One
-    of `later` (answered empty, not due to ask again yet: `asks_again`) is due only when wanted."""
+        wanted: Container[str] = (), later: Container[str] = (), again_at: Mapping[str, float] | None = None,
+        now: float = 0.0) -> list:
+    """The requests of `waiting` (in queue order) whose reads wait in `deferred` and that ask where
+    they are now: near the front, or `wanted`, the scheduler's last plan would have admitted them
+    (Scheduler.held_back: its policy takes requests out of queue order, and one it picks is due
+    whatever its place). One to ask again at `again_at` (s, on the clock of `now`) is not due before:
+    one of `later` (answered empty: `asks_again`) is due before only when wanted; one told its prefix
+    is being computed (Reads.pending) not even then."""
+    again_at = again_at or {}
     out, pages, near = [], 0, True
     for position, req in enumerate(waiting):
         pages += pages_of(req, page_size)
@@ -118,6 +122,9 @@ def due(waiting: Iterable[Queued], deferred: Container[str], free_pages: int, pa
         if not near and not wanted:
             break
         rid = req.request_id
-        if rid in deferred and (near and rid not in later or rid in wanted):
+        if rid not in deferred:
+            continue
+        waits = again_at.get(rid, now) > now
+        if (rid in wanted or near and not waits) if rid in later else (near or rid in wanted) and not waits:
             out.append(req)
     return out

@@ -173,12 +173,9 @@ class PoolHooks:
                 self.later.discard(rid)
                 self.again_at.pop(rid, None)
         now = time.monotonic()
-        later = {rid for rid in self.later if self.again_at.get(rid, now) > now}  # (not due again yet)
         for req in due(sched.waiting, self.deferred, self.core.pool.num_free, self.config.page_size,
-                       sched.held_back, later):
+                       sched.held_back, self.later, self.again_at, now):
             rid = req.request_id
-            if rid not in self.later and self.again_at.get(rid, now) > now:
-                continue  # (told its prefix is being computed: it waits for word, or ASK_EVERY)
             asked = self.asked.get(rid)
             if asked is None:
                 self.asked[rid] = now

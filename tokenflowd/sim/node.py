@@ -586,11 +586,9 @@ class NodeSimulator:
                 e.again_at.pop(rid, None)
         e.later.intersection_update(e.deferred)
         now = self._now = max(self._now, e.clock.now)
-        later = {rid for rid in e.later if e.again_at.get(rid, now) > now}
-        for req in due(sched.waiting, e.deferred, e.pool.num_free, self.cost.page_size, sched.held_back, later):
+        for req in due(sched.waiting, e.deferred, e.pool.num_free, self.cost.page_size, sched.held_back, e.later,
+                       e.again_at, now):
             rid = req.request_id
-            if rid not in e.later and e.again_at.get(rid, now) > now:
-                continue
             runs, copies = self.router.reads(self.engines, req.prompt_token_ids, self.config.segment_pages,
                                              e.engine_id, self.rng)
             if self.router.being_computed(rid):
