@@ -427,8 +427,10 @@ def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_
     prefix too: each time it asks where it is, its front answers that the first is computing it
     (Reads.pending, once that engine's Computing came or at once: nothing was queued there), and
     once the first has its first token it is told where the prefix is and reads it whole (before,
-    it asked twice at once, found nothing and computed it all)."""
-    prefix, prompts = long_prompts(reference, ARCHIVE, 4, 2048)
+    it asked twice at once, found nothing and computed it all). A third comes mid-prompt, once a
+    segment is at its home: it waits for the rest the same way (before, it read what was computed
+    and computed the rest)."""
+    prefix, prompts = long_prompts(reference, ARCHIVE, 5, 2048)
     want = greedy(reference, prompts[:1], MAX_TOKENS) + greedy(reference, prompts[1:], MAX_TOKENS)
     home = homes(prefix)
     keys = chain_page_keys(prefix, 16, [], len(prefix))
@@ -442,32 +444,39 @@ def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_
         d.wait_all_engines()
         seen: dict = {}
 
-        async def first_two():
+        async def first_three():
             async with httpx.AsyncClient(base_url=d.base_url, timeout=300) as http:
                 task = asyncio.create_task(stream_text(d.base_url, prompts[0], MAX_TOKENS,
                                                        lambda text: _first_token(seen)))
                 second = asyncio.create_task(http.post("/v1/completions", json=body(prompts[1])))
+                third = None
                 while not task.done():
                     if "first_token" not in seen and max((await asyncio.to_thread(put, d)).values()):
                         seen["put_before_first_token"] = True
+                        if third is None:  # mid-prompt: part of the prefix is at its homes
+                            third = asyncio.create_task(http.post("/v1/completions", json=body(prompts[2])))
                     await asyncio.sleep(0.02)
-                return await task, await second
+                return await task, await second, await third
 
-        (text, error), second = asyncio.run(first_two())
+        (text, error), second, third = asyncio.run(first_three())
         assert error is None and text == want[0], (error, text, want[0])
         assert second.status_code == 200 and second.json()["choices"][0]["text"] == want[1], second.text
         assert seen.get("put_before_first_token"), "nothing reached the home before the prompt was computed"
+        # the third came mid-prompt: it read the part computed and waited for the rest (computing the
+        # rest itself, it read 256-1,280 tokens)
+        assert third.status_code == 200 and third.json()["choices"][0]["text"] == want[2], third.text
+        assert third.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prefix), third.json()["usage"]
         took = {e: sum(d.metric("tokenflowd_prompt_token_sources_total", engine=str(e), source=s)
                        for s in ("local", "peer", "miss")) for e in (0, 1)}
         assert min(took.values()) > 0, ("the two ran on one engine", took)
-        # the prefix computed once: the two questions' tokens besides (a request that read part of it
-        # and computed the rest, or all of it, misses 700-2,100 more)
+        # the prefix computed once: the three questions' tokens besides (a request that read part of
+        # it and computed the rest, or all of it, misses 700-2,100 more)
         assert source_tokens(d, "miss") < len(prefix) + 128, source_tokens(d, "miss")
         now = put(d)
         writer = max((0, 1), key=now.__getitem__)
         assert now[writer] == home[1 - writer] and now[1 - writer] == 0, (now, home)
-        responses = asyncio.run(post_all(d.base_url, [body(q) for q in prompts[2:]]))
-        assert [r.json()["choices"][0]["text"] for r in responses] == want[2:], [r.text for r in responses]
+        responses = asyncio.run(post_all(d.base_url, [body(q) for q in prompts[3:]]))
+        assert [r.json()["choices"][0]["text"] for r in responses] == want[3:], [r.text for r in responses]
         for e in ("0", "1"):
             wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
             assert d.metric("tokenflowd_pool_pinned_pages", engine=e) == 0
@@ -476,18 +485,29 @@ def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_
 
 
 def test_a_reader_of_the_writers_copy_follows_the_prefix_into_its_home_with_the_greedy_tokens(reference, tmp_path):
-    """A request that comes while a new 4,096-token prefix is computed on the other engine pins the
-    pages computed so far where they are, and computes the rest itself. Once the first prompt is
+    """A request that comes while a new prompt is computed on the other engine, and shares with it
+    only the part computed so far, pins those pages where they are and computes the rest of its own
+    prompt (one that shares more waits for the rest: the test above). Once the first prompt is
     computed and its segments written into their homes (--pool-hand-off prompt), the reader is told
     (protocol.Moved, from the supervisor: the writer names who reads what moved) and reads the
     segments homed on its own engine from its own cache: the writer lets go of its copy
     (pool/member.py follow). Both requests' tokens are one engine's."""
-    prefix, prompts = long_prompts(reference, ARCHIVE, 2)
-    want = greedy(reference, prompts[:1], MAX_TOKENS) + greedy(reference, prompts[1:], 48)
-    home = homes(prefix)
+    shared = 2 * 16 * SEGMENT_PAGES  # two segments: homed one on each engine (asserted below)
+    prefix, (reader_prompt,) = long_prompts(reference, ARCHIVE, 1)
+    tok = reference.tokenizer
+    # the writer parts from the reader's prompt after the shared segments, three segments on
+    # (the reader computes 14 segments of its own: it still runs when the writer's have moved)
+    own = tok.encode(" ".join(f"Note {i}: the harbour master kept a log of every ship." for i in range(120)),
+                     add_special_tokens=False)[: 3 * 16 * SEGMENT_PAGES]
+    writer_prompt = prefix[:shared] + own + tok.encode("\nQuestion: which ship came first?\nAnswer:",
+                                                       add_special_tokens=False)
+    want = greedy(reference, [writer_prompt], MAX_TOKENS) + greedy(reference, [reader_prompt], 48)
+    home = homes(writer_prompt[: len(writer_prompt) // 256 * 256])
+    assert set(segment_homes(chain_page_keys(prefix, 16, [], shared)[SEGMENT_PAGES - 1 :: SEGMENT_PAGES],
+                             [0, 1])) == {0, 1}, "the test needs the shared segments homed on both engines"
     # the writer's figures come with its reports, every heartbeat while it computes a prompt: at
     # 0.1 s the reader comes a tenth of a second after two segments are in, however fast the prompt
-    # is computed (the prompt's 16 chunks leave 14 after that)
+    # is computed (the prompt's 6 chunks leave 4 after that)
     config = tmp_path / "tokenflowd.toml"
     config.write_text("[server]\nheartbeat_interval = 0.1\n")
     d = Daemon(*LONG_FLAGS, "--pool-hand-off", "prompt", "--config", str(config))
@@ -495,7 +515,7 @@ def test_a_reader_of_the_writers_copy_follows_the_prefix_into_its_home_with_the_
         d.wait_all_engines()
 
         async def both():
-            first = asyncio.create_task(stream_text(d.base_url, prompts[0], MAX_TOKENS))
+            first = asyncio.create_task(stream_text(d.base_url, writer_prompt, MAX_TOKENS))
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and not first.done():  # two segments of it computed
                 pages = await asyncio.to_thread(used, d)
@@ -503,7 +523,7 @@ def test_a_reader_of_the_writers_copy_follows_the_prefix_into_its_home_with_the_
                     break
                 await asyncio.sleep(0.02)
             assert not first.done(), "the first prompt was computed before the reader came"
-            second = asyncio.create_task(stream_text(d.base_url, prompts[1], 48))
+            second = asyncio.create_task(stream_text(d.base_url, reader_prompt, 48))
             return await first, await second, max((0, 1), key=pages.__getitem__)
 
         (text, error), (text2, error2), writer = asyncio.run(both())

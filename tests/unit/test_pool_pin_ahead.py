@@ -246,6 +246,11 @@ def test_a_reader_whose_prefix_is_being_computed_asks_where_it_is_even_where_it_
     assert sched.schedule().request_ids == [], "not admitted before the answer"
     h.reads(p.Reads("r", runs(3)))
     assert h.member.pinned == {"r": 3} and req.prefix_offset == 3 * PS and "r" in sched.schedule().request_ids
+    # come mid-prompt: it reads the part computed so far and waits for the rest, pinning nothing yet
+    sched, h = engine(0)
+    late = request("late", 64)
+    assert not h.take_prefix(late, runs(1), pending=True) and h.deferred == {"late": runs(1)}
+    assert not h.member.pinned
 
 
 def test_a_reader_told_its_prefix_is_still_being_computed_keeps_waiting_and_asks_again_later():

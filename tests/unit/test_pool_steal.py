@@ -180,7 +180,8 @@ def test_a_queued_request_hears_its_prefix_is_pending_until_the_request_computin
     """Reads.pending (Router.being_computed): the front answers a queued request's ResolveReads that
     the request named to compute its prefix is computing it (protocol.Computing) and has not
     finished its prompt, until that request's first token comes (Supervisor.on_started: Front.done,
-    which tells the waiting request so without its asking)."""
+    which tells the waiting request so without its asking, once the engine's next message says
+    where the prompt's last segments went)."""
     f, sup = front(placement="home")
     sup.on_started, sup.on_computing = f.done, f.router.computing  # (as Front.__init__ sets them)
     _, busy, _ = sup.slots
@@ -190,8 +191,11 @@ def test_a_queued_request_hears_its_prefix_is_pending_until_the_request_computin
     sup._on_message(p.Computing(1, 0, ["a"]))  # a step begins a's prompt
     f._resolve(busy, busy.streams["b"])
     assert sent(busy) == [p.Reads("b", [], [], pending=True)]
-    sup._on_step(busy, p.StepOutputs(1, 0, 0.0, [p.Delta("a", [7])], p.EngineStats(1, 1, 90, 0, 100, 0, 0, 0.0)))
-    assert sent(busy) == [p.Reads("b", [], [], pending=False)], "its first token: b hears unasked"
+    stats = p.EngineStats(1, 1, 90, 0, 100, 0, 0, 0.0)
+    sup._on_step(busy, p.StepOutputs(1, 0, 0.0, [p.Delta("a", [7])], stats))
+    assert sent(busy) == [], "its first token: not yet (the engine writes its last segments into their homes next)"
+    sup._on_step(busy, p.StepOutputs(1, 0, 0.0, [], stats))  # (EngineProcess.report_step: where they went)
+    assert sent(busy) == [p.Reads("b", [], [], pending=False)], "with the engine's next message b hears unasked"
 
 
 def test_a_request_placed_on_an_engine_with_nothing_queued_is_computing_at_once():

@@ -140,6 +140,28 @@ def test_a_request_told_pending_waits_until_the_one_computing_its_prefix_has_its
     assert not r.being_computed("e")
 
 
+def test_a_request_that_comes_mid_prompt_reads_what_is_computed_and_waits_for_the_rest():
+    """Every page a request is named to compute is on record, not only its first: one that comes
+    once part of the document is computed (and published) reads that part and is told the rest is
+    being computed, and waits for it; one that parts from the document within the computed part
+    computes its own pages."""
+    index = PrefixIndex()
+    r = Router(PS, index, clock=lambda: 0.0)
+    engines = [FakeEngine(0), FakeEngine(1)]
+    doc = list(range(64))  # 16 pages
+    assert not r.pick_pooled(engines, doc + [1, 2], segment_pages=2, request_id="a").pending
+    r.computing("a")
+    index.update(0, keys_of(doc)[:6], [])  # its first 6 pages computed, on engine 0
+    late = r.pick_pooled(engines, doc + [3, 4], segment_pages=2, request_id="b")
+    assert late.pending and r.being_computed("b"), "the rest of the document is being computed"
+    assert late.cached_pages + sum(len(k) for _, k in late.runs) == 6, late
+    own = r.pick_pooled(engines, doc[:24] + [9] * 10, segment_pages=2, request_id="c")
+    assert not own.pending and not r.being_computed("c"), "its own pages: nothing computes them"
+    assert r.done("a") == ["b"]
+    assert not r.being_computed("b")
+    assert r.done("c") == []
+
+
 def test_pooled_pick_runs_on_the_least_loaded_engine_and_names_where_each_segment_is_read():
     tokens = list(range(33))  # 8 full pages before the last token
     k = keys_of(tokens)

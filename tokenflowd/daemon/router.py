@@ -46,9 +46,10 @@ queue (`reads`, asked by the engine: protocol.ResolveReads): from where the pool
 then, which in a burst over a document is where the first request over it computed it meanwhile,
 with the hot segments among them its engine copies in (a burst behind one system prompt came
 before anything held it, so no copy was named as it came).
-With placement at homes, a request whose first page it does not read is one an earlier request was
-named to compute within PENDING_SECONDS (`Choice.pending`, AddRequest.pending: in a burst, the first
-request over a system prompt or a document is computing it) waits to ask where its prefix is as it
+With placement at homes, a request whose first page it does not read is one of those an earlier
+request was named to compute within PENDING_SECONDS (`Choice.pending`, AddRequest.pending: in a
+burst, the first request over a system prompt or a document is computing it; one that comes
+mid-prompt reads what is computed so far and waits for the rest) waits to ask where its prefix is as it
 nears the front, even where its engine would take it at the next step (pool/ahead.py `waits`): the
 engine computing it writes it into its homes and lets go of its own copy once it is done, so one
 taken at once read nothing there and computed it all again. (Kept where computed, a request behind
@@ -84,6 +85,7 @@ preset, TokenLake's point for the system prompt (1,076 req/s): access CV 0.278 a
 """
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -129,8 +131,8 @@ LEAD_HALF_LIFE = 60.0  # s: how fast the share of requests a prefix begins count
 # s a hot segment being copied into an engine is not named for copying there again (the copy is
 # made as the engine takes the request, and the engine's next report shows it there)
 COPY_SECONDS = 5.0
-# s after a request is named to compute a prompt's page from the first page it does not read, during
-# which a request whose first unread page is that one is told it is being computed (`Choice.pending`:
+# s after a request is named to compute a prompt's pages from the first page it does not read, during
+# which a request whose first unread page is one of those is told it is being computed (`Choice.pending`:
 # it asks where it is as it nears the front). Node simulator, 8 engines, 300 requests, segments
 # written into their homes, read mode: a burst behind one 2K-token system prompt (A100, 80 req/s,
 # seeds 0-3) hit 0.870-0.893 of its prompt tokens where routing hit 0.887-0.893, and as often as
@@ -198,12 +200,14 @@ class Router:
         self.clock = clock
         self.copy_hot = copy_hot  # hot segments an engine reads elsewhere are copied into it (`_copy`)
         self._copying: dict[tuple[bytes, int], float] = {}  # (hot segment, engine) -> since when it is copied there
-        # the first page a pooled pick named a request to compute -> (that request, when) (`_pending`)
-        self._computing: dict[bytes, tuple[str, float]] = {}
-        self._named: dict[str, bytes] = {}  # request -> the page it was named to compute (`done`)
-        self._awaits: dict[str, bytes] = {}  # request told pending -> the page it waits for (`being_computed`)
-        self._waiters: dict[bytes, set[str]] = {}  # ... and the other way round
+        # each page a pooled pick named a request to compute -> that request (`_pending`)
+        self._computing: dict[bytes, str] = {}
+        # request -> (the pages it was named to compute, when), oldest first (`done`, `_expire`)
+        self._named: dict[str, tuple[list[bytes], float]] = {}
+        self._awaits: dict[str, str] = {}  # request told pending -> the request it waits for (`being_computed`)
+        self._waiters: dict[str, set[str]] = {}  # ... and the other way round
         self._running: set[str] = set()  # of `_named`, those whose engine has begun their prompt (`computing`)
+        self._anonymous = itertools.count()  # names for the picks no later call names (`_pending`)
         self._node: set[int] = set()  # every engine that has served: new segments are dealt round them (`places`)
 
     def pick(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int]) -> Choice:
@@ -263,67 +267,72 @@ class Router:
 
     def _pending(self, computed: Sequence[bytes], request_id: str = "") -> bool:
         """Whether the first of the pages a request computes (`computed`, none: it reads all) is one
-        another request was named to compute within PENDING_SECONDS and has not finished (`done`);
-        else it is named this one's."""
+        another request was named to compute within PENDING_SECONDS and has not finished (`done`):
+        that one's first page or any after it, so that one that comes mid-prompt, reading the pages
+        computed so far, waits for the rest too. Else it is named this one's pages."""
         self._unawait(request_id)
         if not computed:
             return False
         now = self._expire()
-        record = self._computing.get(computed[0])
-        if record is not None and (record[0] != request_id or not request_id):
+        named = self._computing.get(computed[0])
+        if named is not None and (named != request_id or not request_id):
             if request_id:
-                self._awaits[request_id] = computed[0]
-                self._waiters.setdefault(computed[0], set()).add(request_id)
+                self._awaits[request_id] = named
+                self._waiters.setdefault(named, set()).add(request_id)
             return True
-        if record is None:
-            self.done(request_id)  # (a page it was named before, from a pick before it moved)
-            self._computing[computed[0]] = (request_id, now)
-            if request_id:
-                self._named[request_id] = computed[0]
+        if named is None:
+            self.done(request_id)  # (the pages it was named before, from a pick before it moved)
+            rid = request_id or f"\0{next(self._anonymous)}"  # (never done: it expires)
+            self._named[rid] = ([k for k in computed if self._computing.setdefault(k, rid) == rid], now)
         return False
 
     def _unawait(self, request_id: str) -> None:
-        key = self._awaits.pop(request_id, None)
-        if key is not None:
-            waiters = self._waiters[key]
+        named = self._awaits.pop(request_id, None)
+        if named is not None:
+            waiters = self._waiters[named]
             waiters.discard(request_id)
             if not waiters:
-                del self._waiters[key]
+                del self._waiters[named]
 
     def _expire(self) -> float:
         """Forget the records older than PENDING_SECONDS, but those of requests computing now (a
         long prompt on a CPU takes longer: they end with `done`). -> now"""
-        now, old = self.clock(), []
-        for key, (rid, named) in self._computing.items():  # (oldest first: a record is made once, at the end)
+        now = self.clock()
+        old = []
+        for rid, (_, named) in self._named.items():  # (oldest first: a record is made once)
             if now - named < PENDING_SECONDS:
                 break
             if rid not in self._running:
-                old.append(key)
-        for key in old:
-            rid, _ = self._computing.pop(key)
-            if self._named.get(rid) == key:
-                del self._named[rid]
-            for waiter in self._waiters.pop(key, ()):
-                del self._awaits[waiter]
+                old.append(rid)
+        for rid in old:
+            self._forget(rid)
         return now
 
+    def _forget(self, rid: str) -> list[str]:
+        """Drop the record of the pages `rid` was named to compute. -> the requests that waited for it"""
+        keys, _ = self._named.pop(rid)
+        for key in keys:
+            if self._computing.get(key) == rid:
+                del self._computing[key]
+        waiters = self._waiters.pop(rid, set())
+        for waiter in waiters:
+            del self._awaits[waiter]
+        return sorted(waiters)
+
     def being_computed(self, request_id: str) -> bool:
-        """Whether the page `request_id` was told is being computed (`Choice.pending`) is being
-        computed now: the request named to compute it has begun its prompt (`computing`), has not
+        """Whether the pages `request_id` was told are being computed (`Choice.pending`) are being
+        computed now: the request named to compute them has begun its prompt (`computing`), has not
         finished it (`done`), and was named within PENDING_SECONDS. A request told so waits for word
-        that it has (protocol.Reads.pending) rather than compute it too; not while that one still
+        that it has (protocol.Reads.pending) rather than compute them too; not while that one still
         waits in its queue (H200 preset, 64 documents at routing's highest rate under the TTFT SLO,
         seed 0: requests that waited for one queued 1.6 s met the SLO 0.90 of the time, against 0.97)."""
         if request_id not in self._awaits:
             return False
         self._expire()
-        if request_id not in self._awaits:
+        named = self._awaits.get(request_id)
+        if named is None:
             return False
-        record = self._computing.get(self._awaits[request_id])
-        if record is None or record[0] == request_id:
-            self._unawait(request_id)
-            return False
-        return record[0] in self._running
+        return named in self._running
 
     def computing(self, request_id: str) -> None:
         """A step begins `request_id`'s prompt (protocol.Computing)."""
@@ -331,19 +340,12 @@ class Router:
             self._running.add(request_id)
 
     def done(self, request_id: str) -> list[str]:
-        """`request_id` has computed its prompt, or ended: the page it was named to compute is no
-        longer being computed (it is where the index says, or nowhere), and it waits for none.
-        -> the requests that waited for that page (`being_computed`): now they do not."""
+        """`request_id` has computed its prompt, or ended: the pages it was named to compute are no
+        longer being computed (they are where the index says, or nowhere), and it waits for none.
+        -> the requests that waited for them (`being_computed`): now they do not."""
         self._unawait(request_id)
         self._running.discard(request_id)
-        key = self._named.pop(request_id, None)
-        if key is None or self._computing.get(key, ("",))[0] != request_id:
-            return []
-        del self._computing[key]
-        waiters = self._waiters.pop(key, set())
-        for waiter in waiters:
-            del self._awaits[waiter]
-        return sorted(waiters)
+        return self._forget(request_id) if request_id in self._named else []
 
     def reads(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], segment_pages: int, target: int,
               rng: random.Random | None = None) -> tuple[list[tuple[int, list[bytes]]], list[tuple[int, list[bytes]]]]:

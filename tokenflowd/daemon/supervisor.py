@@ -66,8 +66,10 @@ class Supervisor:
         self.on_keys: Callable[[list[bytes] | None, list[bytes] | None], None] | None = None
         # the pool: a queued request asks where its prefix is now (the front that routes answers)
         self.on_resolve: Callable[[EngineHandle, Stream], None] | None = None
-        # a request's first token came (its prompt is computed, its pages in the index) or it ended
+        # a request's first token came (its prompt is computed, its pages in the index: told with the
+        # engine's next message, `_on_step`) or it ended
         self.on_started: Callable[[str], None] | None = None
+        self._started: dict[int, list[str]] = {}  # engine -> its last message's first tokens (`_on_step`)
         self.on_computing: Callable[[str], None] | None = None  # a step begins a request's prompt (p.Computing)
         # the pool: an engine reported its state (StepOutputs: an idle one may take a queued request),
         # and an engine gave queued requests back (Withdrawn)
@@ -241,9 +243,17 @@ class Supervisor:
         self._send_chain_ends()
         if self.on_keys is not None and (msg.keys_added or msg.keys_removed):
             self.on_keys(msg.keys_added, msg.keys_removed)
-        for delta in msg.deltas:
-            if slot.deliver(delta) and self.on_started is not None:
-                self.on_started(delta.request_id)
+        # A first token is told once the engine's next message is in: the step's message goes before the
+        # engine writes the prompt's last segments into their homes, and the next says where they went
+        # (EngineProcess.report_step). Told at once, a request that waited for that prompt heard where
+        # its prefix was without those segments, and computed them again (test_pool_daemon.py).
+        started = self._started.pop(slot.engine_id, ())
+        new = [delta.request_id for delta in msg.deltas if slot.deliver(delta)]
+        if self.on_started is not None:
+            for rid in started:
+                self.on_started(rid)
+            if new:
+                self._started[slot.engine_id] = new
         if self.on_report is not None:
             self.on_report(slot)
 

@@ -34,13 +34,16 @@ only once it reads its prefix) is never picked before it has found that prefix: 
 A100's KV, 16 documents of 12K tokens, seed 1, such requests waited 9-11 s.
 
 A request told as it came that an earlier request is computing the rest of its prefix
-(AddRequest.pending) and told so again as it asks (Reads.pending: that request has not had its
-first token yet) keeps waiting, picked or not, until the one computing it is done (its pages are
-then where the index says) or gone, or PENDING_SECONDS pass (daemon/router.py): the front then
-tells it where its prefix is unasked (Front.done), and it asks again ASK_EVERY after each answer
-in case that word is lost. Asking twice and then computing, an idle engine's request computed a whole
-document again that its peer finished a moment later: node simulator, 8K tokens computed in one
-step, first token 1.029 s where waiting gave 0.824 s.
+(AddRequest.pending: from its first page, or, come mid-prompt, from the first page not computed
+yet; it pins nothing as it comes) and told so again as it asks (Reads.pending: that request has
+not had its first token yet) keeps waiting, picked or not, until the one computing it is done (its
+pages are then where the index says) or gone, or PENDING_SECONDS pass (daemon/router.py): the
+front then tells it where its prefix is unasked (Front.done), and it asks again ASK_EVERY after
+each answer in case that word is lost. Asking twice and then computing, an idle engine's request
+computed a whole document again that its peer finished a moment later: node simulator, 8K tokens
+computed in one step, first token 1.029 s where waiting gave 0.824 s. Come mid-prompt, it read the
+part computed and computed the rest (a quarter of the A100's KV, the four document workloads in
+overload, seeds 0-3: see the README's pool table).
 """
 from __future__ import annotations
 
@@ -80,10 +83,12 @@ def pages_of(req: Queued, page_size: int) -> int:
     return -(-req.num_tokens // page_size)
 
 
-def pins_on_arrival(waiting: Sequence[Queued], req: Queued, free_pages: int, page_size: int) -> bool:
-    """Whether `req`, joining the end of `waiting`, pins its reads as it comes."""
-    return pins_now(len(waiting), sum(pages_of(r, page_size) for r in waiting) + pages_of(req, page_size),
-                    free_pages)
+def pins_on_arrival(waiting: Sequence[Queued], req: Queued, free_pages: int, page_size: int,
+                    pending: bool = False) -> bool:
+    """Whether `req`, joining the end of `waiting`, pins its reads as it comes: not where the rest of
+    its prefix is being computed (`pending`): it came mid-prompt, and pins all of it once computed."""
+    pages = sum(pages_of(r, page_size) for r in waiting) + pages_of(req, page_size)
+    return not pending and pins_now(len(waiting), pages, free_pages)
 
 
 def waits(waiting: Sequence[Queued], req: Queued, free_pages: int, page_size: int, pending: bool = False) -> bool:

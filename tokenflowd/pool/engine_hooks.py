@@ -132,7 +132,7 @@ class PoolHooks:
         self.later.discard(req.request_id)
         self.again_at.pop(req.request_id, None)
         waiting, free, ps = self.core.scheduler.waiting, self.core.pool.num_free, self.config.page_size
-        pinned = bool(runs) and pins_on_arrival(waiting, req, free, ps) and self._pin(req, runs, queued=False)
+        pinned = bool(runs) and pins_on_arrival(waiting, req, free, ps, pending) and self._pin(req, runs, queued=False)
         if not pinned and req.num_prompt_tokens > ps and waits(waiting, req, free, ps, pending) and (
                 runs or self.member.peers):
             self.deferred[req.request_id] = runs  # (an engine alone in its pool has nothing to ask about)

@@ -456,7 +456,7 @@ class NodeSimulator:
             if choice.copies:
                 self._copy(target, choice.copies)
             waiting, free, ps = target.scheduler.waiting, target.pool.num_free, self.cost.page_size
-            if pins_on_arrival(waiting, req, free, ps):
+            if pins_on_arrival(waiting, req, free, ps, choice.pending):
                 self._pin(target, req, choice.runs)
             if not req.foreign_token_ids and req.num_prompt_tokens > ps and waits(waiting, req, free, ps,
                                                                                   choice.pending):
