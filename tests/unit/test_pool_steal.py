@@ -158,7 +158,7 @@ def two_over_one_prefix(f: Front, sup: Supervisor, slot) -> None:
 
 
 def test_a_request_that_moves_is_not_told_that_it_is_computing_its_own_prefix():
-    """The router records the first page a pooled pick names its request to compute (Router
+    """The router records the pages a pooled pick names its request to compute (Router
     `_pending`): a request that moves before it ran is named again, and its own record is no
     earlier request's (an idle engine that took it waited for itself, asking again where its prefix
     was). One told that an earlier request computes it is still told so."""
@@ -171,6 +171,9 @@ def test_a_request_that_moves_is_not_told_that_it_is_computing_its_own_prefix():
     f._withdrawn(busy, p.Withdrawn(1, 0, ["a"]))
     [add] = sent(idle_slot)
     assert add.request_id == "a" and not add.pending
+    # nothing queued on the idle engine: a begins at its next step, computing before its Computing
+    # comes (as Front._place counts one placed there), so b, asking, waits for it
+    assert f.router.being_computed("b")
     f._withdrawn(busy, p.Withdrawn(1, 0, ["b"]))  # (no steal in flight: back to the end of its queue)
     [add] = sent(busy)
     assert add.request_id == "b" and add.pending

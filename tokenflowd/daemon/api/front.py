@@ -429,10 +429,14 @@ class Front:
         place = self.supervisor.engine_config.pool_placement == "home"
         choices = self.router.dispatch(slots, arrivals, segment, cost, place=place)
         for arrival, choice in zip(arrivals, choices):  # (its engine's Computing may come after a peer's question)
-            slot = self.supervisor.slots[choice.engine_id]
-            if not slot.num_waiting and slot.stats is not None and not slot.stats.num_waiting:
-                self.router.computing(arrival.request_id)  # nothing queued there: it begins at the next step
+            if self._begins_at_once(self.supervisor.slots[choice.engine_id]):
+                self.router.computing(arrival.request_id)
         return choices
+
+    @staticmethod
+    def _begins_at_once(slot) -> bool:
+        """Nothing is queued on `slot`: a request sent there now begins at its next step."""
+        return not slot.num_waiting and slot.stats is not None and not slot.stats.num_waiting
 
     @staticmethod
     def _segment_pages(slots: Sequence) -> int:
@@ -508,7 +512,10 @@ class Front:
                 add = msgspec.structs.replace(stream.add, prefix=[PrefixRun(e, keys) for e, keys in choice.runs],
                                               place=[PrefixRun(e, keys) for e, keys in choice.places], copy=[],
                                               pending=choice.pending)
+                at_once = self._begins_at_once(target)  # (as `_place` counts a request computing)
                 if self.supervisor.move(stream, target, add):
+                    if at_once:
+                        self.router.computing(rid)
                     if target is not giver:
                         self.metrics.moved.labels(str(giver.engine_id)).inc()
                     break
