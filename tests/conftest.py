@@ -14,11 +14,12 @@ from tokenflowd.config import EngineConfig
 # The files that take longest, longest first. With `make test`'s workers (pytest-xdist, a file to a
 # worker, handed out in collection order) they go first, so that none is left to run alone at the end.
 # The random order (pytest-random-order) still shuffles the tests within each file, and the other files.
-# (Seconds each took on two workers, 2 cores, AMD EPYC: 526, 252, 172, 143, 133, 129, 124, 113, 110, 106.)
-LONGEST_FIRST = ("integration/test_pool_daemon.py", "integration/test_daemon.py", "unit/test_node_sim.py",
-                 "integration/test_soak.py", "unit/test_sim_vs_h200.py", "integration/test_federation_cluster.py",
-                 "integration/test_front_limits.py", "unit/test_table1_quick.py", "integration/test_federation_pull.py",
-                 "integration/test_prfaas_cluster.py")
+# (Seconds each took on two workers, 2 cores, AMD EPYC: 526, 252, 172, 143, 133, 129, 124, 113, 110, 106;
+# the first since split in two, writing into the homes and the rest, ~320 s each.)
+LONGEST_FIRST = ("integration/test_pool_write_home.py", "integration/test_pool_daemon.py", "integration/test_daemon.py",
+                 "unit/test_node_sim.py", "integration/test_soak.py", "unit/test_sim_vs_h200.py",
+                 "integration/test_federation_cluster.py", "integration/test_front_limits.py", "unit/test_table1_quick.py",
+                 "integration/test_federation_pull.py", "integration/test_prfaas_cluster.py")
 
 
 @pytest.hookimpl(trylast=True)  # after the random order's shuffle
@@ -49,12 +50,10 @@ def make_hf_dir(path: Path, arch: str, seed: int = 0, head_dim: int = 16, num_he
     keeps CPU tests fast; flashinfer has kernels only for 64, 128 and 256 (tests/gpu)."""
     import transformers
 
-    from tokenflowd.text.source import embedded_gguf_path
+    from tokenflowd.text.source import embedded_gguf_path, open_gguf
     from tokenflowd.text.tokenizer import Tokenizer
 
-    import gguf
-
-    tok = Tokenizer.from_gguf(gguf.GGUFReader(embedded_gguf_path()))
+    tok = Tokenizer.from_gguf(open_gguf(embedded_gguf_path()))
     common = dict(
         vocab_size=tok.vocab_size, hidden_size=head_dim * num_heads, intermediate_size=2 * head_dim * num_heads,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,

@@ -246,7 +246,7 @@ class Supervisor:
         # A first token is told once the engine's next message is in: the step's message goes before the
         # engine writes the prompt's last segments into their homes, and the next says where they went
         # (EngineProcess.report_step). Told at once, a request that waited for that prompt heard where
-        # its prefix was without those segments, and computed them again (test_pool_daemon.py).
+        # its prefix was without those segments, and computed them again (test_pool_write_home.py).
         started = self._started.pop(slot.engine_id, ())
         new = [delta.request_id for delta in msg.deltas if slot.deliver(delta)]
         if self.on_started is not None:
