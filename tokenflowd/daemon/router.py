@@ -48,11 +48,11 @@ with the hot segments among them its engine copies in (a burst behind one system
 before anything held it, so no copy was named as it came).
 With placement at homes, a request whose first page it does not read is one of those an earlier
 request was named to compute within PENDING_SECONDS (`Choice.pending`, AddRequest.pending: in a
-burst, the first request over a system prompt or a document is computing it; one that comes
-mid-prompt reads what is computed so far and waits for the rest) waits to ask where its prefix is as it
-nears the front, even where its engine would take it at the next step (pool/ahead.py `waits`): the
-engine computing it writes it into its homes and lets go of its own copy once it is done, so one
-taken at once read nothing there and computed it all again. (Kept where computed, a request behind
+burst, the first request over a system prompt or a document is computing it; or, come mid-prompt,
+its first page not computed yet) waits to ask where its prefix is as it nears the front, even
+where its engine would take it at the next step (pool/ahead.py `waits`): the engine computing it
+writes it into its homes and lets go of its own copy once it is done, so one taken at once read
+nothing there and computed it all again. (Kept where computed, a request behind
 the one computing it reads it at its admission all the same; told to wait, a quarter of the A100's
 KV, 12 documents at routing's highest rate under the TTFT SLO, seed 3: 832 tokens/s against 891.)
 While the request named to compute it is computing it (its engine says so as the step that
