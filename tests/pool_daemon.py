@@ -77,6 +77,12 @@ def put(d: Daemon) -> dict[int, float]:
     return {e: d.metric("tokenflowd_pool_put_pages_total", engine=str(e)) for e in (0, 1)}
 
 
+def leaks_nothing(d: Daemon, engine: str, who: str) -> None:
+    """`engine` holds no page for a request and pins none on its peer once its requests ended."""
+    wait_for(lambda: d.metric("tokenflowd_kv_pages_used", engine=engine) == 0, 10, f"{who} leaked pages")
+    assert d.metric("tokenflowd_pool_pinned_pages", engine=engine) == 0, f"{who} left pages pinned"
+
+
 def placed(d: Daemon, base: dict[int, float], home: dict[int, int], extra: int) -> bool:
     """Each engine holds the system prompt's segments homed on it and no others (plus up to `extra`
     pages of the first request's own): the engine that computed them has dropped the others."""

@@ -15,8 +15,9 @@ import tempfile
 import httpx
 import pytest
 from daemon import Daemon
-from pool_daemon import (FLAGS, MAX_TOKENS, SEGMENT_PAGES, SYSTEM_TOKENS, body, copied_pages, greedy, homes, placed,
-                         pool_pages, post_all, put, reference, source_tokens, stream_text, wait_for)
+from pool_daemon import (FLAGS, MAX_TOKENS, SEGMENT_PAGES, SYSTEM_TOKENS, body, copied_pages, greedy, homes,
+                         leaks_nothing, placed, pool_pages, post_all, put, reference, source_tokens, stream_text,
+                         wait_for)
 
 from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.pool.homes import segment_homes
@@ -192,8 +193,7 @@ def test_sigkill_of_the_holder_mid_stream_recomputes_the_prefix_and_keeps_the_gr
         assert a_error is not None, "the killed engine's own stream ends with an error event"
         assert b_error is None and b_text == want, (b_error, b_text, want)
         survivor = str(1 - victim)
-        wait_for(lambda: d.metric("tokenflowd_kv_pages_used", engine=survivor) == 0, 10, "the survivor leaked pages")
-        assert d.metric("tokenflowd_pool_pinned_pages", engine=survivor) == 0
+        leaks_nothing(d, survivor, "the survivor")
         d.wait_all_engines()  # the holder comes back
     finally:
         assert d.stop() == 0
@@ -234,7 +234,6 @@ def test_an_idle_engine_takes_requests_queued_on_the_busy_one_with_a_single_engi
         ran_long = max(took, key=took.__getitem__)
         assert took[ran_long] > len(long), ("the engine that ran the long prompt ran no short one", took)
         for e in ("0", "1"):
-            wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
-            assert d.metric("tokenflowd_pool_pinned_pages", engine=e) == 0
+            leaks_nothing(d, e, f"engine {e}")
     finally:
         assert d.stop() == 0

@@ -13,8 +13,8 @@ import time
 
 import httpx
 from daemon import Daemon
-from pool_daemon import (MAX_TOKENS, SEGMENT_PAGES, body, copied_pages, greedy, homes, placed, pool_pages, post_all,
-                         put, reference, source_tokens, stream_text, used, wait_for)
+from pool_daemon import (MAX_TOKENS, SEGMENT_PAGES, body, copied_pages, greedy, homes, leaks_nothing, placed,
+                         pool_pages, post_all, put, reference, source_tokens, stream_text, used, wait_for)
 
 from tokenflowd.engine.offline import Engine
 from tokenflowd.engine.request import SamplingParams
@@ -143,8 +143,7 @@ def test_write_into_home_holds_a_4096_token_prefix_once_and_survives_its_home_ki
         assert killed, "the writer never wrote into the home"
         assert error is None and text.startswith(want_victim), (killed, error, text, want_victim)
         survivor = str(killed["writer"])
-        wait_for(lambda: d.metric("tokenflowd_kv_pages_used", engine=survivor) == 0, 10, "the survivor leaked pages")
-        assert d.metric("tokenflowd_pool_pinned_pages", engine=survivor) == 0
+        leaks_nothing(d, survivor, "the survivor")
         d.wait_all_engines()  # the home comes back
     finally:
         assert d.stop() == 0
@@ -212,8 +211,7 @@ def test_segment_by_segment_the_prefix_reaches_its_homes_before_the_prompt_ends_
         responses = asyncio.run(post_all(d.base_url, [body(q) for q in prompts[3:]]))
         assert [r.json()["choices"][0]["text"] for r in responses] == want[3:], [r.text for r in responses]
         for e in ("0", "1"):
-            wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
-            assert d.metric("tokenflowd_pool_pinned_pages", engine=e) == 0
+            leaks_nothing(d, e, f"engine {e}")
     finally:
         assert d.stop() == 0
 
@@ -270,8 +268,7 @@ def test_a_reader_of_the_writers_copy_follows_the_prefix_into_its_home_with_the_
         assert d.metric("tokenflowd_pool_followed_pages_total", engine=reader) <= home[1 - writer]
         assert d.metric("tokenflowd_pool_followed_pages_total", engine=str(writer)) == 0
         for e in ("0", "1"):
-            wait_for(lambda e=e: d.metric("tokenflowd_kv_pages_used", engine=e) == 0, 10, f"engine {e} leaked pages")
-            assert d.metric("tokenflowd_pool_pinned_pages", engine=e) == 0
+            leaks_nothing(d, e, f"engine {e}")
     finally:
         assert d.stop() == 0
 
