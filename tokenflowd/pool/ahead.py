@@ -129,7 +129,11 @@ def due(waiting: Iterable[Queued], deferred: Container[str], free_pages: int, pa
         rid = req.request_id
         if rid not in deferred:
             continue
-        waits = again_at.get(rid, now) > now
-        if (rid in wanted or near and not waits) if rid in later else (near or rid in wanted) and not waits:
+        in_time = again_at.get(rid, now) <= now  # (none set: now)
+        if rid in later:  # answered empty: wanted, it asks at once
+            asks = rid in wanted or (near and in_time)
+        else:  # told pending (or never asked): not before its time, wanted or not
+            asks = (near or rid in wanted) and in_time
+        if asks:
             out.append(req)
     return out
