@@ -277,7 +277,7 @@ class KVCacheManager:
 
     def pages_exclusive(self, req: Request) -> int:
         """Of the request's device pages, how many no other request holds (what preempting it frees)."""
-        return sum(self.pool.ref_count(p) == 1 for p in self.state(req).block_table)
+        return self.pool.num_held_alone(self.state(req).block_table)
 
     # -- preempt, load, free --------------------------------------------------------------------
     def preempt(self, req: Request) -> None:

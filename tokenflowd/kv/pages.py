@@ -109,6 +109,11 @@ class PagePool:
     def ref_count(self, page: int) -> int:
         return self._ref[page]
 
+    def num_held_alone(self, pages: list[int]) -> int:
+        """Of `pages`, how many have one reference (what freeing their holder frees). Counted in C:
+        the scheduler asks it of every running request each step memory is tight."""
+        return list(map(self._ref.__getitem__, pages)).count(1)
+
     def is_evictable(self, page: int) -> bool:
         return page in self._lru or page in self._kept
 

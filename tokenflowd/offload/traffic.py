@@ -122,7 +122,7 @@ class HostOffloader(Offloader):
             self._submit(WRITE, req, st, pairs, reach, evict=True)
             st.num_offload_issued = reach
             self.stats.pages_evicted += len(pairs)
-        self.stats.pages_freed_at_once += sum(self.pool.ref_count(p) == 1 for p in st.block_table)
+        self.stats.pages_freed_at_once += self.pool.num_held_alone(st.block_table)
 
     def take_host_copy(self, req: Request, st: RequestKV, num_pages: int) -> bool:
         """A request that never offloaded first takes the host prefix cache's pages as its copy,

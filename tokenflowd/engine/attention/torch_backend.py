@@ -120,16 +120,20 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache[0][:, meta.slot_page, meta.slot_offset] = k.transpose(0, 1)  # [kv_heads, T, d]
         kv_cache[1][:, meta.slot_page, meta.slot_offset] = v.transpose(0, 1)
         out = torch.empty_like(q)
+        # SDPA on 4-D inputs (a batch of one): on a CPU only those reach torch's fused (flash)
+        # kernel; 3-D ones take the math path, 3x slower for a 256-token chunk over 4K tokens
+        # (bench/results/code_figures.md)
         for c in meta.chunks:
-            qc = q[c.start : c.stop].transpose(0, 1)  # [heads, q_len, d]
+            qc = q[c.start : c.stop].transpose(0, 1)[None]  # [1, heads, q_len, d]
             if c.pages is None:
-                kc = k[c.start : c.stop].transpose(0, 1)  # [kv_heads, q_len, d]
-                vc = v[c.start : c.stop].transpose(0, 1)
+                kc = k[c.start : c.stop].transpose(0, 1)[None]  # [1, kv_heads, q_len, d]
+                vc = v[c.start : c.stop].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True, scale=self.scale)
             else:
                 kc, vc = self._gather(kv_cache, c.pages, c.seq_len)  # [kv_heads, seq_len, d]
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, enable_gqa=True, scale=self.scale)
-            out[c.start : c.stop] = o.transpose(0, 1)
+                o = F.scaled_dot_product_attention(qc, kc[None], vc[None], attn_mask=c.mask, enable_gqa=True,
+                                                   scale=self.scale)
+            out[c.start : c.stop] = o[0].transpose(0, 1)
         if meta.decode_rows is not None:
             qd = q if meta.decode_all else q[meta.decode_rows]  # [Bd, heads, d]
             if meta.decode_table is not None:
