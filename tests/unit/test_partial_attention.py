@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenflowd.engine.attention.base import AttentionInputs, PageQuery
+from tokenflowd.engine.attention.partial import FUSED_CPU as FUSED
 from tokenflowd.engine.attention.partial import attention_with_lse, merge_all, merge_states
 from tokenflowd.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -42,6 +43,26 @@ def test_pieces_merged_by_lse_equal_attention_over_all_keys(shape, d, t, length,
     assert (o - full(q, k, v, d**-0.5)).abs().max() <= TOL
     scores = torch.einsum("thd,lhd->thl", q, k.repeat_interleave(heads // kvh, dim=1)) * d**-0.5
     assert (s - torch.logsumexp(scores, -1)).abs().max() <= TOL
+
+
+def test_on_a_cpu_torchs_fused_kernel_gives_the_explicit_scores_state_where_every_query_sees_a_key(monkeypatch):
+    import tokenflowd.engine.attention.partial as partial
+
+    assert partial.FUSED_CPU is not None, "this torch lacks the fused CPU kernel that returns the LSE"
+    calls = []
+    monkeypatch.setattr(partial, "FUSED_CPU", lambda *a, **kw: calls.append(1) or FUSED(*a, **kw))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(7, 9, 64, generator=gen), torch.randn(300, 3, 64, generator=gen), torch.randn(300, 3, 64,
+                                                                                                          generator=gen)
+    causal = torch.arange(300)[None, :] <= torch.arange(293, 300)[:, None]
+    for mask in (None, causal):
+        o, s = attention_with_lse(q, k, v, 0.125, mask)
+        eo, es = attention_with_lse(q, k, v, 0.125, mask, fused=False)
+        assert (o - eo).abs().max() <= TOL and (s - es).abs().max() <= TOL and s.dtype == torch.float32
+    assert len(calls) == 2
+    # a query that sees no key: the explicit path's o = 0, s = -inf
+    attention_with_lse(q, k, v, 0.125, torch.zeros(7, 300, dtype=torch.bool))
+    assert len(calls) == 2
 
 
 def test_an_empty_piece_weighs_nothing_and_two_empty_pieces_stay_empty():
