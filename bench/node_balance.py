@@ -9,6 +9,7 @@ same load for all), 8 engines in the node simulator, the same requests as that s
 
 Per run: the access CV (TokenLake's measure: the CV across engines of the KV tokens read from each
 one's memory per second while requests arrive, averaged; sim/node.py NodeResult.access_cv), the
+same for the lookups alone (the prefix tokens each request found cached, once: cache_access_cv), the
 busy-time and router-load CVs, hit rate, throughput and the TTFT SLO's attainment. The cost model,
 KV scale, policy, hand-off and seeds are the goodput file's; a goodput file names a calibrated
 cost model only as "calibrated", so its calibration is --calibrated (default the H200's).
@@ -29,7 +30,7 @@ from node_contexts import H200, at_rate, mode_base, scaled_cost, simulate  # noq
 from tokenflowd.sim.node import MODES, NodeConfig  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 
-KEYS = ("access_cv", "busy_cv", "load_cv", "hit_rate", "throughput", "ttft_slo_attainment")
+KEYS = ("cache_access_cv", "access_cv", "busy_cv", "load_cv", "hit_rate", "throughput", "ttft_slo_attainment")
 
 
 def main() -> None:
@@ -69,8 +70,8 @@ def main() -> None:
             row[m] = {k: s[k] for k in KEYS}
         rows.append(row)
         print(f"{cost.name:>15} {spec:>44} seed {seed} {rate:6.3g}/s " + "  ".join(
-            f"{m}: access cv {row[m]['access_cv']:.2f} hit {row[m]['hit_rate']:.3f} "
-            f"slo {row[m]['ttft_slo_attainment']:.2f}" for m in modes), flush=True)
+            f"{m}: cache cv {row[m]['cache_access_cv']:.2f} access cv {row[m]['access_cv']:.2f} "
+            f"hit {row[m]['hit_rate']:.3f} slo {row[m]['ttft_slo_attainment']:.2f}" for m in modes), flush=True)
     summary = {m: {k: statistics.mean(r[m][k] for r in rows) for k in KEYS} for m in modes} if rows else {}
     for m, s in summary.items():
         print(f"mean over {len(rows)}: {m}: " + " ".join(f"{k} {v:.3f}" for k, v in s.items()))

@@ -526,6 +526,26 @@ def test_the_access_cv_counts_the_kv_each_engines_memory_serves_a_peers_reads_at
     assert peer["routing"] == 0 and peer["pool-local"] > 0, peer
 
 
+def test_the_cache_access_cv_counts_each_requests_cached_prefix_once_where_it_is_held():
+    """The lookups alone (NodeResult.cache_access_cv): each request's prefix found cached counted
+    once, as its first step begins, at the engine that holds it: its own engine's hit there, the pages it pinned at their
+    holders. Over the whole run the counts are the run's hit tokens: its own engine's (local) and
+    its peers' (peer), and routing's are all at the engine that ran the request."""
+    from tokenflowd.sim.node import NodeResult
+
+    assert NodeResult("x", [], 0, 0, 0, 0, cache_samples=[[0, 0], [2, 2], [4, 0]]).cache_access_cv() == 0.5
+    cost, over = small_cache_documents(16.0, 100, "documents:active=12:scale=0.5")
+    for mode in ("routing", "pool-write"):
+        sim = NodeSimulator(cost, over, mode, NodeConfig(policy="tokenflow"))
+        r = sim.run()
+        found = sum(sum(e.cache_reads.values()) for e in sim.engines)
+        assert found == r.local_tokens + r.peer_tokens > 0, (mode, found, r.local_tokens, r.peer_tokens)
+        assert 0 < sum(map(sum, r.cache_samples)) <= found and all(len(x) == 8 for x in r.cache_samples)
+        assert r.summary()["cache_access_cv"] == r.cache_access_cv() > 0
+        if mode == "routing":
+            assert r.peer_tokens == 0
+
+
 def test_a_hot_system_prompt_is_copied_once_into_each_engine_that_reads_it_elsewhere():
     """Every request reads the one 2,048-token system prompt. Written into its homes, its segments
     turn hot within a few requests (heavy hitters, pool/heat.py) and each engine that reads them on

@@ -236,7 +236,7 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
         config = dataclasses.replace(config, read_rows=link_ridge_rows(cost, config))
     print(f"{len(requests)} {'synthetic ' + a.contexts if a.contexts else 'trace'} requests, {a.engines} engines, cost model {cost.name}, policy {a.policy}")
     keys = ("throughput", "effective_throughput", "ttft_mean", "ttft_p99", "hit_rate", "busy_cv", "load_cv",
-            "access_cv", "computed_tokens")
+            "access_cv", "cache_access_cv", "computed_tokens")
     print(f"{'mode':>10} " + " ".join(f"{k:>20}" for k in keys))
     summaries = {}
     for mode, result in simulate_node(cost, requests, MODES, config).items():

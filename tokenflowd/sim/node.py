@@ -67,13 +67,16 @@ costed as in query mode. Pages a request reads in its own engine's cache through
 segments homed there, a replica copied in) are attended there as its own KV is, in the step's
 roofline (before, they cost nothing: a decode over a long prefix homed on its own engine came out as
 cheap as one over none).
-Balance, three ways: busy_cv, the CV across engines of each one's busy time over the whole run (a
-burst's last long decodes, one engine each, weigh on it); load_cv, the CV across engines of the
-prompt tokens of the requests each holds (what the router balances), sampled every second while
-requests arrive, averaged; access_cv, as TokenLake measures imbalance over time (§7, Figure 10:
-each instance's cache accesses), the CV across engines of the KV tokens read from each one's memory
-in each second while requests arrive, averaged: a step reads its requests' own KV where they run and
-the pages they pinned where those are held (as sim/pool.py counts tokens served per window).
+Balance, four ways, each but the first a CV across engines in each second while requests arrive,
+averaged: busy_cv, the CV across engines of each one's busy time over the whole run (a burst's last
+long decodes, one engine each, weigh on it); load_cv, of the prompt tokens of the requests each
+holds (what the router balances); access_cv, TokenLake's (§7.2, Figure 10: "the prefix cache
+accesses on each instance"; its holders attend the queries shipped to them at every step), of the
+KV tokens steps read from each one's memory: a step reads its requests' own KV where they run and
+the pages they pinned where those are held (as sim/pool.py counts tokens served per window);
+cache_access_cv, of the prefix tokens requests found cached in each one's memory, each request
+counted once, as its first step begins (its own engine's hit there, its pins at their holders):
+the lookups alone, lumpier (a second holds few first steps in overload).
 Pins are taken as the request nears the front of its engine's queue (pool/ahead.py; it is not
 admitted before) and hold the pages until the request ends or gives them back. Each engine's
 prefix-cache key events are applied to the router's index at the end of each of its steps.
@@ -184,6 +187,9 @@ class NodeResult:
     load_samples: list[list[int]] = field(default_factory=list)
     # per LOAD_WINDOW while requests arrive, the KV tokens steps read from each engine's memory
     access_samples: list[list[int]] = field(default_factory=list)
+    # per LOAD_WINDOW while requests arrive, the prefix tokens requests found cached in each engine's
+    # memory (counted once a request, as its first step begins)
+    cache_samples: list[list[int]] = field(default_factory=list)
 
     def load_cv(self) -> float:
         """The imbalance of the router's load across engines over time: each sample's CV across
@@ -194,6 +200,12 @@ class NodeResult:
         """TokenLake's Figure 10 measure: the CV across engines of the KV tokens read from each one's
         memory (its cache accesses) in each window, averaged over windows with any access."""
         return _mean_cv(self.access_samples)
+
+    def cache_access_cv(self) -> float:
+        """The lookups alone: the CV across engines of the prefix tokens requests found cached in
+        each one's memory in each window (each request once, as its first step begins), averaged over
+        windows with any."""
+        return _mean_cv(self.cache_samples)
 
     def meets_slo(self, tbt: bool = True) -> list[bool]:
         """Per record: whether it met its SLO (SLO_FACTOR); `tbt` False: its TTFT bound alone."""
@@ -216,7 +228,7 @@ class NodeResult:
                    local_tokens=self.local_tokens, peer_tokens=self.peer_tokens, computed_tokens=self.computed_tokens,
                    put_pages=self.put_pages,
                    busy_cv=coefficient_of_variation(busy) if busy else 0.0,
-                   load_cv=self.load_cv(), access_cv=self.access_cv())
+                   load_cv=self.load_cv(), access_cv=self.access_cv(), cache_access_cv=self.cache_access_cv())
         return out
 
 
@@ -250,6 +262,12 @@ class _Executor(CostModelExecutor):
             # tokens it reads in this engine's own cache through its pins (its segments homed here, a
             # replica): attended as its own KV is
             mine = held.pop(engine, 0)
+            if rid not in engine.started:  # its first step: the prefix it found cached, where that is held
+                engine.started.add(rid)
+                now = engine.clock.now
+                engine.cache_access(now, position + mine)
+                for holder, tokens in held.items():
+                    holder.cache_access(now, tokens)
             reads.append((engine, n + engine.scheduler.requests[rid].num_computed_tokens + mine))
             for holder, tokens in held.items():
                 reads.append((holder, tokens))
@@ -312,6 +330,10 @@ class _Engine:
         self.debt = 0.0
         self.origin = origin  # the first arrival: LOAD_WINDOW windows count from it
         self.accessed: dict[int, float] = {}  # window -> KV tokens steps read from this engine's memory
+        # window -> prefix tokens requests found cached here as their first step began (their own
+        # engine's hit and what they read through pins: TokenLake's cache accesses)
+        self.cache_reads: dict[int, int] = {}
+        self.started: set[str] = set()  # requests that ran a step here
         self.reported = 0.0  # an idle engine's last report (the pool's stealing: NodeSimulator._steal)
         self.stuck = StuckTimer()  # since when it has run nothing with requests waiting
         self.busy = 0.0
@@ -329,6 +351,13 @@ class _Engine:
     @property
     def load(self) -> int:
         return len(self.scheduler.requests)
+
+    def cache_access(self, at: float, tokens: int) -> None:
+        """`tokens` of cached prefix read here by a request whose first step begins at `at` (on
+        its own engine's clock: each engine's runs apart)."""
+        if tokens:
+            window = int((at - self.origin) // LOAD_WINDOW)
+            self.cache_reads[window] = self.cache_reads.get(window, 0) + tokens
 
     def read(self, start: float, duration: float, tokens: int) -> None:
         """`tokens` of KV read here by a step from `start` (s after the origin) for `duration`,
@@ -877,8 +906,9 @@ class NodeSimulator:
                 SLO_FACTOR * cost.decode_step_time(1, r.prompt_len + r.output_len // 2)) for r in ordered]
         windows = range(max(1, int((last_arrival - self.engines[0].origin) // LOAD_WINDOW)))  # whole ones
         accesses = [[e.accessed.get(w, 0) for e in self.engines] for w in windows]
+        cache = [[e.cache_reads.get(w, 0) for e in self.engines] for w in windows]
         return NodeResult(self.mode, ordered, self.prompt_tokens, local, self.peer_tokens, computed,
-                          [e.busy for e in self.engines], self.put_pages, slo, samples, accesses)
+                          [e.busy for e in self.engines], self.put_pages, slo, samples, accesses, cache)
 
 
 def link_ridge_rows(cost: CostModel, config: NodeConfig) -> int:
