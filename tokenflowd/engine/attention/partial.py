@@ -18,9 +18,23 @@ from __future__ import annotations
 import torch
 
 
-# torch's fused CPU attention that also returns the log-sum-exp (what SDPA runs on a CPU, its LSE
-# kept): 3.8x faster than the explicit scores below for 256 rows over 4K keys (bench/results/code_figures.md)
-FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+def _fused_cpu_op():
+    """torch's fused CPU attention that also returns the log-sum-exp (what SDPA runs on a CPU, its
+    LSE kept): 3.8x faster than the explicit scores below for 256 rows over 4K keys
+    (bench/results/code_figures.md). A private op: None where this torch lacks it or calls it
+    otherwise (tried once on a tiny input)."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None:
+        return None
+    try:
+        x = torch.zeros(1, 1, 2, 8)
+        o, s = op(x, x, x, 0.0, False, attn_mask=torch.zeros(2, 2), scale=1.0)
+    except (RuntimeError, TypeError):
+        return None
+    return op if o.shape == x.shape and s.shape == (1, 1, 2) else None
+
+
+FUSED_CPU = _fused_cpu_op()
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
