@@ -330,8 +330,8 @@ class _Engine:
         self.debt = 0.0
         self.origin = origin  # the first arrival: LOAD_WINDOW windows count from it
         self.accessed: dict[int, float] = {}  # window -> KV tokens steps read from this engine's memory
-        # window -> prefix tokens requests found cached here as their first step began (their own
-        # engine's hit and what they read through pins: TokenLake's cache accesses)
+        # window -> prefix tokens requests found cached here as their first step began (the lookups:
+        # a request's hit in its own engine, and what it pinned here from another)
         self.cache_reads: dict[int, int] = {}
         self.started: set[str] = set()  # requests that ran a step here
         self.reported = 0.0  # an idle engine's last report (the pool's stealing: NodeSimulator._steal)
@@ -353,8 +353,8 @@ class _Engine:
         return len(self.scheduler.requests)
 
     def cache_access(self, at: float, tokens: int) -> None:
-        """`tokens` of cached prefix read here by a request whose first step begins at `at` (on
-        its own engine's clock: each engine's runs apart)."""
+        """`tokens` of cached prefix read here by a request whose first step begins at `at` (s on
+        the clock of the engine it runs on: each engine's clock runs apart)."""
         if tokens:
             window = int((at - self.origin) // LOAD_WINDOW)
             self.cache_reads[window] = self.cache_reads.get(window, 0) + tokens
