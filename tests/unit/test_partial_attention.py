@@ -49,15 +49,16 @@ def test_on_a_cpu_torchs_fused_kernel_gives_the_explicit_scores_state_where_ever
     import tokenflowd.engine.attention.partial as partial
 
     assert partial.FUSED_CPU is not None, "this torch lacks the fused CPU kernel that returns the LSE"
-    calls = []
-    monkeypatch.setattr(partial, "FUSED_CPU", lambda *a, **kw: calls.append(1) or FUSED(*a, **kw))
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(7, 9, 64, generator=gen), torch.randn(300, 3, 64, generator=gen), torch.randn(300, 3, 64,
                                                                                                           generator=gen)
     causal = torch.arange(300)[None, :] <= torch.arange(293, 300)[:, None]
-    for mask in (None, causal):
+    monkeypatch.setattr(partial, "FUSED_CPU", None)  # the explicit scores, as off the CPU
+    explicit = [attention_with_lse(q, k, v, 0.125, mask) for mask in (None, causal)]
+    calls = []
+    monkeypatch.setattr(partial, "FUSED_CPU", lambda *a, **kw: calls.append(1) or FUSED(*a, **kw))
+    for mask, (eo, es) in zip((None, causal), explicit):
         o, s = attention_with_lse(q, k, v, 0.125, mask)
-        eo, es = attention_with_lse(q, k, v, 0.125, mask, fused=False)
         assert (o - eo).abs().max() <= TOL and (s - es).abs().max() <= TOL and s.dtype == torch.float32
     assert len(calls) == 2
     # a query that sees no key: the explicit path's o = 0, s = -inf

@@ -38,12 +38,12 @@ FUSED_CPU = _fused_cpu_op()
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                       mask: torch.Tensor | None = None, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, heads, d], k and v [L, kv_heads, d] (GQA: heads a multiple of kv_heads); mask [T, L]
     bool, True where a query sees a key (None: every key). -> (o [T, heads, d], s [T, heads] fp32).
     Scores and the softmax run in fp32. A query that sees no key gets o = 0 and s = −inf.
-    On a CPU, where every query sees a key, through torch's fused kernel (`fused` False: never)."""
-    if (fused and FUSED_CPU is not None and q.device.type == "cpu" and k.shape[0]
+    On a CPU, where every query sees a key, through torch's fused kernel (where this torch has it)."""
+    if (FUSED_CPU is not None and q.device.type == "cpu" and k.shape[0]
             and (mask is None or bool(mask.any(1).all()))):
         return _fused_cpu(q, k, v, scale, mask)
     T, H, d = q.shape
