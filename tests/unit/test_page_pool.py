@@ -68,6 +68,32 @@ def test_prefix_hit_is_shared_and_leaves_the_last_token():
     assert kv.pool.num_used == 0 and kv.pool.num_cached == 3
 
 
+def test_a_waiting_requests_match_is_kept_until_one_of_its_own_pages_is_evicted():
+    """view_matches keeps a waiting request's match (the same object) while another prefix's pages
+    are evicted, walks again once one of its own is, and refresh() does the same."""
+    kv = KVCacheManager(PagePool(8), page_size=4)
+    for rid, first in (("b", 100), ("a", 0)):  # two prefixes of 3 pages each, cached, unreferenced, "b"'s older
+        r = _req(rid, list(range(first, first + 12)))
+        assert kv.admit(r, kv.match(r), 12)
+        r.num_computed_tokens = 12
+        kv.commit(r)
+        kv.free(r)
+    waiting = _req("w", list(range(12)) + [7])  # reads "a"'s 3 pages
+    kv.track(waiting)
+    kept = kv.view_matches([waiting])[0]
+    assert kept.num_device_pages == 3 and kept.num_evictable == 3
+    taken = [kv.pool.allocate() for _ in range(4)]  # the 2 free pages, then 2 of "b"'s (LRU), evicted
+    assert kv.pool.num_evictions == 2 and kv.pool.lookup([kv.state(waiting).page_hashes[0]])
+    assert kv.view_matches([waiting])[0] is kept
+    assert kv.refresh(waiting, kept).device_pages == kept.device_pages
+    taken.append(kv.pool.allocate())  # "b"'s last page; then one of "a"'s: the request's own
+    assert kv.view_matches([waiting])[0] is kept
+    taken.append(kv.pool.allocate())
+    walked = kv.view_matches([waiting])[0]
+    assert walked is not kept and walked.num_device_pages == 2
+    assert kv.refresh(waiting, kept).num_device_pages == 2
+
+
 def test_admit_fails_without_side_effects():
     kv = KVCacheManager(PagePool(2), page_size=4)
     r = _req("r", list(range(20)))

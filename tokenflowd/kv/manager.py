@@ -50,7 +50,10 @@ class PrefixMatch:
     num_unwritten_pages: int  # of those, how many are still being written to the host
     io_time: float | None  # t_IO of the load; None: nothing to load
     sources: tuple[Source, ...]
-    evictions: tuple[int, int]  # the device and host pools' eviction counts when it was taken
+    # the device pool's eviction count when it was taken, and the host's (with its disk): stale once
+    # one of its device pages is dropped after the first (PagePool.dropped_since), or, with a load,
+    # once the host tier evicts anything
+    evictions: tuple[int, int]
 
     @property
     def num_device_pages(self) -> int:
@@ -139,7 +142,7 @@ class KVCacheManager:
         chain_page_keys(req.token_ids, ps, st.page_hashes, None, req.key_seed)
         max_pages = (req.num_tokens - 1) // ps
         pages = self.pool.lookup(st.page_hashes[:max_pages])
-        evictable = sum(self.pool.is_evictable(p) for p in pages)
+        evictable = self.pool.num_unreferenced(pages)
         reload = self.offloader.reload(req, st, max_pages, len(pages))
         host_run = 0 if st.host_pages else reload.num_tokens // ps
         to_load = cdiv(reload.num_tokens, ps) - len(pages)
@@ -151,11 +154,13 @@ class KVCacheManager:
     def view_matches(self, reqs: Iterable[Request]) -> list[PrefixMatch]:
         """match() of each tracked waiting request, for the scheduler's view, which takes one for
         every visible waiting request every step: its last one (the same object) while nothing it
-        read has moved, else a new walk. What it read: the request's tokens and host copy; that no
-        page of any tier was evicted since; that no device page became evictable or stopped being
-        so (else only its evictable count is taken again); that neither the device nor the host tier
-        has since published the key that would lengthen its run. A load's t_IO is priced anew each
-        time (the copy queues move every step)."""
+        read has moved, else a new walk. What it read: the request's tokens and host copy; its own
+        device pages, none of them evicted since (`stale`), nor, where it loads, any host page; that
+        no device page became evictable or stopped being so (else its evictable count is taken again,
+        and a match with the same count kept); that neither the device nor the host tier has since
+        published the key that would lengthen its run. A load's t_IO is priced anew each time (the
+        copy queues move every step). Four H200 bursts (bench/sim_vs_h200.py's) took 211,287 walks
+        for 427,568 view matches while any eviction anywhere made every match stale."""
         pool, host, ps = self.pool, self.offloader.host, self.page_size
         evictions, lru = (pool.num_evictions, self.offloader.num_evictions), pool.num_lru_changes
         out = []
@@ -168,31 +173,38 @@ class KVCacheManager:
             own = (num_tokens, req.key_seed, st.recompute, len(st.host_pages), st.num_offload_issued,
                    st.num_offloaded_tokens)
             last = st.view_match
-            if last is not None and last[1] == own and last[2] == evictions:
-                m, host_run = last[0], last[4]
+            if last is not None and last[1] == own and (last[4] == evictions or not self.stale(last[0], last[4])):
+                m, host_run = last[0], last[3]
                 keys, max_pages, device_run = st.page_hashes, (num_tokens - 1) // ps, len(last[0].device_pages)
                 if not ((device_run < max_pages and pool.holds(keys[device_run]))
                         or (host_run < max_pages and not st.host_pages and host.lookup(keys[host_run:host_run + 1]))):
-                    if last[3] != lru:
-                        m = self.refresh(req, m)
-                    elif m.io_time is not None:
-                        m = self._priced(m.device_pages, m.num_evictable, m.num_load_tokens, m.num_pages_to_load,
+                    evictable = m.num_evictable if last[2] == lru else pool.num_unreferenced(m.device_pages)
+                    if evictable != m.num_evictable or m.io_time is not None:
+                        m = self._priced(m.device_pages, evictable, m.num_load_tokens, m.num_pages_to_load,
                                          m.num_disk_pages, m.num_unwritten_pages)
-                    if m is not last[0]:
-                        st.view_match = (m, own, evictions, lru, host_run)
+                    if m is not last[0] or last[2] != lru or last[4] != evictions:
+                        st.view_match = (m, own, lru, host_run, evictions)
                     out.append(m)
                     continue
             m, host_run = self._match(req, st)
-            st.view_match = (m, own, evictions, lru, host_run)
+            st.view_match = (m, own, lru, host_run, evictions)
             out.append(m)
         return out
 
+    def stale(self, m: PrefixMatch, since: tuple[int, int] | None = None) -> bool:
+        """Whether `m` may name pages gone: one of its device pages was evicted (or unpublished)
+        since it was taken (or since the pools' eviction counts were `since`, where it was checked
+        then), or it loads and the host tier evicted since."""
+        device, host = m.evictions if since is None else since
+        return (self.pool.dropped_since(m.device_pages, device)
+                or (m.num_load_tokens > 0 and host != self.offloader.num_evictions))
+
     def refresh(self, req: Request, m: PrefixMatch) -> PrefixMatch:
-        """`m` as it stands now: taken again if a pool evicted since, else with its evictable count
-        and I/O times brought up to date (the queues moved)."""
-        if m.evictions != (self.pool.num_evictions, self.offloader.num_evictions):
+        """`m` as it stands now: taken again if it is stale, else with its evictable count and I/O
+        times brought up to date (the queues moved)."""
+        if self.stale(m):
             return self.match(req)
-        return self._priced(m.device_pages, sum(self.pool.is_evictable(p) for p in m.device_pages), m.num_load_tokens,
+        return self._priced(m.device_pages, self.pool.num_unreferenced(m.device_pages), m.num_load_tokens,
                             m.num_pages_to_load, m.num_disk_pages, m.num_unwritten_pages)
 
     def _priced(self, pages: list[int], evictable: int, load_tokens: int, to_load: int, disk: int,

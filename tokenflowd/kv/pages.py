@@ -78,7 +78,10 @@ class PagePool:
         self._inner: set[bytes] = set()  # keys here that a page cached elsewhere follows (the pool's)
         self._first: set[int] = set()  # cached pages that go before all others until read (`evict_first`)
         self._by_key: dict[bytes, int] = {}
-        self.num_evictions = 0  # cached pages taken for reuse: a prefix match taken before is stale if it moved
+        # cached pages taken for reuse, or unpublished: a prefix match taken before is stale if one of
+        # its pages is among them (`dropped_since`)
+        self.num_evictions = 0
+        self._dropped = [0] * num_pages  # page -> num_evictions as its key was last dropped (0: never)
         # pages in or out of the LRU (evictable or not any more): a match's evictable count may have moved
         self.num_lru_changes = 0
         # Published and evicted keys since the last drain_key_events(), for the router's index;
@@ -114,6 +117,17 @@ class PagePool:
         the scheduler asks it of every running request each step memory is tight."""
         return list(map(self._ref.__getitem__, pages)).count(1)
 
+    def num_unreferenced(self, pages: list[int]) -> int:
+        """Of `pages`, how many no request holds: of published pages (a prefix match's), the
+        evictable ones. Counted in C, as num_held_alone."""
+        return list(map(self._ref.__getitem__, pages)).count(0)
+
+    def dropped_since(self, pages: list[int], evictions: int) -> bool:
+        """Whether any of `pages` lost its key (evicted, or unpublished) after the pool's
+        num_evictions was `evictions`: a prefix match over them, taken then, is stale. Only its own
+        pages' evictions make it so; another's leave it as it was."""
+        return bool(pages) and max(map(self._dropped.__getitem__, pages)) > evictions
+
     def is_evictable(self, page: int) -> bool:
         return page in self._lru or page in self._kept
 
@@ -127,6 +141,7 @@ class PagePool:
             page, _ = (self._lru or self._kept).popitem(last=False)
             self._first.discard(page)
             self.num_evictions += 1
+            self._dropped[page] = self.num_evictions
             self.num_lru_changes += 1
             key = self._key[page]
             if self.on_evict is not None:
@@ -208,6 +223,7 @@ class PagePool:
             n += 1
             self._key[page] = None
             self.num_evictions += 1  # a prefix match taken before may name it: stale
+            self._dropped[page] = self.num_evictions
             if self.track_key_events:
                 self._key_removed(key)
             self._inner.discard(key)
