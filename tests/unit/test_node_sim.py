@@ -155,9 +155,10 @@ def test_engines_whose_waiting_requests_pin_each_others_pages_give_the_pins_back
     that has run nothing for STUCK_SECONDS with requests waiting gives their pins back."""
     from tokenflowd.sim.node import NodeSimulator
 
-    # (16 documents of 6K tokens, a few questions each: at seed 1 one request gives its pins back, at
-    # seeds 0 and 2 none since a request that comes mid-prompt waits for its document to be computed)
-    cost, over = small_cache_documents(16.0, 100, shape="documents:active=16:scale=0.5", seed=1)
+    # (16 documents of 6K tokens, a few questions each: at seeds 4, 8 and 10 of 0-11 one request gives
+    # its pins back, at the others none: a request that comes mid-prompt waits for its document to be
+    # computed, out of its policy's view (Scheduler.waiting_on), and the engine runs what it can)
+    cost, over = small_cache_documents(16.0, 100, shape="documents:active=16:scale=0.5", seed=4)
     sim = NodeSimulator(cost, over, "pool", NodeConfig(steal=False))  # (an idle engine taking work unsticks it too)
     assert sim.run().summary()["requests_served"] == 100
     assert sim.unblocked > 0

@@ -317,17 +317,37 @@ def test_a_reader_that_left_the_queue_before_its_turn_forgets_its_reads():
     assert h.deferred == {} and h.member.pinned == {}
 
 
-def test_a_request_whose_reads_are_not_pinned_yet_is_not_admitted_nor_anything_behind_it():
+def test_a_request_whose_reads_are_not_pinned_yet_waits_with_its_room_kept_and_one_behind_it_runs_in_the_rest():
     """Scheduler.held (the hooks' deferred reads): admitted first, it would compute what it could
-    have read; it waits a step, and the next step's pins reach it."""
+    have read; it waits a step, and the next step's pins reach it. Its whole prompt's pages are kept
+    for it: a request behind it runs in what is left, or waits (it stopped the queue before)."""
+    from tokenflowd.buffer.policy import Plan
+
     sched = Scheduler(KVCacheManager(PagePool(64), PS), make_policy("fcfs", PolicyConfig()), 512, 8)
     r, behind = request("r", 64), request("behind", 64)
     sched.add(r)
     sched.add(behind)
     sched.held = {"r": []}
-    assert len(sched.schedule()) == 0 and [q.request_id for q in sched.waiting] == ["r", "behind"]
+    assert sched.schedule().request_ids == ["behind"] and [q.request_id for q in sched.waiting] == ["r"]
+    assert sched.held_back == ("r",)
     sched.held = {}
-    assert sched.schedule().request_ids == ["r", "behind"]
+    assert "r" in sched.schedule().request_ids
+
+    class Everyone:
+        """Admits every waiting request whole, whatever the room (the scheduler checks it)."""
+
+        name = "everyone"
+
+        def plan(self, view):
+            return Plan(scheduled=tuple((w.request_id, w.num_tokens - w.num_computed_tokens) for w in view.waiting))
+
+    for pages, runs in ((7, ["behind"]), (6, [])):  # r: 64 tokens, 4 pages kept; behind: 48 tokens, 3 pages
+        sched = Scheduler(KVCacheManager(PagePool(pages), PS), Everyone(), 512, 8)
+        r, behind = request("r", 64), request("behind", 48)
+        sched.add(r)
+        sched.add(behind)
+        sched.held = {"r": []}
+        assert sched.schedule().request_ids == runs, pages
 
 
 def test_a_request_the_policy_takes_out_of_queue_order_pins_at_the_next_step_whatever_its_place():

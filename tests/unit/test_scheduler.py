@@ -171,3 +171,52 @@ def test_what_the_scheduler_defers_of_a_plan_the_next_view_names(hf_dirs):
     assert core.last_batch.request_ids == ["a"] and views[-1].deferred == ()
     core.step()
     assert views[-1].deferred == ("b",)
+
+
+def test_a_held_request_keeps_its_room_but_does_not_stop_the_queue_behind_it(hf_dirs):
+    """A request held back (the pool pins what it reads first: Scheduler.held) waits, with room kept
+    for its whole prompt; a request behind it that fits in the rest runs meanwhile. It stopped the
+    queue before: an engine whose head waited for a document a peer was computing ran nothing, and
+    after STUCK_SECONDS the requests behind it gave their pins back and computed their documents."""
+    core = make(hf_dirs, page_size=4, num_pages=30, policy="fcfs", offload="none")
+    g = torch.Generator().manual_seed(5)
+    head, behind, big = (Request(rid, torch.randint(3, 1000, (n,), generator=g).tolist(),
+                                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+                         for rid, n in (("head", 40), ("behind", 10), ("big", 70)))
+    for r in (head, behind, big):
+        core.add_request(r)
+    core.scheduler.held = {"head"}
+    core.step()
+    assert core.last_batch.request_ids == ["behind"]
+    assert core.scheduler.held_back == ("head",)
+    assert {r.request_id for r in core.scheduler.waiting} == {"head", "big"}
+    assert core.pool.num_free >= 10  # the head's 40 tokens: nothing behind it took them
+    core.scheduler.held = ()
+    for _ in range(200):
+        if not core.has_unfinished():
+            break
+        core.step()
+    assert not core.has_unfinished() and core.pool.num_used == 0
+    assert head.output_token_ids and behind.output_token_ids and big.output_token_ids
+
+
+def test_a_request_waiting_for_a_peer_to_compute_its_prefix_is_out_of_the_policys_view(hf_dirs):
+    """Scheduler.waiting_on (the pool's requests told that another request is computing their
+    prefix) are not in the view: the step's budget goes to the requests that can run. Picked, the
+    head took the whole budget and the step ran nothing."""
+    core = make(hf_dirs, page_size=4, num_pages=60, policy="fcfs", offload="none", max_num_batched_tokens=32)
+    g = torch.Generator().manual_seed(6)
+    head, behind = (Request(rid, torch.randint(3, 1000, (40,), generator=g).tolist(),
+                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)) for rid in ("head", "behind"))
+    core.add_request(head)
+    core.add_request(behind)
+    core.scheduler.held = core.scheduler.waiting_on = {"head"}
+    assert [v.request_id for v in core.scheduler._view().waiting] == ["behind"]
+    core.step()
+    assert core.last_batch.request_ids == ["behind"] and core.last_batch.total_tokens == 32
+    core.scheduler.held = core.scheduler.waiting_on = ()
+    for _ in range(200):
+        if not core.has_unfinished():
+            break
+        core.step()
+    assert not core.has_unfinished() and core.pool.num_used == 0

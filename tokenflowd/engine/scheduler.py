@@ -30,6 +30,7 @@ from tokenflowd.buffer.estimates import OutputLengthModel, StepCost, StepTimeMod
 from tokenflowd.buffer.policy import RequestView, SchedulerView, SchedulingPolicy
 from tokenflowd.engine.request import PLACEHOLDER, FinishReason, Request, RequestStatus, SamplingRow
 from tokenflowd.kv.manager import KVCacheManager, PrefixMatch
+from tokenflowd.kv.pages import cdiv
 
 
 def _request_view(req: Request, now: float, num_computed: int, pages_held: int, expected: float,
@@ -129,9 +130,17 @@ class Scheduler:
         # of this engine's time, the share its pool peers take (their queries and puts, pool/member.py):
         # the model fits the engine's own work, and `cost` slows it by this share
         self.pool_share = 0.0
-        # queued requests not to be admitted yet: the pool pins what they read first (pool/ahead.py);
-        # like one that does not fit, such a request stops the queue behind it for the step
+        # queued requests not to be admitted yet: the pool pins what they read first (pool/ahead.py).
+        # Such a request keeps room for its whole prompt: one behind it is admitted only in what is
+        # left (it stopped the queue before, and an engine whose head waited for a document a peer
+        # was computing ran nothing while the requests behind it, their reads pinned, could have:
+        # after STUCK_SECONDS they gave their pins back and computed their documents whole)
         self.held: Container[str] = ()
+        # of those, the ones waiting for another request to compute the prefix they read (the pool's
+        # Reads.pending): hidden from the policy until then, since nothing it plans can run them.
+        # Picked, such a request took the step's budget: an engine whose head waited for a document
+        # a peer was computing ran nothing for seconds
+        self.waiting_on: Container[str] = ()
         self.held_back: tuple[str, ...] = ()  # of the last plan, the held requests it would have admitted
         # fed by the requests that finish; the view's expected output lengths (the prior until then)
         self.output_lengths = OutputLengthModel(expected_output_len)
@@ -232,11 +241,13 @@ class Scheduler:
 
     def _visible_waiting(self) -> list[Request]:
         """The waiting requests a plan may touch: every preempted one, and new ones up to
-        max_num_seqs (no more could be admitted in one step), in queue order."""
-        out, num_new = [], 0
+        max_num_seqs (no more could be admitted in one step), in queue order; none `waiting_on`."""
+        out, num_new, hidden = [], 0, self.waiting_on
         for r in self.waiting:
             if r.num_preemptions:
                 out.append(r)
+            elif hidden and r.request_id in hidden:
+                continue
             elif num_new < self.max_num_seqs:
                 out.append(r)
                 num_new += 1
@@ -374,6 +385,7 @@ class Scheduler:
         reload = set(plan.reload)
         deferred, held_back = [], []
         admitted = blocked = False
+        kept = 0  # pages kept for the held requests passed over (`held`)
         for rid, n in plan.scheduled:
             req = self.requests[rid]
             assert n >= 1, f"{self.policy.name} scheduled {n} tokens of {rid}"
@@ -382,21 +394,27 @@ class Scheduler:
                 if ahead and self._ending(req):  # its token in flight is its last: it ends when that comes back
                     continue
                 ok = self.kv.grow(req, n)
-            elif blocked or rid in self.held:
-                if not blocked:
-                    held_back.append(rid)
-                blocked = True
+            elif blocked:
                 deferred.append(rid)
                 continue  # keep arrival order: nothing jumps a request that could not be admitted
+            elif rid in self.held:
+                held_back.append(rid)
+                deferred.append(rid)
+                kept += cdiv(req.num_tokens, self.kv.page_size)
+                continue
             else:
                 m = self._match(req)
+                if kept and m.io_time is not None:  # (a load's pages are not weighed against them)
+                    blocked = True
+                    deferred.append(rid)
+                    continue
                 loading = self._try_load(req, m, rid in reload)
                 if loading is not None:  # it rejoins the batch once its pages are in place
                     blocked = not loading
                     if blocked:
                         deferred.append(rid)
                     continue
-                ok = self.kv.admit(req, m, n)
+                ok = self.kv.admit(req, m, n, keep_free=kept)
                 blocked = not ok
                 if ok:
                     req.status = RequestStatus.RUNNING

@@ -227,14 +227,15 @@ class KVCacheManager:
     def pages_needed(self, req: Request, num_new_tokens: int) -> int:
         return max(0, cdiv(req.num_computed_tokens + num_new_tokens, self.page_size) - len(self.state(req).block_table))
 
-    def admit(self, req: Request, m: PrefixMatch, num_new_tokens: int) -> bool:
+    def admit(self, req: Request, m: PrefixMatch, num_new_tokens: int, keep_free: int = 0) -> bool:
         """Take the match's device pages and allocate room for `num_new_tokens` past them, or change
-        nothing. With write-through, host pages already holding its prefix become its host copy."""
+        nothing; `keep_free`: pages that must stay free after it (kept for requests ahead of it).
+        With write-through, host pages already holding its prefix become its host copy."""
         st = self.state(req)
         assert not st.block_table and req.num_computed_tokens == 0
         hit = m.device_pages
         fresh = cdiv(len(hit) * self.page_size + num_new_tokens, self.page_size) - len(hit)
-        if fresh > self.pool.num_free - m.num_evictable:
+        if fresh + keep_free > self.pool.num_free - m.num_evictable:
             return False
         for page in hit:
             self.pool.incref(page)

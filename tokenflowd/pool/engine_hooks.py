@@ -35,7 +35,7 @@ from tokenflowd import protocol as p
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, RequestStatus
-from tokenflowd.pool.ahead import ASK_EVERY, asks_again, due, pins_on_arrival, waits
+from tokenflowd.pool.ahead import ASK_EVERY, ToldPending, asks_again, due, pins_on_arrival, waits
 from tokenflowd.pool.hand_off import by_segment
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool import cuda_ipc
@@ -112,6 +112,7 @@ class PoolHooks:
         log.info("pool: %s mode, serving %d pages to peers", config.pool_mode, runner.num_pages)
         self.member.size_segments(config.pool_segment_tokens)
         core.scheduler.held = self.deferred  # not admitted before their reads are pinned (`_pin_due`)
+        core.scheduler.waiting_on = ToldPending(self.again_at, self.later)  # out of the policy's view
         runner.step_attention.append(self.member.step_attention)
 
     def ready_fields(self) -> tuple[int, int, int]:

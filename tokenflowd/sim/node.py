@@ -101,7 +101,7 @@ from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool, chain_page_keys
-from tokenflowd.pool.ahead import ASK_EVERY, asks_again, due, pins_on_arrival, waits
+from tokenflowd.pool.ahead import ASK_EVERY, ToldPending, asks_again, due, pins_on_arrival, waits
 from tokenflowd.pool.hand_off import by_segment
 from tokenflowd.pool.heat import within_replica_cap
 from tokenflowd.pool.steal import idle, staying, victim, withdrawable
@@ -345,6 +345,7 @@ class _Engine:
         self.homes: dict[str, tuple[dict[bytes, int], set[bytes]]] = {}
         self.later: set[str] = set()  # deferred requests answered empty: they ask again when wanted, or at again_at
         self.again_at: dict[str, float] = {}  # those, and those told their prefix is being computed -> next ask
+        self.scheduler.waiting_on = ToldPending(self.again_at, self.later)  # (the daemon's PoolHooks)
         self.letting_go: deque[tuple[float, list[bytes]]] = deque()  # (when, keys) written into homes, cached here
         self.replicas: set[bytes] = set()  # keys of hot segments named to copy in, kept here (PoolMember.replicas)
 
