@@ -57,7 +57,7 @@ the one computing it reads it at its admission all the same; told to wait, a qua
 KV, 12 documents at routing's highest rate under the TTFT SLO, seed 3: 832 tokens/s against 891.)
 While the request named to compute it is computing it (its engine says so as the step that
 begins its prompt starts: protocol.Computing) and has no first token, the one that asks is told
-so (`being_computed`, Reads.pending) and keeps waiting, picked or not; the first token (or the
+so (`being_computed`, Reads.pending) and keeps waiting, out of its policy's view; the first token (or the
 end) of the one computing it tells it where its prefix is then, unasked (`done`, Front.done). An
 idle engine's request otherwise computed a document its peer finished a moment later; not while
 the one named waits in a queue, for which it would wait longer than computing takes.

@@ -158,11 +158,13 @@ class KVCacheManager:
         device pages, none of them evicted since (`stale`), nor, where it loads, any host page; that
         no device page became evictable or stopped being so (else its evictable count is taken again,
         and a match with the same count kept); that neither the device nor the host tier has since
-        published the key that would lengthen its run. A load's t_IO is priced anew each time (the
-        copy queues move every step). Four H200 bursts (bench/sim_vs_h200.py's) took 211,287 walks
-        for 427,568 view matches while any eviction anywhere made every match stale."""
+        published the key that would lengthen its run. A load's t_IO is priced anew once the copy
+        queues or the links' bandwidths have moved (Offloader.io_key). Four H200 bursts
+        (bench/sim_vs_h200.py's) took 211,287 walks for 427,568 view matches while any eviction
+        anywhere made every match stale, and priced 198,935 loads again while any step did."""
         pool, host, ps = self.pool, self.offloader.host, self.page_size
         evictions, lru = (pool.num_evictions, self.offloader.num_evictions), pool.num_lru_changes
+        io = self.offloader.io_key()
         out = []
         for req in reqs:
             st = self._kv.get(req.request_id)
@@ -179,15 +181,15 @@ class KVCacheManager:
                 if not ((device_run < max_pages and pool.holds(keys[device_run]))
                         or (host_run < max_pages and not st.host_pages and host.lookup(keys[host_run:host_run + 1]))):
                     evictable = m.num_evictable if last[2] == lru else pool.num_unreferenced(m.device_pages)
-                    if evictable != m.num_evictable or m.io_time is not None:
+                    if evictable != m.num_evictable or (m.io_time is not None and last[5] != io):
                         m = self._priced(m.device_pages, evictable, m.num_load_tokens, m.num_pages_to_load,
                                          m.num_disk_pages, m.num_unwritten_pages)
-                    if m is not last[0] or last[2] != lru or last[4] != evictions:
-                        st.view_match = (m, own, lru, host_run, evictions)
+                    if m is not last[0] or last[2] != lru or last[4] != evictions or last[5] != io:
+                        st.view_match = (m, own, lru, host_run, evictions, io)
                     out.append(m)
                     continue
             m, host_run = self._match(req, st)
-            st.view_match = (m, own, lru, host_run, evictions)
+            st.view_match = (m, own, lru, host_run, evictions, io)
             out.append(m)
         return out
 

@@ -90,6 +90,11 @@ class Offloader(abc.ABC):
     def io_time(self, num_pages: int, num_disk_pages: int = 0, num_unwritten_pages: int = 0) -> float:
         """t_IO: seconds until `num_pages` loaded now would be in place."""
 
+    def io_key(self) -> tuple:
+        """What io_time reads of the copy queues and the links' bandwidths: while it is equal, every
+        load is priced as before (a waiting request's match keeps its t_IO: KVCacheManager.view_matches)."""
+        return ()
+
     @abc.abstractmethod
     def preempt_io_time(self, req: Request, st: RequestKV) -> float | None:
         """Seconds a preemption of running `req` costs in copies; None: it would recompute."""

@@ -98,6 +98,11 @@ class HostOffloader(Offloader):
             t += self.copier.queued_bytes(WRITE) / self.copier.bandwidth[WRITE].value
         return t
 
+    def io_key(self) -> tuple:
+        c = self.copier
+        return (c.queued_bytes(LOAD), self.num_unissued_loads, c.bandwidth[LOAD].value, c.queued_bytes(WRITE),
+                c.bandwidth[WRITE].value)
+
     def preempt_io_time(self, req: Request, st: RequestKV) -> float | None:
         """Write what the host lacks, then load it all back; None without a host tier."""
         if not self.can_reload:

@@ -206,7 +206,7 @@ class PoolHooks:
     def reads(self, msg: p.Reads) -> None:
         """The front's answer to ResolveReads: copy in the hot segments it names and pin the runs it
         names, if the request still waits. One told that the request computing its prefix has not
-        finished yet (`pending`) waits, picked or not, for the front's word once it has (sent
+        finished yet (`pending`) waits, out of its policy's view, for the front's word once it has (sent
         unasked), or asks again ASK_EVERY later; one told that nothing holds any of its prefix,
         which its policy has not picked yet, asks again when it does or ASK_EVERY later
         (pool/ahead.py `asks_again`): the request computing it may be done then."""
