@@ -43,8 +43,8 @@ prefix is unasked (Front.done), and it asks again ASK_EVERY after each answer in
 lost. In the view, the policy picked it and gave it the step's budget, and the engine ran nothing:
 node simulator, the A100's whole KV, 16 documents at 8 req/s, seed 0, an engine whose head waited
 so ran nothing for 0.5 s, the requests behind it gave their pins back (`_unblock`) and computed
-their 18-32K-token documents again, and decoded over those copies (that engine read 1.4x the KV of
-the next busiest). Out of the view: 546 -> 637 tokens/s with segments written into their homes,
+their 18-32K-token documents again, and decoded over those copies (that engine's own steps read
+1.7x the KV of any other engine's). Out of the view: 546 -> 637 tokens/s with segments written into their homes,
 hit rate 0.754 -> 0.831, access CV 0.218 -> 0.044. Asking twice and then computing, an idle engine's request
 computed a whole document again that its peer finished a moment later: node simulator, 8K tokens
 computed in one step, first token 1.029 s where waiting gave 0.824 s. Come mid-prompt, it read the
