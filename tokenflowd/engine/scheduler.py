@@ -242,11 +242,12 @@ class Scheduler:
     def _visible_waiting(self) -> list[Request]:
         """The waiting requests a plan may touch: every preempted one, and new ones up to
         max_num_seqs (no more could be admitted in one step), in queue order; none `waiting_on`."""
-        out, num_new, hidden = [], 0, self.waiting_on
+        out, num_new = [], 0
+        hidden = self.waiting_on if self.waiting_on else None  # (its truth taken once, not per request)
         for r in self.waiting:
             if r.num_preemptions:
                 out.append(r)
-            elif hidden and r.request_id in hidden:
+            elif hidden is not None and r.request_id in hidden:
                 continue
             elif num_new < self.max_num_seqs:
                 out.append(r)
