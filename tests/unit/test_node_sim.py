@@ -854,3 +854,38 @@ def test_routing_spreads_chats_behind_one_system_prompt_over_every_engine_at_a_l
     s = sim.run().summary()
     assert sorted(served) == list(range(8)) and min(served.values()) >= 20, served
     assert s["access_cv"] < 0.3 and s["hit_rate"] > 0.85, (s["access_cv"], s["hit_rate"])
+
+
+def test_a_request_keeps_the_segment_its_tail_follows_until_it_ends_then_writes_it_into_its_home():
+    """pool/hand_off.py `tail_end`, as the daemon's PoolHooks: a prompt of three 512-token blocks
+    (two whole segments, and 76 tokens) writes its first segment into its home once computed, but
+    keeps the second, the one its tail follows, in its own engine while it decodes (else each of
+    its steps reads it over the link), and writes it into its home as it ends."""
+    cost = cost_model("a100-llama2-7b")
+    for first in range(1, 40, 3):
+        sim = NodeSimulator(cost, [WorkloadRequest("r", 0.0, 1100, 64, 20.0, (first, first + 1, first + 2))],
+                            "pool-write", NodeConfig(engines=2, segment_pages=32))
+        seen, hand_off = [], sim._hand_off
+
+        def spy(e, hand_off=hand_off, seen=seen):
+            hand_off(e)
+            req = e.scheduler.requests.get("r")
+            if req is not None and req.num_output_tokens:
+                seen.append((e, dict(e.kept), [(holder, len(pages)) for holder, pages in e.pins.get("r", ())]))
+
+        sim._hand_off = spy
+        sim.run()
+        if seen and seen[0][1]:
+            break
+    else:
+        pytest.fail("no prompt tried had its second segment homed on the other engine")
+    e, kept, pins = seen[0]
+    (home, keys), = kept.values()
+    peer = sim.engines[home]
+    assert peer is not e and len(keys) == 32
+    assert all(kept == {"r": (home, keys)} for _, kept, _ in seen), "kept while it decodes"
+    # while it ran, it read no page of the segment at its home: its first 32 pages only were handed off
+    assert all(sum(n for _, n in pins) <= 32 for _, _, pins in seen), seen[:2]
+    # it ended: the segment is at its home, and no longer cached where it was computed
+    assert all(peer.pool.holds(key) for key in keys) and not any(e.pool.holds(key) for key in keys)
+    assert not e.kept

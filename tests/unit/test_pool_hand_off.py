@@ -18,6 +18,7 @@ from tokenflowd.pool.engine_hooks import PoolHooks
 from tokenflowd.pool.hand_off import by_segment
 
 PS, SEG = 16, 2  # tokens a page, pages a segment
+OWN = 2 * PS + 5  # the request's tokens past segment 2: segment 3 and 5
 
 
 class Member:
@@ -31,6 +32,7 @@ class Member:
         self.read_here: dict[int, int] = {}  # page -> the peer that pins it for a request of its own
         self.foreign: dict = {}  # this engine's requests' foreign prefixes (only their number matters here)
         self.followed: list = []
+        self.released: list = []  # requests whose pins were let go of
 
     def readers(self, pages):
         # the query service's lock is taken before the engine's by its thread: asked under the
@@ -42,16 +44,21 @@ class Member:
         self.followed.append((holder, runs))
         return 0
 
+    def release(self, rid):
+        self.released.append(rid)
+
     def hand_off(self, rid, runs):
         self.runs.append(runs)
         n = sum(len(keys) for _, keys, _ in runs)
         return n if self.takes is None else min(n, self.takes)
 
 
-def setup(takes: int | None = None, hand_off: str = "prompt", num_pages: int = 64):
+def setup(takes: int | None = None, hand_off: str = "prompt", num_pages: int = 64, pages: int = 8):
+    """A request of `pages` whole pages and 5 tokens: segment 0 (pages 0-1) homed here, segments 1 and 2
+    (pages 2-5) on engine 1, and with 8 pages, segment 3 (pages 6-7), the last whole one, homed here."""
     pool = PagePool(num_pages)
     kv = KVCacheManager(pool, PS)
-    req = Request("r", list(range(100, 100 + 6 * PS + 5)), SamplingParams(max_tokens=4))  # 6 whole pages and 5
+    req = Request("r", list(range(100, 100 + pages * PS + 5)), SamplingParams(max_tokens=4))
     req.max_model_len = 1024
     kv.track(req)
     assert kv.admit(req, kv.match(req), req.num_prompt_tokens)
@@ -73,9 +80,8 @@ def setup(takes: int | None = None, hand_off: str = "prompt", num_pages: int = 6
     h.core = SimpleNamespace(scheduler=SimpleNamespace(requests={"r": req}), kv=kv, pool=pool, unlocked=unlocked)
     h.member = Member(takes)
     h.member.engine_lock = lock
-    h.homes, h.ends, h.moved, h.readers, h.followed = {}, {}, [], set(), 0
-    keys = chain_page_keys(req.prompt_token_ids, PS, [], 6 * PS)
-    # segment 0 (pages 0-1) is homed here; segments 1 and 2 (pages 2-5) on engine 1
+    h.homes, h.ends, h.kept, h.moved, h.readers, h.followed = {}, {}, {}, [], set(), 0
+    keys = chain_page_keys(req.prompt_token_ids, PS, [], pages * PS)
     h.added(SimpleNamespace(request_id="r", place=[SimpleNamespace(engine=1, keys=keys[2:6])]), False)
     return h, req, kv, pool, keys
 
@@ -93,12 +99,13 @@ def test_the_segments_move_once_the_prompt_is_computed_with_the_pages_before_the
     h._hand_off()
     (runs,) = h.member.runs
     assert [(e, k, p) for e, k, p in runs] == [(0, keys[0:2], before[0:2]), (1, keys[2:6], before[2:6])]
-    assert req.prefix_offset == 6 * PS and req.num_computed_tokens == 5 and req.num_prompt_tokens == 5
+    assert req.prefix_offset == 6 * PS and req.num_computed_tokens == OWN and req.num_prompt_tokens == OWN
     assert kv.block_table(req) == before[6:]
     assert h.take_moved() == ([p.PrefixRun(1, keys[2:6])], [2]), "the step's message says where, and who reads it"
     assert h.take_moved() == ([], []), "once"
     assert h.member.followed == [], "no other request here reads a foreign prefix"
     assert len(pool.lookup(keys)) == 2, "what went to the peer stops being cached here at once, its own pages stay"
+    assert all(pool.holds(k) for k in keys[6:8]) and h.kept == {}, "the last segment is homed here: nothing waits"
     for page in before[2:6]:  # its own reference is gone (the member's pins on pages 0-1 are the member's)
         assert pool.ref_count(page) == 0
     assert req.prompt_cached_tokens == 0, "handed tokens were computed here, not read"
@@ -118,7 +125,7 @@ def test_what_the_home_does_not_take_stays_here_and_is_not_tried_again():
     req.num_computed_tokens = req.num_prompt_tokens
     kv.commit(req)
     h._hand_off()
-    assert req.prefix_offset == 3 * PS and len(kv.block_table(req)) == 4
+    assert req.prefix_offset == 3 * PS and len(kv.block_table(req)) == 6
     assert h.take_moved() == ([p.PrefixRun(1, keys[2:3])], []), "no peer reads what moved"
     assert not pool.holds(keys[2]) and all(pool.holds(k) for k in keys[3:6]), "the rest is still its own, here"
     h._hand_off()
@@ -132,7 +139,7 @@ def test_a_hot_segment_the_front_named_to_copy_in_stays_cached_here_as_a_replica
     kv.commit(req)
     h._hand_off()
     assert h.take_moved()[0] == [p.PrefixRun(1, keys[2:6])], "the home holds all of it"
-    assert [pool.holds(k) for k in keys] == [True] * 4 + [False] * 2
+    assert [pool.holds(k) for k in keys] == [True] * 4 + [False] * 2 + [True] * 2
 
 
 def test_segment_by_segment_each_segment_moves_once_it_is_computed():
@@ -156,7 +163,7 @@ def test_segment_by_segment_each_segment_moves_once_it_is_computed():
     kv.commit(req)
     h._hand_off()
     assert [(e, k) for e, k, _ in h.member.runs[-1]] == [(1, keys[4:6])]
-    assert req.prefix_offset == 6 * PS and req.num_prompt_tokens == 5 and "r" not in h.homes
+    assert req.prefix_offset == 6 * PS and req.num_prompt_tokens == OWN and "r" not in h.homes
     assert kv.block_table(req) == before[6:]
 
 
@@ -203,5 +210,39 @@ def test_the_engine_says_at_once_where_the_segments_went_with_the_keys_its_cache
     kv.commit(req)
     delta = p.Delta("r", [5])
     assert EngineProcess.report_step(engine, 1.1, [delta], False, 0.9) == 1.1
-    assert sent == [([delta], keys[:6], [], None, None), ([], [], keys[2:6], [p.PrefixRun(1, keys[2:6])], [1])]
+    assert sent == [([delta], keys[:8], [], None, None), ([], [], keys[2:6], [p.PrefixRun(1, keys[2:6])], [1])]
     assert EngineProcess.report_step(engine, 1.2, [], False, 1.1) == 1.1 and len(sent) == 2, "moved once"
+
+
+def test_the_segment_the_requests_tail_follows_stays_here_while_it_runs_and_goes_home_when_it_ends():
+    """pool/hand_off.py `tail_end`: the prompt's last whole segment, new and homed on a peer, is read
+    at every step of the request (where it is the request's own, by it alone): it stays here until
+    the request ends, then goes to its home, and the peers that read it here are told."""
+    for takes in (None, 0):
+        h, req, kv, pool, keys = setup(pages=6)  # segment 2 (pages 4-5), homed on engine 1, is the last whole one
+        before = list(kv.block_table(req))
+        req.num_computed_tokens = req.num_prompt_tokens
+        kv.commit(req)
+        h._hand_off()
+        (runs,) = h.member.runs
+        assert [(e, k) for e, k, _ in runs] == [(0, keys[0:2]), (1, keys[2:4])]
+        assert req.prefix_offset == 4 * PS and kv.block_table(req) == before[4:]
+        assert h.kept == {"r": (1, keys[4:6])} and all(pool.holds(k) for k in keys[4:6])
+        assert h.take_moved()[0] == [p.PrefixRun(1, keys[2:4])] and "r" not in h.homes
+        h._hand_off()
+        assert len(h.member.runs) == 1, "not while it runs"
+        # it ends: its pages stay cached here unreferenced, and segment 2 goes to its home
+        h.member.read_here, h.member.takes = {before[5]: 3}, takes  # a peer reads page 5 here
+        kv.free(req)
+        del h.core.scheduler.requests["r"]
+        h._hand_off()
+        assert h.member.runs[-1] == [(1, keys[4:6], before[4:6])] and h.kept == {}
+        assert h.member.released == ["r"], "pinned at the home only while it is written"
+        if takes == 0:  # the home took nothing: it stays cached here
+            assert all(pool.holds(k) for k in keys[4:6]) and h.take_moved() == ([], [])
+            continue
+        assert h.take_moved() == ([p.PrefixRun(1, keys[4:6])], [3]), "the step's message says where, and who reads it"
+        assert not any(pool.holds(k) for k in keys[4:6])
+        assert all(pool.ref_count(page) == 0 for page in before), "no page is kept referenced"
+        h._hand_off()
+        assert len(h.member.runs) == 2, "once"

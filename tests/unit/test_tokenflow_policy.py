@@ -93,6 +93,24 @@ def test_utility_order_by_seconds_of_buffer_and_token_value():
     assert u(100, 20, max_out=10_000) > u(100, 20)
 
 
+def test_fallback_an_overdue_stream_does_not_displace_one_whose_long_way_back_its_buffer_would_not_last():
+    # Σ r > Γ, two seats. "c" has been silent 25 s (over 2×max_stall): it displaces a running
+    # request, the one with the most buffer first: "b", a token ahead. But where "b" has just come
+    # back from a recompute of 20,000 tokens (2 s at 0.1 ms a token, over the 1 s pass), displaced
+    # it would go as silent as "c" was and pay those 2 s again to return (streams that each needed
+    # a long recompute took a small device from each other a token at a time): "a", whose way back
+    # is short, makes way instead.
+    def v(n):
+        return view([running("a", 0.0, 0.0, 35), running("b", 1.0, 1.0, 35, n=n)],
+                    [preempted("c", 0.5, 0.0, 35).replace(dry_for=25.0), new("n", 3.0)],
+                    free=20_000, total=30_000, max_num_seqs=2, now=40.0)
+
+    short, long = TokenFlowPolicy(PARAMS).balance(v(20)), TokenFlowPolicy(PARAMS).balance(v(20_000))
+    assert short.fallback and long.fallback
+    assert short.run == ("c", "a")
+    assert long.run == ("b", "c")
+
+
 def test_fallback_serves_running_requests_that_count_then_new_then_the_rest():
     # Three slots at ~40 tokens/s: Γ ≈ 119 < Σ min(r, g) ≈ 30 + 40 + 40 + 25. "rich" holds 100
     # tokens (a fifth of its expected 400: its next tokens are worth nothing, §7.1.3) and 2.2 s of

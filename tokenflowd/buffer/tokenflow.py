@@ -283,9 +283,17 @@ class TokenFlowPolicy(SchedulingPolicy):
         computing = np.array([i < ws.num_running and r.num_computed_tokens < r.num_tokens - 1
                               for i, r in enumerate(ws.reqs)], dtype=bool)
         counting = np.flatnonzero((index < ws.num_running) & ~worthless & ~computing)
-        # priority first: an overdue stream takes the place of one of equal or lower priority only
+        # priority first: an overdue stream takes the place of one of equal or lower priority only,
+        # and not of one whose way back (a recompute or reload) is over a pass and longer than its
+        # buffer lasts: displaced, that one goes as silent as the overdue one was, and pays that
+        # way back to return. Streams that each needed a long recompute (pool readers that gave
+        # their pins back) took a small device from each other one token at a time, each swap a
+        # recompute of 12-30K tokens (the node simulator, the A100's sessions in overload: one
+        # engine ran twice as long as the rest)
+        away = ws.away[counting]
+        dear = (away >= self.params.schedule_interval) & (seconds[counting] < away)
         ahead = np.concatenate([overdue, counting])
-        group = np.r_[np.zeros(len(overdue)), np.ones(len(counting))]
+        group = np.r_[np.zeros(len(overdue)), np.where(dear, -1, 1)]
         within = np.r_[np.arange(len(overdue)), seconds[counting]]  # overdue: longest silent; counting: least buffered
         ahead = ahead[np.lexsort((within, group, -priority[ahead]))]
         waiting_room = np.flatnonzero(silent & ~np.isin(index, overdue))

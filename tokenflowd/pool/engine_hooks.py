@@ -36,7 +36,7 @@ from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
 from tokenflowd.engine.request import Request, RequestStatus
 from tokenflowd.pool.ahead import ASK_EVERY, ToldPending, asks_again, due, pins_on_arrival, waits
-from tokenflowd.pool.hand_off import by_segment
+from tokenflowd.pool.hand_off import by_segment, tail_end
 from tokenflowd.pool.member import PoolMember
 from tokenflowd.pool import cuda_ipc
 from tokenflowd.pool.names import cache_name, export_path
@@ -62,6 +62,7 @@ class PoolHooks:
         # handed there yet; and the last key of each of those segments
         self.homes: dict[str, dict[bytes, int]] = {}
         self.ends: dict[str, set[bytes]] = {}
+        self.kept: dict[str, tuple[int, list[bytes]]] = {}  # request -> (home, keys) of its tail segment (tail_end)
         # segments homes took since the last step message, by home (StepOutputs.keys_moved), and the
         # peers that read them here (StepOutputs.moved_readers)
         self.moved: list[p.PrefixRun] = []
@@ -266,6 +267,7 @@ class PoolHooks:
         self.release_pins(request_id, False)
         self.homes.pop(request_id, None)
         self.ends.pop(request_id, None)
+        self.kept.pop(request_id, None)
 
     def release_pins(self, request_id: str, pinned: bool) -> None:
         self.deferred.pop(request_id, None)
@@ -306,7 +308,7 @@ class PoolHooks:
     def after_step(self, now: float) -> None:
         self._unblock(now)
         self._sweep_pins()
-        if self.homes:
+        if self.homes or self.kept:
             self._hand_off()
 
     def take_moved(self) -> tuple[list[p.PrefixRun], list[int]]:
@@ -363,7 +365,8 @@ class PoolHooks:
         it reads stays one leading run). Its pages of them here go: no second copy outlives its
         prompt.
         What a home gone or full did not take stays here, as the request's own, and is not tried
-        again. What the homes took stops being cached here at once, but a hot segment the front
+        again. The prompt's last whole segment, the one the request's tail follows, waits here for
+        the request's end (pool/hand_off.py `tail_end`, `_hand_off_tail`). What the homes took stops being cached here at once, but a hot segment the front
         named to copy in: a replica of it stays (PoolMember.replicas). The step's message says
         where it went (`take_moved`, sent at once: EngineProcess.report_step), with the keys this
         cache let go, so the front neither finds it nowhere in between nor names new readers a
@@ -390,26 +393,35 @@ class PoolHooks:
         documents in overload: 0.71x routing's throughput segment by segment, 1.03x at the prompt's
         end; on a 2-core CPU, --engines 2, 2.7-4.4x the query bytes in query mode and 2.2-2.4x read
         mode's mean TTFT, bench/results/pool_daemon_hand_off.json). Hence `auto`, the default."""
-        reqs, kv, ps = self.core.scheduler.requests, self.core.kv, self.config.page_size
+        reqs, kv, ps, me = self.core.scheduler.requests, self.core.kv, self.config.page_size, self.spec.engine_id
+        for rid in [rid for rid in self.kept if rid not in reqs]:
+            self._hand_off_tail(rid, *self.kept.pop(rid))
         for rid in list(self.homes):
             req = reqs.get(rid)
             if req is None or req.is_finished:
                 del self.homes[rid], self.ends[rid]
                 continue
-            if req.status is not RequestStatus.RUNNING or (
-                    req.num_computed_tokens < req.num_prompt_tokens and not by_segment(
-                        self.config.pool_hand_off, req.num_prompt_tokens, self.core.pool.num_pages * ps)):
+            whole = req.num_computed_tokens >= req.num_prompt_tokens
+            if req.status is not RequestStatus.RUNNING or (not whole and not by_segment(
+                    self.config.pool_hand_off, req.num_prompt_tokens, self.core.pool.num_pages * ps)):
                 continue
             st = kv.state(req)
             homes, ends = self.homes[rid], self.ends[rid]
-            computed = min(st.num_published_pages, (req.num_prompt_tokens - 1) // ps)
+            seg = self.member.segment_pages
+            tail = tail_end(req.num_prompt_tokens, ps, seg)  # (that segment waits for the request's end)
+            computed = min(st.num_published_pages, max(tail - 1, 0))
             n = max((i + 1 for i, key in enumerate(st.page_hashes[:computed]) if key in ends), default=0)
+            last = st.page_hashes[tail - 1] if whole and 0 < tail <= len(st.page_hashes) else None
+            if last in ends and homes[last] != me:
+                self.kept[rid] = (homes[last], st.page_hashes[tail - seg:tail])
+            if whole and not n:
+                del self.homes[rid], self.ends[rid]
             if not n:
                 continue
             keys, pages = st.page_hashes[:n], st.block_table[:n]
             runs: list[tuple[int, list[bytes], list[int]]] = []
             for key, page in zip(keys, pages):
-                home = homes.get(key, self.spec.engine_id)
+                home = homes.get(key, me)
                 if runs and runs[-1][0] == home:
                     runs[-1][1].append(key)
                     runs[-1][2].append(page)
@@ -420,29 +432,56 @@ class PoolHooks:
             for key in keys:
                 homes.pop(key, None)
                 ends.discard(key)
-            if not homes:
+            if rid in self.homes and (whole or not ends):
                 del self.homes[rid], self.ends[rid]
             if not got:
                 continue
             for page in reversed(kv.hand_off(req, got)):  # tail first, as a request's release
                 self.core.pool.decref(page)
             req.extend_foreign_prefix(got * ps, keys[got - 1])
-            taken, replicas, moved, gone = 0, self.member.replicas, [], []
-            for home, run, local in runs:
-                run = run[: got - taken]
-                taken += len(run)
-                if home != self.spec.engine_id and run:
-                    moved.append(p.PrefixRun(home, run))
-                    gone += local[: len(run)]
-                    self.core.pool.unpublish([key for key in run if key not in replicas])
-            if not moved:
-                continue
-            self.moved += moved
-            # (unlocked: the query service takes its own lock, then the engine's)
+            self._went(runs, got)
+
+    def _hand_off_tail(self, request_id: str, home: int, keys: list[bytes]) -> None:
+        """A finished request's last whole segment, kept in this cache while it ran (pool/hand_off.py
+        `tail_end`), written into its home as far as this cache still holds it (pinned there for the
+        request while it is written, then let go of). What the home did not take stays here."""
+        pool = self.core.pool
+        pages = pool.lookup(keys)
+        if not pages:
+            return
+        for page in pages:  # (held while the engine's lock is let go of: no peer's put evicts them)
+            pool.incref(page)
+        runs = [(home, keys[:len(pages)], pages)]
+        try:
             with self.core.unlocked():
-                self.readers.update(self.member.readers(gone))  # told where they went (Moved)
-                if len(self.member.foreign) > 1:  # this engine's other readers of them follow at once
-                    self.followed += self.member.follow(self.spec.engine_id, moved)
+                got = self.member.hand_off(request_id, runs)
+                self.member.release(request_id)
+        finally:
+            for page in reversed(pages):
+                pool.decref(page)
+        if got:
+            self._went(runs, got)
+
+    def _went(self, runs: list[tuple[int, list[bytes], list[int]]], got: int) -> None:
+        """The leading `got` pages of `runs` (home, keys, pages here) are at their homes now: those
+        homed on peers stop being cached here (but replicas), and the step's message says where they
+        went, with the peers that read them here; this engine's own other readers follow at once."""
+        taken, replicas, moved, gone = 0, self.member.replicas, [], []
+        for home, run, local in runs:
+            run = run[: got - taken]
+            taken += len(run)
+            if home != self.spec.engine_id and run:
+                moved.append(p.PrefixRun(home, run))
+                gone += local[: len(run)]
+                self.core.pool.unpublish([key for key in run if key not in replicas])
+        if not moved:
+            return
+        self.moved += moved
+        # (unlocked: the query service takes its own lock, then the engine's)
+        with self.core.unlocked():
+            self.readers.update(self.member.readers(gone))  # told where they went (Moved)
+            if len(self.member.foreign) > 1:  # this engine's other readers of them follow at once
+                self.followed += self.member.follow(self.spec.engine_id, moved)
 
     def set_peers(self, msg: p.PoolPeers) -> None:
         with self.core.unlocked():

@@ -35,3 +35,15 @@ def by_segment(hand_off: str, computed_tokens: int, kv_tokens: int) -> bool:
     writes each new segment into its home as soon as it is computed (else once the prompt is).
     `hand_off`: one of config.POOL_HAND_OFFS (checked once with the config, not each step)."""
     return hand_off == "segment" or (hand_off == "auto" and computed_tokens * ROOM_SHARE > kv_tokens)
+
+
+def tail_end(prompt_tokens: int, page_size: int, segment_pages: int) -> int:
+    """Where the prompt's last whole segment ends, in pages: the segment the request's tail (the
+    prompt's last, partial segment and its output) follows. A new segment ending there and homed on
+    a peer stays in the computing engine's cache while the request runs, and goes to its home when
+    the request finishes: the request reads it at every step, and where it is the request's own (a
+    chat's turn behind a shared system prompt, a question behind its document's last part) no other
+    reads it while it runs. Written into its home at once, every decode step read it over the link
+    (the node simulator, the H200 preset, short chats behind one system prompt, seed 1: 0.955x
+    routing's throughput at a light load, 1.001x kept until the end; 0.952x and 0.982x in overload)."""
+    return (prompt_tokens - 1) // page_size // segment_pages * segment_pages

@@ -102,7 +102,7 @@ from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool, chain_page_keys
 from tokenflowd.pool.ahead import ASK_EVERY, ToldPending, asks_again, due, pins_on_arrival, waits
-from tokenflowd.pool.hand_off import by_segment
+from tokenflowd.pool.hand_off import by_segment, tail_end
 from tokenflowd.pool.heat import within_replica_cap
 from tokenflowd.pool.steal import idle, staying, victim, withdrawable
 from tokenflowd.pool.stuck import StuckTimer
@@ -343,6 +343,7 @@ class _Engine:
         self.places: dict[str, list[tuple[int, list[bytes]]]] = {}  # pool: request -> (home, keys) of its new segments
         # pool-write: request -> (each new page's home, the keys that end its segments), as the daemon's
         self.homes: dict[str, tuple[dict[bytes, int], set[bytes]]] = {}
+        self.kept: dict[str, tuple[int, list[bytes]]] = {}  # request -> (home, keys) of its tail segment (tail_end)
         self.later: set[str] = set()  # deferred requests answered empty: they ask again when wanted, or at again_at
         self.again_at: dict[str, float] = {}  # those, and those told their prefix is being computed -> next ask
         self.scheduler.waiting_on = ToldPending(self.again_at, self.later)  # (the daemon's PoolHooks)
@@ -663,8 +664,11 @@ class NodeSimulator:
         pinned where they are, a peer's written into the peer (the pages it lacks; the sender pays
         their KV on the link) and pinned there, up to the first home without room. The request lets
         go of its pages of those, and they stop being cached here; what no home took stays its own
-        and is not tried again."""
-        ps, cost = self.cost.page_size, self.cost
+        and is not tried again. The prompt's last whole segment waits for the request's end
+        (pool/hand_off.py tail_end, `_hand_off_tail`)."""
+        ps, cost, seg = self.cost.page_size, self.cost, self.config.segment_pages
+        for rid in [rid for rid in e.kept if rid not in e.scheduler.requests]:
+            self._hand_off_tail(e, *e.kept.pop(rid))
         for rid in list(e.homes):
             req = e.scheduler.requests.get(rid)
             if req is None or req.is_finished:
@@ -676,8 +680,12 @@ class NodeSimulator:
                 continue
             homes, ends = e.homes[rid]
             st = e.kv.state(req)
-            computed = min(st.num_published_pages, (req.num_prompt_tokens - 1) // ps)
+            tail = tail_end(req.num_prompt_tokens, ps, seg)  # (that segment waits for the request's end)
+            computed = min(st.num_published_pages, max(tail - 1, 0))
             n = max((i + 1 for i, key in enumerate(st.page_hashes[:computed]) if key in ends), default=0)
+            last = st.page_hashes[tail - 1] if whole and 0 < tail <= len(st.page_hashes) else None
+            if last in ends and homes[last] != e.engine_id:
+                e.kept[rid] = (homes[last], st.page_hashes[tail - seg:tail])
             if not n:
                 if whole:
                     del e.homes[rid]
@@ -724,6 +732,28 @@ class NodeSimulator:
             if self.config.follow:
                 self._follow(e, moved)
             e.letting_go.append((e.clock.now + self.config.let_go_after, list(moved)))
+
+    def _hand_off_tail(self, e: _Engine, home_id: int, keys: list[bytes]) -> None:
+        """A finished request's last whole segment, kept in e's cache while it ran (pool/hand_off.py
+        tail_end), written into its home (the pages the home lacks: the sender pays their KV on the
+        link), as far as e still holds it and the home has room; readers of e's copy follow it."""
+        pages = e.pool.lookup(keys)
+        if not pages:
+            return
+        home = self.engines[home_id]
+        fresh = sum(not home.pool.lookup([key]) for key in keys[:len(pages)])
+        held = _hold(home.pool, keys[:len(pages)])
+        _release(home.pool, held)
+        if not held:
+            return
+        fresh = min(fresh, len(held))
+        self.put_pages += fresh
+        e.owe(self.config.link_alpha + self.config.link_time(self.cost, fresh * self.cost.page_size))
+        self._update_now(home, keys[:len(held)])
+        moved = dict.fromkeys(keys[:len(held)], home_id)
+        if self.config.follow:
+            self._follow(e, moved)
+        e.letting_go.append((e.clock.now + self.config.let_go_after, list(moved)))
 
     def _follow(self, e: _Engine, homes: dict[bytes, int]) -> None:
         """As the daemon's PoolMember.follow, told by the front (protocol.Moved): requests on any
@@ -784,7 +814,7 @@ class NodeSimulator:
         token, their prompts computed)."""
         if e.places:
             self._place(e)
-        if e.homes:
+        if e.homes or e.kept:
             self._hand_off(e)
         if e.letting_go:
             self._let_go(e)
