@@ -43,7 +43,10 @@ def tail_end(prompt_tokens: int, page_size: int, segment_pages: int) -> int:
     a peer stays in the computing engine's cache while the request runs, and goes to its home when
     the request finishes: the request reads it at every step, and where it is the request's own (a
     chat's turn behind a shared system prompt, a question behind its document's last part) no other
-    reads it while it runs. Written into its home at once, every decode step read it over the link
-    (the node simulator, the H200 preset, short chats behind one system prompt, seed 1: 0.955x
-    routing's throughput at a light load, 1.001x kept until the end; 0.952x and 0.982x in overload)."""
+    reads it while it runs. Written into its home at once, every decode step read it over the link.
+    The node simulator, full KV, seeds 0-1 (bench/results/node_contexts_tail_s0-1.json): the H200
+    preset's short chats behind one system prompt went from 0.982x / 0.955x routing's throughput to
+    0.999x / 0.984x at a light load, from 1.010x / 0.952x to 1.031x / 0.976x in overload. Over the
+    A100's slower link the write at the end costs a little: its system prompt 1.009x / 1.066x ->
+    0.984x / 1.048x at a light load, its trace in overload 2-3% of the pool's throughput."""
     return (prompt_tokens - 1) // page_size // segment_pages * segment_pages
