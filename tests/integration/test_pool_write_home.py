@@ -1,9 +1,10 @@
 """Write into the home, in a real daemon (`--engines 2 --pool-mode read --pool-placement home`): a
 4,096-token prefix is held once while the request that computed it decodes, each segment at its
-home but the last, which goes there when the request ends; segment by segment, the prefix reaches its homes before the prompt ends, and requests that
-come meanwhile wait for it; a request that read the writer's copy follows it into its home; SIGKILL
-of a home as a prefix is written into it neither hangs nor corrupts a stream, and leaks no page on
-the survivor. Every reply is a single engine's greedy tokens."""
+home but the last, which goes there when the request ends; segment by segment, the prefix reaches
+its homes before the prompt ends, and requests that come meanwhile wait for it; a request that read
+the writer's copy follows it into its home; SIGKILL of a home as a prefix is written into it
+neither hangs nor corrupts a stream, and leaks no page on the survivor. Every reply is a single
+engine's greedy tokens."""
 from __future__ import annotations
 
 import asyncio

@@ -366,8 +366,9 @@ class PoolHooks:
         prompt.
         What a home gone or full did not take stays here, as the request's own, and is not tried
         again. The prompt's last whole segment, the one the request's tail follows, waits here for
-        the request's end (pool/hand_off.py `tail_end`, `_hand_off_tail`). What the homes took stops being cached here at once, but a hot segment the front
-        named to copy in: a replica of it stays (PoolMember.replicas). The step's message says
+        the request's end (pool/hand_off.py `tail_end`, `_hand_off_tail`). What the homes took
+        stops being cached here at once, but a hot segment the front named to copy in: a replica of
+        it stays (PoolMember.replicas). The step's message says
         where it went (`take_moved`, sent at once: EngineProcess.report_step), with the keys this
         cache let go, so the front neither finds it nowhere in between nor names new readers a
         copy here that is about to go (the homes' own reports have the last word:
