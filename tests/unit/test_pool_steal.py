@@ -71,7 +71,7 @@ def engine(queued: int):
     h = PoolHooks.__new__(PoolHooks)
     h.core = SimpleNamespace(scheduler=sched, pool=sched.kv.pool, leaders={}.keys(), unlocked=lambda: None)
     h.config = SimpleNamespace(page_size=PS)
-    h.member, h.deferred, h.asked, h.homes, h.ends, h.later, h.again_at = Member(), {}, {}, {}, {}, set(), {}
+    h.member, h.deferred, h.asked, h.homes, h.ends, h.kept, h.later, h.again_at = Member(), {}, {}, {}, {}, {}, set(), {}
     return sched, h
 
 
