@@ -433,7 +433,7 @@ class PoolHooks:
             for key in keys:
                 homes.pop(key, None)
                 ends.discard(key)
-            if rid in self.homes and (whole or not ends):
+            if whole or not ends:
                 del self.homes[rid], self.ends[rid]
             if not got:
                 continue

@@ -666,7 +666,7 @@ class NodeSimulator:
         go of its pages of those, and they stop being cached here; what no home took stays its own
         and is not tried again. The prompt's last whole segment waits for the request's end
         (pool/hand_off.py tail_end, `_hand_off_tail`)."""
-        ps, cost, seg = self.cost.page_size, self.cost, self.config.segment_pages
+        ps, seg = self.cost.page_size, self.config.segment_pages
         for rid in [rid for rid in e.kept if rid not in e.scheduler.requests]:
             self._hand_off_tail(e, *e.kept.pop(rid))
         for rid in list(e.homes):
@@ -713,7 +713,7 @@ class NodeSimulator:
                     held = _hold(home.pool, run)
                     fresh = min(fresh, len(held))
                     self.put_pages += fresh
-                    e.owe(self.config.link_alpha + self.config.link_time(cost, fresh * ps))
+                    e.owe(self.config.link_alpha + self.config.link_time(self.cost, fresh * ps))
                     self._update_now(home, run[: len(held)])
                 if held:
                     pinned.append((home, held))
@@ -728,15 +728,11 @@ class NodeSimulator:
                 e.pool.decref(page)
             req.extend_foreign_prefix(got * ps, keys[got - 1])
             away = {k: home for home, run in runs if home != e.engine_id for k in run}
-            moved = {k: away[k] for k in keys[:got] if k in away}  # what the homes took, and where
-            if self.config.follow:
-                self._follow(e, moved)
-            e.letting_go.append((e.clock.now + self.config.let_go_after, list(moved)))
+            self._went(e, {k: away[k] for k in keys[:got] if k in away})  # what the homes took, and where
 
     def _hand_off_tail(self, e: _Engine, home_id: int, keys: list[bytes]) -> None:
         """A finished request's last whole segment, kept in e's cache while it ran (pool/hand_off.py
-        tail_end), written into its home (the pages the home lacks: the sender pays their KV on the
-        link), as far as e still holds it and the home has room; readers of e's copy follow it."""
+        tail_end), written into its home as far as e still holds it and the home has room."""
         pages = e.pool.lookup(keys)
         if not pages:
             return
@@ -744,13 +740,16 @@ class NodeSimulator:
         fresh = sum(not home.pool.lookup([key]) for key in keys[:len(pages)])
         held = _hold(home.pool, keys[:len(pages)])
         _release(home.pool, held)
-        if not held:
+        if not held:  # (a home without room: unlike a running request's write, nothing is owed)
             return
-        fresh = min(fresh, len(held))
-        self.put_pages += fresh
-        e.owe(self.config.link_alpha + self.config.link_time(self.cost, fresh * self.cost.page_size))
+        self.put_pages += min(fresh, len(held))
+        e.owe(self.config.link_alpha + self.config.link_time(self.cost, min(fresh, len(held)) * self.cost.page_size))
         self._update_now(home, keys[:len(held)])
-        moved = dict.fromkeys(keys[:len(held)], home_id)
+        self._went(e, dict.fromkeys(keys[:len(held)], home_id))
+
+    def _went(self, e: _Engine, moved: dict[bytes, int]) -> None:
+        """Segments e computed are at their homes now (`moved`: key -> home): readers of e's copy
+        follow them there, and e stops caching them (after NodeConfig.let_go_after)."""
         if self.config.follow:
             self._follow(e, moved)
         e.letting_go.append((e.clock.now + self.config.let_go_after, list(moved)))
