@@ -93,6 +93,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         # (the queue's first new request, running requests) at the last pass: room for that head
         # then or since is what a pass between intervals looks for
         self._room_key: tuple[str | None, int] | None = None
+        self._growth = 1  # tokens a chosen request adds over an interval, at the last pass
         self.num_passes = 0
 
     # -- the per-step entry point ---------------------------------------------------------------
@@ -126,13 +127,21 @@ class TokenFlowPolicy(SchedulingPolicy):
         """The queue's first new request changed (it arrived, or the one before it was admitted) or
         a running request left since the last pass, and that head would fit in the free room: a
         pass now admits it without waiting out the interval (no one is displaced). Keyed by the
-        head's id, not the queue's length: one admitted and one arrived leave the length as it was."""
+        head's id, not the queue's length: one admitted and one arrived leave the length as it was.
+        The head fits as a pass counts it (new_request_pages): its whole prompt and an interval's
+        growth, or on an idle device its prompt. Its first chunk alone fitting is no reason: such a
+        pass admits it only by displacing running requests, which is the interval's pass to do, and a
+        32K-token prompt at the head made one pass at every step, each time the running set changed
+        (the node simulator, the A100's trace in overload)."""
         if self._head_key(view) == self._room_key or len(view.running) >= view.max_num_seqs:
             return False
         head = self._head(view)
         if head is None or head.request_id in self._decision.run:
             return False
-        return head.pages_to_run(min(head.tokens_left, view.token_budget), view.page_size) <= view.free_pages
+        need = new_request_pages(head, self._growth, view.page_size)
+        if not view.running and not view.loading:
+            need = min(need, cdiv(head.num_tokens + 1, view.page_size))
+        return need <= view.free_pages
 
     def _carry_out(self, view: SchedulerView, decision: Decision) -> Plan:
         """One step of the decision: preempt running requests it left out, then FCFS over the rest
@@ -167,6 +176,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         g = 1.0 / view.cost.decode_step_time(batch, mean_ctx)  # tokens/s of one running request
         gamma_cap = batch * g  # Γ
         growth = int(g * t) + 1  # tokens a chosen request adds over the interval
+        self._growth = growth
         # held through the interval, capped at the device: a request the device can hold at all is
         # never left out for the growth of an interval it may not even need (it once preempted the
         # only running request of a small pool, over and over). One whose tokens alone outgrow the
@@ -222,6 +232,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         for r, need in zip(new, new_pages):  # queue order
             if not chosen and not admitted:  # an idle device takes its head if the prompt fits at all
                 need = min(need, cdiv(r.num_tokens + 1, view.page_size))
+            before = (len(displaced), used, seqs)
             if used + need > capacity or seqs >= max_seqs:
                 if size >= w_sched or load + min(r.reading_rate, g) > gamma_cap:
                     break
@@ -231,7 +242,11 @@ class TokenFlowPolicy(SchedulingPolicy):
                     used -= pages[v]
                     seqs -= 1
             if used + need > capacity or seqs >= max_seqs:
-                break  # head of line: nothing behind it jumps the queue
+                # head of line: nothing behind it jumps the queue, and the victims it could not use
+                # stay (displaced for nothing, they came back at the next pass to be displaced again)
+                del displaced[before[0]:]
+                _, used, seqs = before
+                break
             admitted.append(r.request_id)
             used += need
             seqs += 1

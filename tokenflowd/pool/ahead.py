@@ -65,7 +65,10 @@ from typing import Callable, Container, Iterable, Mapping, Protocol, Sequence
 # went from 1.20x routing's (0.93x-1.64x) to 1.33x (1.00x-1.63x), its hit rate from 1.47x to 1.64x
 # (bench/results/node_contexts_small_cache_pin1.json). (Before tokenflow's admission counted shared
 # pages once and the holder's answers were costed as its attention: 0.82x, 0.83x, 0.82x and 0.76x
-# routing's throughput pinning among the first 2, 4, 8 and 16.)
+# routing's throughput pinning among the first 2, 4, 8 and 16.) Since a pass no longer displaces
+# running requests for a new one it cannot make room for, still only the head: in overload, the
+# four document workloads × seeds 0-3, 1.61x / 1.59x routing's throughput (query / read mode)
+# against 1.46x / 1.52x among the first 4 (node_contexts_small_cache_displace.json, _pin4.json).
 PIN_AHEAD = 1
 
 # s between the asks of a request whose prefix another request is computing (Reads.pending). Its
