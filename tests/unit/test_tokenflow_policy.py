@@ -219,7 +219,8 @@ def test_a_new_request_too_big_for_the_room_its_victims_would_free_displaces_no_
 
 def test_a_head_whose_prompt_does_not_fit_does_not_start_a_pass_each_time_the_running_set_changes():
     # The head's first chunk (64 tokens, 16 pages) fits the free room, its whole prompt does not: a
-    # pass would not admit it, so a request leaving is no reason to run one before the interval.
+    # pass would admit it only by displacing running requests, the interval's pass's to do, so a
+    # request leaving is no reason to run one before the interval.
     pol = TokenFlowPolicy(PARAMS)
     big = new("big", 1.0, n=400)
     r1, r2 = running("R1", 0.0, 2.0, 20), running("R2", 0.5, 2.0, 20)
