@@ -73,6 +73,12 @@ def new_request_pages(r: RequestView, growth: int, page_size: int) -> int:
     return r.pages_to_run(r.tokens_left + growth, page_size)  # as fcfs counts it
 
 
+def idle_device_pages(r: RequestView, need: int, page_size: int) -> int:
+    """An idle device takes a new request if its prompt fits at all, whatever its growth over the
+    interval would need (`need`): nobody's room is at stake."""
+    return min(need, cdiv(r.num_tokens + 1, page_size))
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """What a balancing pass chose: the requests that hold the device until the next pass."""
@@ -140,7 +146,7 @@ class TokenFlowPolicy(SchedulingPolicy):
             return False
         need = new_request_pages(head, self._growth, view.page_size)
         if not view.running and not view.loading:
-            need = min(need, cdiv(head.num_tokens + 1, view.page_size))
+            need = idle_device_pages(head, need, view.page_size)
         return need <= view.free_pages
 
     def _carry_out(self, view: SchedulerView, decision: Decision) -> Plan:
@@ -231,7 +237,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         admitted: list[str] = []
         for r, need in zip(new, new_pages):  # queue order
             if not chosen and not admitted:  # an idle device takes its head if the prompt fits at all
-                need = min(need, cdiv(r.num_tokens + 1, view.page_size))
+                need = idle_device_pages(r, need, view.page_size)
             before = (len(displaced), used, seqs)
             if used + need > capacity or seqs >= max_seqs:
                 if size >= w_sched or load + min(r.reading_rate, g) > gamma_cap:
@@ -321,7 +327,7 @@ class TokenFlowPolicy(SchedulingPolicy):
         admitted = []
         for r, need in zip(new, new_pages):
             if not chosen and not admitted:  # an idle device takes its head if the prompt fits at all
-                need = min(need, cdiv(r.num_tokens + 1, page_size))
+                need = idle_device_pages(r, need, page_size)
             if used + need > capacity or len(chosen) + len(admitted) >= max_seqs:
                 break
             admitted.append(r.request_id)

@@ -725,12 +725,7 @@ class NodeSimulator:
                     for page in held:
                         e.pool.incref(page)
                 else:
-                    fresh = sum(not home.pool.lookup([key]) for key in run)
-                    held = _hold(home.pool, run)
-                    fresh = min(fresh, len(held))
-                    self.put_pages += fresh
-                    e.owe(self.config.link_alpha + self.config.link_time(self.cost, fresh * ps))
-                    self._update_now(home, run[: len(held)])
+                    held = self._put(e, home, run)
                 if held:
                     pinned.append((home, held))
                 got += len(held)
@@ -752,16 +747,22 @@ class NodeSimulator:
         pages = e.pool.lookup(keys)
         if not pages:
             return
-        home = self.engines[home_id]
-        fresh = sum(not home.pool.lookup([key]) for key in keys[:len(pages)])
-        held = _hold(home.pool, keys[:len(pages)])
-        _release(home.pool, held)
-        if not held:  # (a home without room: unlike a running request's write, nothing is owed)
-            return
-        self.put_pages += min(fresh, len(held))
-        e.owe(self.config.link_alpha + self.config.link_time(self.cost, min(fresh, len(held)) * self.cost.page_size))
+        held = self._put(e, self.engines[home_id], keys[:len(pages)])
+        _release(self.engines[home_id].pool, held)
+        if held:
+            self._went(e, dict.fromkeys(keys[:len(held)], home_id))
+
+    def _put(self, e: _Engine, home: _Engine, keys: list[bytes]) -> list[int]:
+        """e writes the leading `keys` it computed into `home` (PoolMember.put): the pages the home
+        lacks, as far as it has room; e pays their KV on the link, and the round trip whatever the home
+        took. -> the home's pages of the keys it holds now, referenced."""
+        fresh = sum(not home.pool.lookup([key]) for key in keys)
+        held = _hold(home.pool, keys)
+        fresh = min(fresh, len(held))
+        self.put_pages += fresh
+        e.owe(self.config.link_alpha + self.config.link_time(self.cost, fresh * self.cost.page_size))
         self._update_now(home, keys[:len(held)])
-        self._went(e, dict.fromkeys(keys[:len(held)], home_id))
+        return held
 
     def _went(self, e: _Engine, moved: dict[bytes, int]) -> None:
         """Segments e computed are at their homes now (`moved`: key -> home): readers of e's copy
