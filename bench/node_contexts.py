@@ -146,6 +146,12 @@ def main() -> None:
                     help="pool-write: s an engine keeps its own copy of what it wrote into the homes cached, the "
                          "router finding it there too (the daemon kept it 1 s before its step message said where "
                          "the segments went; sim/node.py NodeConfig.let_go_after)")
+    ap.add_argument("--offload", default="none", choices=["none", "write-through", "write-back"],
+                    help="each engine's host KV tier, as the daemon's --offload (whose default is write-through): "
+                         "preempted KV comes back from it instead of being computed again (sim/node.py "
+                         "NodeConfig.offload); the figures before it had none")
+    ap.add_argument("--host-kv-scale", type=float, default=1.0,
+                    help="with --offload, each engine's host tier in pages, times its device pool")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--min-seconds", type=float, default=MIN_SECONDS,
                     help="of arrivals a run offers, past --num-prompts (not the trace's)")
@@ -169,7 +175,8 @@ def main() -> None:
                 results = {m: simulate(cost, w, m, NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off,
                                                                  let_go_after=a.let_go_after,
                                                                  follow=not a.no_follow,
-                                                                 overlap_queries=not a.serial_queries))
+                                                                 overlap_queries=not a.serial_queries,
+                                                                 offload=a.offload, host_kv_scale=a.host_kv_scale))
                            for m in modes}
                 s = {m: r.summary() for m, r in results.items()}
                 row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
@@ -194,7 +201,8 @@ def main() -> None:
                                  "machine": platform.processor() or platform.machine(), "engines": 8,
                                  "kv_scale": a.kv_scale, "policy": a.policy, "hand_off": a.hand_off,
                                  "let_go_after": a.let_go_after, "follow": not a.no_follow,
-                                 "overlap_queries": not a.serial_queries,
+                                 "overlap_queries": not a.serial_queries, "offload": a.offload,
+                                 "host_kv_scale": a.host_kv_scale,
                                  "num_prompts": a.num_prompts, "min_seconds": a.min_seconds, "seed": a.seed,
                                  "rows": rows}), f, indent=1)
         print("wrote", a.out)

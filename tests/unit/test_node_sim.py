@@ -174,6 +174,14 @@ def test_sim_node_command_prints_both_modes(tmp_path, capsys):
     assert main(["sim-node", "--engines", "2", "--num-prompts", "20", "--max-prompt-len", "4096", "--pool-mode", "read",
                  "--out", str(out)]) == 0
     assert json.loads(out.read_text())["read_rows"] == 1040, "read mode: from the A100's NVLink ridge"
+    assert json.loads(out.read_text())["offload"] == "none"
+    assert main(["sim-node", "--engines", "2", "--num-prompts", "20", "--max-prompt-len", "4096",
+                 "--offload", "write-through", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["offload"] == "write-through"
+    capsys.readouterr()
+    assert main(["sim-node", "--engines", "2", "--num-prompts", "20", "--offload", "write-through",
+                 "--host-kv-scale", "0"]) != 0
+    assert "--host-kv-scale must be above 0" in capsys.readouterr().err
 
 
 def small_cache_documents(rate: float, n: int = 150, shape: str = "documents:active=16:scale=0.5:uses=32",
@@ -907,3 +915,25 @@ def test_a_request_keeps_the_segment_its_tail_follows_until_it_ends_then_writes_
     # it ended: the segment is at its home, and no longer cached where it was computed
     assert all(peer.pool.holds(key) for key in keys) and not any(e.pool.holds(key) for key in keys)
     assert not e.kept
+
+
+def test_with_a_host_tier_a_preempted_request_loads_its_kv_back_instead_of_computing_it_again():
+    """NodeConfig.offload, as the daemon's --offload (its default, write-through): twelve requests
+    whose readers read 2 tokens/s fill two engines of 16K tokens each; eight more come 5 s later, and
+    the buffer-aware policy preempts readers far ahead for them. Without a host tier each preempted
+    prompt is computed again; with one its KV comes back over the host link, written there as it
+    was computed, and no host page is left held at the end (the simulator checks)."""
+    cost = cost_model("a100-llama2-7b")
+    cost = cost.replace(kv_memory=cost.kv_bytes_per_token * 16 * 1024)
+    w = [WorkloadRequest(f"a{i}", 0.0, 2048, 512, 2.0, tuple(range(1000 + 4 * i, 1004 + 4 * i))) for i in range(12)]
+    w += [WorkloadRequest(f"b{i}", 5.0, 2048, 64, 20.0, tuple(range(5000 + 4 * i, 5004 + 4 * i))) for i in range(8)]
+    needed = sum(r.prompt_len + r.output_len for r in w)
+    out = {}
+    for offload in ("none", "write-through"):
+        sim = NodeSimulator(cost, w, "pool-write", NodeConfig(engines=2, policy="tokenflow", offload=offload))
+        s = sim.run().summary()
+        assert s["requests_served"] == len(w)
+        out[offload] = s["computed_tokens"], sum(e.kv.stats.pages_loaded for e in sim.engines)
+    (recomputed, none_loaded), (computed, loaded) = out["none"], out["write-through"]
+    assert none_loaded == 0 and recomputed > needed * 1.1, "preempted prompts were computed again"
+    assert loaded > 0 and computed < needed * 1.02 < recomputed, out

@@ -106,6 +106,12 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                     help="pool modes: every row sent to its holders (query, the default), or read mode: a request "
                          "whose rows in a step reach the link's ridge reads its holders' pages in place, fewer are "
                          "sent (the daemon's --pool-mode read, --pool-read-rows)")
+    sn.add_argument("--offload", choices=["none", "write-back", "write-through"], default="none",
+                    help="each engine's host KV tier, as the daemon's --offload (whose default is write-through): "
+                         "preempted KV comes back over the cost model's host link instead of being computed again "
+                         "(default none)")
+    sn.add_argument("--host-kv-scale", type=float, default=1.0,
+                    help="with --offload, each engine's host tier in pages, times its device pool (default 1)")
     sn.add_argument("--seed", type=int, default=0)
     sn.add_argument("--out", help="write the summaries as JSON here")
     sn.set_defaults(func=cmd_sim_node)
@@ -229,9 +235,12 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
     cost = cost_model(a.preset)
     if a.segment_tokens < cost.page_size or a.segment_tokens % cost.page_size:
         raise ValueError(f"--segment-tokens must be a multiple of the page size {cost.page_size}")
+    if a.host_kv_scale <= 0:
+        raise ValueError("--host-kv-scale must be above 0")
     requests = _node_workload(a)
     config = NodeConfig(engines=a.engines, policy=a.policy, segment_pages=a.segment_tokens // cost.page_size,
-                        seed=a.seed, steal=not a.no_pool_steal, copy=not a.no_pool_copy)
+                        seed=a.seed, steal=not a.no_pool_steal, copy=not a.no_pool_copy, offload=a.offload,
+                        host_kv_scale=a.host_kv_scale)
     if a.pool_mode == "read":
         config = dataclasses.replace(config, read_rows=link_ridge_rows(cost, config))
     print(f"{len(requests)} {'synthetic ' + a.contexts if a.contexts else 'trace'} requests, {a.engines} engines, cost model {cost.name}, policy {a.policy}")
@@ -248,6 +257,7 @@ def cmd_sim_node(a: argparse.Namespace) -> int:
                else "mooncake trace", "time_scale": a.time_scale, "max_prompt_len": a.max_prompt_len,
                "segment_tokens": a.segment_tokens, "steal": not a.no_pool_steal,
                "copy": not a.no_pool_copy, "pool_mode": a.pool_mode, "read_rows": config.read_rows,
+               "offload": a.offload, "host_kv_scale": a.host_kv_scale,
                "summaries": summaries}
         with open(a.out, "w") as f:
             json.dump(json_safe(doc), f, indent=1)

@@ -80,6 +80,10 @@ the lookups alone, lumpier (a second holds few first steps in overload).
 Pins are taken as the request nears the front of its engine's queue (pool/ahead.py; it is not
 admitted before) and hold the pages until the request ends or gives them back. Each engine's
 prefix-cache key events are applied to the router's index at the end of each of its steps.
+Each engine has a host KV tier where NodeConfig.offload says so (the daemon's --offload, whose
+default is write-through): a preempted request's KV comes back over the engine's host link, as the
+one-engine Simulator has it, instead of being computed again. Without one (NodeConfig's default,
+and the figures in bench/results/ before node_contexts_host_*), a preempted prompt is computed again.
 """
 from __future__ import annotations
 
@@ -102,12 +106,15 @@ from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool, chain_page_keys
+from tokenflowd.offload.tiers import HostTier
+from tokenflowd.offload.traffic import HostOffloader
 from tokenflowd.pool.ahead import ASK_EVERY, ToldPending, asks_again, due, pins_on_arrival, waits
 from tokenflowd.pool.hand_off import by_segment, tail_end
 from tokenflowd.pool.heat import within_replica_cap
 from tokenflowd.pool.steal import idle, staying, victim, withdrawable
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
+from tokenflowd.sim.copier import SimCopier
 from tokenflowd.sim.cost import CostModel
 from tokenflowd.sim.executor import CostModelExecutor
 from tokenflowd.sim.pool import coefficient_of_variation
@@ -165,6 +172,13 @@ class NodeConfig:
     # routing: ties between engines of the best score go to one at random (seeded by `seed`), not to the
     # lower id as the daemon's router has them (bench/node_noise.py: what that alone moves)
     random_ties: bool = False
+    # each engine's host KV tier, as the daemon's --offload (its default: write-through): a preempted
+    # request's KV comes back from it over the engine's host link (the cost model's) instead of being
+    # computed again; "none": recomputed. Its pages: host_kv_scale times the engine's device pool (the
+    # daemon's default is 4x within the engine's share of a quarter of the host's RAM: on an 8-GPU
+    # node about the device pool's size)
+    offload: str = "none"
+    host_kv_scale: float = 1.0
 
     def link_time(self, cost: CostModel, tokens: int) -> float:
         """Seconds to move `tokens` tokens' KV over the link (a put, a copy, a read in place)."""
@@ -335,7 +349,7 @@ class _Engine:
         # keys its step in flight published as it began, drained with a peer's put into it: the
         # router's index has them at the step's end (NodeSimulator._update_now)
         self.unreported: list[bytes] = []
-        self.kv = KVCacheManager(self.pool, cost.page_size)
+        self.kv = KVCacheManager(self.pool, cost.page_size, _host_tier(cost, config, self.pool, self.clock))
         policy = make_policy(config.policy, PolicyConfig())
         self.scheduler = Scheduler(self.kv, policy, cost.max_num_batched_tokens, cost.max_num_seqs, clock=self.clock)
         self.executor = _Executor(self, cost, output_lens, self.clock, 0, SIM_EOS)
@@ -421,6 +435,17 @@ def _idle_until(e: _Engine, now: float) -> None:
     if now > e.clock.now:
         e.debt = max(0.0, e.debt - (now - e.clock.now))
         e.clock.now = now
+
+
+def _host_tier(cost: CostModel, config: NodeConfig, pool: PagePool, clock: VirtualClock) -> HostOffloader | None:
+    """An engine's host KV tier (NodeConfig.offload), bookkeeping only, its copies in the engine's
+    virtual time (as the one-engine Simulator's); None without one."""
+    if config.offload == "none":
+        return None
+    host = HostTier(max(1, int(cost.num_pages * config.host_kv_scale)), cost.kv_bytes_per_token * cost.page_size,
+                    None, True)
+    copier = SimCopier(cost.host_link_bandwidth * cost.host_link_efficiency, clock)
+    return HostOffloader(pool, cost.page_size, host, copier, config.offload, True)
 
 
 def _hold(pool: PagePool, keys: list[bytes]) -> list[int]:
@@ -942,9 +967,13 @@ class NodeSimulator:
             heapq.heappush(effects, (e.clock.now, seq, e, finished, started))
             seq += 1
         for e in self.engines:
+            e.core.wait_copies()  # copies still in flight pin pages: let them end
             if e.pool.num_used:
                 raise SimulationError(f"engine {e.engine_id}: {e.pool.num_used} KV pages held after every "
                                       "request ended")
+            if e.kv.host.pool.num_used:
+                raise SimulationError(f"engine {e.engine_id}: {e.kv.host.pool.num_used} host KV pages held after "
+                                      "every request ended")
         ordered = [records[w.request_id] for w in self.workload]
         # num_cached_tokens of a pool request counts its peers' prefix too (EngineCoreOutput)
         local = sum(r.num_cached_tokens for r in ordered) - self.peer_tokens
