@@ -5,7 +5,7 @@ same load for all), 8 engines in the node simulator, the same requests as that s
 
     python bench/node_balance.py --goodput bench/results/node_goodput_small_cache_pin1.json
                                  [--at routing] [--modes routing,pool-local,pool-write]
-                                 [--calibrated FILE] [--out FILE]
+                                 [--calibrated FILE] [--offload write-through] [--out FILE]
 
 Per run: the access CV (TokenLake's measure: the CV across engines of the KV tokens read from each
 one's memory per second while requests arrive, averaged; sim/node.py NodeResult.access_cv), the
@@ -46,6 +46,10 @@ def main() -> None:
     ap.add_argument("--let-go-after", type=float, default=0.0,
                     help="pool-write: s an engine keeps its own copy of what it wrote into the homes cached "
                          "(sim/node.py NodeConfig.let_go_after; the daemon kept it 1 s)")
+    ap.add_argument("--offload", default="none", choices=["none", "write-through", "write-back"],
+                    help="each engine's host KV tier, as the daemon's --offload (whose default is write-through): "
+                         "preempted KV comes back from it instead of being computed again (sim/node.py "
+                         "NodeConfig.offload)")
     ap.add_argument("--out")
     a = ap.parse_args()
     with open(a.goodput) as f:
@@ -63,7 +67,7 @@ def main() -> None:
         spec, rate = search["workload"], met["rate"]
         w = at_rate(spec, rate, met["requests"], seed, cap)
         config = NodeConfig(seed=seed, policy=good["policy"], hand_off=good["hand_off"], let_go_after=a.let_go_after,
-                            follow=not a.no_follow)
+                            follow=not a.no_follow, offload=a.offload)
         row = {"cost_model": cost.name, "workload": spec, "seed": seed, "rate": rate, "requests": met["requests"]}
         for m in modes:
             s = simulate(cost, w, m, config).summary()
@@ -81,7 +85,7 @@ def main() -> None:
                                  "machine": platform.processor() or platform.machine(), "goodput": a.goodput,
                                  "at": a.at, "kv_scale": good["kv_scale"], "policy": good["policy"],
                                  "hand_off": good["hand_off"], "let_go_after": a.let_go_after,
-                                 "follow": not a.no_follow, "mean": summary,
+                                 "follow": not a.no_follow, "offload": a.offload, "mean": summary,
                                  "rows": rows}), f, indent=1)
         print("wrote", a.out)
 

@@ -710,9 +710,10 @@ def test_the_balance_bench_runs_each_mode_at_the_rate_a_goodput_search_met(tmp_p
     out = tmp_path / "balance.json"
     bench = Path(__file__).resolve().parents[2] / "bench" / "node_balance.py"
     monkeypatch.setattr(sys, "argv", [str(bench), "--goodput", str(good), "--modes", "routing,pool-write",
-                                      "--out", str(out)])
+                                      "--offload", "write-through", "--out", str(out)])
     runpy.run_path(str(bench), run_name="__main__")
     result = json.loads(out.read_text())
+    assert result["offload"] == "write-through"
     (row,) = result["rows"]  # (a search that met nothing is skipped)
     assert (row["seed"], row["rate"], row["requests"]) == (1, 4.0, 24)
     assert all(0 <= row[m]["access_cv"] and 0 < row[m]["hit_rate"] <= 1 for m in ("routing", "pool-write")), row
