@@ -43,7 +43,7 @@ def probe(cost, spec: str, rate: float, mode: str, a, cap: int) -> dict:
     n = requests(spec, rate, a.num_prompts if spec == "trace" else
                  min(a.max_prompts, max(a.num_prompts, round(rate * a.seconds))), a.min_seconds)
     r = simulate(cost, at_rate(spec, rate, n, a.seed, cap), mode,
-                 NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off)).summary()
+                 NodeConfig(seed=a.seed, policy=a.policy, hand_off=a.hand_off, offload=a.offload)).summary()
     return {"rate": rate, "requests": n,
             "slo_attainment": r["ttft_slo_attainment" if a.slo == "ttft" else "slo_attainment"],
             "throughput": r["throughput"], "hit_rate": r["hit_rate"], "ttft_p99": r["ttft_p99"]}
@@ -90,6 +90,10 @@ def main() -> None:
                     help="of arrivals a probe offers however many requests that takes (past --max-prompts)")
     ap.add_argument("--slo", default="ttft", choices=["ttft", "both"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--offload", default="none", choices=["none", "write-through", "write-back"],
+                    help="each engine's host KV tier, as the daemon's --offload (whose default is write-through): "
+                         "preempted KV comes back from it instead of being computed again (sim/node.py "
+                         "NodeConfig.offload)")
     ap.add_argument("--out")
     a = ap.parse_args()
     modes = [m for m in a.modes.split(",") if mode_base(m) in MODES]
@@ -123,6 +127,7 @@ def main() -> None:
                                  "min_seconds": a.min_seconds, "kv_scale": a.kv_scale,
                                  "policy": a.policy,
                                  "hand_off": a.hand_off, "num_prompts": a.num_prompts, "seed": a.seed,
+                                 "offload": a.offload,
                                  "rows": rows}), f, indent=1)
         print("wrote", a.out)
 
