@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from node_contexts import H200, at_rate, mode_base, scaled_cost, simulate  # noqa: E402
+from node_contexts import H200, add_offload, at_rate, mode_base, scaled_cost, simulate  # noqa: E402
 from tokenflowd.sim.node import MODES, NodeConfig  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 
@@ -46,10 +46,7 @@ def main() -> None:
     ap.add_argument("--let-go-after", type=float, default=0.0,
                     help="pool-write: s an engine keeps its own copy of what it wrote into the homes cached "
                          "(sim/node.py NodeConfig.let_go_after; the daemon kept it 1 s)")
-    ap.add_argument("--offload", default="none", choices=["none", "write-through", "write-back"],
-                    help="each engine's host KV tier, as the daemon's --offload (whose default is write-through): "
-                         "preempted KV comes back from it instead of being computed again (sim/node.py "
-                         "NodeConfig.offload)")
+    add_offload(ap)
     ap.add_argument("--out")
     a = ap.parse_args()
     with open(a.goodput) as f:

@@ -114,6 +114,14 @@ def mode_base(mode: str) -> str:
     return mode
 
 
+def add_offload(ap: argparse.ArgumentParser) -> None:
+    """--offload, as the node benches share it."""
+    ap.add_argument("--offload", default="none", choices=["none", "write-through", "write-back"],
+                    help="each engine's host KV tier, as the daemon's --offload (whose default is write-through): "
+                         "preempted KV comes back from it instead of being computed again (sim/node.py "
+                         "NodeConfig.offload); the figures before it had none")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default=f"a100-llama2-7b,{H200}")
@@ -146,10 +154,7 @@ def main() -> None:
                     help="pool-write: s an engine keeps its own copy of what it wrote into the homes cached, the "
                          "router finding it there too (the daemon kept it 1 s before its step message said where "
                          "the segments went; sim/node.py NodeConfig.let_go_after)")
-    ap.add_argument("--offload", default="none", choices=["none", "write-through", "write-back"],
-                    help="each engine's host KV tier, as the daemon's --offload (whose default is write-through): "
-                         "preempted KV comes back from it instead of being computed again (sim/node.py "
-                         "NodeConfig.offload); the figures before it had none")
+    add_offload(ap)
     ap.add_argument("--host-kv-scale", type=float, default=1.0,
                     help="with --offload, each engine's host tier in pages, times its device pool")
     ap.add_argument("--num-prompts", type=int, default=300)

@@ -32,7 +32,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from node_contexts import H200, MIN_SECONDS, RUNS, at_rate, mode_base, requests, scaled_cost, simulate  # noqa: E402
+from node_contexts import (H200, MIN_SECONDS, RUNS, add_offload, at_rate, mode_base, requests,  # noqa: E402
+                           scaled_cost, simulate)
 from tokenflowd.sim.node import MODES, SLO_FACTOR, NodeConfig  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 
@@ -90,10 +91,7 @@ def main() -> None:
                     help="of arrivals a probe offers however many requests that takes (past --max-prompts)")
     ap.add_argument("--slo", default="ttft", choices=["ttft", "both"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--offload", default="none", choices=["none", "write-through", "write-back"],
-                    help="each engine's host KV tier, as the daemon's --offload (whose default is write-through): "
-                         "preempted KV comes back from it instead of being computed again (sim/node.py "
-                         "NodeConfig.offload)")
+    add_offload(ap)
     ap.add_argument("--out")
     a = ap.parse_args()
     modes = [m for m in a.modes.split(",") if mode_base(m) in MODES]
