@@ -938,3 +938,6 @@ def test_with_a_host_tier_a_preempted_request_loads_its_kv_back_instead_of_compu
     (recomputed, none_loaded), (computed, loaded) = out["none"], out["write-through"]
     assert none_loaded == 0 and recomputed > needed * 1.1, "preempted prompts were computed again"
     assert loaded > 0 and computed < needed * 1.02 < recomputed, out
+    for bad in ({"offload": "write_through"}, {"offload": "write-through", "host_kv_scale": 0.0}):
+        with pytest.raises(ValueError):
+            NodeConfig(**bad)

@@ -106,7 +106,6 @@ from tokenflowd.engine.request import Request, RequestStatus, SamplingParams
 from tokenflowd.engine.scheduler import ScheduledBatch, Scheduler
 from tokenflowd.kv.manager import KVCacheManager
 from tokenflowd.kv.pages import OutOfPages, PagePool, chain_page_keys
-from tokenflowd.offload.tiers import HostTier
 from tokenflowd.offload.traffic import HostOffloader
 from tokenflowd.pool.ahead import ASK_EVERY, ToldPending, asks_again, due, pins_on_arrival, waits
 from tokenflowd.pool.hand_off import by_segment, tail_end
@@ -114,11 +113,10 @@ from tokenflowd.pool.heat import within_replica_cap
 from tokenflowd.pool.steal import idle, staying, victim, withdrawable
 from tokenflowd.pool.stuck import StuckTimer
 from tokenflowd.sim.clock import VirtualClock
-from tokenflowd.sim.copier import SimCopier
 from tokenflowd.sim.cost import CostModel
 from tokenflowd.sim.executor import CostModelExecutor
 from tokenflowd.sim.pool import coefficient_of_variation
-from tokenflowd.sim.simulator import SIM_EOS, SIM_VOCAB_SIZE, RequestRecord, SimulationError
+from tokenflowd.sim.simulator import SIM_EOS, SIM_VOCAB_SIZE, RequestRecord, SimulationError, host_offloader
 from tokenflowd.sim.workload import WorkloadRequest, prompt_token_ids
 
 MODES = ("routing", "pool", "pool-write", "pool-local")
@@ -179,6 +177,12 @@ class NodeConfig:
     # node about the device pool's size)
     offload: str = "none"
     host_kv_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.offload not in ("none", "write-back", "write-through"):
+            raise ValueError(f"offload must be none, write-back or write-through, got {self.offload!r}")
+        if not self.host_kv_scale > 0:
+            raise ValueError(f"host_kv_scale must be above 0, got {self.host_kv_scale}")
 
     def link_time(self, cost: CostModel, tokens: int) -> float:
         """Seconds to move `tokens` tokens' KV over the link (a put, a copy, a read in place)."""
@@ -442,10 +446,7 @@ def _host_tier(cost: CostModel, config: NodeConfig, pool: PagePool, clock: Virtu
     virtual time (as the one-engine Simulator's); None without one."""
     if config.offload == "none":
         return None
-    host = HostTier(max(1, int(cost.num_pages * config.host_kv_scale)), cost.kv_bytes_per_token * cost.page_size,
-                    None, True)
-    copier = SimCopier(cost.host_link_bandwidth * cost.host_link_efficiency, clock)
-    return HostOffloader(pool, cost.page_size, host, copier, config.offload, True)
+    return host_offloader(cost, pool, clock, config.offload, max(1, int(cost.num_pages * config.host_kv_scale)))
 
 
 def _hold(pool: PagePool, keys: list[bytes]) -> list[int]:

@@ -46,6 +46,15 @@ SIM_EOS = 1  # the token the executor ends a response with
 IDLE_LIMIT = 120.0  # virtual s a policy may schedule nothing while requests wait and none arrives
 
 
+def host_offloader(cost: CostModel, pool: PagePool, clock: VirtualClock, mode: str, host_pages: int,
+                   overlap: bool = True, prefix_caching: bool = True) -> HostOffloader:
+    """A host KV tier of `host_pages` pages behind `pool`, bookkeeping only (offload/), its copies
+    at the cost model's host link in `clock`'s virtual time: one engine's, here or in a node."""
+    copier = SimCopier(cost.host_link_bandwidth * cost.host_link_efficiency, clock)
+    host = HostTier(host_pages, cost.kv_bytes_per_token * cost.page_size, None, prefix_caching)
+    return HostOffloader(pool, cost.page_size, host, copier, mode, overlap)
+
+
 class SimulationError(RuntimeError):
     """The run cannot finish: a livelock, a policy that stopped scheduling, or leaked pages."""
 
@@ -124,10 +133,9 @@ class Simulator:
         page_bytes = self.cost.kv_bytes_per_token * self.cost.page_size
         if host_kv_memory < page_bytes:
             raise ValueError(f"offload {mode} needs a host tier of at least one page ({page_bytes} bytes)")
-        copier = SimCopier(self.cost.host_link_bandwidth * self.cost.host_link_efficiency, self.clock)
-        host = HostTier(host_kv_memory // page_bytes, page_bytes, None, prefix_caching)
         return KVCacheManager(self.pool, self.cost.page_size,
-                              HostOffloader(self.pool, self.cost.page_size, host, copier, mode, overlap))
+                              host_offloader(self.cost, self.pool, self.clock, mode, host_kv_memory // page_bytes,
+                                             overlap, prefix_caching))
 
     def _check_fits(self) -> None:
         room = self.cost.max_tokens_in_pool
