@@ -9,8 +9,9 @@ same load for all), 8 engines in the node simulator, the same requests as that s
 
 Per run: the access CV (TokenLake's measure: the CV across engines of the KV tokens read from each
 one's memory per second while requests arrive, averaged; sim/node.py NodeResult.access_cv), the
-same for the lookups alone (the prefix tokens each request found cached, once: cache_access_cv), the
-busy-time and router-load CVs, hit rate, throughput and the TTFT SLO's attainment. The cost model,
+same with each second weighted by its reads (access_cv_by_reads), the same for the lookups alone
+(the prefix tokens each request found cached, once: cache_access_cv), the busy-time and
+router-load CVs, hit rate, throughput and the TTFT SLO's attainment. The cost model,
 KV scale, policy, hand-off and seeds are the goodput file's; a goodput file names a calibrated
 cost model only as "calibrated", so its calibration is --calibrated (default the H200's).
 """
@@ -30,7 +31,8 @@ from node_contexts import H200, add_offload, at_rate, mode_base, scaled_cost, si
 from tokenflowd.sim.node import MODES, NodeConfig  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 
-KEYS = ("cache_access_cv", "access_cv", "busy_cv", "load_cv", "hit_rate", "throughput", "ttft_slo_attainment")
+KEYS = ("cache_access_cv", "access_cv", "access_cv_by_reads", "busy_cv", "load_cv", "hit_rate", "throughput",
+        "ttft_slo_attainment")
 
 
 def main() -> None:

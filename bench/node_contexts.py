@@ -23,12 +23,13 @@ Prompts are capped at 32K tokens (a longer context is cut, a session that would 
 Per run: the workload's ideal hit rate (every page any earlier request had, read: sim/node.py
 ideal_hit_rate; no placement beats it), hit rate, throughput (output tokens/s to the last token), the
 loaded throughput (to the moment every request has its first token: without the last decodes'
-drain, which one long output begun late decides; sim/node.py NodeResult.loaded_throughput), P99 TTFT, the CVs
-across engines (sim/node.py NodeResult: busy time, the router's load, the KV read from each, as
-TokenLake measures it, and the lookups alone: the prefix tokens each request found cached there), and the SLO's attainment and throughput (output tokens/s of
-the requests that met it; TokenLake's SLO, sim/node.py SLO_FACTOR), with each pool mode's ratios to
-routing. bench/node_goodput.py finds
-the highest rate at which 90% of requests meet it.
+drain, which one long output begun late decides; sim/node.py NodeResult.loaded_throughput), P99
+TTFT, the CVs across engines (sim/node.py NodeResult: busy time, the router's load, the KV read from
+each, as TokenLake measures it and weighted by each second's reads, and the lookups alone: the
+prefix tokens each request found cached there), and the SLO's attainment and throughput (output
+tokens/s of the requests that met it; TokenLake's SLO, sim/node.py SLO_FACTOR), with each pool
+mode's ratios to routing. bench/node_goodput.py finds the highest rate at which 90% of requests
+meet it.
 """
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ RUNS = {
                    ("sessions:scale=0.1", 4.0, 16.0), ("system-prompt", 40.0, 480.0), ("trace", 3.0, 1.0)],
 }
 MIN_SECONDS = 10.0  # of arrivals a run offers at least (--min-seconds)
-KEYS = ("hit_rate", "throughput", "loaded_throughput", "ttft_p99", "busy_cv", "load_cv", "access_cv", "cache_access_cv",
-        "slo_attainment", "slo_throughput")
+KEYS = ("hit_rate", "throughput", "loaded_throughput", "ttft_p99", "busy_cv", "load_cv", "access_cv",
+        "access_cv_by_reads", "cache_access_cv", "slo_attainment", "slo_throughput")
 
 
 def scaled_cost(preset: str, kv_scale: float):
@@ -199,7 +200,9 @@ def main() -> None:
                       + "  ".join(
                     f"{m}: hit {row[m]['hit_rate']:.3f} thr {row[m]['throughput']:7.1f} "
                     f"loaded {row[m]['loaded_throughput']:7.1f} p99 {row[m]['ttft_p99']:7.2f} "
-                    f"cv {row[m]['busy_cv']:.2f} load cv {row[m]['load_cv']:.2f} access cv {row[m]['access_cv']:.2f} cache cv {row[m]['cache_access_cv']:.2f} slo {row[m]['slo_attainment']:.2f}" for m in modes), flush=True)
+                    f"cv {row[m]['busy_cv']:.2f} load cv {row[m]['load_cv']:.2f} access cv {row[m]['access_cv']:.2f} "
+                    f"by reads {row[m]['access_cv_by_reads']:.2f} cache cv {row[m]['cache_access_cv']:.2f} "
+                    f"slo {row[m]['slo_attainment']:.2f}" for m in modes), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(json_safe({"command": "python " + " ".join(sys.argv),

@@ -523,6 +523,9 @@ def test_the_access_cv_counts_the_kv_each_engines_memory_serves_a_peers_reads_at
     from tokenflowd.sim.node import LOAD_WINDOW, NodeResult
 
     assert NodeResult("x", [], 0, 0, 0, 0, access_samples=[[0, 0], [2, 2], [4, 0]]).access_cv() == 0.5
+    # one engine reading a little in a near-idle second, then an even busy one: 0.5 a second, 1/21 a read
+    near_idle = NodeResult("x", [], 0, 0, 0, 0, access_samples=[[0, 0], [1, 0], [10, 10]])
+    assert near_idle.access_cv() == 0.5 and near_idle.access_cv_by_reads() == pytest.approx(1 / 21)
     stepping: list[int] = []
     reads = {"own": 0, "peer": 0}
     step_time, read = node._Executor.step_time, node._Engine.read
@@ -549,6 +552,7 @@ def test_the_access_cv_counts_the_kv_each_engines_memory_serves_a_peers_reads_at
         assert len(r.access_samples) == int(span // LOAD_WINDOW) and all(len(x) == 8 for x in r.access_samples)
         assert 0 < sum(map(sum, r.access_samples)) <= reads["own"] + reads["peer"], "a window counts reads no step made"
         assert 0 < r.summary()["access_cv"] == r.access_cv()
+        assert 0 < r.summary()["access_cv_by_reads"] == r.access_cv_by_reads()
         peer[mode] = reads["peer"]
     assert peer["routing"] == 0 and peer["pool-local"] > 0, peer
 
