@@ -7,7 +7,7 @@ band of 1 is a tie, not a loss or a win.
 
     python bench/node_noise.py [--presets a100-llama2-7b,calibrated:FILE] [--seeds 0,1,2,3]
                                [--workloads documents:active=32,...] [--kv-scale F]
-                               [--num-prompts 300] [--jobs 2] [--out FILE]
+                               [--num-prompts 300] [--offload write-through] [--jobs 2] [--out FILE]
 
 Each run offers --num-prompts requests, or node_contexts' MIN_SECONDS of arrivals where that is more.
 
@@ -27,15 +27,16 @@ from concurrent.futures import ProcessPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from node_contexts import H200, RUNS, requests, scaled_cost, workload  # noqa: E402
+from node_contexts import H200, RUNS, add_offload, requests, scaled_cost, workload  # noqa: E402
 from tokenflowd.sim.node import NodeConfig, NodeSimulator  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 
 
-def run(preset: str, spec: str, rate: float, seed: int, kv_scale: float, n: int, random_ties: bool) -> float:
+def run(preset: str, spec: str, rate: float, seed: int, kv_scale: float, n: int, offload: str, random_ties: bool
+        ) -> float:
     cost, cap = scaled_cost(preset, kv_scale)
     w = workload(spec, rate, requests(spec, rate, n), seed, cap)
-    config = NodeConfig(seed=seed, policy="tokenflow", random_ties=random_ties)
+    config = NodeConfig(seed=seed, policy="tokenflow", random_ties=random_ties, offload=offload)
     return NodeSimulator(cost, w, "routing", config).run().summary()["throughput"]
 
 
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--kv-scale", type=float, default=1.0)
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--jobs", type=int, default=2)
+    add_offload(ap)
     ap.add_argument("--out")
     a = ap.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -60,7 +62,7 @@ def main() -> None:
             if a.workloads and spec not in a.workloads.split(","):
                 continue
             cells += [(preset, spec, load, rate) for load, rate in zip(("light", "overload"), rates)]
-    jobs = {(cell, seed, ties): (cell[0], cell[1], cell[3], seed, a.kv_scale, a.num_prompts, ties)
+    jobs = {(cell, seed, ties): (cell[0], cell[1], cell[3], seed, a.kv_scale, a.num_prompts, a.offload, ties)
             for cell in cells for seed in seeds for ties in (False, True)}
     with ProcessPoolExecutor(a.jobs) as pool:
         futures = {key: pool.submit(run, *args) for key, args in jobs.items()}
@@ -85,6 +87,7 @@ def main() -> None:
             json.dump(json_safe({"command": "python " + " ".join(sys.argv),
                                  "machine": platform.processor() or platform.machine(), "engines": 8,
                                  "kv_scale": a.kv_scale, "policy": "tokenflow", "num_prompts": a.num_prompts,
+                                 "offload": a.offload,
                                  "summary": summary, "rows": rows}), f, indent=1)
         print("wrote", a.out)
 
