@@ -43,6 +43,7 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tokenflowd.config import OFFLOAD_MODES  # noqa: E402
 from tokenflowd.sim.cost import cost_model  # noqa: E402
 from tokenflowd.sim.node import MODES, NodeConfig, NodeResult, NodeSimulator, ideal_hit_rate, link_ridge_rows  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
@@ -117,7 +118,7 @@ def mode_base(mode: str) -> str:
 
 def add_offload(ap: argparse.ArgumentParser) -> None:
     """--offload, as the node benches share it."""
-    ap.add_argument("--offload", default="none", choices=["none", "write-through", "write-back"],
+    ap.add_argument("--offload", default="none", choices=OFFLOAD_MODES,
                     help="each engine's host KV tier, as the daemon's --offload (whose default is write-through): "
                          "preempted KV comes back from it instead of being computed again (sim/node.py "
                          "NodeConfig.offload); the figures before it had none")

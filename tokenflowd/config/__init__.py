@@ -8,6 +8,7 @@
     values.py    sizes with units, node URLs in one spelling
 """
 from tokenflowd.config.engine import (
+           OFFLOAD_MODES,
            POLICY_NAMES,
            POOL_HAND_OFFS,
            QUANTIZATIONS,
@@ -27,6 +28,7 @@ from tokenflowd.config.sources import (
 )
 from tokenflowd.config.values import normal_url, parse_size
 
-__all__ = ["POLICY_NAMES", "POOL_HAND_OFFS", "QUANTIZATIONS", "EngineConfig", "PolicyConfig", "resolve_peers", "resolve_quantization",
+__all__ = ["OFFLOAD_MODES", "POLICY_NAMES", "POOL_HAND_OFFS", "QUANTIZATIONS", "EngineConfig", "PolicyConfig",
+           "resolve_peers", "resolve_quantization",
            "MAX_PRIORITY", "MIN_HEARTBEAT_INTERVAL", "AuthConfig", "KeyGrant", "ServerConfig", "ENV_NOT_CONFIG",
            "ENV_PREFIX", "config_toml", "env_config", "load_config_file", "merge_sources", "normal_url", "parse_size"]

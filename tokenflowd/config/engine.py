@@ -11,6 +11,8 @@ from tokenflowd.config.values import normal_url, parse_size
 
 # --pool-hand-off: when a new segment goes into its home (pool/hand_off.py decides by these names)
 POOL_HAND_OFFS = ("auto", "prompt", "segment")
+# --offload: the host KV tier behind the device pool (kv/offloader.py names the same three)
+OFFLOAD_MODES = ("none", "write-back", "write-through")
 POLICY_NAMES = ("fcfs", "andes", "tokenflow")  # --policy; buffer/__init__.py builds each (named here, not imported)
 
 @dataclass(frozen=True)
@@ -204,8 +206,8 @@ class EngineConfig:
             raise ValueError("policy_params must be a PolicyConfig")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if self.offload not in ("none", "write-back", "write-through"):
-            raise ValueError(f"offload must be none, write-back or write-through, got {self.offload!r}")
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}")
         if self.host_kv_memory is not None and self.host_kv_memory < 0:
             raise ValueError("host_kv_memory must be >= 0 bytes")
         if self.disk_kv_memory < 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenflowd.config import POOL_HAND_OFFS, EngineConfig
+from tokenflowd.config import OFFLOAD_MODES, POOL_HAND_OFFS, EngineConfig
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, help="CPU threads for torch")
-    g.add_argument("--offload", choices=["none", "write-back", "write-through"],
+    g.add_argument("--offload", choices=OFFLOAD_MODES,
                    help="host KV tier: none (preempted KV is recomputed), write-back (written at preemption) "
                         "or write-through (written as it is computed; the default)")
     g.add_argument("--host-kv-memory", help="host KV tier size, e.g. 8GiB (default: 4x the device pool within a "

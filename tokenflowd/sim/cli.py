@@ -14,7 +14,7 @@ import math
 import sys
 import time
 
-from tokenflowd.config import PolicyConfig, parse_size
+from tokenflowd.config import OFFLOAD_MODES, PolicyConfig, parse_size
 
 
 def add_commands(sub, common: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int)
     e.add_argument("--page-size", type=int)
     e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--offload", choices=["none", "write-back", "write-through"], default="none",
+    e.add_argument("--offload", choices=OFFLOAD_MODES, default="none",
                    help="a host KV tier behind the pool, copies at the cost model's host link (default none)")
     e.add_argument("--host-kv-memory", default="64GiB", help="its size with --offload (default 64GiB)")
     e.add_argument("--max-steps", type=int, help="fail beyond this many steps (default: from the workload)")
@@ -106,7 +106,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                     help="pool modes: every row sent to its holders (query, the default), or read mode: a request "
                          "whose rows in a step reach the link's ridge reads its holders' pages in place, fewer are "
                          "sent (the daemon's --pool-mode read, --pool-read-rows)")
-    sn.add_argument("--offload", choices=["none", "write-back", "write-through"], default="none",
+    sn.add_argument("--offload", choices=OFFLOAD_MODES, default="none",
                     help="each engine's host KV tier, as the daemon's --offload (whose default is write-through): "
                          "preempted KV comes back over the cost model's host link instead of being computed again "
                          "(default none)")

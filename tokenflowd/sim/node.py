@@ -75,9 +75,9 @@ accesses on each instance"; its holders attend the queries shipped to them at ev
 KV tokens steps read from each one's memory: a step reads its requests' own KV where they run and
 the pages they pinned where those are held (as sim/pool.py counts tokens served per window), and
 access_cv_by_reads, the same with each second weighted by its reads (a near-idle second of a light
-load counts for little); cache_access_cv, of the prefix tokens requests found cached in each one's memory, each request
-counted once, as its first step begins (its own engine's hit there, its pins at their holders):
-the lookups alone, lumpier (a second holds few first steps in overload).
+load counts for little); cache_access_cv, of the prefix tokens requests found cached in each one's
+memory, each request counted once, as its first step begins (its own engine's hit there, its pins
+at their holders): the lookups alone, lumpier (a second holds few first steps in overload).
 Pins are taken as the request nears the front of its engine's queue (pool/ahead.py; it is not
 admitted before) and hold the pages until the request ends or gives them back. Each engine's
 prefix-cache key events are applied to the router's index at the end of each of its steps.
@@ -99,7 +99,7 @@ from typing import Sequence
 
 from tokenflowd.buffer import make_policy
 from tokenflowd.buffer.qos import Timeline, summarize
-from tokenflowd.config import POOL_HAND_OFFS, PolicyConfig
+from tokenflowd.config import OFFLOAD_MODES, POOL_HAND_OFFS, PolicyConfig
 from tokenflowd.daemon.prefix_index import PrefixIndex
 from tokenflowd.daemon.router import Choice, Router
 from tokenflowd.engine.core import EngineCore
@@ -180,8 +180,8 @@ class NodeConfig:
     host_kv_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.offload not in ("none", "write-back", "write-through"):
-            raise ValueError(f"offload must be none, write-back or write-through, got {self.offload!r}")
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}")
         if not self.host_kv_scale > 0:
             raise ValueError(f"host_kv_scale must be above 0, got {self.host_kv_scale}")
 
@@ -229,7 +229,7 @@ class NodeResult:
         weighted. Where every second is busy, as where TokenLake measures, the two agree."""
         weights = [sum(x) for x in self.access_samples]
         total = sum(weights)
-        return sum(w * coefficient_of_variation(x) for w, x in zip(weights, self.access_samples) if w) / total \
+        return sum(w * coefficient_of_variation(x) for w, x in zip(weights, self.access_samples)) / total \
             if total else 0.0
 
     def cache_access_cv(self) -> float:
