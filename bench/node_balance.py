@@ -31,8 +31,8 @@ from node_contexts import H200, add_offload, at_rate, mode_base, scaled_cost, si
 from tokenflowd.sim.node import MODES, NodeConfig  # noqa: E402
 from tokenflowd.sim.result import json_safe  # noqa: E402
 
-KEYS = ("cache_access_cv", "access_cv", "access_cv_by_reads", "busy_cv", "load_cv", "hit_rate", "throughput",
-        "ttft_slo_attainment")
+KEYS = ("cache_access_cv", "access_cv", "access_cv_by_reads", "served_cv", "own_access_share", "busy_cv", "load_cv",
+        "hit_rate", "throughput", "ttft_slo_attainment")
 
 
 def main() -> None:

@@ -66,7 +66,7 @@ RUNS = {
 }
 MIN_SECONDS = 10.0  # of arrivals a run offers at least (--min-seconds)
 KEYS = ("hit_rate", "throughput", "loaded_throughput", "ttft_p99", "busy_cv", "load_cv", "access_cv",
-        "access_cv_by_reads", "cache_access_cv", "slo_attainment", "slo_throughput")
+        "access_cv_by_reads", "served_cv", "own_access_share", "cache_access_cv", "slo_attainment", "slo_throughput")
 
 
 def scaled_cost(preset: str, kv_scale: float):
@@ -159,6 +159,9 @@ def main() -> None:
     add_offload(ap)
     ap.add_argument("--host-kv-scale", type=float, default=1.0,
                     help="with --offload, each engine's host tier in pages, times its device pool")
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    help="each engine's chunk: the most tokens a step computes (default: the preset's, SGLang's "
+                         "chunked-prefill size for the card: sim/cost.py)")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--min-seconds", type=float, default=MIN_SECONDS,
                     help="of arrivals a run offers, past --num-prompts (not the trace's)")
@@ -169,6 +172,8 @@ def main() -> None:
     rows = []
     for preset in a.presets.split(","):
         cost, cap = scaled_cost(preset, a.kv_scale)
+        if a.max_num_batched_tokens:
+            cost = cost.replace(max_num_batched_tokens=a.max_num_batched_tokens)
         runs = RUNS["calibrated" if preset.startswith("calibrated") else preset]
         if a.runs:
             runs = [(spec, *map(float, rates.split("/"))) for spec, rates in (r.split("@") for r in a.runs.split(";"))]
@@ -186,7 +191,8 @@ def main() -> None:
                                                                  offload=a.offload, host_kv_scale=a.host_kv_scale))
                            for m in modes}
                 s = {m: r.summary() for m, r in results.items()}
-                row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool, "workload": spec,
+                row = {"cost_model": cost.name, "kv_tokens_per_engine": cost.max_tokens_in_pool,
+                       "max_num_batched_tokens": cost.max_num_batched_tokens, "workload": spec,
                        "load": load, "rate": rate, "requests": n, "seconds": time.perf_counter() - t0,
                        "ideal_hit_rate": ideal_hit_rate(w, cost.page_size),
                        **{m: {k: s[m][k] for k in KEYS} | {"put_pages": results[m].put_pages} for m in modes}}
@@ -202,7 +208,8 @@ def main() -> None:
                     f"{m}: hit {row[m]['hit_rate']:.3f} thr {row[m]['throughput']:7.1f} "
                     f"loaded {row[m]['loaded_throughput']:7.1f} p99 {row[m]['ttft_p99']:7.2f} "
                     f"cv {row[m]['busy_cv']:.2f} load cv {row[m]['load_cv']:.2f} access cv {row[m]['access_cv']:.2f} "
-                    f"by reads {row[m]['access_cv_by_reads']:.2f} cache cv {row[m]['cache_access_cv']:.2f} "
+                    f"by reads {row[m]['access_cv_by_reads']:.2f} served cv {row[m]['served_cv']:.2f} "
+                    f"own {row[m]['own_access_share']:.2f} cache cv {row[m]['cache_access_cv']:.2f} "
                     f"slo {row[m]['slo_attainment']:.2f}" for m in modes), flush=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -526,6 +526,10 @@ def test_the_access_cv_counts_the_kv_each_engines_memory_serves_a_peers_reads_at
     # one engine reading a little in a near-idle second, then an even busy one: 0.5 a second, 1/21 a read
     near_idle = NodeResult("x", [], 0, 0, 0, 0, access_samples=[[0, 0], [1, 0], [10, 10]])
     assert near_idle.access_cv() == 0.5 and near_idle.access_cv_by_reads() == pytest.approx(1 / 21)
+    # of 21 tokens read, 10 by peers' steps: one engine served them all in the busy second
+    served = NodeResult("x", [], 0, 0, 0, 0, access_samples=[[0, 0], [1, 0], [10, 10]],
+                        served_samples=[[0, 0], [0, 0], [10, 0]])
+    assert served.own_access_share() == pytest.approx(11 / 21) and served.served_cv() == 1.0
     stepping: list[int] = []
     reads = {"own": 0, "peer": 0}
     step_time, read = node._Executor.step_time, node._Engine.read
@@ -537,9 +541,10 @@ def test_the_access_cv_counts_the_kv_each_engines_memory_serves_a_peers_reads_at
         finally:
             stepping.pop()
 
-    def counted(self, start, duration, tokens):
+    def counted(self, start, duration, tokens, peer=False):
+        assert peer == (self.engine_id != stepping[-1]), "a read is named a peer's by whose step made it"
         reads["own" if self.engine_id == stepping[-1] else "peer"] += tokens
-        read(self, start, duration, tokens)
+        read(self, start, duration, tokens, peer)
 
     monkeypatch.setattr(node._Executor, "step_time", timed)
     monkeypatch.setattr(node._Engine, "read", counted)
@@ -553,8 +558,13 @@ def test_the_access_cv_counts_the_kv_each_engines_memory_serves_a_peers_reads_at
         assert 0 < sum(map(sum, r.access_samples)) <= reads["own"] + reads["peer"], "a window counts reads no step made"
         assert 0 < r.summary()["access_cv"] == r.access_cv()
         assert 0 < r.summary()["access_cv_by_reads"] == r.access_cv_by_reads()
-        peer[mode] = reads["peer"]
-    assert peer["routing"] == 0 and peer["pool-local"] > 0, peer
+        # of those, what each engine served its peers' steps, within each window's reads
+        assert all(0 <= s <= a + 1e-6 for ss, aa in zip(r.served_samples, r.access_samples) for s, a in zip(ss, aa))
+        assert sum(map(sum, r.served_samples)) <= reads["peer"] + 1e-6
+        assert r.summary()["own_access_share"] == r.own_access_share()
+        peer[mode] = reads["peer"], r.own_access_share(), r.served_cv()
+    assert peer["routing"] == (0, 1.0, 0.0), peer  # routing reads only where requests run
+    assert peer["pool-local"][0] > 0 and 0 < peer["pool-local"][1] < 1 and peer["pool-local"][2] > 0, peer
 
 
 def test_the_cache_access_cv_counts_each_requests_cached_prefix_once_where_it_is_held():

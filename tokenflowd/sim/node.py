@@ -67,7 +67,7 @@ costed as in query mode. Pages a request reads in its own engine's cache through
 segments homed there, a replica copied in) are attended there as its own KV is, in the step's
 roofline (before, they cost nothing: a decode over a long prefix homed on its own engine came out as
 cheap as one over none).
-Balance, four ways, each but the first a CV across engines in each second while requests arrive,
+Balance, five ways, each but the first a CV across engines in each second while requests arrive,
 averaged: busy_cv, the CV across engines of each one's busy time over the whole run (a burst's last
 long decodes, one engine each, weigh on it); load_cv, of the prompt tokens of the requests each
 holds (what the router balances); access_cv, TokenLake's (§7.2, Figure 10: "the prefix cache
@@ -75,9 +75,11 @@ accesses on each instance"; its holders attend the queries shipped to them at ev
 KV tokens steps read from each one's memory: a step reads its requests' own KV where they run and
 the pages they pinned where those are held (as sim/pool.py counts tokens served per window), and
 access_cv_by_reads, the same with each second weighted by its reads (a near-idle second of a light
-load counts for little); cache_access_cv, of the prefix tokens requests found cached in each one's
-memory, each request counted once, as its first step begins (its own engine's hit there, its pins
-at their holders): the lookups alone, lumpier (a second holds few first steps in overload).
+load counts for little); served_cv, of the reads served to peers alone (own_access_share: the share
+of reads the engines' own steps made); cache_access_cv, of the prefix tokens requests found cached
+in each one's memory, each request counted once, as its first step begins (its own engine's hit
+there, its pins at their holders): the lookups alone, lumpier (a second holds few first steps in
+overload).
 Pins are taken as the request nears the front of its engine's queue (pool/ahead.py; it is not
 admitted before) and hold the pages until the request ends or gives them back. Each engine's
 prefix-cache key events are applied to the router's index at the end of each of its steps.
@@ -210,6 +212,9 @@ class NodeResult:
     # per LOAD_WINDOW while requests arrive, the prefix tokens requests found cached in each engine's
     # memory (counted once a request, as its first step begins)
     cache_samples: list[list[int]] = field(default_factory=list)
+    # per LOAD_WINDOW while requests arrive, of access_samples the KV tokens each engine's memory served
+    # to its peers' steps (the pages they pinned there); the rest its own steps read
+    served_samples: list[list[int]] = field(default_factory=list)
 
     def load_cv(self) -> float:
         """The imbalance of the router's load across engines over time: each sample's CV across
@@ -231,6 +236,17 @@ class NodeResult:
         total = sum(weights)
         return sum(w * coefficient_of_variation(x) for w, x in zip(weights, self.access_samples)) / total \
             if total else 0.0
+
+    def served_cv(self) -> float:
+        """access_cv of the reads served to peers alone: how evenly the pool's placement spreads what
+        it places. What an engine's own steps read where they run (a request's tail and outputs, its
+        segments homed there) follows where requests run and in which phase their engine is."""
+        return _mean_cv(self.served_samples)
+
+    def own_access_share(self) -> float:
+        """The share of the reads counted in access_samples that engines' own steps made."""
+        total = sum(map(sum, self.access_samples))
+        return 1 - sum(map(sum, self.served_samples)) / total if total else 0.0
 
     def cache_access_cv(self) -> float:
         """The lookups alone: the CV across engines of the prefix tokens requests found cached in
@@ -275,6 +291,7 @@ class NodeResult:
                    put_pages=self.put_pages,
                    busy_cv=coefficient_of_variation(busy) if busy else 0.0,
                    load_cv=self.load_cv(), access_cv=self.access_cv(), access_cv_by_reads=self.access_cv_by_reads(),
+                   served_cv=self.served_cv(), own_access_share=self.own_access_share(),
                    cache_access_cv=self.cache_access_cv())
         return out
 
@@ -351,7 +368,7 @@ class _Executor(CostModelExecutor):
                 t += cost.num_layers * link
         start = engine.clock.now - engine.origin
         for where, tokens in reads:
-            where.read(start, t, tokens)
+            where.read(start, t, tokens, peer=where is not engine)
         return t
 
 
@@ -377,6 +394,7 @@ class _Engine:
         self.debt = 0.0
         self.origin = origin  # the first arrival: LOAD_WINDOW windows count from it
         self.accessed: dict[int, float] = {}  # window -> KV tokens steps read from this engine's memory
+        self.served: dict[int, float] = {}  # window -> those read by its peers' steps (pinned here)
         # window -> prefix tokens requests found cached here as their first step began (the lookups:
         # a request's hit in its own engine, and what it pinned here from another)
         self.cache_reads: dict[int, int] = {}
@@ -408,22 +426,25 @@ class _Engine:
             window = int((at - self.origin) // LOAD_WINDOW)
             self.cache_reads[window] = self.cache_reads.get(window, 0) + tokens
 
-    def read(self, start: float, duration: float, tokens: int) -> None:
-        """`tokens` of KV read here by a step from `start` (s after the origin) for `duration`,
+    def read(self, start: float, duration: float, tokens: int, peer: bool = False) -> None:
+        """`tokens` of KV read here by a step (a peer's: `peer`) from `start` (s after the origin) for `duration`,
         spread over the LOAD_WINDOWs it spans by the share of its time in each. Counted whole in the
         window it began in, a step of 0.7 s moved a burst's one-second access CV by where it began:
         the A100 burst behind one system prompt (test_node_sim.py) read 0.08 where an engine's long
         step began just before the second's end and 0.44 where it began just after; spread, 0.21
         and 0.22."""
+        windows = (self.accessed, self.served) if peer else (self.accessed,)
         if duration <= 0:
             window = int(start // LOAD_WINDOW)
-            self.accessed[window] = self.accessed.get(window, 0) + tokens
+            for into in windows:
+                into[window] = into.get(window, 0) + tokens
             return
         end = start + duration
         window = int(start // LOAD_WINDOW)
         while window * LOAD_WINDOW < end:
             share = (min(end, (window + 1) * LOAD_WINDOW) - max(start, window * LOAD_WINDOW)) / duration
-            self.accessed[window] = self.accessed.get(window, 0) + tokens * share
+            for into in windows:
+                into[window] = into.get(window, 0) + tokens * share
             window += 1
 
     @property
@@ -997,8 +1018,9 @@ class NodeSimulator:
         windows = range(max(1, int((last_arrival - self.engines[0].origin) // LOAD_WINDOW)))  # whole ones
         accesses = [[e.accessed.get(w, 0) for e in self.engines] for w in windows]
         cache = [[e.cache_reads.get(w, 0) for e in self.engines] for w in windows]
+        served = [[e.served.get(w, 0) for e in self.engines] for w in windows]
         return NodeResult(self.mode, ordered, self.prompt_tokens, local, self.peer_tokens, computed,
-                          [e.busy for e in self.engines], self.put_pages, slo, samples, accesses, cache)
+                          [e.busy for e in self.engines], self.put_pages, slo, samples, accesses, cache, served)
 
 
 def link_ridge_rows(cost: CostModel, config: NodeConfig) -> int:
