@@ -109,7 +109,10 @@ class LocalLauncher:
             reason = (f"engine {handle.engine_id} {code}" if isinstance(code, str)
                       else f"engine {handle.engine_id} exited with code {code}")
             log.error("%s after %.1f s; its %d open requests fail", reason, up, len(handle.streams))
-            self._on_exit(handle, f"{reason}; the request was ended, retry it")
+            try:
+                self._on_exit(handle, f"{reason}; the request was ended, retry it")
+            except Exception:  # the engine is restarted whatever its cleanup met: else it stays dead, named ready
+                log.exception("engine %d: cleaning up after it failed", handle.engine_id)
             handle.last_failure = f"{reason} after {up:.1f} s"
             handle.consecutive_failures = 1 if handle.info is not None and up > 60 else handle.consecutive_failures + 1
             delay = min(self.server.restart_backoff_max, 0.5 * 2 ** (handle.consecutive_failures - 1))

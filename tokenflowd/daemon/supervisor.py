@@ -141,7 +141,10 @@ class Supervisor:
         with the pool on, the peers that read its pages learn so at once)."""
         handle.fail_streams(message)
         if self.engine_config.pool_mode != "off" and self.runtime_dir is not None:
-            unlink(cache_name(str(self.runtime_dir), handle.engine_id, handle.incarnation))
+            try:
+                unlink(cache_name(str(self.runtime_dir), handle.engine_id, handle.incarnation))
+            except OSError as e:  # (what follows must run: the router must not name it again)
+                log.warning("engine %d: its KV cache's shared memory could not be removed: %s", handle.engine_id, e)
             for path in (export_path(str(self.runtime_dir), handle.engine_id, handle.incarnation),
                          *query_buffers_of(str(self.runtime_dir), handle.engine_id, handle.incarnation)):
                 with contextlib.suppress(OSError):  # (a GPU's exports name memory that died with it)

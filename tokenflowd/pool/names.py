@@ -2,6 +2,7 @@
 its shared KV cache (or its CUDA IPC export). Torch-free: the supervisor cleans up after a killed engine with it."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from multiprocessing import shared_memory
@@ -47,13 +48,15 @@ def attach_untracked(name: str) -> shared_memory.SharedMemory:
 
 
 def unlink(name: str) -> None:
-    """Remove a block whose owner was killed (a dead engine's cache), if it is there."""
+    """Remove a block whose owner was killed (a dead engine's cache), if it is there. The owner's
+    resource tracker outlives it and removes the block too, maybe between the open and the unlink."""
     try:
         shm = attach_untracked(name)
     except FileNotFoundError:
         return
     shm.close()
-    shm.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()
 
 
 def sweep_stale(runtime_base: str, shm_dir: str = "/dev/shm") -> list[str]:
