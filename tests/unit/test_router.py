@@ -136,8 +136,35 @@ def test_a_request_told_pending_waits_until_the_one_computing_its_prefix_has_its
         "nothing computes it now: d is named to"
     r.computing("d")
     assert r.pick_pooled(engines, doc + [9, 9], segment_pages=2, request_id="e").pending and r.being_computed("e")
-    assert r.done("d") == ["e"]  # it ended before its first token (an abort): nothing computes it
+    assert r.done("d", computed=False) == ["e"], "cut off before its first token: e, its one waiter, computes it"
     assert not r.being_computed("e")
+
+
+def test_where_the_request_computing_a_prefix_is_cut_off_the_first_waiting_computes_it_and_the_rest_wait():
+    """Router.done(computed=False): the request named to compute a document ended before its first
+    token (its client went): the first request that waited for it is named to compute it instead,
+    and the others wait for that one; told all at once, each computed the document side by side."""
+    index = PrefixIndex()
+    r = Router(PS, index, clock=lambda: 0.0)
+    engines = [FakeEngine(0), FakeEngine(1)]
+    doc = list(range(64))  # 16 pages
+    assert not r.pick_pooled(engines, doc + [1, 2], segment_pages=2, request_id="a").pending
+    r.computing("a")
+    for rid, tail in (("b", [3, 4]), ("c", [5, 6]), ("d", [7, 8])):
+        assert r.pick_pooled(engines, doc + tail, segment_pages=2, request_id=rid).pending
+    assert r.done("c", computed=False) == [], "a waiter cut off: it waited, it computed nothing"
+    index.update(1, keys_of(doc)[:4], [])  # a wrote its first segments into a home before it went
+    assert r.done("a", computed=False) == ["b"], "b, the first to wait, hears it computes the rest"
+    assert not r.being_computed("b") and r.being_computed("d"), "d waits for b"
+    late = r.pick_pooled(engines, doc + [9, 9], segment_pages=2, request_id="e")
+    assert late.pending and r.being_computed("e"), "b computes what a would have"
+    assert r.done("b") == ["d", "e"], "its first token: those waiting for it hear where the document is"
+    assert not r.being_computed("d") and not r.being_computed("e")
+    # where it had its first token, its end tells nobody again
+    assert not r.pick_pooled(engines, list(range(100, 164)) + [1], segment_pages=2, request_id="f").pending
+    assert r.pick_pooled(engines, list(range(100, 164)) + [2], segment_pages=2, request_id="g").pending
+    r.computing("f")
+    assert r.done("f") == ["g"] and r.done("f", computed=False) == []
 
 
 def test_a_request_that_comes_mid_prompt_reads_what_is_computed_and_waits_for_the_rest():

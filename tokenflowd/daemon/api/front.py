@@ -409,11 +409,12 @@ class Front:
         output = prep.sampling.max_tokens or DEFAULT_EXPECTED_OUTPUT
         return await self.arrivals.add(Arrival(prep.prompt_ids, min(output, DEFAULT_EXPECTED_OUTPUT), request_id))
 
-    def done(self, request_id: str) -> None:
-        """The request has its first token (Supervisor.on_started), or ended: what it was named to
+    def done(self, request_id: str, ended: bool = False) -> None:
+        """The request has its first token (Supervisor.on_started), or `ended`: what it was named to
         compute is no longer being computed (Router.done), and the queued requests that waited for
-        it (Reads.pending) hear where their prefix is now, without asking again."""
-        for waiter in self.router.done(request_id):
+        it (Reads.pending) hear where their prefix is now, without asking again; where it ended
+        before its first token, the first of them is named to compute it and the others wait on."""
+        for waiter in self.router.done(request_id, computed=not ended):
             for slot in self.supervisor.slots:
                 stream = slot.streams.get(waiter)
                 if stream is not None:

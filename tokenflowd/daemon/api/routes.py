@@ -127,7 +127,7 @@ class Routes:
             gen = self.front.start(prep, chunks.rid, arrival, await self.front.pick(prep, chunks.rid), prefill_node,
                                    pull_from)
         except BaseException:
-            self.front.done(chunks.rid)
+            self.front.done(chunks.rid, ended=True)
             self.front.open_counts.close(caller.identity)
             raise
         self.front.live[chunks.rid] = Live(gen, prep.rate, caller.identity)
@@ -148,7 +148,7 @@ class Routes:
                 conversation = (prep.prompt_ids + gen.output_ids)[:-1]
                 self.front.federation.give_back(gen.stream.engine, conversation, prefill_node)
             del self.front.live[chunks.rid]
-            self.front.done(chunks.rid)
+            self.front.done(chunks.rid, ended=True)
             self.front.federation.decoding.discard(chunks.rid)
             self.front.open_counts.close(caller.identity)
             if gen.finish_reason == "shed":
@@ -178,7 +178,7 @@ class Routes:
         except BaseException:
             for g in gens:
                 g.close()
-            self.front.done(chunks.rid)
+            self.front.done(chunks.rid, ended=True)
             self.front.open_counts.close(caller.identity)
             raise
         self.front.live[chunks.rid] = Live(gens[0], prep.rate, caller.identity)
@@ -193,7 +193,7 @@ class Routes:
             for g in gens:
                 g.close()
             del self.front.live[chunks.rid]
-            self.front.done(chunks.rid)
+            self.front.done(chunks.rid, ended=True)
             self.front.open_counts.close(caller.identity)
 
     async def _stream_choices(self, request: web.Request, gens: list[Generation], prep: Prepared,
