@@ -140,16 +140,22 @@ def test_a_request_told_pending_waits_until_the_one_computing_its_prefix_has_its
     assert not r.being_computed("e")
 
 
-def test_where_the_request_computing_a_prefix_is_cut_off_the_first_waiting_computes_it_and_the_rest_wait():
-    """Router.done(computed=False): the request named to compute a document ended before its first
-    token (its client went): the first request that waited for it is named to compute it instead,
-    and the others wait for that one; told all at once, each computed the document side by side."""
+def computing_a_document() -> tuple[PrefixIndex, Router, list, list[int]]:
+    """A router on two engines where request "a" computes a new 16-page document (begun: Computing)."""
     index = PrefixIndex()
     r = Router(PS, index, clock=lambda: 0.0)
     engines = [FakeEngine(0), FakeEngine(1)]
     doc = list(range(64))  # 16 pages
     assert not r.pick_pooled(engines, doc + [1, 2], segment_pages=2, request_id="a").pending
     r.computing("a")
+    return index, r, engines, doc
+
+
+def test_where_the_request_computing_a_prefix_is_cut_off_the_first_waiting_computes_it_and_the_rest_wait():
+    """Router.done(computed=False): the request named to compute a document ended before its first
+    token (its client went): the first request that waited for it is named to compute it instead,
+    and the others wait for that one; told all at once, each computed the document side by side."""
+    index, r, engines, doc = computing_a_document()
     for rid, tail in (("b", [3, 4]), ("c", [5, 6]), ("d", [7, 8])):
         assert r.pick_pooled(engines, doc + tail, segment_pages=2, request_id=rid).pending
     assert r.done("c", computed=False) == [], "a waiter cut off: it waited, it computed nothing"
@@ -172,12 +178,7 @@ def test_a_request_that_comes_mid_prompt_reads_what_is_computed_and_waits_for_th
     once part of the document is computed (and published) reads that part and is told the rest is
     being computed, and waits for it; one that parts from the document within the computed part
     computes its own pages."""
-    index = PrefixIndex()
-    r = Router(PS, index, clock=lambda: 0.0)
-    engines = [FakeEngine(0), FakeEngine(1)]
-    doc = list(range(64))  # 16 pages
-    assert not r.pick_pooled(engines, doc + [1, 2], segment_pages=2, request_id="a").pending
-    r.computing("a")
+    index, r, engines, doc = computing_a_document()
     index.update(0, keys_of(doc)[:6], [])  # its first 6 pages computed, on engine 0
     late = r.pick_pooled(engines, doc + [3, 4], segment_pages=2, request_id="b")
     assert late.pending and r.being_computed("b"), "the rest of the document is being computed"
