@@ -27,7 +27,8 @@ SEED = 11
 
 
 @pytest.fixture
-def holder(tmp_path):
+def holder_process(tmp_path):
+    """A holder process serving pages: (its address, its refs(), its cache's name, the process)."""
     address = f"ipc://{tmp_path}/pool-query.sock"
     shm_name = f"tokenflowd-test-{os.getpid()}-{tmp_path.name}"
     proc = subprocess.Popen([sys.executable, str(Path(H.__file__)), address, str(SEED), shm_name],
@@ -40,11 +41,16 @@ def holder(tmp_path):
         pages, requests = read_line(proc).split()
         return int(pages), int(requests)
 
-    yield address, refs, shm_name
+    yield address, refs, shm_name, proc
     proc.stdin.write("quit\n")
     proc.stdin.flush()
     assert proc.wait(timeout=30) == 0
     assert not Path(f"/dev/shm/{shm_name}").exists(), "the owner unlinks its cache"
+
+
+@pytest.fixture
+def holder(holder_process):
+    return holder_process[:3]
 
 
 def test_shipped_queries_merged_with_local_attention_equal_attention_over_all_pages(holder):
@@ -170,6 +176,36 @@ def test_a_dead_holder_is_an_error_not_a_hang(tmp_path, how):
     finally:
         proc.kill()
         Path(f"/dev/shm/{shm_name}").unlink(missing_ok=True)  # a killed owner cannot unlink its cache
+
+
+def test_a_holder_alive_but_stopped_is_taken_for_gone_at_once_after_one_wait_then_asked_again(holder_process):
+    """A holder that stops answering (SIGSTOP) ends one wait at the timeout; every call after it
+    within `silent_for` is PeerGone at once, without asking (the engine's: a quarter of the
+    supervisor's heartbeat timeout, then one whole: pool/member.py PEER_WAIT_SHARE). Each call waiting
+    the timeout in turn, a requester's step went as long without a heartbeat as the stopped peer,
+    and the supervisor killed the requester too. Once the window ends the holder is asked again."""
+    import signal
+
+    address, refs, _, proc = holder_process
+    client = QueryClient(7, address, 4, H.HEADS, H.HEAD_DIM, torch.float32, timeout_ms=300, silent_for=600.0)
+    try:
+        assert client.pin("s", [bytes([0])]).held == 1
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(PeerGone, match="did not answer Query within 300 ms"):
+                client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["s"])
+            asked = client._seq
+            with pytest.raises(PeerGone, match="taken for gone for 600 s"):
+                client.unpin("s")
+            assert client._seq == asked, "it asked the silent holder again"
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        client.silent_until = 0.0  # (the window over)
+        client.timeout_ms = 60_000  # a busy box may be slow here
+        client.unpin("s")  # asked again: it answers, the query's late answer dropped
+        assert refs() == (0, 0)
+    finally:
+        client.close()
 
 
 def test_a_late_answer_is_dropped_by_its_sequence_number_and_the_channel_goes_on(holder):

@@ -109,7 +109,8 @@ class PoolHooks:
         self.member = PoolMember(
             self.spec.engine_id, self.spec.incarnation, config.pool_mode, self.spec.runtime_dir, runner.attn,
             runner.kv_layers, core.pool, core.lock, config.max_num_batched_tokens,
-            map_peers=config.pool_ipc or not runner.kv_cache.is_cuda, read_rows=config.pool_read_rows)
+            map_peers=config.pool_ipc or not runner.kv_cache.is_cuda, read_rows=config.pool_read_rows,
+            heartbeat_timeout=self.spec.send_timeout)  # (the launcher gives it the supervisor's heartbeat timeout)
         log.info("pool: %s mode, serving %d pages to peers", config.pool_mode, runner.num_pages)
         self.member.size_segments(config.pool_segment_tokens)
         core.scheduler.held = self.deferred  # not admitted before their reads are pinned (`_pin_due`)

@@ -59,7 +59,12 @@ from tokenflowd.pool.shared_kv import SharedKV
 
 log = logging.getLogger("tokenflowd.pool")
 
-QUERY_TIMEOUT_MS = 30_000  # a peer alive but silent this long is taken for gone
+# A peer alive but silent for this share of the supervisor's heartbeat timeout is taken for gone,
+# for one heartbeat timeout (QueryClient.silent_for): by then the supervisor has killed it, or it
+# answers again. The requester waits inside its step, sending no heartbeat: waiting as long as the
+# supervisor does (30 s, the timeout before), it was killed with the stopped peer (SIGSTOP, 40 s:
+# with --engines 2 both engines were restarted and every stream failed).
+PEER_WAIT_SHARE = 0.25
 MAX_SEGMENT_PAGES = 64  # a segment longer than this would leave most prefixes unpooled
 PROBE_PAGES = 256  # k_comp's probe: one query row over this many pages
 SHARE_PERIOD = 0.5  # s: the pool's share of the engine is measured over periods this long
@@ -112,11 +117,12 @@ class ForeignPrefix:
 class PoolMember:
     def __init__(self, engine: int, incarnation: int, mode: str, runtime_dir: str, backend,
                  kv_layers: Sequence[torch.Tensor], pool: PagePool, lock: threading.Lock, max_rows: int,
-                 map_peers: bool = True, read_rows: int = 1) -> None:
+                 map_peers: bool = True, read_rows: int = 1, heartbeat_timeout: float = 30.0) -> None:
         """`map_peers`: False where CUDA IPC is off (--no-pool-ipc): read mode queries its peers, and
         query mode's rows go through the host. `read_rows` (--pool-read-rows): read mode, a peer whose
         cache is mapped from another GPU is read in place by a request with at least this many rows
-        in a step, and queried for one with fewer."""
+        in a step, and queried for one with fewer. `heartbeat_timeout`: s the supervisor lets an
+        engine be silent before it kills it (PEER_WAIT_SHARE)."""
         assert mode in ("query", "read")
         self.map_peers = map_peers
         self.read_rows = read_rows
@@ -132,6 +138,7 @@ class PoolMember:
         self.pool = pool
         self.lock = lock
         self.max_rows = max_rows
+        self.heartbeat_timeout = heartbeat_timeout
         self.peers: dict[int, Peer] = {}
         self.foreign: dict[str, ForeignPrefix] = {}  # request id -> what it reads on engines of the pool
         # keys of hot segments the front named to copy in (`copy_in`), held here or copied: a replica,
@@ -526,7 +533,9 @@ class PoolMember:
         if peer.client is None:
             b, info = self.backend, peer.info
             peer.client = QueryClient(self.engine, service_address(self.runtime_dir, info.engine, info.incarnation),
-                                      self.max_rows, b.num_heads, b.head_dim, b.dtype, timeout_ms=QUERY_TIMEOUT_MS,
+                                      self.max_rows, b.num_heads, b.head_dim, b.dtype,
+                                      timeout_ms=int(1000 * PEER_WAIT_SHARE * self.heartbeat_timeout),
+                                      silent_for=self.heartbeat_timeout,
                                       alive=lambda pid=info.pid: psutil.pid_exists(pid), holder=f"engine {info.engine}",
                                       incarnation=self.incarnation, **self._rows_on_gpu(
                                           query_buffers_path(self.runtime_dir, self.engine, self.incarnation,

@@ -477,6 +477,9 @@ class QueryClient:
     whether the holder's process still exists (None: only the timeout tells; checked every 20 ms of
     a wait); `holder`: its name in errors. A wait that times out is PeerGone, but the channel stays
     usable (the late answer is dropped by its sequence number); once `alive()` says no, it is dead.
+    `silent_for`: s after a wait timed out during which every call is PeerGone at once, without
+    asking (a holder alive but stopped: each of a step's calls waiting the timeout in turn kept the
+    requester's step, and its heartbeats, waiting as long as the stopped one was silent).
     `device`, `export`: a CUDA device and a file to export its query buffers to: they live on the
     GPU and the holder opens them over CUDA IPC (a holder that cannot: `staged` says why, and the
     buffers move to shared memory); else they are shared memory."""
@@ -484,7 +487,7 @@ class QueryClient:
     def __init__(self, peer: int, address: str, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype,
                  ctx: zmq.Context | None = None, timeout_ms: int = 10_000,
                  alive: Callable[[], bool] | None = None, holder: str = "", incarnation: int = 0,
-                 device: torch.device | None = None, export: str = "") -> None:
+                 device: torch.device | None = None, export: str = "", silent_for: float = 0.0) -> None:
         self.peer = peer
         self.incarnation = incarnation
         self.holder = holder or address  # for messages
@@ -505,6 +508,8 @@ class QueryClient:
         self.timeout_ms = timeout_ms
         self.alive = alive
         self.dead = False
+        self.silent_for = silent_for
+        self.silent_until = 0.0  # (monotonic) until then it is taken for gone: it did not answer
         self._seq = 0
         self._rows = 0  # of the query in flight (submit → collect)
         self._asked: tuple = ()  # the query in flight, sent again through the host if its holder asks
@@ -516,6 +521,9 @@ class QueryClient:
     def _send(self, msg, payload: memoryview | None = None) -> None:
         if self.dead:
             raise PeerGone(f"pool holder {self.holder} is gone (found earlier)")
+        if time.monotonic() < self.silent_until:
+            raise PeerGone(f"pool holder {self.holder} did not answer a call within {self.timeout_ms} ms: taken "
+                           f"for gone for {self.silent_for:g} s")
         self._seq += 1
         msg.incarnation, msg.seq = self.incarnation, self._seq
         if payload is None:
@@ -536,6 +544,7 @@ class QueryClient:
                     self.dead = True
                     raise PeerGone(f"pool holder {self.holder} is gone (its process exited) before answering {what}")
                 if time.monotonic() > deadline:
+                    self.silent_until = time.monotonic() + self.silent_for
                     raise PeerGone(f"pool holder {self.holder} did not answer {what} within {self.timeout_ms} ms")
             raw, *payload = self._sock.recv_multipart()
             reply = _TO_PEER.decode(raw)
