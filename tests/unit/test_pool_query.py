@@ -187,10 +187,11 @@ def test_a_holder_alive_but_stopped_is_taken_for_gone_at_once_after_one_wait_the
     import signal
 
     address, refs, _, proc = holder_process
-    client = QueryClient(7, address, 4, H.HEADS, H.HEAD_DIM, torch.float32, timeout_ms=300, silent_for=600.0)
+    client = QueryClient(7, address, 4, H.HEADS, H.HEAD_DIM, torch.float32, timeout_ms=60_000, silent_for=600.0)
     try:
-        assert client.pin("s", [bytes([0])]).held == 1
+        assert client.pin("s", [bytes([0])]).held == 1  # (a busy box may be slow here)
         proc.send_signal(signal.SIGSTOP)
+        client.timeout_ms = 300  # stopped: no answer comes however long the wait
         try:
             with pytest.raises(PeerGone, match="did not answer Query within 300 ms"):
                 client.query(0, torch.zeros(1, H.HEADS, H.HEAD_DIM), [0, 1], ["s"])
@@ -201,7 +202,7 @@ def test_a_holder_alive_but_stopped_is_taken_for_gone_at_once_after_one_wait_the
         finally:
             proc.send_signal(signal.SIGCONT)
         client.silent_until = 0.0  # (the window over)
-        client.timeout_ms = 60_000  # a busy box may be slow here
+        client.timeout_ms = 60_000
         client.unpin("s")  # asked again: it answers, the query's late answer dropped
         assert refs() == (0, 0)
     finally:

@@ -11,7 +11,7 @@ from tokenflowd.config.values import normal_url, parse_size
 
 # --pool-hand-off: when a new segment goes into its home (pool/hand_off.py decides by these names)
 POOL_HAND_OFFS = ("auto", "prompt", "segment")
-# --offload: the host KV tier behind the device pool (kv/offloader.py names the same three)
+# --offload: the host KV tier behind the device pool (kv/offloader.py unpacks them: NO_OFFLOAD, ...)
 OFFLOAD_MODES = ("none", "write-back", "write-through")
 POLICY_NAMES = ("fcfs", "andes", "tokenflow")  # --policy; buffer/__init__.py builds each (named here, not imported)
 

@@ -25,11 +25,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
 
+from tokenflowd.config import OFFLOAD_MODES
 from tokenflowd.kv.copier import Copier, NullCopier
 from tokenflowd.kv.state import Request, RequestKV
 from tokenflowd.kv.tiers import KVTier, NullHostTier
 
-WRITE_THROUGH, WRITE_BACK, NO_OFFLOAD = "write-through", "write-back", "none"
+NO_OFFLOAD, WRITE_BACK, WRITE_THROUGH = OFFLOAD_MODES  # (--offload's names, spelt once)
 
 
 class Reload(NamedTuple):
