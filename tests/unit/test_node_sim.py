@@ -89,6 +89,42 @@ def test_pool_write_keeps_one_copy_of_each_segment_in_the_node():
     assert hits["pool-write"] > hits["routing"] and hits["pool-write"] > hits["pool"] - 0.05, hits
 
 
+def test_a_request_whose_pin_comes_up_short_writes_what_it_computes_into_the_homes():
+    """The router names a request's reads from its index, which hears of a step's evictions at the
+    step's end: a request may find fewer of the pages it was named than its homes held. It computes
+    the rest, and writes each whole segment of it into its home, as it would have had it been
+    named to compute it: the pick names the home of every segment, read or not. Before, only the
+    segments past what it was named to read had homes, and its engine kept a whole document that
+    every later question over it read there (a quarter of the A100's KV, 16 documents at 2 req/s,
+    seed 7: 21 of a document's 26 segments on one engine)."""
+    from tokenflowd.sim.node import NodeSimulator
+    from tokenflowd.sim.simulator import SIM_VOCAB_SIZE
+    from tokenflowd.sim.workload import prompt_token_ids
+
+    cost = cost_model("a100-llama2-7b")
+    doc = (1, 2, 3, 4)  # 2,048 tokens: 16 segments of 8 pages
+    w = [WorkloadRequest("first", 0.0, 2560, 8, 20.0, doc + (100,)),
+         WorkloadRequest("second", 5.0, 2560, 8, 20.0, doc + (101,))]
+    sim = NodeSimulator(cost, w, "pool-write", NodeConfig(engines=4, segment_pages=8))
+    keys = sim.router.prompt_keys(prompt_token_ids(w[0], SIM_VOCAB_SIZE))[:128]
+    pin, short = sim._pin, []
+
+    def evicting_pin(target, req, runs, queued=False):
+        if req.request_id == "second" and not short:  # the homes evicted the document, unknown to the index
+            for e in sim.engines:
+                short.append(e.pool.unpublish(keys))
+        return pin(target, req, runs, queued)
+
+    sim._pin = evicting_pin
+    result = sim.run()
+    assert sum(short) == 128 and result.summary()["requests_served"] == 2
+    ran = sim.engines[next(e.engine_id for e in sim.engines if "second" in e.started)]
+    held = [[e.engine_id for e in sim.engines if e.pool.holds(key)] for key in keys]
+    assert all(len(h) == 1 for h in held), "each page of the document once in the node"
+    on_runner = sum(h == [ran.engine_id] for h in held)
+    assert on_runner <= 5 * 8, f"{on_runner} of the document's pages stayed where it was computed again"
+
+
 def test_a_reader_cannot_read_a_segment_before_it_is_computed():
     """Two requests for the same 4K-token document at once: the second arrives before the first has
     computed anything, so there is nothing to read. Placed at homes, it is told that the first is
@@ -155,12 +191,14 @@ def test_engines_whose_waiting_requests_pin_each_others_pages_give_the_pins_back
     that has run nothing for STUCK_SECONDS with requests waiting gives their pins back."""
     from tokenflowd.sim.node import NodeSimulator
 
-    # (16 documents of 6K tokens, a few questions each: at seeds 4, 8 and 10 of 0-11 one request gives
-    # its pins back, at the others none: a request that comes mid-prompt waits for its document to be
-    # computed, out of its policy's view (Scheduler.waiting_on), and the engine runs what it can)
-    cost, over = small_cache_documents(16.0, 100, shape="documents:active=16:scale=0.5", seed=4)
+    # (24 documents of 6K tokens, a few questions each: at seed 3 of 0-3 one request gives its pins
+    # back, at the others none: a request that comes mid-prompt waits for its document to be
+    # computed, out of its policy's view (Scheduler.waiting_on), and the engine runs what it can; a
+    # request runs where it reads least of its prompt (Router._least), and with 16 documents no
+    # seed of 0-21 needed it any more)
+    cost, over = small_cache_documents(16.0, 150, shape="documents:active=24:scale=0.5", seed=3)
     sim = NodeSimulator(cost, over, "pool", NodeConfig(steal=False))  # (an idle engine taking work unsticks it too)
-    assert sim.run().summary()["requests_served"] == 100
+    assert sim.run().summary()["requests_served"] == 150
     assert sim.unblocked > 0
 
 
@@ -390,8 +428,10 @@ def test_in_overload_only_the_head_of_a_queue_pins_its_reads_regardless_of_room(
     req/s, seed 0, segments written into their homes. While the first four queued requests of an
     engine pinned their reads regardless of room, their pins held pages that no running request
     held, neither free nor held: each holder's buffer-aware policy counted that much less capacity,
-    and the pool hit less and served less. Only the head: hit rate 0.735 against 0.683, 734 against
-    625 tokens/s, 0.97 of requests within TokenLake's TTFT SLO against 0.83. (Over the four document
+    and the pool served less. Only the head: 704 against 668 tokens/s, 0.95 of requests within
+    TokenLake's TTFT SLO against 0.86, hit rate 0.708 against 0.709 (at seeds 1-3, 1.06x, 1.01x and
+    1.05x the throughput; before requests ran where they read least of their prompt, the hit
+    rate too: 0.735 against 0.683, 734 against 625 tokens/s, 0.97 against 0.83). (Over the four document
     workloads and seeds 0-3 in overload: 1.61x routing's throughput against 1.46x,
     bench/results/node_contexts_small_cache_displace.json. At routing's highest rate under the SLO,
     8.72 req/s, seed 3, pinning among the first four met it more often once a pass stopped
@@ -409,7 +449,7 @@ def test_in_overload_only_the_head_of_a_queue_pins_its_reads_regardless_of_room(
     monkeypatch.setattr(ahead, "PIN_AHEAD", 4)
     before, four = run()
     assert head >= before, (head, before)
-    assert h["hit_rate"] > four["hit_rate"] and h["throughput"] > 1.1 * four["throughput"], (h, four)
+    assert h["hit_rate"] > four["hit_rate"] - 0.01 and h["throughput"] > 1.03 * four["throughput"], (h, four)
 
 
 def test_a_request_told_nothing_holds_its_prefix_asks_again_when_picked_and_the_pool_balances_and_hits_more(

@@ -194,12 +194,34 @@ def test_pooled_pick_runs_on_the_least_loaded_engine_and_names_where_each_segmen
     tokens = list(range(33))  # 8 full pages before the last token
     k = keys_of(tokens)
     r = router_with({0: k[:8], 1: k[:2]})
-    engines = [FakeEngine(0, load=5), FakeEngine(1, load=1), FakeEngine(2, load=1)]
+    engines = [FakeEngine(0, load=5), FakeEngine(1, load=1), FakeEngine(2, load=2)]
     c = r.pick_pooled(engines, tokens, segment_pages=2)
-    # Engines 1 and 2 are the least loaded; 1 holds more of the prefix. It reads its own first
-    # segment, and the other three where they are: on engine 0 (busier, but the only holder).
+    # Engine 1 is the least loaded. It reads its own first segment, and the other three where they
+    # are: on engine 0 (busier, but the only holder).
     assert c.engine_id == 1 and c.cached_pages == 2
     assert c.runs == [(1, k[:2]), (0, k[2:8])]
+
+
+def test_a_pooled_pick_with_homes_breaks_ties_towards_the_engine_holding_least_of_the_prompt_then_in_turn():
+    """With placement at homes, among the engines of the least work and requests, the one holding
+    the fewest of the prompt's segments runs it (its own reads fall where the prompt's are fewest),
+    not the one holding its leading pages (its first segment's home); ties left go round the
+    engines, not to the lowest id (at a light load engine 0 ran most of what came). Kept where
+    computed (place=False), the engine holding most of the prefix still wins."""
+    tokens = list(range(33))  # 4 segments of 2 pages
+    k = keys_of(tokens)
+    r = router_with({0: k[:2] + k[4:6], 1: k[:2], 3: k[6:8]})
+    engines = [FakeEngine(e, load=1) for e in range(4)]
+    assert r.pick_pooled(engines, tokens, segment_pages=2).engine_id == 2, "holds none of it"
+    assert r.pick_pooled(engines, tokens, segment_pages=2, place=False).engine_id == 0, "holds most of it"
+    engines[2].load = 2
+    # 1 and 3 hold one segment each: they take turns
+    picks = [r.pick_pooled(engines, tokens, segment_pages=2).engine_id for _ in range(4)]
+    assert sorted(picks) == [1, 1, 3, 3], picks
+    fresh = router_with({})
+    picks = [fresh.pick_pooled([FakeEngine(e) for e in range(4)], tokens, segment_pages=2).engine_id
+             for _ in range(8)]
+    assert sorted(picks) == [0, 0, 1, 1, 2, 2, 3, 3], picks
 
 
 def test_pooled_pick_sends_no_runs_when_the_engine_holds_all_of_the_prefix_itself():
@@ -276,7 +298,7 @@ def test_a_hot_segment_read_elsewhere_is_copied_in_once_a_cold_one_is_read_where
     assert r.pick_pooled(engines, tokens, segment_pages=4).copies == [], "once: the copy is under way"
     assert r.reads(engines, tokens, 4, target=1) == ([(0, k[:8])], []), "once: named again at the front neither"
     r.index.update(1, k[:8], [])  # the copy is there: read at home, nothing to copy
-    c = r.pick_pooled([FakeEngine(0, load=6), FakeEngine(1, load=6)], tokens, segment_pages=4)
+    c = r.pick_pooled([FakeEngine(0, load=5), FakeEngine(1, load=6)], tokens, segment_pages=4)
     assert c.engine_id == 0 and c.runs == [] and c.copies == []
     r.index.update(1, [], k[:8])  # evicted there later: copied again, after the first copy's while
     now[0] += 10
@@ -373,12 +395,20 @@ def test_the_router_deals_new_segments_round_every_engine_that_has_served_while_
         [h for h in segment_homes(k[1::2], range(4), [0, 1, 3]) if h != 0]
 
 
-def test_pooled_pick_places_nothing_held_anywhere():
+def test_pooled_pick_places_what_it_reads_at_its_home_there_and_nothing_held_elsewhere():
+    """A segment read at its home is named there too: where the request's pin of it comes up
+    short (the home evicted it after the index named it: the index hears of a step's evictions at
+    its end), the request computes it and writes it back into its home instead of keeping a copy
+    every later reader reads where it ran. One held by an engine that is not its home stays there."""
+    from tokenflowd.pool.homes import segment_homes
+
     tokens = list(range(33))
     k = keys_of(tokens)
     r = router_with({0: k[:8]})
     c = r.pick_pooled([FakeEngine(0, load=6), FakeEngine(1, load=1)], tokens, segment_pages=4)
-    assert (c.engine_id, c.runs, c.places) == (1, [(0, k[:8])], [])
+    home = segment_homes([k[3], k[7]], [0, 1])
+    assert (c.engine_id, c.runs) == (1, [(0, k[:8])])
+    assert c.places == [(0, k[s : s + 4]) for s, h in zip((0, 4), home) if h == 0], (home, c.places)
     assert r.pick_pooled([FakeEngine(0)], tokens, segment_pages=4).places == []
     # a trailing part of a segment (pages 4-6 of a 4-page segment) is no segment: kept where computed
     from tokenflowd.pool.homes import segment_homes
@@ -574,7 +604,8 @@ def test_pooled_pick_weighs_prompt_tokens_before_the_request_count():
 def test_pooled_pick_keeps_a_request_where_its_prefix_is_while_that_engine_is_not_much_busier():
     """Where segments stay where they are computed (place=False), the engine holding the prefix
     reads it for nothing: it gets the request while its work is within AFFINITY_SLACK prompts of
-    the least loaded engine's. With placement at homes, the least work wins."""
+    the least loaded engine's. With placement at homes, the least work wins (among equals, the one
+    holding less of the prompt)."""
     from tokenflowd.daemon.router import AFFINITY_SLACK
 
     tokens = list(range(33))  # a 33-token prompt, its 8 leading pages held by engine 1
@@ -584,7 +615,7 @@ def test_pooled_pick_keeps_a_request_where_its_prefix_is_while_that_engine_is_no
     engines = [WorkEngine(0, load=1, work=1000), WorkEngine(1, load=9, work=near), WorkEngine(2, load=1, work=1000)]
     c = r.pick_pooled(engines, tokens, segment_pages=4, place=False)
     assert (c.engine_id, c.runs) == (1, [])
-    assert r.pick_pooled(engines, tokens, segment_pages=4).engine_id == 2
+    assert r.pick_pooled(engines, tokens, segment_pages=4).engine_id == 0, "the least work, holding less of it"
     engines[1].work = near + 1  # too busy now: the least loaded of the others, holding more, reads it there
     c = r.pick_pooled(engines, tokens, segment_pages=4, place=False)
     assert (c.engine_id, c.runs) == (2, [(2, k[:4]), (1, k[4:8])])
