@@ -279,6 +279,30 @@ def test_pooled_pick_takes_the_less_loaded_of_two_replicas():
     assert picks - {2} <= {0}
 
 
+def test_a_segment_several_hold_is_read_at_one_the_request_asks_anyway_the_less_loaded_of_those():
+    """A request asks each engine it reads from (a round trip per layer, its rows shipped): a
+    segment several engines hold is read at one of those it asks anyway (the only holders of its
+    other segments, and those picked before), the less loaded of two of them; else at the less
+    loaded of two of all its holders. A hot document's replicated segments were read where the
+    first of them was, all from one engine, though the request asked every engine anyway."""
+    tokens = list(range(65))  # 16 pages before the last token: 4 segments of 4
+    k = keys_of(tokens)
+    engines = [FakeEngine(0), FakeEngine(1, load=1), FakeEngine(2, load=5), FakeEngine(3, load=5)]
+    for read in ("pick", "reads"):
+        def runs_of(r):
+            return r.pick_pooled(engines, tokens, 4, target=0).runs if read == "pick" else \
+                r.reads(engines, tokens, 4, target=0)[0]
+
+        # segments 0-1 on engines 1 and 2, 2 on engine 2 alone, 3 on engine 3 alone: engine 1, though
+        # less loaded, would be one holder more to ask
+        r = router_with({1: k[:8], 2: k[:12], 3: k[12:16]})
+        assert runs_of(r) == [(2, k[:12]), (3, k[12:16])], read
+        # segment 0 on engine 2 alone, 1 on engines 1 and 2, 2 on engine 1 alone: both are asked
+        # anyway, and segment 1 is read at the less loaded, not where segment 0 is
+        r = router_with({2: k[:8], 1: k[4:12]})
+        assert runs_of(r) == [(2, k[:4]), (1, k[4:12])], read
+
+
 def test_a_hot_segment_read_elsewhere_is_copied_in_once_a_cold_one_is_read_where_it_is():
     """TokenLake's heavy hitters (§4.3): a segment read this often is named for copying into the
     engine that reads it elsewhere (AddRequest.copy), once while the copy is made; the request reads
