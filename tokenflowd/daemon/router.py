@@ -32,8 +32,9 @@ segments (the request's own reads, its tail and outputs, fall where its prefix's
 round the engines in turn (`_least`). Then it names, for the prompt's
 longest prefix held anywhere, which
 engine each segment is read from: the chosen engine's own where
-it has it, else the previous segment's holder while it has it, else the less loaded of two random
-holders (power of two choices); a segment no engine holds whole is read in parts where they are
+it has it, else the less loaded of two random holders (power of two choices) among those the
+request asks anyway (the only holders of its other segments, those picked before), else among all
+(`_runs`); a segment no engine holds whole is read in parts where they are
 (a request that read its leading pages on a peer and computed the rest holds the rest only), and
 nothing past a page no engine holds. A hot segment (a heavy hitter, pool/heat.py) that the chosen
 engine reads elsewhere is copied into it, once (`Choice.copies`, AddRequest.copy; PoolMember.copy_in:
