@@ -435,8 +435,6 @@ def test_pooled_pick_places_what_it_reads_at_its_home_there_and_nothing_held_els
     assert c.places == [(0, k[s : s + 4]) for s, h in zip((0, 4), home) if h == 0], (home, c.places)
     assert r.pick_pooled([FakeEngine(0)], tokens, segment_pages=4).places == []
     # a trailing part of a segment (pages 4-6 of a 4-page segment) is no segment: kept where computed
-    from tokenflowd.pool.homes import segment_homes
-
     home = segment_homes(k[3:4], [0, 1])[0]
     c = router_with({}).pick_pooled([FakeEngine(0), FakeEngine(1)], tokens[:28], segment_pages=4)
     assert c.engine_id == 0 and c.places == ([] if home == 0 else [(1, k[:4])])

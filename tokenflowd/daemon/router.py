@@ -91,6 +91,7 @@ import itertools
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Protocol, Sequence
 
@@ -504,14 +505,10 @@ class Router:
         by reads 0.143-0.162).
         """
         turn, n = next(self._turns), len(engines)
-        seg = max(1, segment_pages)
-        ends = keys[seg - 1 :: seg]
-
-        def held(e: EngineLoad) -> int:
-            return sum(e.engine_id in self.index.holders(key) for key in ends)
-
-        return min(enumerate(engines), key=lambda ie: (_work(ie[1], prompt_tokens), ie[1].load, held(ie[1]),
-                                                       (ie[0] - turn) % n))[1].engine_id
+        held = Counter(e for key in keys[max(1, segment_pages) - 1 :: max(1, segment_pages)]
+                       for e in self.index.holders(key))  # engine -> the prompt's segments it holds
+        return min(enumerate(engines), key=lambda ie: (_work(ie[1], prompt_tokens), ie[1].load,
+                                                       held[ie[1].engine_id], (ie[0] - turn) % n))[1].engine_id
 
     def prompt_keys(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
         """The chained keys of the prompt's pages that can be hits (all before its last token)."""

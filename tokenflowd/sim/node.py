@@ -725,6 +725,8 @@ class NodeSimulator:
                 continue
             for home_id, keys in e.places.pop(rid):
                 pages = e.pool.lookup(keys)
+                if not pages:  # one it read where it is (the pick names every segment's home), or let go of
+                    continue
                 home = self.engines[home_id]
                 held = len(taken := _hold(home.pool, keys[: len(pages)]))
                 _release(home.pool, taken)
