@@ -117,7 +117,7 @@ def test_logprobs_through_the_openai_client_match_a_reference_forward(client):
     prefilled whole (not decoded step by step) and the log-softmax of its last logits, in float64.
 
     NOTE: the daemon's values sit within 3e-5 of the reference in most engine processes. In about
-    one in 35 (9 of some 330 started alone or three at a time, an Intel Xeon with AVX-512 and AMX),
+    one in 35 (12 of some 410 started alone or three at a time, an Intel Xeon with AVX-512 and AMX),
     every answer's values move by up to 2.3e-3, the same values in each such process, its weights
     and packed projections unchanged; the cause is open. Rounding the weights to bf16 moves them
     by 8e-3 to 1e-1, so 5e-3 still tells a precision slip, a wrong row or a shifted token from the

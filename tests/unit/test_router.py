@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from tokenflowd.kv.pages import chain_page_keys
 from tokenflowd.daemon.prefix_index import PrefixIndex
 from tokenflowd.daemon.router import Arrival, Router, TrafficCost
+from tokenflowd.pool.homes import rendezvous_home, segment_homes
 
 PS = 4
 
@@ -356,8 +357,6 @@ def test_a_queued_request_that_came_before_its_hot_prefix_was_computed_names_its
 
 
 def test_pooled_pick_places_each_new_segment_at_its_home_dealt_round_the_engines():
-    from tokenflowd.pool.homes import segment_homes
-
     tokens = list(range(33))  # 8 full pages before the last token: 4 segments of 2
     k = keys_of(tokens)
     r = router_with({0: k[:2]})
@@ -385,8 +384,6 @@ def test_a_prompts_segments_are_dealt_evenly_round_the_engines_in_an_order_its_k
     not serving yet) moves only the segments dealt to it, each where its key hashes over the rest."""
     from collections import Counter
 
-    from tokenflowd.pool.homes import rendezvous_home, segment_homes
-
     engines = list(range(8))
     docs = [keys_of([d] * PS + list(range(PS * 8 * 19))) for d in range(40)]  # 19 segments of 8 pages and more
     homes = [segment_homes(k[7::8], engines) for k in docs]
@@ -406,8 +403,6 @@ def test_a_prompts_segments_are_dealt_evenly_round_the_engines_in_an_order_its_k
 def test_the_router_deals_new_segments_round_every_engine_that_has_served_while_one_is_away():
     """Router.places: the engines that have served make the deal; one away (restarting) has its
     segments homed on the others meanwhile, the others' homes unchanged."""
-    from tokenflowd.pool.homes import segment_homes
-
     tokens = list(range(4 * 2 * 8 + 1))  # 8 segments of 2 pages
     k = keys_of(tokens)
     r = router_with({})
@@ -424,8 +419,6 @@ def test_pooled_pick_places_what_it_reads_at_its_home_there_and_nothing_held_els
     short (the home evicted it after the index named it: the index hears of a step's evictions at
     its end), the request computes it and writes it back into its home instead of keeping a copy
     every later reader reads where it ran. One held by an engine that is not its home stays there."""
-    from tokenflowd.pool.homes import segment_homes
-
     tokens = list(range(33))
     k = keys_of(tokens)
     r = router_with({0: k[:8]})
@@ -445,8 +438,6 @@ def test_a_segment_its_home_still_holds_past_a_cut_is_put_back_there_and_one_hel
     Segment 2, still at its home, is put there (only the pages the home lacks cross), so the chain is
     whole at the homes again and no second copy stays where the request ran; segment 3, held by an
     engine that is not its home (a replica), stays where it is computed."""
-    from tokenflowd.pool.homes import segment_homes
-
     tokens = list(range(33))  # 8 pages before the last token: 4 segments of 2
     k = keys_of(tokens)
     engines = [0, 1, 2]
@@ -474,8 +465,6 @@ def test_a_hot_segment_goes_to_no_home_the_engine_that_computes_it_keeps_it():
     a copy there would (Choice.copies): moved to its home, the requests that computed it read it
     there at every step of their decodes, and so does every engine's every request until its copy
     lands. A cold one goes to its home; with --no-pool-copy, a hot one too."""
-    from tokenflowd.pool.homes import segment_homes
-
     tokens = list(range(33))  # 8 full pages before the last token: 4 segments of 2
     k = keys_of(tokens)
     engines = [FakeEngine(e) for e in range(3)]
@@ -587,7 +576,6 @@ def test_the_node_wide_index_agrees_with_per_engine_key_sets_under_random_events
 
 
 def test_the_traffic_dispatch_weighs_is_query_rows_to_other_holders_and_new_segments_to_other_homes():
-    from tokenflowd.pool.homes import segment_homes
     from tokenflowd.daemon.router import Arrival, TrafficCost
 
     cost = TrafficCost(query_row_bytes=100, kv_token_bytes=30)

@@ -504,9 +504,8 @@ class Router:
         quarter of the A100's KV, documents read with a Zipf skew at 2 req/s, seeds 0-3: access CV
         by reads 0.143-0.162).
         """
-        turn, n = next(self._turns), len(engines)
-        held = Counter(e for key in keys[max(1, segment_pages) - 1 :: max(1, segment_pages)]
-                       for e in self.index.holders(key))  # engine -> the prompt's segments it holds
+        turn, n, seg = next(self._turns), len(engines), max(1, segment_pages)
+        held = Counter(e for key in keys[seg - 1 :: seg] for e in self.index.holders(key))  # engine -> segments held
         return min(enumerate(engines), key=lambda ie: (_work(ie[1], prompt_tokens), ie[1].load,
                                                        held[ie[1].engine_id], (ie[0] - turn) % n))[1].engine_id
 
