@@ -7,6 +7,7 @@ import torch
 
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
+from tokenflowd.engine.model.config import ModelConfig
 from tokenflowd.engine.request import Request, SamplingParams
 
 NUM_DECODE = 32
@@ -85,3 +86,27 @@ def test_logits_match_transformers(hf_dirs, arch):
         assert req.output_token_ids == ref.argmax(-1).tolist()
     core.wait_copies()
     assert core.pool.num_used == 0
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "llama3-8b"])
+def test_rope_tables_are_the_angles_cos_and_sin_rounded_once(preset):
+    """The model's RoPE tables hold, for each position and frequency, the fp32 angle's cos and sin
+    correctly rounded to fp32, checked here against Python's math on every 7th entry: no vector
+    library's accuracy mode reaches them (llama.rope_tables' NOTE). torch's own CPU cos differs
+    from that in about 5% of the entries, so a table built by torch fails here."""
+    import math
+
+    import numpy as np
+
+    from tokenflowd.engine.model.dummy import DUMMY_PRESETS
+    from tokenflowd.engine.model.llama import LlamaModel, rope_inv_freq
+
+    cfg = DUMMY_PRESETS.get(preset) or ModelConfig(
+        vocab_size=32, hidden_size=576, intermediate_size=64, num_layers=1, num_heads=9, num_kv_heads=3,
+        head_dim=64, max_position_embeddings=8192, rope_theta=100000.0)  # SmolLM2-135M's attention
+    model = LlamaModel(cfg, 8192, torch.float32, torch.device("cpu"))
+    angles = torch.outer(torch.arange(8192, dtype=torch.float32), rope_inv_freq(cfg)).flatten().tolist()
+    cos, sin = model.rope_cos.flatten().tolist(), model.rope_sin.flatten().tolist()
+    wrong = [i for i in range(0, len(angles), 7)
+             if (cos[i], sin[i]) != (float(np.float32(math.cos(angles[i]))), float(np.float32(math.sin(angles[i]))))]
+    assert not wrong, f"{len(wrong)} entries off, the first at {wrong[0]}"
