@@ -7,7 +7,6 @@ import torch
 
 from tokenflowd.config import EngineConfig
 from tokenflowd.engine.core import EngineCore
-from tokenflowd.engine.model.config import ModelConfig
 from tokenflowd.engine.request import Request, SamplingParams
 
 NUM_DECODE = 32
@@ -101,9 +100,7 @@ def test_rope_tables_are_the_angles_cos_and_sin_rounded_once(preset):
     from tokenflowd.engine.model.dummy import DUMMY_PRESETS
     from tokenflowd.engine.model.llama import LlamaModel, rope_inv_freq
 
-    cfg = DUMMY_PRESETS.get(preset) or ModelConfig(
-        vocab_size=32, hidden_size=576, intermediate_size=64, num_layers=1, num_heads=9, num_kv_heads=3,
-        head_dim=64, max_position_embeddings=8192, rope_theta=100000.0)  # SmolLM2-135M's attention
+    cfg = DUMMY_PRESETS[preset]  # the embedded model's shapes; Llama 3's, with its frequency scaling
     model = LlamaModel(cfg, 8192, torch.float32, torch.device("cpu"))
     angles = torch.outer(torch.arange(8192, dtype=torch.float32), rope_inv_freq(cfg)).flatten().tolist()
     cos, sin = model.rope_cos.flatten().tolist(), model.rope_sin.flatten().tolist()
