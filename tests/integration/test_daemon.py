@@ -108,9 +108,6 @@ def test_penalties_through_the_openai_client(client):
     assert answer(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0) == plain
 
 
-LOGPROB_TOLERANCE = 1e-3  # against a reference forward in this process (the test's NOTE)
-
-
 def test_logprobs_through_the_openai_client_match_a_reference_forward(client):
     """Chat logprobs with top_logprobs=5, streamed and not: each token is its position's argmax (greedy),
     and its logprobs are those of a reference, computed here in this process: each prefix of the reply
@@ -161,9 +158,9 @@ def test_logprobs_through_the_openai_client_match_a_reference_forward(client):
         ref = seen[f"p{k}"]
         top = ref.topk(5)
         assert bytes(entry.bytes) == tok.token_bytes(int(top.indices[0])), f"token {k} is not the argmax"
-        assert abs(entry.logprob - float(top.values[0])) < LOGPROB_TOLERANCE, k
+        assert abs(entry.logprob - float(top.values[0])) < 1e-3, k
         assert [bytes(t.bytes) for t in entry.top_logprobs] == [tok.token_bytes(int(i)) for i in top.indices]
-        assert max(abs(t.logprob - float(v)) for t, v in zip(entry.top_logprobs, top.values)) < LOGPROB_TOLERANCE, k
+        assert max(abs(t.logprob - float(v)) for t, v in zip(entry.top_logprobs, top.values)) < 1e-3, k
         ids.append(int(top.indices[0]))
 
 

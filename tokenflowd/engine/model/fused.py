@@ -69,15 +69,14 @@ class FlashInferOps(TorchOps):
     name = "flashinfer"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, cos: torch.Tensor,
-                 sin: torch.Tensor, inv_freq: torch.Tensor) -> None:
+                 sin: torch.Tensor, cos_sin_fp32: torch.Tensor) -> None:
+        """`cos_sin_fp32`: [max_len, head_dim], the fp32 tables (llama.rope_tables) side by side."""
         super().__init__(num_heads, num_kv_heads, head_dim, eps, cos, sin)
         import flashinfer
 
         self._fi = flashinfer
         # [max_len, head_dim]: cos then sin, fp32, as flashinfer's cache layout asks
-        t = torch.arange(cos.shape[0], dtype=torch.float32, device=cos.device)
-        freqs = torch.outer(t, inv_freq.to(device=cos.device, dtype=torch.float32))
-        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
+        self.cos_sin_cache = cos_sin_fp32.to(device=cos.device, dtype=torch.float32).contiguous()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._fi.norm.rmsnorm(x, weight, self.eps)

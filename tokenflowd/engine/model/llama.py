@@ -44,7 +44,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return scaled.float()
 
 
-def rope_tables(cfg: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [max_positions, head_dim/2] fp32 of each position's angles: the angle taken in
     fp32, as the reference models take it, its cos and sin in float64 (numpy), rounded once.
 
@@ -53,7 +53,7 @@ def rope_tables(cfg: ModelConfig, max_positions: int) -> tuple[torch.Tensor, tor
     (VML_EP, up to 1.5e-4 off) though torch asks for high accuracy: in about one engine start in 35
     on an Intel Xeon with AVX-512 and AMX, and never in the calls after. Built once, such a table
     kept every logprob of that engine up to 2.3e-3 off for its whole life."""
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
     angles = angles.numpy().astype(np.float64)
     return torch.from_numpy(np.cos(angles).astype(np.float32)), torch.from_numpy(np.sin(angles).astype(np.float32))
 
@@ -76,7 +76,7 @@ class LlamaModel(torch.nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        cos, sin = rope_tables(cfg, max_positions)
+        cos, sin = rope_tables(rope_inv_freq(cfg), max_positions)
         # cos/sin: [max_positions, head_dim/2] in the model dtype, indexed by position each step
         self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
@@ -94,7 +94,8 @@ class LlamaModel(torch.nn.Module):
         if self._fused_ops is None:
             cfg = self.cfg
             self._fused_ops = FlashInferOps(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                                            self.rope_cos, self.rope_sin, rope_inv_freq(cfg))
+                                            self.rope_cos, self.rope_sin,
+                                            torch.cat(rope_tables(rope_inv_freq(cfg), self.rope_cos.shape[0]), dim=-1))
         return self._fused_ops
 
     def load_weights(self, w: dict[str, torch.Tensor | Int4Codes]) -> None:
